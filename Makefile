@@ -1,0 +1,33 @@
+# Two commands for a fresh machine: `make train` and `make test` (each sets up .venv if needed).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup train test test-slow bench clean
+
+setup: $(STAMP)
+
+# Reinstall when the dependency list changes. The `tpu` extra (jax 0.7.0, libtpu 0.0.21) is
+# installed everywhere: the Pallas kernels are tested in interpret mode and the TPU compiler runs
+# on CPU.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev,tpu]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m xtrain $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m tests.bench $(ARGS)
+
+clean:
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,68 @@
+"""CPU engine end to end: loss falls, metrics and checkpoints land in the run dir, resume works."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import TINY, read_jsonl
+from xtrain.checkpoint import committed_checkpoints
+from xtrain.cli import run
+
+
+def _train(compose_config, tmp_path, *extra):
+    cfg = compose_config(TINY + list(extra), output_dir=str(tmp_path))
+    return cfg, run(cfg, str(tmp_path))
+
+
+def test_cpu_smoke_loss_falls_and_run_dir_is_complete(compose_config, tmp_path):
+    cfg, summary = _train(compose_config, tmp_path, "trainer.max_steps=30")
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 5, 10, 15, 20, 25, 30]
+    for r in records:
+        assert {"step", "loss", "lr", "tokens", "tok_per_s"} <= set(r)
+        assert r["tokens"] == r["step"] * 4 * 64
+    assert records[-1]["loss"] < records[0]["loss"] - 1.5, records
+    val = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "val_bpb" in r]
+    assert val and 0 < val[-1]["val_bpb"] < 10
+    assert summary["step"] == 30
+    steps = [s for s, _ in committed_checkpoints(str(tmp_path / "checkpoints"))]
+    assert steps == [30]
+    meta = json.loads((tmp_path / "checkpoints" / "step_000030" / "meta.json").read_text())
+    assert meta["config"]["model"]["depth"] == 2 and meta["torch"]
+
+
+def test_rerun_resumes_and_grad_accumulation_is_derived(compose_config, tmp_path):
+    extra = ["trainer.total_batch_size=512", "optim.warmdown_ratio=0"]  # 512 / (4 x 64) = 2 micro
+    _train(compose_config, tmp_path, "trainer.max_steps=10", *extra)
+    cfg, summary = _train(compose_config, tmp_path, "trainer.max_steps=15", *extra)
+    assert summary["step"] == 15
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    steps = [r["step"] for r in records]
+    assert steps == [1, 5, 10, 15]  # the second run started at step 10, not 0
+    assert records[-1]["tokens"] == 15 * 512
+
+
+def test_batch_that_does_not_divide_is_refused_with_arithmetic(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "xtrain", "trainer.total_batch_size=3000",
+                        f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "trainer.total_batch_size=3,000 is not a multiple of device_batch 8 x seq 256" in r.stderr
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_multirun_gives_one_dir_per_job(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "xtrain", "-m", "model=d2", "optim.matrix_lr=0.01,0.02",
+         "trainer.max_steps=2", "model.sequence_len=32", "trainer.device_batch_size=2",
+         "trainer.sample_tokens=0", "trainer.eval_batches=1", f"hydra.sweep.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "offline"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert len(jobs) == 2 and all(j.startswith("d2-cpu-cpp_local-") for j in jobs)
+    assert "optim.matrix_lr_0.01" in jobs[0] and "optim.matrix_lr_0.02" in jobs[1]
+    for job in jobs:
+        assert (tmp_path / job / "metrics.jsonl").exists()
+        assert (tmp_path / job / ".hydra" / "config.yaml").exists()

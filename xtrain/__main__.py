@@ -1,0 +1,3 @@
+from xtrain.cli import main
+
+main()

@@ -1,0 +1,62 @@
+"""``python -m xtrain``: the Hydra app. Composes the config groups, resolves and checks every
+derived number (printing the plan) before anything expensive starts, then runs the chosen mode.
+
+Heavy libraries (torch, lightning, torch_xla) are imported only once a mode needs them, so
+``--help``, ``--cfg job``, tab completion and ``mode=plan`` stay fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from xtrain.config import ConfigError, register
+
+
+def config_dir() -> str:
+    """Installed wheels carry the configs as xtrain/conf; a source checkout has them at ../conf."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "train.yaml").exists():
+            return str(candidate)
+    raise FileNotFoundError(f"xtrain configs not found next to {here}")
+
+
+register()
+
+
+def run(cfg: DictConfig, run_dir: str) -> dict | None:
+    """Resolve, check, print the plan, then dispatch on ``cfg.mode``."""
+    from xtrain.hardware import data_parallel_devices
+    from xtrain.plan import resolve
+
+    plan = resolve(cfg, data_parallel_devices(cfg.hardware))
+    print(f"run {cfg.run.name} -> {run_dir}\n{plan.describe()}", flush=True)
+    if cfg.mode == "plan":
+        return None
+    if cfg.mode == "train":
+        from xtrain.train.run import train
+
+        return train(cfg, plan, run_dir)
+    raise ConfigError(f"mode={cfg.mode} is not available yet; use train or plan")
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
+def _main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        run(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as e:  # bad input: a one-line reason, not a traceback
+        print(f"xtrain: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    _main()
+
+
+__all__ = ["main", "run", "config_dir", "OmegaConf"]

@@ -1,0 +1,198 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+Each group under ``conf/`` validates against one dataclass here, so a misspelt key or a wrong type
+fails at composition time with the field's full name (``optim.lrr``, ``trainer.max_steps``).
+Fields are documented once, here. Values left as ``None`` are derived in :mod:`xtrain.plan` from
+the rest of the config and printed before a run starts.
+
+This module must stay cheap to import (no torch): ``--help``, ``--cfg job`` and ``mode=plan``
+use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+@dataclass
+class HardwareConfig:
+    """Facts about one machine or TPU slice; the only place such facts live."""
+
+    name: str = MISSING
+    engine: str = "cpu"  # cpu: plain PyTorch (Lightning CPU/DDP-gloo); xla: torch_xla SPMD
+    accelerator_type: str | None = None  # gcloud --accelerator-type, e.g. v6e-4, v4-32
+    runtime_version: str | None = None  # gcloud --version used to create the VM
+    topology: str | None = None  # TPU compiler topology name, e.g. v6e:2x2
+    chips: int = 1  # accelerator chips in the slice (v4 names count TensorCores: v4-32 = 16 chips)
+    hosts: int = 1
+    chips_per_host: int = 1
+    cores_per_chip: int = 1  # TensorCores per chip
+    hbm_gib_per_chip: float = 0.0  # 0 means "host memory, not checked"
+    peak_bf16_tflops_per_chip: float = 0.0  # 0 means unknown: MFU is not reported
+    hourly_usd_spot: float = 0.0
+    hourly_usd_on_demand: float = 0.0
+    precision: str = "float32"  # compute dtype of matmuls: float32 | bfloat16
+    sequence_len: int = 256  # default model.sequence_len when neither data nor model sets it
+    device_tokens: int = 2048  # default tokens per device per micro-batch (batch = this / seq)
+    python: str = "3.11"
+    pins: dict[str, str] = field(default_factory=dict)  # package -> exact version on the VM
+    env: dict[str, str] = field(default_factory=dict)  # set before torch_xla initialises
+
+
+@dataclass
+class ModelConfig:
+    """A nanochat-style GPT; ``depth`` is the one size dial (width = depth * aspect_ratio)."""
+
+    depth: int = MISSING
+    aspect_ratio: int = 64
+    head_dim: int = 128
+    n_kv_head: int | None = None  # None: equal to n_head (no GQA); must divide n_head
+    vocab_size: int | None = None  # None: the data's tokenizer size
+    sequence_len: int | None = None  # None: the data's, else the hardware profile's
+    # Per-layer attention pattern, tiled over layers; the last layer is always full-context.
+    # Letters (nanochat's): S = sliding window of `window_len`, L = full causal context.
+    # The user's notes write G = global / L = local instead: a pattern containing G is read that way.
+    window_pattern: str = "L"
+    window_len: int | None = None  # None: sequence_len // 2
+    attention: str = "auto"  # auto | sdpa | chunked | flash | splash
+    attention_block: int = 512  # block size of the chunked backend
+    softcap: float = 15.0  # logits = softcap * tanh(logits / softcap)
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from. Paths may be local or any fsspec URL (gs://...)."""
+
+    name: str = MISSING
+    train_files: str = MISSING  # directory or glob of parquet shards with a `text` column
+    val_files: str | None = None  # None: no validation
+    tokenizer: str = MISSING  # directory: tokenizer.json (HF) or tokenizer.pkl (tiktoken)
+    vocab_size: int = MISSING  # the tokenizer's size, known without reading it (for planning)
+    sequence_len: int | None = None  # the sequence length this data implies, if any
+    # Build-on-first-use (the embedded default): source trees and a cache dir. Empty: no build.
+    build_sources: list[str] = field(default_factory=list)
+    build_dir: str | None = None
+    chunk_tokens: int = 2048  # token budget per chunk when building
+    tokenizer_threads: int = 2
+    prefetch: int = 4  # batches prepared ahead of the training step
+
+
+@dataclass
+class ParallelismConfig:
+    """Mesh axes over all devices; -1 means "the remaining devices"."""
+
+    name: str = MISSING
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    # Parameter sharding rules: [regex over module path, partition spec over mesh axes].
+    rules: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class OptimConfig:
+    """Muon for transformer matrices, AdamW for embeddings and head (nanochat's recipe)."""
+
+    matrix_lr: float = 0.02  # Muon
+    embedding_lr: float = 0.2  # AdamW, token embedding
+    unembedding_lr: float = 0.004  # AdamW, lm_head
+    scale_adam_lr_by_width: bool = True  # nanochat: AdamW lrs scale as (width / 768) ** -0.5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-10
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    warmup_steps: int = 0
+    warmdown_ratio: float = 0.2  # fraction of max_steps spent decaying linearly
+    final_lr_frac: float = 0.0  # lr multiplier reached at the last step
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int | None = 200  # None: from target_tokens_per_param
+    target_tokens_per_param: float | None = None  # Chinchilla-style budget, e.g. 20
+    device_batch_size: int | None = None  # sequences per device per micro-batch; None: derived
+    total_batch_size: int | None = None  # tokens per optimizer step; None: no accumulation
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 8
+    sample_tokens: int = 64  # length of the text sample printed at the end; 0 disables
+    seed: int = 42
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <run dir>/checkpoints; may be gs://bucket/prefix
+    every: int = 0  # steps between checkpoints; 0: only the final one
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = False  # the key comes from WANDB_API_KEY in the environment, never from config
+    wandb_project: str = "xtrain"
+    wandb_entity: str | None = None
+
+
+@dataclass
+class RunConfig:
+    name: str = MISSING  # default derived from the chosen groups and overrides
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "train"  # train | plan | sample | eval
+    run: RunConfig = field(default_factory=RunConfig)
+    hardware: HardwareConfig = MISSING
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    parallelism: ParallelismConfig = MISSING
+    optim: OptimConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+MODES = ("train", "plan", "sample", "eval")
+
+# Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
+_NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
+                          "mode", "run.", "checkpoint.", "logging.", "hydra.", "data.prefetch",
+                          "data.tokenizer_threads")
+
+
+def run_name() -> str:
+    """``<model>-<hardware>-<data>`` plus the identity-changing overrides, e.g. ``d16-v6e4-cpp16k``.
+
+    Deterministic (no timestamp), so re-running a command lands in the same directory and resumes.
+    Sweep jobs differ in their overrides and therefore get distinct names.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    choices = hc.runtime.choices
+    parts = [choices.get("model"), choices.get("hardware"), choices.get("data")]
+    groups = {"model", "hardware", "data"}
+    extra = []
+    for override in hc.overrides.task:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in groups or key.startswith(_NAME_NEUTRAL_PREFIXES):
+            continue
+        extra.append(override.replace("/", "_").replace("=", "_"))
+    return "-".join(str(p) for p in parts + sorted(extra) if p)
+
+
+def register() -> None:
+    """Register the schemas and resolvers (idempotent)."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    if not OmegaConf.has_resolver("xtrain_run_name"):
+        OmegaConf.register_new_resolver("xtrain_run_name", run_name)
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field and shows the arithmetic."""

@@ -1,0 +1,23 @@
+"""Data: corpus building (corpus.py), tokenizers (tokenizer.py), the streaming loader (loader.py)."""
+
+from __future__ import annotations
+
+from xtrain.data.tokenizer import DataError, Tokenizer, load_tokenizer
+
+
+def prepare(data, log=print) -> Tokenizer:
+    """Build the corpus if the config asks for it (cached), then load and check the tokenizer."""
+    if data.build_sources:
+        from xtrain.data.corpus import BuildSpec, ensure_built
+
+        spec = BuildSpec(sources=list(data.build_sources), out_dir=data.build_dir,
+                         vocab_size=data.vocab_size, chunk_tokens=data.chunk_tokens)
+        ensure_built(spec, log=log)
+    tokenizer = load_tokenizer(data.tokenizer, threads=data.tokenizer_threads)
+    if tokenizer.vocab_size != data.vocab_size:
+        raise DataError(f"tokenizer {data.tokenizer} has {tokenizer.vocab_size} tokens but "
+                        f"data.vocab_size={data.vocab_size}")
+    return tokenizer
+
+
+__all__ = ["DataError", "Tokenizer", "load_tokenizer", "prepare"]

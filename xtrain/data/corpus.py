@@ -1,0 +1,254 @@
+"""Build a C++ corpus: source tree -> tokenizer + parquet shards (``text`` column) + manifest.
+
+Steps: collect C/C++ files (local dir or fsspec URL); train a byte-level BPE on them; split each
+file at top-level boundaries (functions, classes, namespaces, declarations) into chunks that fit
+a token budget, descending into namespace/class bodies that are too big; drop exact duplicate
+chunks; hold out whole files for validation; write shards and ``manifest.json`` last (its
+presence marks a complete build).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+
+import fsspec
+
+from xtrain.data.tokenizer import DataError
+
+CPP_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc", ".ipp", ".inl")
+BUILDER_VERSION = 1
+ROWS_PER_SHARD = 2000
+
+
+def looks_like_cpp(path: str, head: bytes) -> bool:
+    """C/C++ by suffix; extensionless headers (``<vector>``) by their first bytes."""
+    if path.endswith(CPP_SUFFIXES):
+        return True
+    name = path.rsplit("/", 1)[-1]
+    if "." in name or b"\0" in head:
+        return False
+    return any(tok in head for tok in (b"#include", b"#pragma", b"namespace", b"// ", b"/*"))
+
+
+def find_sources(roots: list[str]) -> list[tuple[str, str]]:
+    """(url, fingerprint) of every C/C++ file under ``roots``, sorted; fingerprint = size+mtime."""
+    found = []
+    for root in roots:
+        fs, base = fsspec.core.url_to_fs(os.path.expanduser(root))
+        if not fs.exists(base):
+            continue
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        for path, info in fs.find(base, detail=True).items():
+            if info.get("type") != "file" or info.get("size", 0) == 0:
+                continue
+            with fs.open(path, "rb") as f:
+                head = f.read(2048)
+            if looks_like_cpp(path, head):
+                url = path if protocol == "file" else f"{protocol}://{path}"
+                found.append((url, f"{info.get('size')}:{info.get('mtime', info.get('updated', ''))}"))
+    return sorted(found)
+
+
+# --- chunking -------------------------------------------------------------------------------
+
+
+# Lexemes that matter for finding boundaries; everything else is skipped by the regex engine.
+_LEXEME = re.compile(
+    r"""(?P<pp>^[ \t]*\#(?:[^\n]*\\\n)*[^\n]*(?:\n|$))"""  # preprocessor line (+ continuations)
+    r"""|//[^\n]*|/\*.*?(?:\*/|\Z)"""  # comments
+    r"""|"(?:\\.|[^"\\\n])*"?|'(?:\\.|[^'\\\n])*'?"""  # string and char literals
+    r"""|(?P<brace>[{}])|(?P<semi>;)""",
+    re.M | re.S)
+_TRAILER = re.compile(r"[ \t;]*\n?")
+
+
+def top_level_units(text: str) -> list[str]:
+    """Split at brace depth 0 after a closing ``}`` (plus a trailing ``;``), after ``;``, and after
+    preprocessor lines. Strings, chars and comments are skipped, so braces inside them don't count.
+    The concatenation of the units is exactly ``text``."""
+    units, start, depth = [], 0, 0
+
+    def cut(end: int):
+        nonlocal start
+        if end > start:
+            units.append(text[start:end])
+            start = end
+
+    for m in _LEXEME.finditer(text):
+        if m.group("pp") is not None:
+            if depth == 0:
+                cut(m.end())
+        elif m.group("brace") == "{":
+            depth += 1
+        elif m.group("brace") == "}":
+            depth = max(0, depth - 1)
+            if depth == 0:
+                cut(_TRAILER.match(text, m.end()).end())
+        elif m.group("semi") and depth == 0:
+            cut(m.end() + (1 if text.startswith("\n", m.end()) else 0))
+    cut(len(text))
+    return units
+
+
+def _split_block(unit: str) -> list[str] | None:
+    """``head { body } tail`` -> [head{, *units of body, }tail], or None if not a brace block."""
+    open_at, close_at = unit.find("{"), unit.rfind("}")
+    if open_at == -1 or close_at <= open_at:
+        return None
+    inner = top_level_units(unit[open_at + 1:close_at])
+    if len(inner) <= 1:
+        return None
+    return [unit[:open_at + 1]] + inner + [unit[close_at:]]
+
+
+def chunk_source(text: str, token_starts: list[int], budget: int) -> list[str]:
+    """Greedily pack top-level units into chunks of at most ``budget`` tokens. A unit over budget
+    that is a namespace/class-like block is split into its members; a single function over budget
+    is split at line boundaries (the only place a function body is cut).
+
+    ``token_starts`` are the character offsets at which the file's tokens start (from one
+    tokenization of the whole file), so counting a unit's tokens is two bisections.
+    """
+    chunks: list[str] = []
+    current, current_tokens = [], 0
+
+    def count(a: int, b: int) -> int:
+        return bisect.bisect_left(token_starts, b) - bisect.bisect_left(token_starts, a)
+
+    def flush():
+        nonlocal current, current_tokens
+        if current:
+            chunks.append("".join(current))
+        current, current_tokens = [], 0
+
+    def add(unit: str, offset: int):
+        nonlocal current_tokens
+        n = count(offset, offset + len(unit))
+        if n > budget:
+            parts = _split_block(unit)
+            if parts is None:
+                parts = unit.splitlines(keepends=True)
+                if len(parts) == 1:  # one enormous line: cut by characters
+                    step = max(1, len(unit) * budget // (2 * n))
+                    parts = [unit[i:i + step] for i in range(0, len(unit), step)]
+            for part in parts:
+                add(part, offset)
+                offset += len(part)
+            return
+        if current_tokens + n > budget:
+            flush()
+        current.append(unit)
+        current_tokens += n
+
+    offset = 0
+    for unit in top_level_units(text):
+        add(unit, offset)
+        offset += len(unit)
+    flush()
+    return [c for c in chunks if c.strip()]
+
+
+# --- building --------------------------------------------------------------------------------
+
+
+@dataclass
+class BuildSpec:
+    sources: list[str]
+    out_dir: str
+    vocab_size: int
+    chunk_tokens: int
+    val_fraction: float = 0.05
+    seed: int = 0
+
+    def key(self, fingerprints) -> str:
+        h = hashlib.sha256(json.dumps([BUILDER_VERSION, self.vocab_size, self.chunk_tokens,
+                                       self.val_fraction, self.seed, fingerprints]).encode())
+        return h.hexdigest()
+
+
+def read_manifest(out_dir: str) -> dict | None:
+    fs, root = fsspec.core.url_to_fs(os.path.expanduser(out_dir))
+    path = f"{root}/manifest.json"
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        return json.load(f)
+
+
+def ensure_built(spec: BuildSpec, log=print) -> dict:
+    """Build unless a complete build of the same inputs exists; returns the manifest."""
+    files = find_sources(spec.sources)
+    if not files:
+        raise DataError(f"no C/C++ sources found under {spec.sources}: install g++ (for "
+                        "/usr/include/c++) or set data.build_sources to a directory of C++ code")
+    key = spec.key(files)
+    manifest = read_manifest(spec.out_dir)
+    if manifest and manifest.get("build_key") == key:
+        return manifest
+    log(f"building C++ corpus from {len(files)} files under {spec.sources} -> {spec.out_dir}")
+    return build(spec, [url for url, _ in files], key)
+
+
+def build(spec: BuildSpec, urls: list[str], key: str) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from xtrain.data.tokenizer import save_hf, train_bpe
+
+    texts = {}
+    source_hash = hashlib.sha256()
+    for url in urls:
+        with fsspec.open(url, "rb") as f:
+            raw = f.read()
+        source_hash.update(url.encode() + b"\0" + raw)
+        texts[url] = raw.decode("utf-8", errors="replace")
+
+    tok, token_bytes = train_bpe(list(texts.values()), spec.vocab_size)
+    encodings = tok.encode_batch(list(texts.values()), add_special_tokens=False)
+    token_starts = {url: [start for start, _ in enc.offsets] for url, enc in zip(texts, encodings)}
+
+    # Hold out whole files (no chunk of a validation file is seen in training).
+    rng = random.Random(spec.seed)
+    order = list(urls)
+    rng.shuffle(order)
+    n_val = max(1, int(len(order) * spec.val_fraction)) if len(order) > 1 else 0
+    val_files = set(order[:n_val])
+
+    seen, splits, duplicates = set(), {"train": [], "val": []}, 0
+    for url in urls:
+        for chunk in chunk_source(texts[url], token_starts[url], spec.chunk_tokens):
+            digest = hashlib.sha256(chunk.encode()).digest()
+            if digest in seen:
+                duplicates += 1
+                continue
+            seen.add(digest)
+            splits["val" if url in val_files else "train"].append(chunk)
+    rng.shuffle(splits["train"])
+
+    fs, root = fsspec.core.url_to_fs(os.path.expanduser(spec.out_dir))
+    if fs.exists(root):
+        fs.rm(root, recursive=True)  # a stale or partial build: its manifest is gone or wrong
+    save_hf(tok, token_bytes, f"{spec.out_dir}/tokenizer")
+    counts = {}
+    for split, rows in splits.items():
+        fs.makedirs(f"{root}/{split}", exist_ok=True)
+        for i in range(0, max(1, len(rows)), ROWS_PER_SHARD):
+            table = pa.table({"text": rows[i:i + ROWS_PER_SHARD]})
+            with fs.open(f"{root}/{split}/shard_{i // ROWS_PER_SHARD:05d}.parquet", "wb") as f:
+                pq.write_table(table, f, row_group_size=256)
+        counts[split] = {"chunks": len(rows), "bytes": sum(len(r.encode()) for r in rows)}
+    manifest = {
+        "build_key": key, "builder_version": BUILDER_VERSION, "sources": spec.sources,
+        "files": len(urls), "val_files": n_val, "source_sha256": source_hash.hexdigest(),
+        "vocab_size": tok.get_vocab_size(), "chunk_tokens": spec.chunk_tokens,
+        "duplicates_dropped": duplicates, **counts,
+    }
+    with fs.open(f"{root}/manifest.json", "w") as f:  # written last: marks the build complete
+        json.dump(manifest, f, indent=2)
+    return manifest

@@ -1,0 +1,210 @@
+"""Streaming, resumable loader: parquet shards (any fsspec URL) -> packed ``[rows, T+1]`` batches.
+
+- Work is split into *units* (one parquet row group each). Each epoch shuffles the units with a
+  seed-derived RNG and host ``rank`` takes units ``rank, rank + world, ...``: hosts are disjoint
+  and their union is the epoch.
+- Units are read and tokenized ahead in background threads; a producer thread packs rows and
+  keeps ``prefetch`` batches ready, so the training step does not wait on tokenization.
+- Packing is BOS-aligned best-fit (nanochat's): every row starts with a document's BOS; the row
+  is filled with the largest buffered document that fits the remaining space; when none fits,
+  the shortest one is cropped to fill the row exactly (its tail is dropped). Rows are never
+  padded; ``cropped_tokens`` counts what cropping drops.
+- ``state_dict()`` describes the position after the last batch *handed out* (not the last one
+  prefetched): epoch, unit cursor and references to the buffered documents, which
+  ``load_state_dict`` re-reads. Resuming yields exactly the batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import fsspec
+import numpy as np
+
+from xtrain.data.tokenizer import DataError, Tokenizer
+
+
+def list_shards(files: str) -> list[str]:
+    """Parquet shards of ``files`` (a directory or a glob), as URLs, sorted."""
+    fs, path = fsspec.core.url_to_fs(files)
+    if any(ch in path for ch in "*?["):
+        paths = fs.glob(path)
+    elif fs.isdir(path):
+        paths = [p for p in fs.ls(path, detail=False) if p.endswith(".parquet")]
+    else:
+        raise DataError(f"{files}: no such directory")
+    if not paths:
+        raise DataError(f"{files}: no parquet shards found")
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return sorted(p if protocol == "file" else f"{protocol}://{p}" for p in paths)
+
+
+def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int]]:
+    """(shard, row group) units, reading each footer once; checks each shard up front."""
+    import pyarrow.parquet as pq
+
+    def footer(url):
+        try:
+            with fsspec.open(url, "rb") as f:
+                meta = pq.ParquetFile(f).metadata
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            raise DataError(f"{url}: not a readable parquet file ({e})") from e
+        if "text" not in meta.schema.names:
+            raise DataError(f"{url}: no 'text' column (columns: {meta.schema.names})")
+        return [(url, rg) for rg in range(meta.num_row_groups) if meta.row_group(rg).num_rows]
+
+    with ThreadPoolExecutor(threads) as pool:
+        units = [u for us in pool.map(footer, shards) for u in us]
+    if not units:
+        raise DataError(f"{shards[0]}...: the shards hold no rows")
+    return units
+
+
+def read_unit(unit: tuple[str, int]) -> list[str]:
+    import pyarrow.parquet as pq
+
+    url, rg = unit
+    try:
+        with fsspec.open(url, "rb") as f:
+            return pq.ParquetFile(f).read_row_group(rg, columns=["text"]).column("text").to_pylist()
+    except Exception as e:
+        raise DataError(f"{url}: failed reading row group {rg} ({e})") from e
+
+
+class PackedLoader:
+    def __init__(self, files: str, tokenizer: Tokenizer, seq_len: int, rows: int, *, seed: int = 0,
+                 rank: int = 0, world: int = 1, shuffle: bool = True, loop: bool = True,
+                 prefetch: int = 4, threads: int = 2, buffer_docs: int = 256):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} not in [0, {world})")
+        self.tokenizer, self.row_len, self.rows = tokenizer, seq_len + 1, rows
+        self.seed, self.rank, self.world = seed, rank, world
+        self.shuffle, self.loop, self.prefetch, self.threads = shuffle, loop, prefetch, threads
+        self.buffer_docs = buffer_docs
+        self.units = index_units(list_shards(files), threads=max(threads, 4))
+        if len(self.units) < world:
+            raise DataError(f"{files}: {len(self.units)} row groups cannot be split over {world} hosts")
+        self._state = {"epoch": 0, "cursor": 0, "buffer": []}
+        self.cropped_tokens = 0
+
+    # --- order ------------------------------------------------------------------------------
+    def epoch_units(self, epoch: int) -> list[int]:
+        order = np.arange(len(self.units))
+        if self.shuffle:
+            np.random.default_rng([self.seed, epoch]).shuffle(order)
+        return order[self.rank::self.world].tolist()
+
+    # --- resumable state --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"epoch": self._state["epoch"], "cursor": self._state["cursor"],
+                "buffer": [list(ref) for ref in self._state["buffer"]], "seed": self.seed,
+                "rank": self.rank, "world": self.world}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["seed"], state["rank"], state["world"]) != (self.seed, self.rank, self.world):
+            raise DataError(f"loader state is for seed/rank/world {state['seed']}/{state['rank']}/"
+                            f"{state['world']}, this loader is {self.seed}/{self.rank}/{self.world}")
+        self._state = {"epoch": state["epoch"], "cursor": state["cursor"],
+                       "buffer": [tuple(ref) for ref in state["buffer"]]}
+
+    # --- production -------------------------------------------------------------------------
+    def _tokenize(self, texts: list[str]) -> list[np.ndarray]:
+        bos = self.tokenizer.bos_id
+        return [np.asarray([bos] + ids, dtype=np.int32) for ids in self.tokenizer.encode_batch(texts)]
+
+    def _load_unit(self, epoch: int, pos: int) -> list[np.ndarray]:
+        return self._tokenize(read_unit(self.units[self.epoch_units(epoch)[pos]]))
+
+    def _batches(self, pool):
+        """Generator of (batch, state after it). Runs in the producer thread."""
+        epoch, cursor = self._state["epoch"], self._state["cursor"]
+        buffer: list[tuple[tuple, np.ndarray]] = []
+        # Re-read the documents the saved state had buffered.
+        cache: dict[tuple[int, int], list[np.ndarray]] = {}
+        for e, pos, row in self._state["buffer"]:
+            if (e, pos) not in cache:
+                cache[(e, pos)] = self._load_unit(e, pos)
+            buffer.append(((e, pos, row), cache[(e, pos)][row]))
+        cache.clear()
+        pending: OrderedDict[tuple[int, int], object] = OrderedDict()
+
+        def schedule(e, c):  # keep `threads + 1` units in flight ahead of the cursor
+            while len(pending) < self.threads + 1:
+                units = self.epoch_units(e)
+                if c >= len(units):
+                    if not self.loop:
+                        return
+                    e, c = e + 1, 0
+                    continue
+                if (e, c) not in pending:
+                    pending[(e, c)] = pool.submit(self._load_unit, e, c)
+                c += 1
+
+        exhausted = False
+        while True:
+            batch = np.empty((self.rows, self.row_len), dtype=np.int32)
+            for r in range(self.rows):
+                filled = 0
+                while filled < self.row_len:
+                    while len(buffer) < self.buffer_docs and not exhausted:
+                        if cursor >= len(self.epoch_units(epoch)):
+                            if not self.loop:
+                                exhausted = True
+                                break
+                            epoch, cursor = epoch + 1, 0
+                        schedule(epoch, cursor)
+                        docs = pending.pop((epoch, cursor)).result()
+                        buffer.extend(((epoch, cursor, i), d) for i, d in enumerate(docs))
+                        cursor += 1
+                    if not buffer:
+                        return
+                    space = self.row_len - filled
+                    fits = [i for i, (_, d) in enumerate(buffer) if len(d) <= space]
+                    if fits:
+                        pick = max(fits, key=lambda i: len(buffer[i][1]))
+                    else:
+                        pick = min(range(len(buffer)), key=lambda i: len(buffer[i][1]))
+                        self.cropped_tokens += len(buffer[pick][1]) - space
+                    doc = buffer.pop(pick)[1][:space]
+                    batch[r, filled:filled + len(doc)] = doc
+                    filled += len(doc)
+            state = {"epoch": epoch, "cursor": cursor, "buffer": [ref for ref, _ in buffer]}
+            yield batch, state
+
+    def __iter__(self):
+        """Yields ``[rows, T+1]`` int32 batches; prefetched by a daemon thread."""
+        out: queue.Queue = queue.Queue(maxsize=max(1, self.prefetch))
+        stop = threading.Event()
+
+        def produce():
+            try:
+                with ThreadPoolExecutor(self.threads) as pool:
+                    for item in self._batches(pool):
+                        while not stop.is_set():
+                            try:
+                                out.put(item, timeout=0.1)
+                                break
+                            except queue.Full:
+                                continue
+                        if stop.is_set():
+                            return
+                out.put(None)
+            except BaseException as e:  # hand the error to the consumer, with its path
+                out.put(e)
+
+        thread = threading.Thread(target=produce, daemon=True, name="xtrain-loader")
+        thread.start()
+        try:
+            while True:
+                item = out.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                batch, self._state = item
+                yield batch
+        finally:
+            stop.set()

@@ -1,0 +1,156 @@
+"""A nanochat-style GPT.
+
+Rotary position embeddings, QK-norm, parameter-free RMSNorm, relu^2 MLP, untied embedding and
+head, logit softcap, no biases, optional GQA and per-layer sliding windows. Depth is the one size
+dial: width = depth * aspect_ratio, heads = width / head_dim.
+
+The model knows nothing about sharding or devices: the engines place and shard it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from xtrain.model.attention import attend
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    n_embd: int
+    vocab_size: int
+    sequence_len: int
+    windows: tuple[int | None, ...]  # per layer: None = full context, W = sliding window
+    attention: str = "sdpa"
+    attention_block: int = 512
+    softcap: float = 15.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0):
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos()[None, None], angles.sin()[None, None]  # [1, 1, T, D/2]
+
+
+def apply_rotary(x, cos, sin):
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, window: int | None):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.window = window
+        self.backend, self.block = config.attention, config.attention_block
+        self.partition_spec = None  # set by the XLA engine for the flash kernel's SPMD call
+        d = config.n_embd
+        self.c_q = nn.Linear(d, self.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # QK-norm
+        y = attend(q, k, v, self.window, self.backend, self.block, self.partition_spec)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, window: int | None):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, window)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(norm(x), cos, sin)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, w) for w in config.windows)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        cos, sin = rotary_tables(config.sequence_len, config.head_dim)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """nanochat's scheme: embedding ~ N(0, 1); lm_head ~ N(0, 0.001); attention and MLP input
+        matrices ~ U(-a, a) with a = sqrt(3 / width) (unit-variance outputs); every output
+        projection (attn.c_proj, mlp.c_proj) zero, so each block starts as the identity."""
+        nn.init.normal_(self.wte.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        bound = math.sqrt(3.0 / self.config.n_embd)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(lin.weight, -bound, bound)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+
+    def forward(self, idx, targets=None):
+        T = idx.size(1)
+        cos, sin = self.cos[:, :, :T], self.sin[:, :, :T]
+        x = norm(self.wte(idx))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(norm(x)).float()
+        softcap = self.config.softcap
+        logits = softcap * torch.tanh(logits / softcap)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+    def param_groups(self):
+        """(matrices for Muon, embedding, head) — the split nanochat's optimiser uses."""
+        matrices = [p for p in self.blocks.parameters()]
+        return matrices, [self.wte.weight], [self.lm_head.weight]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, generator=None):
+        """Sample continuations of ``idx`` [B, T0] (no KV cache: for short end-of-run samples)."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.sequence_len:]
+            logits = self(context)[:, -1, :]
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx

@@ -1,0 +1,82 @@
+"""The LightningModule: one training batch is one optimizer step.
+
+A batch is ``(tokens [A, B, T+1], loader_state)``: all ``A`` gradient-accumulation micro-batches of
+the step, fetched outside the step, plus the loader position after them (checkpointed, so resume
+is exact even though Lightning prefetches a batch ahead). Optimisation is manual so the whole step
+(every micro-batch's forward and backward, clipping, the update) sits inside one
+``optimizer.step(closure)`` call, which the XLA engine compiles as one graph.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import lightning as L
+import torch
+
+from xtrain.model.gpt import GPT, GPTConfig
+from xtrain.train.optim import build_optimizer
+
+
+class GPTModule(L.LightningModule):
+    def __init__(self, gpt_config: GPTConfig, optim, max_steps: int, precision: str = "float32",
+                 token_bytes=None):
+        super().__init__()
+        self.automatic_optimization = False
+        self.model = GPT(gpt_config)
+        self.optim_cfg, self.max_steps, self.precision_name = optim, max_steps, precision
+        # bytes each target token stands for (bits-per-byte); a buffer so it moves with the model
+        tb = torch.as_tensor(token_bytes if token_bytes is not None else [], dtype=torch.float32)
+        self.register_buffer("token_bytes", tb, persistent=False)
+        self.last_loss = None  # device tensor; read by the metrics callback at log steps only
+        self._val_sums = None
+
+    def configure_optimizers(self):
+        return build_optimizer(self.model, self.optim_cfg, self.max_steps)
+
+    def _autocast(self):
+        if self.precision_name == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def training_step(self, batch, batch_idx):
+        tokens, _ = batch
+        opt = self.optimizers()
+        accum = tokens.size(0)
+
+        def closure():
+            total = torch.zeros((), device=tokens.device)
+            for micro in tokens.unbind(0):
+                micro = micro.long()
+                with self._autocast():
+                    loss = self.model(micro[:, :-1], micro[:, 1:]) / accum
+                self.manual_backward(loss)
+                total = total + loss.detach()
+            if self.optim_cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+            return total
+
+        loss = opt.step(closure=closure)
+        opt.zero_grad(set_to_none=True)
+        self.last_loss = loss
+
+    # --- validation: loss and bits per byte --------------------------------------------------
+    def on_validation_epoch_start(self):
+        self._val_sums = torch.zeros(3, device=self.device)  # nats, tokens, bytes
+
+    def validation_step(self, batch, batch_idx):
+        tokens = batch.long()
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        with self._autocast():
+            logits = self.model(x)
+        nats = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+        nbytes = self.token_bytes[y.reshape(-1)]
+        counted = nbytes > 0  # special tokens (BOS) stand for no bytes: excluded, as nanochat does
+        self._val_sums += torch.stack([(nats * counted).sum(), counted.sum(), nbytes.sum()])
+
+    def validation_summary(self) -> dict:
+        """Host read of the validation sums; called once per evaluation."""
+        nats, count, nbytes = self._val_sums.tolist()
+        return {"val_loss": nats / max(count, 1), "val_bpb": nats / (math.log(2) * max(nbytes, 1))}

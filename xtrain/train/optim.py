@@ -1,0 +1,156 @@
+"""Muon + AdamW in one optimizer, and the learning-rate schedule as a tensor function.
+
+Why one hand-written optimizer rather than ``torch.optim.Muon`` + ``torch.optim.AdamW``: the XLA
+engine compiles the *whole* optimizer step (all micro-batches, clipping, both updates) as one
+graph, which needs a single ``optimizer.step(closure)``; and every scheduled scalar (the LR
+multiplier, Adam's bias corrections) must be a device tensor computed from a device-side step
+counter, so the graph is identical at every step and nothing is read back to the host. Each
+update is a few lines (nanochat's), so owning them is cheaper than adapting two optimizers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def lr_multiplier(step, max_steps: int, warmup_steps: int, warmdown_ratio: float, final_lr_frac: float):
+    """Warmup -> constant -> linear warmdown to ``final_lr_frac``, for 0-based ``step``.
+
+    Works on tensors (device-side, graph-stable) and on Python numbers (logging, tests).
+    """
+    step = torch.as_tensor(step, dtype=torch.float32)
+    warmdown = max(1, round(warmdown_ratio * max_steps)) if warmdown_ratio > 0 else 0
+    up = torch.clamp((step + 1) / warmup_steps, max=1.0) if warmup_steps > 0 else torch.ones_like(step)
+    if warmdown:
+        frac = torch.clamp((max_steps - step) / warmdown, min=0.0, max=1.0)
+        down = frac + (1 - frac) * final_lr_frac
+    else:
+        down = torch.ones_like(step)
+    return torch.minimum(up, down)
+
+
+@torch.no_grad()
+def orthogonalize(G: torch.Tensor, steps: int) -> torch.Tensor:
+    """Newton-Schulz iteration towards the nearest semi-orthogonal matrix (Keller Jordan's Muon,
+    quintic coefficients (3.4445, -4.7750, 2.0315))."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.bfloat16() if G.device.type != "cpu" else G.float()
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Param groups carry ``kind``: "muon" (2-D matrices) or "adamw". ``lr`` is each group's peak
+    rate; the schedule multiplies it by :func:`lr_multiplier` of the device-side step counter."""
+
+    def __init__(self, groups, schedule: dict, betas=(0.8, 0.95), eps=1e-10, momentum=0.95,
+                 ns_steps=5, weight_decay=0.0):
+        defaults = dict(betas=betas, eps=eps, momentum=momentum, ns_steps=ns_steps,
+                        weight_decay=weight_decay)
+        super().__init__(groups, defaults)
+        self.schedule = dict(schedule)
+        for group in self.param_groups:
+            if group["kind"] not in ("muon", "adamw"):
+                raise ValueError(f"unknown param group kind {group['kind']!r}")
+
+    def _step_counter(self, device):
+        if getattr(self, "_t", None) is None:
+            self._t = torch.zeros((), dtype=torch.float32, device=device)
+        return self._t
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["step_counter"] = getattr(self, "_t", None)
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        counter = state_dict.pop("step_counter", None)
+        super().load_state_dict(state_dict)
+        device = self.param_groups[0]["params"][0].device
+        self._t = None if counter is None else counter.detach().clone().to(device)
+
+    def current_lr_multiplier(self) -> float:
+        """The multiplier the *last* step used (host read: call only when logging)."""
+        t = getattr(self, "_t", None)
+        return float(lr_multiplier(0 if t is None else t.cpu() - 1, **self.schedule))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        device = self.param_groups[0]["params"][0].device
+        t = self._step_counter(device)
+        mult = lr_multiplier(t, **self.schedule).to(device)
+        t.add_(1)
+        for group in self.param_groups:
+            lr = group["lr"] * mult
+            if group["kind"] == "muon":
+                self._muon(group, lr)
+            else:
+                self._adamw(group, lr, t)
+        return loss
+
+    def _muon(self, group, lr):
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - group["momentum"])
+            g = p.grad.lerp(buf, group["momentum"])  # Nesterov
+            update = orthogonalize(g, group["ns_steps"])
+            # Orthogonal updates have unit spectral norm; scale so tall matrices (rows > cols)
+            # get the same per-element RMS as square ones.
+            scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+            if group["weight_decay"]:
+                p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update * (-lr * scale))
+
+    def _adamw(self, group, lr, t):
+        beta1, beta2 = group["betas"]
+        bias1 = 1 - beta1 ** t
+        bias2 = 1 - beta2 ** t
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.lerp_(p.grad, 1 - beta1)
+            v.lerp_(p.grad.square(), 1 - beta2)
+            if group["weight_decay"]:
+                p.mul_(1 - lr * group["weight_decay"])
+            denom = (v / bias2).sqrt() + group["eps"]
+            p.add_((m / bias1) / denom * (-lr))
+
+
+def build_optimizer(model, optim, max_steps: int) -> MuonAdamW:
+    """Groups and learning rates from the ``optim`` config group (see OptimConfig)."""
+    matrices, embedding, head = model.param_groups()
+    width = model.config.n_embd
+    adam_scale = (width / 768) ** -0.5 if optim.scale_adam_lr_by_width else 1.0
+    groups = [
+        dict(params=matrices, lr=optim.matrix_lr, kind="muon"),
+        dict(params=embedding, lr=optim.embedding_lr * adam_scale, kind="adamw", weight_decay=0.0),
+        dict(params=head, lr=optim.unembedding_lr * adam_scale, kind="adamw", weight_decay=0.0),
+    ]
+    schedule = dict(max_steps=max_steps, warmup_steps=optim.warmup_steps,
+                    warmdown_ratio=optim.warmdown_ratio, final_lr_frac=optim.final_lr_frac)
+    return MuonAdamW(groups, schedule, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
+                     momentum=optim.muon_momentum, ns_steps=optim.muon_ns_steps,
+                     weight_decay=optim.weight_decay)

@@ -1,0 +1,109 @@
+"""Assemble a run from its resolved config groups and train it with Lightning's Trainer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+
+from omegaconf import OmegaConf
+
+from xtrain.plan import RunPlan, gpt_config
+
+
+def versions() -> dict:
+    import lightning
+    import torch
+
+    return {"python": platform.python_version(), "torch": str(torch.__version__),
+            "lightning": str(lightning.__version__)}
+
+
+def make_loaders(cfg, tokenizer, rows: int, accum: int, rank: int = 0, world: int = 1):
+    from xtrain.data.batches import EvalBatches, StepBatches
+    from xtrain.data.loader import PackedLoader
+
+    data, seq = cfg.data, cfg.model.sequence_len
+    train = PackedLoader(data.train_files, tokenizer, seq, rows, seed=cfg.trainer.seed, rank=rank,
+                         world=world, prefetch=data.prefetch, threads=data.tokenizer_threads)
+    val = None
+    if data.val_files:
+        val_loader = PackedLoader(data.val_files, tokenizer, seq, rows, shuffle=False, loop=True,
+                                  rank=rank, world=world, prefetch=2, threads=data.tokenizer_threads)
+        val = EvalBatches(val_loader, cfg.trainer.eval_batches)
+    return train, StepBatches(train, accum), val
+
+
+def train(cfg, plan: RunPlan, run_dir: str) -> dict:
+    """Train; returns a summary (final step, last logged loss, checkpoint path)."""
+    import lightning as L
+    import torch
+
+    from xtrain.checkpoint import FsspecCheckpointIO, PeriodicCheckpoint, latest_checkpoint
+    from xtrain.data import prepare
+    from xtrain.data.batches import LoaderState
+    from xtrain.observe.metrics import MetricsLogger
+    from xtrain.train.module import GPTModule
+
+    # Lightning's INFO banners (accelerator probes, tips) would also flow through Hydra's log
+    # handler twice; xtrain prints its own plan and progress.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    trainer_cfg = cfg.trainer
+    tokenizer = prepare(cfg.data)
+    L.seed_everything(trainer_cfg.seed, verbose=False)
+    train_loader, step_batches, val_batches = make_loaders(
+        cfg, tokenizer, rows=trainer_cfg.device_batch_size, accum=plan.batch.grad_accum_steps)
+    module = GPTModule(gpt_config(cfg.model, plan.attention), cfg.optim, plan.max_steps,
+                       precision=cfg.hardware.precision, token_bytes=tokenizer.token_bytes)
+
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    wandb_run = _start_wandb(cfg, run_dir) if cfg.logging.wandb else None
+    callbacks = [
+        MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), trainer_cfg.log_every,
+                      plan.batch.total_batch_size, plan.flops_per_token,
+                      cfg.hardware.peak_bf16_tflops_per_chip * 1e12, plan.devices, wandb_run),
+        LoaderState(train_loader),
+        PeriodicCheckpoint(ckpt_dir, cfg.checkpoint.every,
+                           meta={"config": OmegaConf.to_container(cfg, resolve=True), **versions()}),
+    ]
+    eval_every = trainer_cfg.eval_every or plan.max_steps
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=plan.max_steps, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=callbacks, plugins=[FsspecCheckpointIO()],
+        val_check_interval=eval_every if val_batches is not None else None,
+        check_val_every_n_epoch=None, limit_val_batches=trainer_cfg.eval_batches,
+    )
+    resume_from = latest_checkpoint(ckpt_dir)
+    if resume_from:
+        print(f"resuming from {resume_from}")
+    loader = torch.utils.data.DataLoader(step_batches, batch_size=None)
+    val_loader = torch.utils.data.DataLoader(val_batches, batch_size=None) if val_batches else None
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=resume_from)
+    if wandb_run is not None:
+        wandb_run.finish()
+    if trainer_cfg.sample_tokens > 0:
+        print("sample:\n" + sample_text(module.model, tokenizer, trainer_cfg.sample_tokens, trainer_cfg.seed))
+    return {"step": trainer.global_step, "checkpoint": latest_checkpoint(ckpt_dir)}
+
+
+def sample_text(model, tokenizer, n_tokens: int, seed: int, prompt: str = "#include <") -> str:
+    import torch
+
+    model.eval()
+    device = next(model.parameters()).device
+    idx = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(prompt)], device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, n_tokens, temperature=0.8, generator=gen)
+    return tokenizer.decode(out[0, 1:].tolist())
+
+
+def _start_wandb(cfg, run_dir: str):
+    """W&B reads its key from WANDB_API_KEY; the config never holds it, so no secret is logged."""
+    import wandb
+
+    safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.run.name)[:128]
+    return wandb.init(project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity,
+                      name=cfg.run.name, id=safe_id, resume="allow", dir=run_dir,
+                      config=json.loads(json.dumps(OmegaConf.to_container(cfg, resolve=True))))
