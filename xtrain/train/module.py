@@ -19,6 +19,13 @@ from xtrain.model.gpt import GPT, GPTConfig
 from xtrain.train.optim import build_optimizer
 
 
+def split_inputs_targets(tokens):
+    """[B, T+1] -> inputs [B, T], targets [B, T]. PAD (-1, see the loader) is an ignored target;
+    as an input it is clamped to a real id (its output is never scored)."""
+    tokens = tokens.long()
+    return tokens[:, :-1].clamp(min=0), tokens[:, 1:]
+
+
 class GPTModule(L.LightningModule):
     def __init__(self, gpt_config: GPTConfig, optim, max_steps: int, precision: str = "float32",
                  token_bytes=None):
@@ -48,9 +55,9 @@ class GPTModule(L.LightningModule):
         def closure():
             total = torch.zeros((), device=tokens.device)
             for micro in tokens.unbind(0):
-                micro = micro.long()
+                x, y = split_inputs_targets(micro)
                 with self._autocast():
-                    loss = self.model(micro[:, :-1], micro[:, 1:]) / accum
+                    loss = self.model(x, y) / accum
                 self.manual_backward(loss)
                 total = total + loss.detach()
             if self.optim_cfg.grad_clip > 0:
@@ -66,14 +73,14 @@ class GPTModule(L.LightningModule):
         self._val_sums = torch.zeros(3, device=self.device)  # nats, tokens, bytes
 
     def validation_step(self, batch, batch_idx):
-        tokens = batch.long()
-        x, y = tokens[:, :-1], tokens[:, 1:]
+        x, y = split_inputs_targets(batch)
         with self._autocast():
             logits = self.model(x)
         nats = torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-        nbytes = self.token_bytes[y.reshape(-1)]
-        counted = nbytes > 0  # special tokens (BOS) stand for no bytes: excluded, as nanochat does
+            logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none", ignore_index=-1)
+        y = y.reshape(-1)
+        nbytes = torch.where(y >= 0, self.token_bytes[y.clamp(min=0)], 0.0)
+        counted = nbytes > 0  # BOS and PAD stand for no bytes: excluded, as nanochat does
         self._val_sums += torch.stack([(nats * counted).sum(), counted.sum(), nbytes.sum()])
 
     def validation_summary(self) -> dict:

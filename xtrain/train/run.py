@@ -43,6 +43,7 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     from xtrain.checkpoint import FsspecCheckpointIO, PeriodicCheckpoint, latest_checkpoint
     from xtrain.data import prepare
     from xtrain.data.batches import LoaderState
+    from xtrain.hardware import quiet_lightning_tpu_probe
     from xtrain.observe.metrics import MetricsLogger
     from xtrain.train.module import GPTModule
 
@@ -68,6 +69,7 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
                            meta={"config": OmegaConf.to_container(cfg, resolve=True), **versions()}),
     ]
     eval_every = trainer_cfg.eval_every or plan.max_steps
+    quiet_lightning_tpu_probe()
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=plan.max_steps, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,

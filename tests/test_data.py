@@ -1,0 +1,266 @@
+"""Data: chunker, tokenizer, packing, host sharding, exact resume, gs:// via a local GCS server."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from xtrain.data import DataError, prepare
+from xtrain.data.corpus import chunk_source, top_level_units
+from xtrain.data.loader import PAD, PackedLoader
+from xtrain.data.tokenizer import BOS, load_tokenizer, save_hf, train_bpe
+
+CPP = """#include <vector>
+#define TWICE(x) \\
+    ((x) * 2)
+// a comment with a brace {
+namespace outer {
+int add(int a, int b) {
+  if (a > b) { return a + b; }
+  const char* s = "}";  // a brace in a string
+  return a + b + '{';
+}
+struct Point { int x; int y; };
+template <typename T>
+T max3(T a, T b, T c) {
+  T m = a;
+  if (b > m) { m = b; }
+  if (c > m) { m = c; }
+  return m;
+}
+}  // namespace outer
+int global_counter = 0;
+/* block { comment */
+void tick() { ++global_counter; }
+"""
+FUNCTIONS = ["int add(int a, int b) {", "T max3(T a, T b, T c) {", "void tick() {"]
+
+
+def word_starts(text):  # a whitespace "tokenizer": one token per word
+    return [m.start() for m in re.finditer(r"\S+", text)]
+
+
+def test_units_partition_the_text_at_top_level():
+    units = top_level_units(CPP)
+    assert "".join(units) == CPP
+    assert units[0] == "#include <vector>\n" and units[1].startswith("#define TWICE")
+    assert any(u.strip().startswith("// a comment") and u.rstrip().endswith("// namespace outer")
+               for u in units)  # the whole namespace is one unit; braces in strings/comments ignored
+    # a leading comment stays with the definition it documents
+    assert units[-1] == "/* block { comment */\nvoid tick() { ++global_counter; }\n"
+
+
+@pytest.mark.parametrize("budget", [36, 50, 80, 1000])
+def test_chunks_respect_budget_and_keep_function_bodies_whole(budget):
+    starts = word_starts(CPP)
+    chunks = chunk_source(CPP, starts, budget)
+    for chunk in chunks:
+        assert len(chunk.split()) <= budget
+    for head in FUNCTIONS:  # each function (all shorter than the budgets) sits whole in one chunk
+        start = CPP.index(head)
+        body = CPP[start:CPP.index("\n}\n", start) + 2] if head != "void tick() {" else \
+            "void tick() { ++global_counter; }"
+        assert len(body.split()) <= budget  # precondition: the function fits the budget
+        assert sum(body in c for c in chunks) == 1, (head, budget)
+    if budget == 1000:
+        assert chunks == [CPP]
+
+
+def test_oversized_function_is_split_at_lines_within_budget():
+    body = "void big() {\n" + "".join(f"  call_{i}(a, b);\n" for i in range(50)) + "}\n"
+    chunks = chunk_source(body, word_starts(body), 30)
+    assert "".join(chunks) == body and all(len(c.split()) <= 30 for c in chunks)
+
+
+# --- a small synthetic corpus ----------------------------------------------------------------
+
+
+def _docs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [f"int f{i}() {{ return {i}; }}\n" + "x = y + z;\n" * int(rng.integers(1, 12))
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    docs = _docs(600)
+    tok, token_bytes = train_bpe(docs, 400)
+    save_hf(tok, token_bytes, str(root / "tok"))
+    (root / "train").mkdir()
+    for s in range(3):
+        table = pa.table({"text": docs[s * 200:(s + 1) * 200]})
+        pq.write_table(table, root / "train" / f"shard_{s}.parquet", row_group_size=25)
+    return root, docs, load_tokenizer(str(root / "tok"))
+
+
+def _take(loader, n):
+    out = []
+    if n == 0:
+        return out
+    for batch in loader:
+        out.append(batch.copy())
+        if len(out) == n:
+            break
+    return out
+
+
+def test_rows_start_with_bos_and_are_never_padded(corpus):
+    root, _, tok = corpus
+    loader = PackedLoader(str(root / "train"), tok, seq_len=48, rows=4, seed=1)
+    for batch in _take(loader, 30):
+        assert batch.shape == (4, 49)
+        assert (batch[:, 0] == tok.bos_id).all()
+        assert (batch != PAD).all() and (batch >= 0).all() and (batch < tok.vocab_size).all()
+
+
+def test_hosts_are_disjoint_and_cover_the_epoch(corpus):
+    root, docs, tok = corpus
+    world = 3
+    loaders = [PackedLoader(str(root / "train"), tok, 48, 2, seed=5, rank=r, world=world, loop=False)
+               for r in range(world)]
+    units = [set(l.epoch_units(0)) for l in loaders]
+    assert set.union(*units) == set(range(len(loaders[0].units)))
+    assert sum(len(u) for u in units) == len(loaders[0].units)  # disjoint
+    # every document placed exactly once (whole or cropped): one BOS per document
+    starts = [sum(int((b == tok.bos_id).sum()) for b in l) for l in loaders]
+    assert sum(starts) == len(docs)
+    assert starts == [25 * len(u) for u in units]
+
+
+def test_order_is_deterministic_and_seed_dependent(corpus):
+    root, _, tok = corpus
+    a = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=3), 5)
+    b = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=3), 5)
+    c = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=4), 5)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("k", [0, 3, 17])
+def test_resume_at_step_k_is_bitwise_identical(corpus, k):
+    root, _, tok = corpus
+    make = lambda: PackedLoader(str(root / "train"), tok, 48, 3, seed=7, buffer_docs=40)  # noqa: E731
+    uninterrupted = _take(make(), k + 20)  # spans an epoch boundary (600 docs ~ 25 batches)
+    first = make()
+    _take(first, k)
+    state = json.loads(json.dumps(first.state_dict()))  # checkpoints carry it as JSON-able data
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert all(np.array_equal(x, y) for x, y in zip(_take(resumed, 20), uninterrupted[k:]))
+
+
+def test_gs_path_gives_the_same_batches_as_local(corpus, gcs_bucket):
+    root, _, tok = corpus
+    bucket, _ = gcs_bucket
+    fs = fsspec.filesystem("gs", token="anon")
+    for shard in sorted((root / "train").iterdir()):
+        fs.put_file(str(shard), f"{bucket}/data/train/{shard.name}")
+    local = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=2), 8)
+    remote = _take(PackedLoader(f"{bucket}/data/train", tok, 48, 2, seed=2), 8)
+    assert all(np.array_equal(x, y) for x, y in zip(local, remote))
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def test_missing_and_empty_dirs_are_named(tmp_path, corpus):
+    tok = corpus[2]
+    with pytest.raises(DataError, match="no such directory"):
+        PackedLoader(str(tmp_path / "nope"), tok, 16, 1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no parquet shards found"):
+        PackedLoader(str(tmp_path / "empty"), tok, 16, 1)
+
+
+def test_corrupt_shard_and_missing_column_fail_before_training(tmp_path, corpus):
+    tok = corpus[2]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "a.parquet").write_bytes(b"this is not parquet")
+    with pytest.raises(DataError, match=r"a\.parquet: not a readable parquet file"):
+        PackedLoader(str(tmp_path / "bad"), tok, 16, 1)
+    (tmp_path / "nocol").mkdir()
+    pq.write_table(pa.table({"content": ["x"]}), tmp_path / "nocol" / "b.parquet")
+    with pytest.raises(DataError, match=r"b\.parquet: no 'text' column"):
+        PackedLoader(str(tmp_path / "nocol"), tok, 16, 1)
+
+
+def test_corrupt_shard_met_mid_epoch_is_reported_with_its_path(tmp_path, corpus):
+    root, docs, tok = corpus
+    shard = tmp_path / "s.parquet"
+    pq.write_table(pa.table({"text": docs[:100]}), shard, row_group_size=50, compression="snappy")
+    loader = PackedLoader(str(tmp_path), tok, 48, 2, shuffle=False, threads=1)  # footer is fine
+    raw = bytearray(shard.read_bytes())
+    raw[4:400] = b"\xff" * 396  # damage the first row group's pages, keep the footer
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"s\.parquet: failed reading row group 0"):
+        _take(loader, 5)
+
+
+def test_tokenizer_vocab_must_match_the_config(corpus, compose_config):
+    root = corpus[0]
+    cfg = compose_config()
+    cfg.data.build_sources = []
+    cfg.data.tokenizer = str(root / "tok")
+    with pytest.raises(DataError, match="has 400 tokens but data.vocab_size=4096"):
+        prepare(cfg.data)
+
+
+def test_no_cpp_sources_is_a_clear_error(tmp_path, compose_config):
+    cfg = compose_config()
+    cfg.data.build_sources = [str(tmp_path / "nothing-here")]
+    cfg.data.build_dir = str(tmp_path / "build")
+    with pytest.raises(DataError, match="no C/C\\+\\+ sources found"):
+        prepare(cfg.data)
+
+
+def test_tokenizer_has_bos_and_byte_lengths(corpus):
+    tok = corpus[2]
+    assert tok.bos_id == tok.backend.token_to_id(BOS) and tok.token_bytes[tok.bos_id] == 0
+    text = "int f1() { return 1; }\n"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert int(tok.token_bytes[ids].sum()) == len(text.encode())
+
+
+def test_nanochat_tiktoken_directory_loads(tmp_path):
+    tiktoken = pytest.importorskip("tiktoken")
+    import pickle
+
+    import torch
+
+    ranks = {bytes([i]): i for i in range(256)}
+    enc = tiktoken.Encoding("t", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
+                            special_tokens={BOS: 256})
+    with open(tmp_path / "tokenizer.pkl", "wb") as f:
+        pickle.dump(enc, f)
+    torch.save(torch.tensor([1] * 256 + [0], dtype=torch.int32), tmp_path / "token_bytes.pt")
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.kind == "tiktoken" and tok.bos_id == 256 and tok.vocab_size == 257
+    assert tok.decode(tok.encode("abc")) == "abc"
+
+
+def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, compose_config):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.cpp").write_text(CPP)
+    (src / "b.hpp").write_text("namespace b { inline int g() { return 2; } }\n")
+    (src / "b_copy.hpp").write_text("namespace b { inline int g() { return 2; } }\n")
+    cfg = compose_config(["data.vocab_size=300"])
+    cfg.data.build_sources = [str(src)]
+    cfg.data.build_dir = str(tmp_path / "build")
+    logs = []
+    prepare(cfg.data, log=logs.append)
+    manifest = json.loads((tmp_path / "build" / "manifest.json").read_text())
+    assert manifest["files"] == 3 and manifest["duplicates_dropped"] == 1  # the copied header
+    prepare(cfg.data, log=logs.append)
+    assert len(logs) == 1  # reused
+    (src / "c.cc").write_text("int h() { return 3; }\n")
+    prepare(cfg.data, log=logs.append)
+    assert len(logs) == 2 and json.loads((tmp_path / "build" / "manifest.json").read_text())["files"] == 4

@@ -1,0 +1,26 @@
+"""`pip install .` ships the package and its configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_contains_every_config_and_module(tmp_path):
+    pytest.importorskip("setuptools")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    (wheel,) = tmp_path.glob("xtrain-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for yaml in (ROOT / "conf").rglob("*.yaml"):
+        assert f"xtrain/conf/{yaml.relative_to(ROOT / 'conf')}" in names
+    for module in (ROOT / "xtrain").rglob("*.py"):
+        assert str(module.relative_to(ROOT)) in names, module
