@@ -264,3 +264,15 @@ def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, c
     (src / "c.cc").write_text("int h() { return 3; }\n")
     prepare(cfg.data, log=logs.append)
     assert len(logs) == 2 and json.loads((tmp_path / "build" / "manifest.json").read_text())["files"] == 4
+
+
+def test_last_shard_held_out_for_validation(corpus, compose_config):
+    from xtrain.train.run import make_loaders
+
+    root, _, tok = corpus
+    cfg = compose_config(["model.sequence_len=48"])
+    cfg.data.train_files, cfg.data.holdout_last_shard = str(root / "train"), True
+    train, _, val = make_loaders(cfg, tok, rows=2, accum=1)
+    train_shards = {u[0] for u in train.units}
+    val_shards = {u[0] for u in val.loader.units}
+    assert len(train_shards) == 2 and val_shards == {str(root / "train" / "shard_2.parquet")}

@@ -30,12 +30,15 @@ register()
 
 def run(cfg: DictConfig, run_dir: str) -> dict | None:
     """Resolve, check, print the plan, then dispatch on ``cfg.mode``."""
-    from xtrain.hardware import data_parallel_devices
-    from xtrain.plan import resolve
+    from xtrain.hardware import run_devices
+    from xtrain.plan import check_fits, resolve
 
-    plan = resolve(cfg, data_parallel_devices(cfg.hardware))
+    plan = resolve(cfg, run_devices(cfg.hardware))
     print(f"run {cfg.run.name} -> {run_dir}\n{plan.describe()}", flush=True)
+    check_fits(plan)
     if cfg.mode == "plan":
+        print("plan: fits" + (f" in {cfg.hardware.hbm_gib_per_chip:g} GiB HBM per chip"
+                               if cfg.hardware.hbm_gib_per_chip else ""))
         return None
     if cfg.mode == "train":
         from xtrain.train.run import train

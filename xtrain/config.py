@@ -33,8 +33,9 @@ class HardwareConfig:
     cores_per_chip: int = 1  # TensorCores per chip
     hbm_gib_per_chip: float = 0.0  # 0 means "host memory, not checked"
     peak_bf16_tflops_per_chip: float = 0.0  # 0 means unknown: MFU is not reported
-    hourly_usd_spot: float = 0.0
+    hourly_usd_spot: float = 0.0  # whole slice, per hour
     hourly_usd_on_demand: float = 0.0
+    expected_mfu: float = 0.3  # assumed by the planner for step time, wall time and cost
     precision: str = "float32"  # compute dtype of matmuls: float32 | bfloat16
     sequence_len: int = 256  # default model.sequence_len when neither data nor model sets it
     device_tokens: int = 2048  # default tokens per device per micro-batch (batch = this / seq)
@@ -69,7 +70,8 @@ class DataConfig:
 
     name: str = MISSING
     train_files: str = MISSING  # directory or glob of parquet shards with a `text` column
-    val_files: str | None = None  # None: no validation
+    val_files: str | None = None  # None: no validation (unless holdout_last_shard)
+    holdout_last_shard: bool = False  # nanochat's convention: the last train shard is validation
     tokenizer: str = MISSING  # directory: tokenizer.json (HF) or tokenizer.pkl (tiktoken)
     vocab_size: int = MISSING  # the tokenizer's size, known without reading it (for planning)
     sequence_len: int | None = None  # the sequence length this data implies, if any
@@ -89,7 +91,9 @@ class ParallelismConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
-    # Parameter sharding rules: [regex over module path, partition spec over mesh axes].
+    # Parameter sharding rules: [regex searched in the parameter's name, partition spec], first
+    # match wins; the spec has one entry per tensor dim: a mesh axis, a list of axes, or null.
+    # Parameters no rule matches are replicated.
     rules: list[Any] = field(default_factory=list)
 
 

@@ -119,6 +119,87 @@ def choose_attention(requested: str, engine: str, on_tpu: bool, seq_len: int) ->
     return "chunked" if seq_len >= 8192 else "sdpa"
 
 
+def param_shapes(shape: dict) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape, as :class:`xtrain.model.gpt.GPT` names them (tested)."""
+    d, V, hd = shape["n_embd"], shape["vocab_size"], shape["n_embd"] // shape["n_head"]
+    q, kv = shape["n_head"] * hd, shape["n_kv_head"] * hd
+    shapes = {"wte.weight": (V, d), "lm_head.weight": (V, d)}
+    for i in range(shape["n_layer"]):
+        b = f"blocks.{i}."
+        shapes.update({b + "attn.c_q.weight": (q, d), b + "attn.c_k.weight": (kv, d),
+                       b + "attn.c_v.weight": (kv, d), b + "attn.c_proj.weight": (d, d),
+                       b + "mlp.c_fc.weight": (4 * d, d), b + "mlp.c_proj.weight": (d, 4 * d)})
+    return shapes
+
+
+GIB = 1024**3
+
+
+@dataclass
+class MemoryPlan:
+    """Estimated bytes per chip; the formulas are in :func:`memory_per_chip`."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    hbm: float  # bytes per chip; 0: not checked (host memory)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return not self.hbm or self.total <= self.hbm
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {getattr(self, k) / GIB:.2f}" for k in
+                          ("weights", "grads", "optimizer", "activations"))
+        cap = f" of {self.hbm / GIB:.0f} GiB HBM ({self.total / self.hbm:.0%})" if self.hbm else ""
+        return f"memory/chip: {self.total / GIB:.2f} GiB{cap} = {parts} GiB"
+
+
+def memory_per_chip(shape: dict, specs: dict, mesh: dict, device_batch: int, attention: str,
+                    precision: str, hbm_gib: float) -> MemoryPlan:
+    """Per-chip memory of one training step, estimated term by term:
+
+    - weights: sum over parameters of numel / shard_ways * 4 B (float32 master weights)
+    - grads: the same as weights (float32 gradients, sharded like their parameters)
+    - optimizer: Muon matrices numel / ways * 4 B (momentum); AdamW embedding/head * 8 B (m, v)
+    - activations, saved for backward, for one micro-batch of device_batch * T tokens:
+      per token per layer a * (4d + (10d + 2 kv_dim) / tp) where a = 2 B (bf16) or 4 B: residual
+      and normed inputs of attention and MLP (4d, replicated over tensor), q (d), k and v
+      (2 kv_dim), attention output (d), MLP hidden before and after relu^2 (8d) (split over
+      tensor); plus, when attention is materialised (sdpa), the saved probabilities
+      a * n_head * T / tp per token per layer (chunked: one block, a * n_head * block; flash and
+      splash: none); plus the logits, 8 B * V / tp per token (float32 logits and their gradient;
+      the softcap fuses into them).
+    Not counted: XLA's temporaries, fragmentation, and its rematerialisation (which can lower the
+    real peak). The user's three known-good TPU configs fit under this estimate, as they do on
+    the TPUs; compiling for the target (mode=compile) gives the compiler's own figure.
+    """
+    from xtrain.parallelism import shard_ways
+
+    tp = mesh.get("tensor", 1)
+    weights = optimizer = 0.0
+    for name, dims in param_shapes(shape).items():
+        numel = math.prod(dims) / shard_ways(specs.get(name), mesh)
+        weights += 4 * numel
+        optimizer += (8 if name in ("wte.weight", "lm_head.weight") else 4) * numel
+    d, T, H = shape["n_embd"], shape["sequence_len"], shape["n_head"]
+    kv_dim = shape["n_kv_head"] * (d // H)
+    a = 2 if precision == "bfloat16" else 4
+    per_layer = a * (4 * d + (10 * d + 2 * kv_dim) / tp)
+    if attention == "sdpa":
+        per_layer += a * H * T / tp
+    elif attention == "chunked":
+        per_layer += a * H * min(shape["attention_block"], T) / tp
+    per_token = shape["n_layer"] * per_layer + 8 * shape["vocab_size"] / tp
+    activations = device_batch * T * per_token
+    return MemoryPlan(weights, weights, optimizer, activations, hbm_gib * GIB)
+
+
 @dataclass
 class BatchPlan:
     device_batch_size: int  # sequences per device per micro-batch
@@ -167,14 +248,18 @@ def as_dict(plan) -> dict:
 
 @dataclass
 class RunPlan:
-    """What a run derives from its config; printed before training."""
+    """What a run derives from its config; printed before training and checked."""
 
-    devices: int
+    devices: int  # all devices of the run (chips, virtual CPU devices, or CPU hosts)
+    mesh: dict
     params: dict
     flops_per_token: float
     batch: BatchPlan
     max_steps: int
     attention: str
+    memory: MemoryPlan
+    step_seconds: float  # at the profile's expected MFU; 0 when the peak is unknown
+    hourly_usd: tuple[float, float]  # (spot, on demand) for the whole slice
 
     @property
     def total_tokens(self) -> int:
@@ -182,26 +267,38 @@ class RunPlan:
 
     def describe(self) -> str:
         p = self.params
-        return "\n".join([
+        lines = [
             f"parameters: {p['total']:,} (embedding {p['embedding']:,}, lm_head {p['lm_head']:,}, "
             f"attention {p['attention']:,}, mlp {p['mlp']:,})",
             f"FLOPs/token (train): {self.flops_per_token:.4g}   attention backend: {self.attention}",
-            f"devices: {self.devices}   {self.batch.describe()}",
+            f"mesh: {' x '.join(f'{a}={n}' for a, n in self.mesh.items())} on {self.devices} devices",
+            self.batch.describe(),
             f"steps: {self.max_steps:,} x {self.batch.total_batch_size:,} tokens = {self.total_tokens:,} "
             f"tokens ({self.total_tokens / p['total']:.2f} tokens/param)",
-        ])
+            self.memory.describe(),
+        ]
+        if self.step_seconds:
+            hours = self.step_seconds * self.max_steps / 3600
+            spot, demand = self.hourly_usd
+            lines.append(f"time: {self.step_seconds:.3f} s/step, {hours:.2f} h in all at the assumed MFU; "
+                         f"cost ${hours * spot:,.2f} spot / ${hours * demand:,.2f} on demand")
+        return "\n".join(lines)
 
 
 def resolve(cfg, devices: int) -> RunPlan:
-    """Fill the config's derived (None) fields in place and return the run's plan.
+    """Fill the config's derived (None) fields in place, check everything, return the run's plan.
 
     Precedence for the sequence length: model.sequence_len, else data.sequence_len, else the
     hardware profile's; for the per-device batch: trainer.device_batch_size, else the profile's
-    tokens per device divided by the sequence length.
+    tokens per device divided by the sequence length. ``devices`` counts every device of the run.
     """
+    from xtrain.hardware import check_profile
+    from xtrain.parallelism import batch_parallel, check_rules, mesh_shape
+
     model, data, hw, trainer = cfg.model, cfg.data, cfg.hardware, cfg.trainer
     if cfg.mode not in ("train", "plan", "sample", "eval"):
         raise ConfigError(f"mode={cfg.mode!r}: expected one of train, plan, sample, eval")
+    check_profile(hw)
     if model.vocab_size is None:
         model.vocab_size = data.vocab_size
     elif model.vocab_size != data.vocab_size:
@@ -216,9 +313,29 @@ def resolve(cfg, devices: int) -> RunPlan:
         trainer.device_batch_size = default_device_batch(hw.device_tokens, model.sequence_len)
     if trainer.log_every < 1:
         raise ConfigError(f"trainer.log_every={trainer.log_every}: must be >= 1")
-    batch = batch_plan(trainer.device_batch_size, model.sequence_len, devices, trainer.total_batch_size)
+    if hw.engine == "xla":
+        mesh = mesh_shape(cfg.parallelism, devices)
+        specs = check_rules(cfg.parallelism.rules, mesh, param_shapes(shape))
+    else:  # the cpu engine replicates (DDP over gloo across hosts)
+        mesh, specs = {"data": devices, "fsdp": 1, "tensor": 1}, {}
+    batch = batch_plan(trainer.device_batch_size, model.sequence_len, batch_parallel(mesh),
+                       trainer.total_batch_size)
     params = param_counts(shape)
     steps = max_steps(trainer.max_steps, trainer.target_tokens_per_param, params["total"],
                       batch.total_batch_size)
     trainer.max_steps = steps
-    return RunPlan(devices, params, flops_per_token(shape), batch, steps, model.attention)
+    memory = memory_per_chip(shape, specs, mesh, trainer.device_batch_size, model.attention,
+                             hw.precision, hw.hbm_gib_per_chip)
+    fpt = flops_per_token(shape)
+    peak = hw.peak_bf16_tflops_per_chip * 1e12 * hw.chips
+    step_s = fpt * batch.total_batch_size / (peak * hw.expected_mfu) if peak else 0.0
+    plan = RunPlan(devices, mesh, params, fpt, batch, steps, model.attention, memory, step_s,
+                   (hw.hourly_usd_spot, hw.hourly_usd_on_demand))
+    return plan
+
+
+def check_fits(plan: RunPlan) -> None:
+    if not plan.memory.fits:
+        raise ConfigError(f"does not fit: {plan.memory.describe()}. Lower trainer.device_batch_size "
+                          "(gradient accumulation keeps the total batch), shard with "
+                          "parallelism=fsdp, or use flash attention")

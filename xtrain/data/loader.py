@@ -78,7 +78,7 @@ def read_unit(unit: tuple[str, int]) -> list[str]:
 
 
 class PackedLoader:
-    def __init__(self, files: str, tokenizer: Tokenizer, seq_len: int, rows: int, *, seed: int = 0,
+    def __init__(self, files: str | list[str], tokenizer: Tokenizer, seq_len: int, rows: int, *, seed: int = 0,
                  rank: int = 0, world: int = 1, shuffle: bool = True, loop: bool = True,
                  prefetch: int = 4, threads: int = 2, buffer_docs: int = 256):
         if not 0 <= rank < world:
@@ -87,7 +87,8 @@ class PackedLoader:
         self.seed, self.rank, self.world = seed, rank, world
         self.shuffle, self.loop, self.prefetch, self.threads = shuffle, loop, prefetch, threads
         self.buffer_docs = buffer_docs
-        self.units = index_units(list_shards(files), threads=max(threads, 4))
+        shards = list(files) if isinstance(files, (list, tuple)) else list_shards(files)
+        self.units = index_units(shards, threads=max(threads, 4))
         if len(self.units) < world:
             raise DataError(f"{files}: {len(self.units)} row groups cannot be split over {world} hosts")
         self._state = {"epoch": 0, "cursor": 0, "buffer": []}

@@ -21,15 +21,23 @@ def versions() -> dict:
 
 
 def make_loaders(cfg, tokenizer, rows: int, accum: int, rank: int = 0, world: int = 1):
+    from xtrain.data import DataError
+
     from xtrain.data.batches import EvalBatches, StepBatches
-    from xtrain.data.loader import PackedLoader
+    from xtrain.data.loader import PackedLoader, list_shards
 
     data, seq = cfg.data, cfg.model.sequence_len
-    train = PackedLoader(data.train_files, tokenizer, seq, rows, seed=cfg.trainer.seed, rank=rank,
+    train_files, val_files = data.train_files, data.val_files
+    if data.holdout_last_shard:  # nanochat's convention: the last shard is the validation split
+        shards = list_shards(data.train_files)
+        if len(shards) < 2:
+            raise DataError(f"{data.train_files}: holdout_last_shard needs at least 2 shards")
+        train_files, val_files = shards[:-1], shards[-1:]
+    train = PackedLoader(train_files, tokenizer, seq, rows, seed=cfg.trainer.seed, rank=rank,
                          world=world, prefetch=data.prefetch, threads=data.tokenizer_threads)
     val = None
-    if data.val_files:
-        val_loader = PackedLoader(data.val_files, tokenizer, seq, rows, shuffle=False, loop=True,
+    if val_files:
+        val_loader = PackedLoader(val_files, tokenizer, seq, rows, shuffle=False, loop=True,
                                   rank=rank, world=world, prefetch=2, threads=data.tokenizer_threads)
         val = EvalBatches(val_loader, cfg.trainer.eval_batches)
     return train, StepBatches(train, accum), val

@@ -1,0 +1,168 @@
+"""Hardware profiles, the preflight planner (batch, memory, time, cost) and its refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xtrain.cli import config_dir
+from xtrain.config import ConfigError
+from xtrain.hardware import check_profile, runtime_mismatches, topology_kwargs
+from xtrain.plan import GIB, check_fits, resolve
+
+TPU_PROFILES = sorted(p.stem for p in (Path(config_dir()) / "hardware").glob("v*.yaml"))
+USER_CONFIGS = {  # (hardware, data, seq, device batch) as the user trains today
+    "v5e8-1024": ["hardware=v5e8", "data=base_data_v3"],
+    "v6e4-2048": ["hardware=v6e4", "data=base_data_v3"],
+    "v6e4-16k": ["hardware=v6e4", "data=cpp16k"],
+}
+
+
+def _plan(compose_config, *overrides, devices=None):
+    cfg = compose_config(["model=d16", "trainer.total_batch_size=524288", *overrides])
+    return cfg, resolve(cfg, devices or cfg.hardware.chips)
+
+
+def test_tpu_facts(compose_config):
+    facts = {name: compose_config([f"hardware={name}"]).hardware for name in TPU_PROFILES}
+    assert (facts["v4_32"].chips, facts["v4_32"].hosts, facts["v4_32"].cores_per_chip) == (16, 4, 2)
+    assert (facts["v4_64"].chips, facts["v4_64"].hosts) == (32, 8)
+    assert (facts["v6e8"].chips, facts["v6e8"].hosts) == (8, 1)  # v6e-8 is one host
+    assert (facts["v5e8"].hbm_gib_per_chip, facts["v5e8"].peak_bf16_tflops_per_chip) == (16, 197)
+    assert (facts["v6e4"].hbm_gib_per_chip, facts["v6e4"].peak_bf16_tflops_per_chip) == (32, 918)
+    for hw in facts.values():
+        check_profile(hw)
+        assert hw.engine == "xla" and hw.env.PJRT_DEVICE == "TPU" and hw.env.XLA_NO_SPECIAL_SCALARS == "1"
+        assert dict(hw.pins) == {"torch": "2.9.1", "torch_xla": "2.9.0", "libtpu": "0.0.21",
+                                 "jax": "0.7.0", "jaxlib": "0.7.0"}
+
+
+@pytest.mark.parametrize("name, seq, batch", [("v5e8-1024", 1024, 8), ("v6e4-2048", 2048, 8),
+                                              ("v6e4-16k", 16384, 1)])
+def test_user_batch_arithmetic_reproduces(name, seq, batch, compose_config):
+    cfg, plan = _plan(compose_config, *USER_CONFIGS[name])
+    assert (cfg.model.sequence_len, cfg.trainer.device_batch_size) == (seq, batch)
+    assert plan.batch.grad_accum_steps == 8 and plan.batch.total_batch_size == 524_288
+
+
+# Hand-computed per-chip memory for d16 (d=1024, 16 layers, 8 heads, V=65536, bf16, replicated):
+# weights = grads = 335,544,320 params x 4 B = 1,342,177,280 B (1.25 GiB)
+# optimizer = (wte + lm_head) 134,217,728 x 8 B + matrices 201,326,592 x 4 B = 1,879,048,192 B
+# activations per token: 16 layers x 2 B x (4d + 10d + 2d) = 524,288 B; sdpa probabilities
+#   16 x 2 B x 8 heads x T; logits 8 B x 65536 = 524,288 B.
+HAND_MEMORY = {
+    "v5e8-1024": 1_342_177_280 * 2 + 1_879_048_192 + 8 * 1024 * (524_288 + 16 * 2 * 8 * 1024 + 524_288),
+    "v6e4-2048": 1_342_177_280 * 2 + 1_879_048_192 + 8 * 2048 * (524_288 + 16 * 2 * 8 * 2048 + 524_288),
+    "v6e4-16k": 1_342_177_280 * 2 + 1_879_048_192 + 1 * 16384 * (524_288 + 524_288),  # flash
+}
+
+
+@pytest.mark.parametrize("name", sorted(HAND_MEMORY))
+def test_memory_estimate_matches_hand_computation(name, compose_config):
+    _, plan = _plan(compose_config, *USER_CONFIGS[name])
+    assert plan.memory.total == HAND_MEMORY[name]
+    assert plan.memory.fits  # all three run on the user's TPUs today
+    assert plan.attention == ("flash" if name == "v6e4-16k" else "sdpa")
+
+
+def test_fsdp_divides_state_by_the_fsdp_axis(compose_config):
+    _, dp = _plan(compose_config, "hardware=v6e4", "data=base_data_v3")
+    _, fsdp = _plan(compose_config, "hardware=v6e4", "data=base_data_v3", "parallelism=fsdp")
+    assert fsdp.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert fsdp.memory.weights == dp.memory.weights / 4
+    assert fsdp.memory.optimizer == dp.memory.optimizer / 4
+    assert fsdp.memory.activations == dp.memory.activations
+
+
+def test_time_and_cost_at_the_assumed_mfu(compose_config):
+    cfg, plan = _plan(compose_config, *USER_CONFIGS["v6e4-2048"], "trainer.max_steps=1000")
+    expected = plan.flops_per_token * 524_288 / (4 * 918e12 * cfg.hardware.expected_mfu)
+    assert plan.step_seconds == pytest.approx(expected)
+    text = plan.describe()
+    hours = expected * 1000 / 3600
+    assert f"${hours * 1.70:,.2f} spot" in text and f"${hours * 5.10:,.2f} on demand" in text
+
+
+def test_model_that_cannot_fit_is_refused_with_the_numbers(compose_config):
+    _, plan = _plan(compose_config, "hardware=v5e8", "data=cpp16k", "model=d26")
+    assert not plan.memory.fits and plan.memory.total > 16 * GIB
+    with pytest.raises(ConfigError, match=r"does not fit: memory/chip: .* of 16 GiB HBM"):
+        check_fits(plan)
+
+
+def test_plan_command_prints_the_reason(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "xtrain", "hardware=v5e8", "model=d26", "data=cpp16k",
+                        "mode=plan", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2
+    assert "parameters: 1,081,999,360" in r.stdout and "memory/chip:" in r.stdout
+    assert "does not fit" in r.stderr
+    code = ("import sys; sys.argv=['xtrain','hardware=v6e4','model=d16','data=cpp16k','mode=plan',"
+            f"'hydra.run.dir={tmp_path}']\nimport xtrain.cli as c\n"
+            "try:\n    c.main()\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "plan: fits in 32 GiB" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["hardware=v6e1", "parallelism=fsdp_tp"], "1 devices do not divide by the fixed axes"),
+    (["hardware=v6e4", "parallelism.data=3"], "mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but the hardware has 4"),
+    (["hardware=v6e4", "parallelism.data=-1", "parallelism.fsdp=-1"], "at most one -1"),
+    (["hardware=v6e4", "+parallelism.rules=[[wte,[pipeline,null]]]"], "mesh axis 'pipeline'"),
+    (["hardware=v5e8", "trainer.total_batch_size=100000"], "is not a multiple of"),
+    (["hardware=v6e4", "hardware.accelerator_type=v9x-4"], "unknown TPU type"),
+    (["hardware=v4_32", "hardware.chips=32"], r"v4-32 has 16 chips \(cores counted in the name\)"),
+    (["hardware=v6e4", "hardware.topology=null"], "is missing hardware.topology"),
+    (["hardware=v6e4", "hardware.hbm_gib_per_chip=0"], "is missing hardware.hbm_gib_per_chip"),
+])
+def test_preflight_refusals(overrides, message, compose_config):
+    cfg = compose_config(["model=d16", "data=base_data_v3", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        resolve(cfg, cfg.hardware.chips)
+
+
+def test_runtime_mismatch_is_refused_not_silently_run_on_cpu(compose_config):
+    hw = compose_config(["hardware=v6e4"]).hardware
+    good = {"torch": "2.9.1", "torch_xla": "2.9.0", "libtpu": "0.0.21", "jax": "0.7.0", "jaxlib": "0.7.0"}
+    assert runtime_mismatches(hw, "TPU", 4, good) == []
+    problems = runtime_mismatches(hw, "CPU", 1, {**good, "jax": "0.7.1"})
+    assert any("the XLA runtime is CPU, hardware=v6e4 needs TPU" in p for p in problems)
+    assert any("1 devices visible" in p for p in problems)
+    assert any("jax==0.7.1 installed, hardware=v6e4 pins 0.7.0" in p for p in problems)
+
+
+TOPOLOGY_CHILD = r"""
+import json, os, sys
+os.environ["TPU_SKIP_MDS_QUERY"] = "1"   # compile-only: no TPU metadata server
+os.environ.pop("JAX_PLATFORMS", None)
+from jax.experimental import topologies
+out = {}
+for arg in sys.argv[1:]:
+    kwargs = json.loads(arg)
+    t = topologies.get_topology_desc(**kwargs)
+    out[kwargs["topology_name"]] = [len(t.devices), t.devices[0].device_kind]
+print(json.dumps(out))
+"""
+
+
+def test_topologies_are_known_to_the_tpu_compiler(compose_config):
+    pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
+    hws = {name: compose_config([f"hardware={name}"]).hardware for name in TPU_PROFILES}
+    args = [json.dumps(topology_kwargs(hw)) for hw in hws.values()]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_ACCELERATOR")}
+    # libtpu can abort its process: it runs in a child
+    r = subprocess.run([sys.executable, "-c", TOPOLOGY_CHILD, *args], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    kinds = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
+    for hw in hws.values():
+        devices, kind = found[hw.topology]
+        assert kind == kinds[hw.topology.split(":")[0]]
+        # the compile-only topology lists v4 TensorCores separately, megacore families by chip
+        assert devices in (hw.chips, hw.chips * hw.cores_per_chip), hw.name
