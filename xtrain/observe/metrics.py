@@ -15,11 +15,13 @@ import lightning as L
 
 class MetricsLogger(L.Callback):
     def __init__(self, path: str, log_every: int, tokens_per_step: int, flops_per_token: float = 0.0,
-                 peak_flops: float = 0.0, chips: int = 1, wandb_run=None, extra=None):
+                 peak_flops: float = 0.0, chips: int = 1, wandb_run=None, extra=None, fetch=None):
         self.path, self.log_every, self.tokens_per_step = path, log_every, tokens_per_step
         self.flops_per_token, self.peak_flops, self.chips = flops_per_token, peak_flops, chips
         self.wandb_run = wandb_run
         self.extra = extra or (lambda: {})  # engine-specific counters (e.g. XLA compiles)
+        # device tensors -> Python floats in one transfer (the engine knows how)
+        self.fetch = fetch or (lambda tensors: [float(t) for t in tensors])
         self._t0 = None
         self._step0 = 0
 
@@ -40,12 +42,12 @@ class MetricsLogger(L.Callback):
         if trainer.global_rank != 0:
             return
         now = time.perf_counter()
-        loss = float(pl_module.last_loss)  # the host sync of this logging interval
+        opt = pl_module.optimizers().optimizer
+        # the one device-to-host transfer of this logging interval
+        loss, lr_mult = self.fetch([pl_module.last_loss, opt.last_lr_multiplier()])
         tok_per_s = (step - self._step0) * self.tokens_per_step / max(now - self._t0, 1e-9)
         self._t0, self._step0 = now, step
-        opt = pl_module.optimizers().optimizer
-        record = {"step": step, "loss": round(loss, 6),
-                  "lr": opt.param_groups[0]["lr"] * opt.current_lr_multiplier(),
+        record = {"step": step, "loss": round(loss, 6), "lr": opt.param_groups[0]["lr"] * lr_mult,
                   "tokens": step * self.tokens_per_step, "tok_per_s": round(tok_per_s, 1),
                   "tok_per_s_per_chip": round(tok_per_s / self.chips, 1)}
         if self.peak_flops and self.flops_per_token:

@@ -40,7 +40,7 @@ class GPTModule(L.LightningModule):
         self._val_sums = None
 
     def configure_optimizers(self):
-        return build_optimizer(self.model, self.optim_cfg, self.max_steps)
+        return build_optimizer(self.model, self.optim_cfg, self.max_steps, self.precision_name)
 
     def _autocast(self):
         if self.precision_name == "bfloat16":
@@ -69,8 +69,10 @@ class GPTModule(L.LightningModule):
         self.last_loss = loss
 
     # --- validation: loss and bits per byte --------------------------------------------------
-    def on_validation_epoch_start(self):
-        self._val_sums = torch.zeros(3, device=self.device)  # nats, tokens, bytes
+    def on_validation_start(self):
+        # nats, tokens, bytes; uploaded rather than created on device, so under XLA every
+        # validation batch traces the same graph
+        self._val_sums = torch.zeros(3).to(self.device)
 
     def validation_step(self, batch, batch_idx):
         x, y = split_inputs_targets(batch)

@@ -30,11 +30,11 @@ def lr_multiplier(step, max_steps: int, warmup_steps: int, warmdown_ratio: float
 
 
 @torch.no_grad()
-def orthogonalize(G: torch.Tensor, steps: int) -> torch.Tensor:
+def orthogonalize(G: torch.Tensor, steps: int, dtype=torch.float32) -> torch.Tensor:
     """Newton-Schulz iteration towards the nearest semi-orthogonal matrix (Keller Jordan's Muon,
-    quintic coefficients (3.4445, -4.7750, 2.0315))."""
+    quintic coefficients (3.4445, -4.7750, 2.0315)); bfloat16 is enough on TPUs."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.bfloat16() if G.device.type != "cpu" else G.float()
+    X = G.to(dtype)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
@@ -52,9 +52,10 @@ class MuonAdamW(torch.optim.Optimizer):
     rate; the schedule multiplies it by :func:`lr_multiplier` of the device-side step counter."""
 
     def __init__(self, groups, schedule: dict, betas=(0.8, 0.95), eps=1e-10, momentum=0.95,
-                 ns_steps=5, weight_decay=0.0):
+                 ns_steps=5, weight_decay=0.0, ns_dtype=torch.float32):
         defaults = dict(betas=betas, eps=eps, momentum=momentum, ns_steps=ns_steps,
                         weight_decay=weight_decay)
+        self.ns_dtype = ns_dtype
         super().__init__(groups, defaults)
         self.schedule = dict(schedule)
         for group in self.param_groups:
@@ -78,10 +79,33 @@ class MuonAdamW(torch.optim.Optimizer):
         device = self.param_groups[0]["params"][0].device
         self._t = None if counter is None else counter.detach().clone().to(device)
 
-    def current_lr_multiplier(self) -> float:
-        """The multiplier the *last* step used (host read: call only when logging)."""
-        t = getattr(self, "_t", None)
-        return float(lr_multiplier(0 if t is None else t.cpu() - 1, **self.schedule))
+    def last_lr_multiplier(self) -> torch.Tensor:
+        """The multiplier the last step used: a device tensor the step computed (read it only
+        when logging)."""
+        mult = getattr(self, "_last_mult", None)
+        return lr_multiplier(0, **self.schedule) if mult is None else mult
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create every state buffer now (zeros) instead of inside the first step, so the first
+        step traces the same graph as all later ones (one compilation under XLA)."""
+        device = self.param_groups[0]["params"][0].device
+        self._step_counter(device)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state_for(p, group["kind"])
+
+    def scalar_state(self) -> list[torch.Tensor]:
+        """State that belongs to no parameter (the step counter)."""
+        return [self._t] if getattr(self, "_t", None) is not None else []
+
+    def _state_for(self, p, kind: str) -> dict:
+        state = self.state[p]
+        if not state:
+            names = ("momentum_buffer",) if kind == "muon" else ("exp_avg", "exp_avg_sq")
+            for name in names:
+                state[name] = torch.zeros_like(p)
+        return state
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -92,6 +116,7 @@ class MuonAdamW(torch.optim.Optimizer):
         device = self.param_groups[0]["params"][0].device
         t = self._step_counter(device)
         mult = lr_multiplier(t, **self.schedule).to(device)
+        self._last_mult = mult
         t.add_(1)
         for group in self.param_groups:
             lr = group["lr"] * mult
@@ -105,13 +130,10 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
+            buf = self._state_for(p, "muon")["momentum_buffer"]
             buf.lerp_(p.grad, 1 - group["momentum"])
             g = p.grad.lerp(buf, group["momentum"])  # Nesterov
-            update = orthogonalize(g, group["ns_steps"])
+            update = orthogonalize(g, group["ns_steps"], self.ns_dtype)
             # Orthogonal updates have unit spectral norm; scale so tall matrices (rows > cols)
             # get the same per-element RMS as square ones.
             scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
@@ -126,10 +148,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            state = self.state[p]
-            if not state:
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
+            state = self._state_for(p, "adamw")
             m, v = state["exp_avg"], state["exp_avg_sq"]
             m.lerp_(p.grad, 1 - beta1)
             v.lerp_(p.grad.square(), 1 - beta2)
@@ -139,7 +158,7 @@ class MuonAdamW(torch.optim.Optimizer):
             p.add_((m / bias1) / denom * (-lr))
 
 
-def build_optimizer(model, optim, max_steps: int) -> MuonAdamW:
+def build_optimizer(model, optim, max_steps: int, precision: str = "float32") -> MuonAdamW:
     """Groups and learning rates from the ``optim`` config group (see OptimConfig)."""
     matrices, embedding, head = model.param_groups()
     width = model.config.n_embd
@@ -153,4 +172,5 @@ def build_optimizer(model, optim, max_steps: int) -> MuonAdamW:
                     warmdown_ratio=optim.warmdown_ratio, final_lr_frac=optim.final_lr_frac)
     return MuonAdamW(groups, schedule, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
                      momentum=optim.muon_momentum, ns_steps=optim.muon_ns_steps,
-                     weight_decay=optim.weight_decay)
+                     weight_decay=optim.weight_decay,
+                     ns_dtype=torch.bfloat16 if precision == "bfloat16" else torch.float32)

@@ -60,9 +60,11 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     trainer_cfg = cfg.trainer
     tokenizer = prepare(cfg.data)
+    engine = Engine(cfg, plan)
     L.seed_everything(trainer_cfg.seed, verbose=False)
     train_loader, step_batches, val_batches = make_loaders(
-        cfg, tokenizer, rows=trainer_cfg.device_batch_size, accum=plan.batch.grad_accum_steps)
+        cfg, tokenizer, rows=engine.rows_per_host, accum=plan.batch.grad_accum_steps,
+        rank=engine.rank, world=engine.world)
     module = GPTModule(gpt_config(cfg.model, plan.attention), cfg.optim, plan.max_steps,
                        precision=cfg.hardware.precision, token_bytes=tokenizer.token_bytes)
 
@@ -71,7 +73,8 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     callbacks = [
         MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), trainer_cfg.log_every,
                       plan.batch.total_batch_size, plan.flops_per_token,
-                      cfg.hardware.peak_bf16_tflops_per_chip * 1e12, plan.devices, wandb_run),
+                      cfg.hardware.peak_bf16_tflops_per_chip * 1e12, plan.devices, wandb_run,
+                      extra=engine.counters, fetch=engine.fetch),
         LoaderState(train_loader),
         PeriodicCheckpoint(ckpt_dir, cfg.checkpoint.every,
                            meta={"config": OmegaConf.to_container(cfg, resolve=True), **versions()}),
@@ -79,9 +82,9 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     eval_every = trainer_cfg.eval_every or plan.max_steps
     quiet_lightning_tpu_probe()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=plan.max_steps, logger=False,
+        **engine.trainer_kwargs(FsspecCheckpointIO()), max_steps=plan.max_steps, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=callbacks, plugins=[FsspecCheckpointIO()],
+        num_sanity_val_steps=0, callbacks=callbacks,
         val_check_interval=eval_every if val_batches is not None else None,
         check_val_every_n_epoch=None, limit_val_batches=trainer_cfg.eval_batches,
     )
@@ -95,12 +98,73 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
         wandb_run.finish()
     if trainer_cfg.sample_tokens > 0:
         print("sample:\n" + sample_text(module.model, tokenizer, trainer_cfg.sample_tokens, trainer_cfg.seed))
-    return {"step": trainer.global_step, "checkpoint": latest_checkpoint(ckpt_dir)}
+    summary = {"step": trainer.global_step, "checkpoint": latest_checkpoint(ckpt_dir)}
+    summary.update(engine.describe_sharding(module.model))
+    return summary
+
+
+class Engine:
+    """What differs between the engines, in one place: the Trainer's device plugins, this host's
+    share of the batch, and engine counters for the metrics."""
+
+    def __init__(self, cfg, plan: RunPlan):
+        self.kind = cfg.hardware.engine
+        self.rank, self.world = 0, 1
+        # rows of one micro-batch for the whole run: device batch x batch-parallel devices
+        global_rows = cfg.trainer.device_batch_size * plan.batch.data_parallel
+        if self.kind == "xla":
+            from xtrain.xla.spmd import build_mesh, start_runtime
+
+            start_runtime(cfg.hardware)
+            import torch_xla.runtime as xr
+
+            self.rank, self.world = xr.process_index(), xr.process_count()
+            self.mesh = build_mesh(plan.mesh)
+            self.rules = cfg.parallelism.rules
+        self.rows_per_host = global_rows // self.world
+
+    def trainer_kwargs(self, checkpoint_io) -> dict:
+        if self.kind == "xla":
+            from xtrain.xla.lightning import SPMDStrategy
+
+            strategy = SPMDStrategy(self.mesh, self.rules, checkpoint_io=checkpoint_io)
+            return {"strategy": strategy, "devices": 1}
+        return {"accelerator": "cpu", "devices": 1, "plugins": [checkpoint_io]}
+
+    def fetch(self, tensors) -> list[float]:
+        """Device tensors to Python floats in one device-to-host transfer."""
+        if self.kind == "xla":
+            import torch_xla.core.xla_model as xm
+
+            return [float(t) for t in xm._maybe_convert_to_cpu(list(tensors))]
+        return [float(t) for t in tensors]
+
+    def describe_sharding(self, model) -> dict:
+        """name -> the HLO sharding XLA holds for each parameter (xla engine only)."""
+        if self.kind != "xla":
+            return {}
+        import torch_xla
+
+        return {"param_shardings": {n: torch_xla._XLAC._get_xla_sharding_spec(p)
+                                    for n, p in model.named_parameters()}}
+
+    def counters(self) -> dict:
+        if self.kind == "xla":
+            from xtrain.xla.spmd import counters
+
+            return counters()
+        return {}
 
 
 def sample_text(model, tokenizer, n_tokens: int, seed: int, prompt: str = "#include <") -> str:
     import torch
 
+    if next(model.parameters()).device.type == "xla":  # token-by-token shapes would recompile
+        from xtrain.model.gpt import GPT
+
+        cpu_model = GPT(model.config)
+        cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+        model = cpu_model
     model.eval()
     device = next(model.parameters()).device
     idx = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(prompt)], device=device)

@@ -1,0 +1,142 @@
+"""Lightning plugins for torch_xla SPMD: accelerator, strategy and precision.
+
+Lightning 2.6 has no SPMD strategy (its XLAStrategy spawns one process per device) and its
+``XLAAccelerator.is_available()`` crashes off-TPU, so xtrain brings its own set:
+
+- :class:`SPMDAccelerator`: an XLA accelerator that is available wherever torch_xla's runtime is
+  (TPU, or CPU PJRT with virtual devices).
+- :class:`SPMDStrategy`: one process per host; moves the module to the XLA device, shards its
+  parameters by the ``parallelism`` rules, shards every batch over the batch axes, reports the
+  host's process index as its global rank (so side effects happen once), and saves checkpoints
+  through xtrain's fsspec CheckpointIO with tensors gathered to the host.
+- :class:`SPMDPrecision`: runs ``optimizer.step(closure)`` — every micro-batch's forward and
+  backward, clipping and the update — inside one ``torch_xla.compile`` region, so a step is one
+  graph; after warm-up the graph is reused (``max_different_graphs`` guards against drift).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+
+class SPMDAccelerator(Accelerator):
+    """Not an ``XLAAccelerator`` subclass: Lightning pairs those with its spawn-based strategies."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def name() -> str:
+        return "xla_spmd"
+
+    def teardown(self) -> None:
+        pass
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1  # one SPMD "device" per process: the mesh spans the real ones
+
+    @staticmethod
+    def parse_devices(devices) -> int:
+        return 1
+
+    @staticmethod
+    def get_parallel_devices(devices) -> list:
+        import torch_xla
+
+        return [torch_xla.device()]
+
+    def setup_device(self, device: torch.device) -> None:
+        pass
+
+    def get_device_stats(self, device) -> dict:
+        return {}
+
+
+class SPMDPrecision(Precision):
+    def __init__(self, step_graphs: int = 2):
+        # the first step also creates optimizer state, so it is its own graph: 2 in all
+        self.step_graphs = step_graphs
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        import torch_xla
+
+        closure = partial(self._wrap_closure, model, optimizer, closure)
+        step = torch_xla.compile(lambda: optimizer.step(closure=closure, **kwargs), full_graph=True,
+                                 name="xtrain_train_step", max_different_graphs=self.step_graphs)
+        return step()
+
+
+class SPMDStrategy(SingleDeviceStrategy):
+    def __init__(self, mesh, rules, checkpoint_io=None, precision_plugin=None):
+        import torch_xla
+
+        super().__init__(device=torch_xla.device(), accelerator=SPMDAccelerator(),
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin or SPMDPrecision())
+        import torch_xla.runtime as xr
+
+        self.mesh, self.rules = mesh, rules
+        self.param_specs: dict = {}
+        # one process per host: rank 0 (the first host) does the side effects
+        self.global_rank, self.world_size = xr.process_index(), xr.process_count()
+
+    def model_to_device(self) -> None:
+        from xtrain.xla.spmd import attention_partition_spec, shard_parameters
+
+        self.model.to(self.root_device)
+        self.param_specs = shard_parameters(self.lightning_module.model, self.rules, self.mesh)
+        for block in self.lightning_module.model.blocks:
+            block.attn.partition_spec = attention_partition_spec()
+
+    def batch_to_device(self, batch, device=None, dataloader_idx=0):
+        from xtrain.xla.spmd import shard_batch
+
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if isinstance(batch, (tuple, list)):  # training: (tokens, loader state)
+            return (shard_batch(batch[0], self.mesh), *batch[1:])
+        return shard_batch(batch, self.mesh)
+
+    def on_train_start(self) -> None:
+        """Create the optimizer state now, sharded like its parameters, so the first step's graph
+        is every step's graph."""
+        import torch_xla
+
+        from xtrain.xla.spmd import mark
+
+        names = {id(p): n for n, p in self.lightning_module.model.named_parameters()}
+        for opt in self.optimizers:
+            opt.init_state()
+            for p, state in opt.state.items():
+                for buf in state.values():
+                    spec = self.param_specs.get(names.get(id(p))) if buf.shape == p.shape else None
+                    mark(buf, self.mesh, spec)
+            for counter in opt.scalar_state():
+                mark(counter, self.mesh, None)
+        torch_xla.sync()
+
+    def on_validation_start(self) -> None:
+        from xtrain.xla.spmd import mark
+
+        mark(self.lightning_module._val_sums, self.mesh, None)
+
+    def validation_step(self, *args, **kwargs):
+        import torch_xla
+
+        out = super().validation_step(*args, **kwargs)
+        torch_xla.sync()  # cut the graph per batch: one small graph reused, not one growing one
+        return out
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        import torch_xla.core.xla_model as xm
+
+        if self.is_global_zero:
+            # one batched transfer (sharded tensors are gathered) per checkpoint
+            cpu = xm._maybe_convert_to_cpu(checkpoint)
+            self.checkpoint_io.save_checkpoint(cpu, filepath, storage_options=storage_options)
+
