@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import signal
 import time
 
 import fsspec
@@ -64,6 +66,7 @@ class FsspecCheckpointIO(CheckpointIO):
         buf = io.BytesIO()
         torch.save(checkpoint, buf)
         fs.pipe_file(f"{root}/state.pt", buf.getvalue())
+        _fault_injection_pause()
         meta = {"step": checkpoint.get("global_step"), "bytes": buf.tell(), "saved_at": time.time(),
                 **checkpoint.get("xtrain_meta", {})}
         fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
@@ -82,14 +85,50 @@ class FsspecCheckpointIO(CheckpointIO):
         fs.rm(root, recursive=True)
 
 
-class PeriodicCheckpoint(L.Callback):
-    """Saves every ``every`` steps and at the end; keeps the newest ``keep_last`` checkpoints."""
+def _fault_injection_pause() -> None:
+    """Tests kill the process in the middle of a save: XTRAIN_FAULT_SAVE_PAUSE=seconds holds the
+    save between the state and the commit marker, and announces it on stderr."""
+    pause = float(os.environ.get("XTRAIN_FAULT_SAVE_PAUSE", "0"))
+    if pause:
+        print("xtrain-fault: checkpoint state written, commit pending", file=__import__("sys").stderr,
+              flush=True)
+        time.sleep(pause)
 
-    def __init__(self, directory: str, every: int, keep_last: int = 2, meta: dict | None = None):
-        self.directory, self.every, self.keep_last = directory.rstrip("/"), every, keep_last
-        self.meta = meta or {}
+
+def stale_checkpoints(steps: list[int], keep_last: int, keep_every: int) -> list[int]:
+    """Steps to delete: all but the newest ``keep_last`` and multiples of ``keep_every``."""
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return [s for s in steps if s not in keep]
+
+
+class StopRequest:
+    """SIGINT/SIGTERM handler that only raises a flag: the run stops at the next step boundary,
+    after a checkpoint, never in the middle of an update."""
+
+    def __init__(self):
+        self.signal = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+
+
+class PeriodicCheckpoint(L.Callback):
+    """Saves every ``every`` steps, at the end, and when a stop (preemption) is requested; prunes
+    old checkpoints only after a new one committed; reports each save's seconds."""
+
+    def __init__(self, directory: str, every: int, keep_last: int = 2, keep_every: int = 0,
+                 meta: dict | None = None, stop: StopRequest | None = None, report=None):
+        self.directory, self.every = directory.rstrip("/"), every
+        self.keep_last, self.keep_every = max(1, keep_last), keep_every
+        self.meta, self.stop, self.report = meta or {}, stop, report
         self.last_saved_step = None
-        self.save_seconds = []
+        self.preempted = False
 
     def save(self, trainer) -> None:
         step = trainer.global_step
@@ -97,18 +136,45 @@ class PeriodicCheckpoint(L.Callback):
             return
         t0 = time.perf_counter()
         trainer.save_checkpoint(step_dir(self.directory, step))
-        self.save_seconds.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
         self.last_saved_step = step
         if trainer.is_global_zero:
-            for _, old in committed_checkpoints(self.directory)[:-self.keep_last]:
-                trainer.strategy.checkpoint_io.remove_checkpoint(old)
+            found = committed_checkpoints(self.directory)
+            doomed = set(stale_checkpoints([s for s, _ in found], self.keep_last, self.keep_every))
+            for s, path in found:
+                if s in doomed:
+                    trainer.strategy.checkpoint_io.remove_checkpoint(path)
+            if self.report:
+                self.report({"step": step, "ckpt_s": round(seconds, 3)})
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         checkpoint["xtrain_meta"] = self.meta
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.every and trainer.global_step % self.every == 0:
+        stop = trainer.received_sigterm or (self.stop is not None and self.stop.signal is not None)
+        if stop or (self.every and trainer.global_step % self.every == 0):
             self.save(trainer)
+        if stop:
+            self.preempted = True
+            trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module):
         self.save(trainer)
+
+
+def check_compatible(path: str, shape: dict) -> None:
+    """Refuse a checkpoint whose model differs in shape from the configured one."""
+    from xtrain.config import ConfigError
+    from xtrain.plan import model_shape
+
+    fs, root = _fs(path)
+    with fs.open(f"{root}/meta.json", "r") as f:
+        saved_cfg = json.load(f).get("config", {})
+    from omegaconf import OmegaConf
+
+    saved = model_shape(OmegaConf.create(saved_cfg["model"]))
+    keys = ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size")
+    diff = [f"{k} {saved[k]} -> {shape[k]}" for k in keys if saved[k] != shape[k]]
+    if diff:
+        raise ConfigError(f"checkpoint {path} holds a different model ({', '.join(diff)}); "
+                          "start a new run (run.name=...) or restore the model config")

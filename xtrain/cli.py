@@ -51,11 +51,16 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from xtrain.data import DataError
+
     try:
-        run(cfg, HydraConfig.get().runtime.output_dir)
-    except ConfigError as e:  # bad input: a one-line reason, not a traceback
-        print(f"xtrain: config error: {e}", file=sys.stderr)
+        summary = run(cfg, HydraConfig.get().runtime.output_dir)
+    except (ConfigError, DataError) as e:  # bad input: a one-line reason, not a traceback
+        print(f"xtrain: {'config' if isinstance(e, ConfigError) else 'data'} error: {e}",
+              file=sys.stderr)
         sys.exit(2)
+    if summary and summary.get("preempted"):
+        sys.exit(143)  # 128 + SIGTERM: not finished; re-running the command resumes
 
 
 def main() -> None:

@@ -133,7 +133,10 @@ class TrainerConfig:
 @dataclass
 class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints; may be gs://bucket/prefix
-    every: int = 0  # steps between checkpoints; 0: only the final one
+    every: int = 0  # steps between checkpoints; 0: only the final one (and on preemption)
+    keep_last: int = 2  # newest committed checkpoints kept
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
+    resume: str | None = None  # explicit checkpoint dir to start from; None: newest in `dir`
 
 
 @dataclass

@@ -34,6 +34,7 @@ def run() -> str:
         next(it)
         n += 1
     ours = n * rows * (seq + 1) / (time.perf_counter() - t0)
+    it.close()  # stops the producer thread
     cores = os.cpu_count()
     return (f"## Loader throughput (tokenize + pack on the fly)\n\n`{COMMAND}`: cpp_local corpus "
             f"({raw_tokens:,} tokens), rows of {seq + 1}, batch {rows}, {cores} cores.\n\n"

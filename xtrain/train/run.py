@@ -48,7 +48,11 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     import lightning as L
     import torch
 
-    from xtrain.checkpoint import FsspecCheckpointIO, PeriodicCheckpoint, latest_checkpoint
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from xtrain.checkpoint import (FsspecCheckpointIO, PeriodicCheckpoint, StopRequest,
+                                   check_compatible, latest_checkpoint)
+    from xtrain.plan import model_shape
     from xtrain.data import prepare
     from xtrain.data.batches import LoaderState
     from xtrain.hardware import quiet_lightning_tpu_probe
@@ -70,15 +74,16 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
 
     ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     wandb_run = _start_wandb(cfg, run_dir) if cfg.logging.wandb else None
-    callbacks = [
-        MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), trainer_cfg.log_every,
-                      plan.batch.total_batch_size, plan.flops_per_token,
-                      cfg.hardware.peak_bf16_tflops_per_chip * 1e12, plan.devices, wandb_run,
-                      extra=engine.counters, fetch=engine.fetch),
-        LoaderState(train_loader),
-        PeriodicCheckpoint(ckpt_dir, cfg.checkpoint.every,
-                           meta={"config": OmegaConf.to_container(cfg, resolve=True), **versions()}),
-    ]
+    metrics = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), trainer_cfg.log_every,
+                            plan.batch.total_batch_size, plan.flops_per_token,
+                            cfg.hardware.peak_bf16_tflops_per_chip * 1e12, plan.devices, wandb_run,
+                            extra=engine.counters, fetch=engine.fetch)
+    stop = StopRequest()
+    ckpt = cfg.checkpoint
+    checkpointer = PeriodicCheckpoint(
+        ckpt_dir, ckpt.every, ckpt.keep_last, ckpt.keep_every, stop=stop, report=metrics.write,
+        meta={"config": OmegaConf.to_container(cfg, resolve=True), **versions()})
+    callbacks = [metrics, LoaderState(train_loader), checkpointer]
     eval_every = trainer_cfg.eval_every or plan.max_steps
     quiet_lightning_tpu_probe()
     trainer = L.Trainer(
@@ -88,18 +93,28 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
         val_check_interval=eval_every if val_batches is not None else None,
         check_val_every_n_epoch=None, limit_val_batches=trainer_cfg.eval_batches,
     )
-    resume_from = latest_checkpoint(ckpt_dir)
+    resume_from = ckpt.resume or latest_checkpoint(ckpt_dir)
     if resume_from:
+        check_compatible(resume_from, model_shape(cfg.model))
         print(f"resuming from {resume_from}")
     loader = torch.utils.data.DataLoader(step_batches, batch_size=None)
     val_loader = torch.utils.data.DataLoader(val_batches, batch_size=None) if val_batches else None
-    trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=resume_from)
+    stop.install()
+    try:
+        trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=resume_from)
+    except SIGTERMException:
+        pass  # the checkpoint callback saved at the step boundary before Lightning raised this
     if wandb_run is not None:
         wandb_run.finish()
+    if checkpointer.preempted:
+        print(f"stopped by a signal at step {trainer.global_step}: checkpoint committed; run the "
+              "same command to resume", flush=True)
+        return {"step": trainer.global_step, "checkpoint": latest_checkpoint(ckpt_dir),
+                "preempted": True}
     if trainer_cfg.sample_tokens > 0:
         print("sample:\n" + sample_text(module.model, tokenizer, trainer_cfg.sample_tokens, trainer_cfg.seed))
     summary = {"step": trainer.global_step, "checkpoint": latest_checkpoint(ckpt_dir)}
-    summary.update(engine.describe_sharding(module.model))
+    summary.update(engine.describe_sharding())
     return summary
 
 
@@ -127,8 +142,8 @@ class Engine:
         if self.kind == "xla":
             from xtrain.xla.lightning import SPMDStrategy
 
-            strategy = SPMDStrategy(self.mesh, self.rules, checkpoint_io=checkpoint_io)
-            return {"strategy": strategy, "devices": 1}
+            self.strategy = SPMDStrategy(self.mesh, self.rules, checkpoint_io=checkpoint_io)
+            return {"strategy": self.strategy, "devices": 1}
         return {"accelerator": "cpu", "devices": 1, "plugins": [checkpoint_io]}
 
     def fetch(self, tensors) -> list[float]:
@@ -139,14 +154,11 @@ class Engine:
             return [float(t) for t in xm._maybe_convert_to_cpu(list(tensors))]
         return [float(t) for t in tensors]
 
-    def describe_sharding(self, model) -> dict:
-        """name -> the HLO sharding XLA holds for each parameter (xla engine only)."""
+    def describe_sharding(self) -> dict:
+        """name -> the HLO sharding XLA held for each parameter (xla engine only)."""
         if self.kind != "xla":
             return {}
-        import torch_xla
-
-        return {"param_shardings": {n: torch_xla._XLAC._get_xla_sharding_spec(p)
-                                    for n, p in model.named_parameters()}}
+        return {"param_shardings": self.strategy.param_shardings}
 
     def counters(self) -> dict:
         if self.kind == "xla":

@@ -83,6 +83,7 @@ class SPMDStrategy(SingleDeviceStrategy):
 
         self.mesh, self.rules = mesh, rules
         self.param_specs: dict = {}
+        self.param_shardings: dict = {}
         # one process per host: rank 0 (the first host) does the side effects
         self.global_rank, self.world_size = xr.process_index(), xr.process_count()
 
@@ -119,6 +120,9 @@ class SPMDStrategy(SingleDeviceStrategy):
             for counter in opt.scalar_state():
                 mark(counter, self.mesh, None)
         torch_xla.sync()
+        # what XLA actually holds (HLO sharding strings), for logs and tests
+        self.param_shardings = {n: torch_xla._XLAC._get_xla_sharding_spec(p)
+                                for n, p in self.lightning_module.model.named_parameters()}
 
     def on_validation_start(self) -> None:
         from xtrain.xla.spmd import mark

@@ -1,0 +1,140 @@
+"""Checkpoints: exact resume after SIGTERM (local and gs://), SIGKILL during a save, retention,
+incompatible configs. Training runs are real child processes receiving real signals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import read_jsonl
+from xtrain.checkpoint import committed_checkpoints, stale_checkpoints
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trainer.log_every=1",
+       "trainer.sample_tokens=0", "trainer.eval_batches=1", "optim.warmup_steps=3"]
+
+
+def xtrain(run_dir, *overrides, env=None):
+    return subprocess.Popen([sys.executable, "-m", "xtrain", *RUN, *overrides, f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def losses(run_dir):
+    """step -> loss, the last record of each step winning (a resumed run re-logs from its start)."""
+    return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r}
+
+
+def wait_for_step(run_dir, step, proc, timeout=240):
+    path = Path(run_dir) / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if path.exists() and any(r.get("step", 0) >= step for r in read_jsonl(path) if "loss" in r):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def preempt_and_resume(tmp_path, ckpt_root=None, env=None):
+    steps = ["trainer.max_steps=40"]
+    ckpt = (lambda name: [f"checkpoint.dir={ckpt_root}/{name}"]) if ckpt_root else (lambda name: [])
+    code, _, err = finish(xtrain(tmp_path / "straight", *steps, *ckpt("straight"), env=env))
+    assert code == 0, err[-3000:]
+    steps += ckpt("preempted")
+    proc = xtrain(tmp_path / "preempted", *steps, env=env)
+    wait_for_step(tmp_path / "preempted", 20, proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc)
+    assert code == 143, err[-3000:]
+    assert "stopped by a signal" in out
+    stopped_at = max(losses(tmp_path / "preempted"))
+    assert 20 <= stopped_at < 40
+    code, out, err = finish(xtrain(tmp_path / "preempted", *steps, env=env))  # the same command
+    assert code == 0, err[-3000:]
+    assert f"step_{stopped_at:06d}" in out  # resumed from the preemption checkpoint
+    return losses(tmp_path / "straight"), losses(tmp_path / "preempted"), stopped_at
+
+
+def test_sigterm_then_same_command_resumes_bitwise(tmp_path):
+    straight, resumed, stopped_at = preempt_and_resume(tmp_path)
+    assert sorted(resumed) == list(range(1, 41))
+    assert all(resumed[s] == straight[s] for s in range(1, 41))  # bitwise on the CPU engine
+    ckpt = [r for r in read_jsonl(tmp_path / "preempted" / "metrics.jsonl") if "ckpt_s" in r]
+    assert [r["step"] for r in ckpt] == [stopped_at, 40] and all(r["ckpt_s"] > 0 for r in ckpt)
+
+
+def test_sigterm_resume_through_gcs_emulator(tmp_path, gcs_bucket):
+    bucket, server = gcs_bucket
+    env = {"STORAGE_EMULATOR_HOST": server.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    straight, resumed, stopped_at = preempt_and_resume(tmp_path, f"{bucket}/ckpt", env=env)
+    assert all(resumed[s] == straight[s] for s in range(1, 41))
+    assert not (tmp_path / "preempted" / "checkpoints").exists()  # they went to the bucket
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(token="anon")
+    fs.invalidate_cache()
+    assert fs.exists(f"{bucket}/ckpt/preempted/step_{stopped_at:06d}/COMMITTED")
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    code, _, err = finish(xtrain(run_dir, "trainer.max_steps=10"))
+    assert code == 0, err[-2000:]
+    proc = xtrain(run_dir, "trainer.max_steps=20", env={"XTRAIN_FAULT_SAVE_PAUSE": "30"})
+    for line in proc.stderr:  # the step-20 save has written its state and not yet committed
+        if "commit pending" in line:
+            break
+    proc.kill()  # SIGKILL: no handler runs
+    proc.wait()
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "step_000020" / "state.pt").exists()
+    assert not (ckpts / "step_000020" / "COMMITTED").exists()
+    assert [s for s, _ in committed_checkpoints(str(ckpts))] == [10]
+    code, out, err = finish(xtrain(run_dir, "trainer.max_steps=20"))
+    assert code == 0, err[-2000:]
+    assert "step_000010" in out  # resumed from the last good one, not the torn one
+    assert [s for s, _ in committed_checkpoints(str(ckpts))] == [10, 20]
+
+
+def test_incompatible_checkpoint_is_refused(tmp_path):
+    code, _, err = finish(xtrain(tmp_path / "a", "trainer.max_steps=2"))
+    assert code == 0, err
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    code, _, err = finish(xtrain(tmp_path / "b", "trainer.max_steps=4", "model.n_kv_head=2",
+                                 f"checkpoint.resume={ckpt}"))
+    assert code == 2 and "holds a different model (n_kv_head 4 -> 2)" in err
+
+
+def test_retention_keeps_last_k_and_every_nth():
+    steps = [10, 20, 30, 40, 50, 60]
+    assert stale_checkpoints(steps, keep_last=2, keep_every=0) == [10, 20, 30, 40]
+    assert stale_checkpoints(steps, keep_last=2, keep_every=20) == [10, 30]
+    assert stale_checkpoints([10], keep_last=2, keep_every=0) == []
+
+
+def test_checkpoint_loading_never_unpickles(tmp_path):
+    """A state.pt holding a pickled object is refused (weights_only), even if committed."""
+    import torch
+
+    from xtrain.checkpoint import COMMIT_MARKER, FsspecCheckpointIO
+
+    d = tmp_path / "step_000001"
+    d.mkdir()
+    torch.save({"x": argparse.Namespace(a=1)}, d / "state.pt")  # any non-tensor class
+    (d / COMMIT_MARKER).write_text("")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        FsspecCheckpointIO().load_checkpoint(str(d))

@@ -1,0 +1,141 @@
+"""The XLA SPMD engine on CPU PJRT with virtual devices (PJRT_DEVICE=CPU CPU_NUM_DEVICES=N).
+
+Each case runs in a child process: the device count is fixed when torch_xla's runtime starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch_xla")
+ROOT = Path(__file__).resolve().parent.parent
+SEQ, ROWS, STEPS = 64, 8, 30  # every run sees the same 8 rows of 64 tokens per step
+
+DRIVER = r"""
+import json, sys
+from tests.conftest import compose_cfg
+from xtrain.cli import run
+from tests.conftest import read_jsonl
+out = {}
+for job in json.loads(sys.argv[1]):
+    cfg = compose_cfg(job["overrides"], output_dir=job["dir"])
+    summary = run(cfg, job["dir"])
+    records = read_jsonl(job["dir"] + "/metrics.jsonl")
+    out[job["name"]] = {"summary": summary, "records": records}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def drive(jobs, devices: int | None = None, timeout=900):
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "WANDB_MODE": "offline"}
+    if devices:
+        env["CPU_NUM_DEVICES"] = str(devices)
+    r = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def common(steps=STEPS):
+    return ["model=d2", f"model.sequence_len={SEQ}", f"trainer.max_steps={steps}", "trainer.log_every=1",
+            "trainer.sample_tokens=0", "trainer.eval_batches=1", "optim.warmup_steps=3"]
+
+
+def batch_parallel(parallelism, n):
+    return {"dp": n, "fsdp": n, "fsdp_tp": n // 2}[parallelism]  # fsdp_tp: tensor=2
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cpu")
+    res = drive([{"name": "cpu", "dir": str(d), "overrides": common() + [f"trainer.device_batch_size={ROWS}"]}])
+    return [r["loss"] for r in res["cpu"]["records"] if "loss" in r]
+
+
+def expected_tiles(spec, mesh):
+    """Tile counts per dim that XLA's HLO sharding shows for a declared spec."""
+    def ways(entry):
+        axes = entry if isinstance(entry, list) else [entry] if entry else []
+        n = 1
+        for a in axes:
+            n *= mesh[a]
+        return n
+    return [ways(e) for e in spec]
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_parallelisms_match_the_cpu_engine_and_shard_as_declared(devices, cpu_reference, tmp_path,
+                                                                 compose_config):
+    jobs = []
+    for par in ("dp", "fsdp", "fsdp_tp"):
+        rows = ROWS // batch_parallel(par, devices)
+        jobs.append({"name": par, "dir": str(tmp_path / par), "overrides": common() + [
+            "hardware.engine=xla", f"parallelism={par}", f"trainer.device_batch_size={rows}"]})
+    results = drive(jobs, devices)
+    for par, res in results.items():
+        losses = [r["loss"] for r in res["records"] if "loss" in r]
+        assert len(losses) == STEPS
+        # float32 on both engines; XLA reorders reductions (and shards them), so not bitwise
+        diffs = [abs(a - b) for a, b in zip(losses, cpu_reference)]
+        assert max(diffs) < 2e-3, (par, devices, max(diffs))
+        assert losses[-1] < losses[0] - 2.0
+        par_cfg = compose_config([f"parallelism={par}"]).parallelism
+        from xtrain.parallelism import mesh_shape, spec_for
+
+        mesh = mesh_shape(par_cfg, devices)
+        for name, hlo in res["summary"]["param_shardings"].items():
+            spec = spec_for(name, par_cfg.rules)
+            if spec is None:
+                assert hlo == "{replicated}", (par, name, hlo)
+                continue
+            tiles = expected_tiles(list(spec), mesh)
+            assert hlo.startswith("{devices=[" + ",".join(map(str, tiles))), (par, name, hlo, tiles)
+            replicated = devices // (tiles[0] * tiles[1])
+            assert ("last_tile_dim_replicate" in hlo) == (replicated > 1), (par, name, hlo)
+
+
+def _compile_run(tmp_path, steps):
+    overrides = common(steps) + [
+        "hardware.engine=xla", "trainer.device_batch_size=2", "trainer.log_every=10",
+        "trainer.eval_every=20", "checkpoint.every=25", "optim.warmup_steps=5",
+        "optim.warmdown_ratio=0.4", "optim.final_lr_frac=0.0"]
+    res = drive([{"name": "run", "dir": str(tmp_path / f"s{steps}"), "overrides": overrides}], 4)
+    return res["run"]["records"]
+
+
+def test_compilations_are_constant_and_host_syncs_only_at_log_points(tmp_path):
+    counts = {}
+    for steps in (50, 100):
+        records = _compile_run(tmp_path, steps)
+        train = [r for r in records if "loss" in r]
+        # 3 graphs in all: optimizer-state init, the training step, the validation step.
+        # (An LR at 0.0/1.0 and the warmup/warmdown never add one: the LR is computed on device.)
+        # (the validation graph is compiled at the first evaluation, after step 20's log line)
+        assert [r["xla_compiles"] for r in train] == [2 if r["step"] <= 20 else 3 for r in train]
+        counts[steps] = train[-1]["xla_compiles"]
+        for r in train:  # one transfer per log line, per evaluation and per checkpoint so far
+            step = r["step"]
+            logs = len([s for s in range(1, step + 1) if s == 1 or s % 10 == 0])
+            evals = (step - 1) // 20  # an evaluation at step s runs after that step's log line
+            ckpts = (step - 1) // 25
+            assert r["host_syncs"] == logs + evals + ckpts, (steps, r)
+        lrs = [r["lr"] for r in train]
+        assert lrs[-1] < lrs[len(lrs) // 2]  # warmdown happened
+    assert counts[50] == counts[100] == 3
+
+
+def test_bad_mesh_fails_before_compiling(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "xtrain", "hardware.engine=xla", "parallelism=dp",
+                        "parallelism.data=3", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                       env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but the hardware has 4" in r.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
