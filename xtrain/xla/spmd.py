@@ -31,6 +31,13 @@ def start_runtime(hw) -> None:
 
     xr.use_spmd()
     check_runtime(hw)
+    if xr.process_count() > 1:
+        # a CPU process group across hosts, for coordination outside the compiled graph
+        # (untestable here: torch_xla multi-process on CPU does not rendezvous; see DESIGN.md)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="xla://")
     _started = True
 
 
