@@ -35,8 +35,9 @@ class Tokenizer:
             raise DataError(f"tokenizer has no {BOS} token")
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if self.kind == "hf":
-            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+        if self.kind == "hf":  # the _fast variant skips offsets: ~20% faster, all we need are ids
+            encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
         return self.backend.encode_ordinary_batch(texts, num_threads=self.threads)
 
     def encode(self, text: str) -> list[int]:
