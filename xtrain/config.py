@@ -137,6 +137,7 @@ class CheckpointConfig:
     keep_last: int = 2  # newest committed checkpoints kept
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
     resume: str | None = None  # explicit checkpoint dir to start from; None: newest in `dir`
+    retries: int = 5  # upload attempts after a storage error (backoff 1, 2, 4, ... s); then warn
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import lightning as L
@@ -24,9 +25,11 @@ class MetricsLogger(L.Callback):
         self.fetch = fetch or (lambda tensors: [float(t) for t in tensors])
         self._t0 = None
         self._step0 = 0
+        self._lock = threading.Lock()
 
     def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
+        """Append one record; thread-safe (checkpoint uploads report from their own thread)."""
+        with self._lock, open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])

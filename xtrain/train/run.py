@@ -80,14 +80,15 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
                             extra=engine.counters, fetch=engine.fetch)
     stop = StopRequest()
     ckpt = cfg.checkpoint
+    checkpoint_io = FsspecCheckpointIO(retries=ckpt.retries)
     checkpointer = PeriodicCheckpoint(
-        ckpt_dir, ckpt.every, ckpt.keep_last, ckpt.keep_every, stop=stop, report=metrics.write,
-        meta={"config": OmegaConf.to_container(cfg, resolve=True), **versions()})
+        ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last, ckpt.keep_every, stop=stop,
+        report=metrics.write, meta={"config": OmegaConf.to_container(cfg, resolve=True), **versions()})
     callbacks = [metrics, LoaderState(train_loader), checkpointer]
     eval_every = trainer_cfg.eval_every or plan.max_steps
     quiet_lightning_tpu_probe()
     trainer = L.Trainer(
-        **engine.trainer_kwargs(FsspecCheckpointIO()), max_steps=plan.max_steps, logger=False,
+        **engine.trainer_kwargs(checkpoint_io), max_steps=plan.max_steps, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
         num_sanity_val_steps=0, callbacks=callbacks,
         val_check_interval=eval_every if val_batches is not None else None,
