@@ -50,7 +50,8 @@ class MetricsLogger(L.Callback):
         loss, lr_mult = self.fetch([pl_module.last_loss, opt.last_lr_multiplier()])
         tok_per_s = (step - self._step0) * self.tokens_per_step / max(now - self._t0, 1e-9)
         self._t0, self._step0 = now, step
-        record = {"step": step, "loss": round(loss, 6), "lr": opt.param_groups[0]["lr"] * lr_mult,
+        lr = float(f"{opt.param_groups[0]['lr'] * lr_mult:.6g}")
+        record = {"step": step, "loss": round(loss, 6), "lr": lr,
                   "tokens": step * self.tokens_per_step, "tok_per_s": round(tok_per_s, 1),
                   "tok_per_s_per_chip": round(tok_per_s / self.chips, 1)}
         if self.peak_flops and self.flops_per_token:
