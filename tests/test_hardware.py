@@ -166,3 +166,14 @@ def test_topologies_are_known_to_the_tpu_compiler(compose_config):
         assert kind == kinds[hw.topology.split(":")[0]]
         # the compile-only topology lists v4 TensorCores separately, megacore families by chip
         assert devices in (hw.chips, hw.chips * hw.cores_per_chip), hw.name
+
+
+def test_profile_environment_is_exported_and_user_values_win(compose_config, monkeypatch):
+    from xtrain.hardware import apply_environment
+
+    hw = compose_config(["hardware=v6e4"]).hardware
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.setenv("XLA_NO_SPECIAL_SCALARS", "0")  # set by the user: kept
+    applied = apply_environment(hw)
+    assert os.environ["PJRT_DEVICE"] == "TPU" and applied == {"PJRT_DEVICE": "TPU"}
+    assert os.environ["XLA_NO_SPECIAL_SCALARS"] == "0"

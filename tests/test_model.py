@@ -102,3 +102,16 @@ def test_forward_shapes_loss_and_init(compose_config):
     for block in model.blocks:
         assert block.attn.c_proj.weight.abs().sum() == 0 and block.mlp.c_proj.weight.abs().sum() == 0
     assert not any(m.bias is not None for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_bfloat16_profiles_compute_matmuls_in_bfloat16(compose_config):
+    from xtrain.train.module import GPTModule
+
+    cfg = _model_cfg(compose_config, "d2")
+    cfg.vocab_size, cfg.sequence_len = 300, 16
+    for precision, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        module = GPTModule(gpt_config(cfg, "sdpa"), compose_config().optim, 10, precision=precision)
+        x = torch.randn(2, 16, 128)  # d2: width 128
+        with module._autocast():
+            assert module.model.lm_head(x).dtype == dtype
+            assert module.model(torch.zeros(2, 16, dtype=torch.long)).dtype == torch.float32  # loss math
