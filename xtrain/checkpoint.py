@@ -167,10 +167,16 @@ class StopRequest:
 
     def __init__(self):
         self.signal = None
+        self._previous = {}
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _handle(self, signum, frame):
         self.signal = signum

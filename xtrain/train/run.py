@@ -22,7 +22,6 @@ def versions() -> dict:
 
 def make_loaders(cfg, tokenizer, rows: int, accum: int, rank: int = 0, world: int = 1):
     from xtrain.data import DataError
-
     from xtrain.data.batches import EvalBatches, StepBatches
     from xtrain.data.loader import PackedLoader, list_shards
 
@@ -44,19 +43,18 @@ def make_loaders(cfg, tokenizer, rows: int, accum: int, rank: int = 0, world: in
 
 
 def train(cfg, plan: RunPlan, run_dir: str) -> dict:
-    """Train; returns a summary (final step, last logged loss, checkpoint path)."""
+    """Train; returns a summary (final step, newest checkpoint, preempted or not)."""
     import lightning as L
     import torch
-
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from xtrain.checkpoint import (FsspecCheckpointIO, PeriodicCheckpoint, StopRequest,
                                    check_compatible, latest_checkpoint)
-    from xtrain.plan import model_shape
     from xtrain.data import prepare
     from xtrain.data.batches import LoaderState
     from xtrain.hardware import quiet_lightning_tpu_probe
     from xtrain.observe.metrics import MetricsLogger
+    from xtrain.plan import model_shape
     from xtrain.train.module import GPTModule
 
     # Lightning's INFO banners (accelerator probes, tips) would also flow through Hydra's log
@@ -105,6 +103,8 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
         trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=resume_from)
     except SIGTERMException:
         pass  # the checkpoint callback saved at the step boundary before Lightning raised this
+    finally:
+        stop.uninstall()
     if wandb_run is not None:
         wandb_run.finish()
     if checkpointer.preempted:
