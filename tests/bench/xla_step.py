@@ -25,7 +25,7 @@ from xtrain.model.gpt import GPT
 from xtrain.hardware import quiet_lightning_tpu_probe
 import torch_xla, torch_xla.core.xla_model as xm
 
-WARM, STEPS = 5, 30
+WARM, STEPS = 5, 20
 cfg = compose_cfg(["model=d4", "hardware.engine=xla", "trainer.device_batch_size=2",
                    "model.vocab_size=4096", f"trainer.max_steps={WARM + STEPS}"])
 plan = resolve(cfg, 4)
@@ -88,8 +88,12 @@ def framework():
     trainer.fit(module, torch.utils.data.DataLoader(Repeat(), batch_size=None))
     return timer.dt
 
-a = bare(); b = framework(); c = bare()
-print("RESULT " + json.dumps({"bare": [a, c], "xtrain": b}))
+# alternate, and keep each side's best run: this machine's noise only ever adds time
+runs = {"bare": [], "xtrain": []}
+for _ in range(2):
+    runs["bare"].append(bare())
+    runs["xtrain"].append(framework())
+print("RESULT " + json.dumps(runs))
 """
 
 
@@ -100,11 +104,12 @@ def run() -> str:
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
     res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
-    bare = sum(res["bare"]) / 2
+    bare, ours = min(res["bare"]), min(res["xtrain"])
+    runs = ", ".join(f"{a * 1e3:.0f}/{b * 1e3:.0f}" for a, b in zip(res["bare"], res["xtrain"]))
     return (f"## XLA SPMD step time: xtrain vs a bare torch_xla loop\n\n`{COMMAND}`: model d4 "
             f"(vocab 4096), 8 x 256 tokens per step, dp mesh over 4 virtual CPU devices, the same "
-            f"compiled step; 30 steps after 5 warm-up, device work awaited.\n\n"
+            f"compiled step; 20 steps after 5 warm-up, device work awaited; bare and xtrain "
+            f"alternate twice and each keeps its best run.\n\n"
             f"| run | step time |\n| --- | --- |\n| bare torch_xla loop | {bare * 1e3:.1f} ms |\n"
-            f"| xtrain (Lightning + SPMD strategy) | {res['xtrain'] * 1e3:.1f} ms |\n\n"
-            f"**ratio xtrain / bare = {res['xtrain'] / bare:.3f}** (target <= 1.05; bare before/after: "
-            f"{res['bare'][0] * 1e3:.1f} / {res['bare'][1] * 1e3:.1f} ms)\n")
+            f"| xtrain (Lightning + SPMD strategy) | {ours * 1e3:.1f} ms |\n\n"
+            f"**ratio xtrain / bare = {ours / bare:.3f}** (target <= 1.05; runs bare/xtrain ms: {runs})\n")
