@@ -4,7 +4,6 @@ incompatible configs. Training runs are real child processes receiving real sign
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess

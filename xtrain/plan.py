@@ -13,7 +13,7 @@ for every query, which doubles attention FLOPs and inflates MFU at long context.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from xtrain.config import ConfigError
 
@@ -241,9 +241,6 @@ def max_steps(explicit: int | None, tokens_per_param: float | None, params: int,
         raise ConfigError("set trainer.max_steps or trainer.target_tokens_per_param")
     return max(1, math.ceil(tokens_per_param * params / total_batch))
 
-
-def as_dict(plan) -> dict:
-    return asdict(plan)
 
 
 @dataclass

@@ -55,7 +55,6 @@ def _save_vs_raw(root: str, reps: int = 3):
 
 
 def _async_overhead(root: str, steps: int = 12):
-    import torch
 
     from xtrain.checkpoint import FsspecCheckpointIO
 

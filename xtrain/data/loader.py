@@ -118,8 +118,8 @@ class BestFitBuffer:
 
 
 class PackedLoader:
-    def __init__(self, files: str | list[str], tokenizer: Tokenizer, seq_len: int, rows: int, *, seed: int = 0,
-                 rank: int = 0, world: int = 1, shuffle: bool = True, loop: bool = True,
+    def __init__(self, files: str | list[str], tokenizer: Tokenizer, seq_len: int, rows: int, *,
+                 seed: int = 0, rank: int = 0, world: int = 1, shuffle: bool = True, loop: bool = True,
                  prefetch: int = 4, threads: int = 2, buffer_docs: int = 256):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} not in [0, {world})")
