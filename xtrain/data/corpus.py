@@ -22,8 +22,9 @@ import fsspec
 from xtrain.data.tokenizer import DataError
 
 CPP_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc", ".ipp", ".inl")
-BUILDER_VERSION = 1
-ROWS_PER_SHARD = 2000
+BUILDER_VERSION = 2  # 2: row groups of 1024 rows (larger tokenizer batches)
+ROWS_PER_SHARD = 2048
+ROWS_PER_ROW_GROUP = 1024  # one loader unit: one tokenizer call (bigger calls parallelise better)
 
 
 def looks_like_cpp(path: str, head: bytes) -> bool:
@@ -243,7 +244,7 @@ def build(spec: BuildSpec, urls: list[str], key: str) -> dict:
         for i in range(0, max(1, len(rows)), ROWS_PER_SHARD):
             table = pa.table({"text": rows[i:i + ROWS_PER_SHARD]})
             with fs.open(f"{root}/{split}/shard_{i // ROWS_PER_SHARD:05d}.parquet", "wb") as f:
-                pq.write_table(table, f, row_group_size=256)
+                pq.write_table(table, f, row_group_size=ROWS_PER_ROW_GROUP)
         counts[split] = {"chunks": len(rows), "bytes": sum(len(r.encode()) for r in rows)}
     manifest = {
         "build_key": key, "builder_version": BUILDER_VERSION, "sources": spec.sources,
