@@ -112,6 +112,6 @@ def test_bfloat16_profiles_compute_matmuls_in_bfloat16(compose_config):
     for precision, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         module = GPTModule(gpt_config(cfg, "sdpa"), compose_config().optim, 10, precision=precision)
         x = torch.randn(2, 16, 128)  # d2: width 128
-        with module._autocast():
+        with module._autocast("cpu"):
             assert module.model.lm_head(x).dtype == dtype
             assert module.model(torch.zeros(2, 16, dtype=torch.long)).dtype == torch.float32  # loss math

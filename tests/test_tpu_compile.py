@@ -1,11 +1,19 @@
-"""The Pallas attention kernels compile for the target TPU topology with libtpu, on this CPU."""
+"""The TPU preflight: the training step and the Pallas attention kernels compile for the target
+TPU topology with libtpu, on this CPU (no TPU)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
+from tests.conftest import compose_cfg
 from xtrain.plan import model_shape, resolve
-from xtrain.tpu_compile import compile_kernel, kernel_requests
+from xtrain.tpu_compile import collective_summary, compile_kernel, kernel_requests
 
 
 @pytest.fixture
@@ -50,3 +58,123 @@ def test_a_compiler_failure_is_reported_not_raised(v6e4_16k):
     req["topology"]["topology_name"] = "v6e:3x3x3"  # no such slice
     result = compile_kernel(req)
     assert result["ok"] is False and 'Topology layout "v6e:3x3x3"' in result["error"]  # libtpu's words
+
+
+# --- mode=compile: the whole training step, traced on XLA:CPU and compiled by libtpu ---------
+
+TINY_TPU = ["model=d2", "model.sequence_len=256", "trainer.device_batch_size=2",
+            "trainer.total_batch_size=2048", "data=cpp16k"]
+
+
+def _xtrain(args, cache, timeout=900):
+    env = {**os.environ, "XTRAIN_CACHE": str(cache)}
+    return subprocess.run([sys.executable, "-m", "xtrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cache)
+
+
+def test_collective_summary_counts_ops_and_result_bytes():
+    hlo = """
+  %all-gather.1 = f32[64,32]{1,0} all-gather(f32[16,32]{1,0} %p), dimensions={0}
+  %ags = (bf16[8]{0}, bf16[32]{0}) all-gather-start(bf16[8]{0} %q), dimensions={0}
+  %agd = bf16[32]{0} all-gather-done((bf16[8]{0}, bf16[32]{0}) %ags)
+  ROOT %all-reduce.2 = f32[10]{0} all-reduce(f32[10]{0} %g), to_apply=%add
+  %fusion = f32[4]{0} fusion(f32[4]{0} %all-reduce-like), kind=kLoop
+"""
+    assert collective_summary(hlo) == {"all-gather": {"count": 2, "bytes": 64 * 32 * 4 + 32 * 2},
+                                       "all-reduce": {"count": 1, "bytes": 40}}
+
+
+def test_trace_gives_every_argument_its_sharding_and_donation(compose_config, tmp_path):
+    """The traced fsdp step: parameters and their optimizer buffers sharded like the rules say,
+    the batch over the batch axes, and every piece of state donated to its own update."""
+    from omegaconf import OmegaConf
+
+    from xtrain.preflight import trace_environment
+
+    cfg = compose_config(["hardware=v6e4", *TINY_TPU, "parallelism=fsdp", "mode=compile"])
+    plan = resolve(cfg, 4)
+    OmegaConf.save(cfg, tmp_path / "config.yaml", resolve=True)
+    r = subprocess.run([sys.executable, "-m", "xtrain.xla.trace", str(tmp_path / "config.yaml"),
+                        str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env=trace_environment(cfg.hardware))
+    assert r.returncode == 0, r.stderr[-2000:]
+    traced = json.loads((tmp_path / "step.json").read_text())
+    text = (tmp_path / "step.mlir").read_text()
+    assert traced["devices"] == 4 and "func.func @main" in text
+    n_params = 2 + 6 * 2  # wte, lm_head, 6 matrices per block
+    n_state = n_params + 6 * 2 + 2 * 2 + 1  # + Muon momentum, AdamW m and v, the step counter
+    assert len(traced["results"]) == n_state + 2  # + LR multiplier and loss
+    aliases = [a["alias"] for a in traced["args"] if a["alias"] is not None]
+    assert sorted(aliases) == list(range(n_state))
+    shardings = {a["sharding"] for a in traced["args"]}
+    assert "{devices=[1,4,1]0,1,2,3}" in shardings  # tokens [A, B, T+1]: rows over 4 devices
+    assert "{devices=[4,1]0,1,2,3}" in shardings  # fsdp: the first dimension of the matrices
+    assert plan.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+
+
+def test_compile_mode_measures_the_step_caches_it_and_plan_shows_it(tmp_path):
+    pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
+    args = ["hardware=v6e4", *TINY_TPU, "mode=compile"]
+    r = _xtrain(args, tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = r.stdout
+    assert "TPU compile (v6e4, libtpu 0.0.21): ok" in out
+    hbm = re.search(r"HBM/chip \(compiler\): ([\d.]+) GiB of 32 GiB", out)
+    assert hbm and 0.05 < float(hbm.group(1)) < 2, out
+    assert re.search(r"FLOPs/step/chip \(compiler\): [1-9]", out)
+    assert "all-reduce" in out  # data parallel: the gradients are summed across chips
+    cached = list((tmp_path / "preflight").glob("*.json"))
+    assert len(cached) == 1
+    report = json.loads(cached[0].read_text())
+    assert report["step"]["alias_bytes"] > 0  # donated state, as in a real step
+
+    again = _xtrain(args, tmp_path)
+    assert again.returncode == 0 and "cached result" in again.stdout
+    assert hbm.group(0) in again.stdout
+    plan = _xtrain(["hardware=v6e4", *TINY_TPU, "mode=plan"], tmp_path)
+    assert plan.returncode == 0 and hbm.group(0) in plan.stdout and "HBM/chip (planner)" in plan.stdout
+    other = _xtrain(["hardware=v6e4", *TINY_TPU, "model.depth=3", "mode=plan"], tmp_path)
+    assert "TPU compiler: not run yet" in other.stdout
+
+
+def test_fsdp_divides_the_resident_state_the_compiler_reports(tmp_path):
+    pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
+    from xtrain.preflight import run_preflight
+
+    reports = {}
+    for parallelism in ("dp", "fsdp"):
+        cfg = compose_cfg(["hardware=v6e4", *TINY_TPU, f"parallelism={parallelism}", "mode=compile"])
+        reports[parallelism] = run_preflight(cfg, resolve(cfg, 4))["step"]
+    dp, fsdp = reports["dp"], reports["fsdp"]
+    assert dp["ok"] and fsdp["ok"]
+    assert fsdp["argument_bytes"] < 0.4 * dp["argument_bytes"]  # weights and state split 4 ways
+    assert "all-gather" in fsdp["collectives"] and "all-gather" not in dp["collectives"]
+
+
+def test_compile_mode_exits_non_zero_when_the_step_does_not_fit(tmp_path):
+    pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
+    # a chip with 64 MiB of HBM: the real compiled figure must be checked against the profile
+    r = _xtrain(["hardware=v6e4", *TINY_TPU, "hardware.hbm_gib_per_chip=0.0625", "mode=compile"],
+                tmp_path)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "HBM/chip (compiler)" in r.stdout
+    assert re.search(r"does not fit: the compiled step needs [\d.]+ GiB per chip, the chip has 0 GiB",
+                     r.stderr)
+
+
+def test_flash_attention_kernel_is_compiled_inside_the_step(tmp_path):
+    pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
+    from xtrain.preflight import run_preflight
+
+    cfg = compose_cfg(["hardware=v6e4", *TINY_TPU, "model.attention=flash", "mode=compile"])
+    report = run_preflight(cfg, resolve(cfg, 4))
+    assert report["step"]["ok"], report["step"]
+    assert [(k["kernel"], k["ok"]) for k in report["kernels"]] == [("flash", True)]
+
+
+def test_compile_mode_refuses_a_profile_without_a_tpu(compose_config):
+    from xtrain.cli import run
+    from xtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="hardware=cpu is not a TPU profile"):
+        run(compose_config(["mode=compile"]), "unused")

@@ -35,6 +35,17 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
 
     plan = resolve(cfg, run_devices(cfg.hardware))
     print(f"run {cfg.run.name} -> {run_dir}\n{plan.describe()}", flush=True)
+    if cfg.mode == "compile":  # the TPU compiler, not the estimate, decides whether it fits
+        from xtrain.preflight import preflight
+
+        preflight(cfg, plan)
+        return None
+    if cfg.mode == "plan" and cfg.hardware.accelerator_type:
+        from xtrain.preflight import cached_report, describe
+
+        report = cached_report(cfg, plan)
+        print(describe(report) if report else "TPU compiler: not run yet for this config "
+                                              "(mode=compile)")
     check_fits(plan)
     if cfg.mode == "plan":
         print("plan: fits" + (f" in {cfg.hardware.hbm_gib_per_chip:g} GiB HBM per chip"

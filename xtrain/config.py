@@ -154,7 +154,7 @@ class RunConfig:
 
 @dataclass
 class TrainConfig:
-    mode: str = "train"  # train | plan | sample | eval
+    mode: str = "train"  # train | plan (print the plan) | compile (TPU preflight, xtrain/preflight.py)
     run: RunConfig = field(default_factory=RunConfig)
     hardware: HardwareConfig = MISSING
     model: ModelConfig = MISSING
@@ -165,8 +165,6 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-
-MODES = ("train", "plan", "sample", "eval")
 
 # Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
 _NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",

@@ -282,6 +282,9 @@ class RunPlan:
         return "\n".join(lines)
 
 
+MODES = ("train", "plan", "compile")
+
+
 def resolve(cfg, devices: int) -> RunPlan:
     """Fill the config's derived (None) fields in place, check everything, return the run's plan.
 
@@ -293,8 +296,8 @@ def resolve(cfg, devices: int) -> RunPlan:
     from xtrain.parallelism import batch_parallel, check_rules, mesh_shape
 
     model, data, hw, trainer = cfg.model, cfg.data, cfg.hardware, cfg.trainer
-    if cfg.mode not in ("train", "plan", "sample", "eval"):
-        raise ConfigError(f"mode={cfg.mode!r}: expected one of train, plan, sample, eval")
+    if cfg.mode not in MODES:
+        raise ConfigError(f"mode={cfg.mode!r}: expected one of {', '.join(MODES)}")
     check_profile(hw)
     if model.vocab_size is None:
         model.vocab_size = data.vocab_size

@@ -72,6 +72,8 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # QK-norm
+        # torch_xla's autocast runs rms_norm in float32: attend in the projections' dtype
+        q, k = q.to(v.dtype), k.to(v.dtype)
         y = attend(q, k, v, self.window, self.backend, self.block, self.partition_spec)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 

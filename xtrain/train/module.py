@@ -42,29 +42,35 @@ class GPTModule(L.LightningModule):
     def configure_optimizers(self):
         return build_optimizer(self.model, self.optim_cfg, self.max_steps, self.precision_name)
 
-    def _autocast(self):
+    def _autocast(self, device_type: str):
         if self.precision_name == "bfloat16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+            return torch.autocast(device_type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def training_step(self, batch, batch_idx):
-        tokens, _ = batch
-        opt = self.optimizers()
+    def step_closure(self, tokens, backward):
+        """The body of one optimizer step over ``tokens`` [A, B, T+1]: every micro-batch's forward
+        and ``backward``, then clipping; returns the mean loss. Training runs it through
+        ``optimizer.step(closure)``; the TPU preflight traces the very same function."""
         accum = tokens.size(0)
 
         def closure():
             total = torch.zeros((), device=tokens.device)
             for micro in tokens.unbind(0):
                 x, y = split_inputs_targets(micro)
-                with self._autocast():
+                with self._autocast(tokens.device.type):
                     loss = self.model(x, y) / accum
-                self.manual_backward(loss)
+                backward(loss)
                 total = total + loss.detach()
             if self.optim_cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
             return total
 
-        loss = opt.step(closure=closure)
+        return closure
+
+    def training_step(self, batch, batch_idx):
+        tokens, _ = batch
+        opt = self.optimizers()
+        loss = opt.step(closure=self.step_closure(tokens, self.manual_backward))
         opt.zero_grad(set_to_none=True)
         self.last_loss = loss
 
@@ -76,7 +82,7 @@ class GPTModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = split_inputs_targets(batch)
-        with self._autocast():
+        with self._autocast(x.device.type):
             logits = self.model(x)
         nats = torch.nn.functional.cross_entropy(
             logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none", ignore_index=-1)

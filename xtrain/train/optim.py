@@ -86,14 +86,21 @@ class MuonAdamW(torch.optim.Optimizer):
         return lr_multiplier(0, **self.schedule) if mult is None else mult
 
     @torch.no_grad()
-    def init_state(self) -> None:
-        """Create every state buffer now (zeros) instead of inside the first step, so the first
-        step traces the same graph as all later ones (one compilation under XLA)."""
+    def init_state(self, make=None) -> None:
+        """Create every missing state buffer now instead of inside the first step, so the first
+        step traces the same graph as all later ones (one compilation under XLA). Restored state
+        is kept. ``make(zeros)`` may replace each new zero buffer (the TPU preflight swaps in
+        buffer-less placeholders)."""
+        make = make or (lambda zeros: zeros)
         device = self.param_groups[0]["params"][0].device
-        self._step_counter(device)
+        if getattr(self, "_t", None) is None:
+            self._t = make(self._step_counter(device))
         for group in self.param_groups:
             for p in group["params"]:
-                self._state_for(p, group["kind"])
+                if not self.state[p]:
+                    state = self._state_for(p, group["kind"])
+                    for name, buf in state.items():
+                        state[name] = make(buf)
 
     def scalar_state(self) -> list[torch.Tensor]:
         """State that belongs to no parameter (the step counter)."""

@@ -86,12 +86,11 @@ class SPMDStrategy(SingleDeviceStrategy):
         self.global_rank, self.world_size = xr.process_index(), xr.process_count()
 
     def model_to_device(self) -> None:
-        from xtrain.xla.spmd import attention_partition_spec, shard_parameters
+        from xtrain.xla.spmd import set_attention_partition, shard_parameters
 
         self.model.to(self.root_device)
         self.param_specs = shard_parameters(self.lightning_module.model, self.rules, self.mesh)
-        for block in self.lightning_module.model.blocks:
-            block.attn.partition_spec = attention_partition_spec()
+        set_attention_partition(self.lightning_module.model)
 
     def batch_to_device(self, batch, device=None, dataloader_idx=0):
         from xtrain.xla.spmd import shard_batch
@@ -106,17 +105,12 @@ class SPMDStrategy(SingleDeviceStrategy):
         is every step's graph."""
         import torch_xla
 
-        from xtrain.xla.spmd import mark
+        from xtrain.xla.spmd import mark, optimizer_state_specs
 
-        names = {id(p): n for n, p in self.lightning_module.model.named_parameters()}
         for opt in self.optimizers:
             opt.init_state()
-            for p, state in opt.state.items():
-                for buf in state.values():
-                    spec = self.param_specs.get(names.get(id(p))) if buf.shape == p.shape else None
-                    mark(buf, self.mesh, spec)
-            for counter in opt.scalar_state():
-                mark(counter, self.mesh, None)
+            for buf, spec in optimizer_state_specs(opt, self.lightning_module.model, self.param_specs):
+                mark(buf, self.mesh, spec)
         torch_xla.sync()
         # what XLA actually holds (HLO sharding strings), for logs and tests
         self.param_shardings = {n: torch_xla._XLAC._get_xla_sharding_spec(p)

@@ -75,17 +75,33 @@ def mark(tensor, mesh, spec):
     return tensor
 
 
-def attention_partition_spec() -> tuple:
-    """q/k/v [B, H, T, D]: batch over the batch axes, heads over tensor."""
-    return (BATCH_AXES, "tensor", None, None)
+def set_attention_partition(model) -> None:
+    """The Pallas kernels run per shard: q/k/v [B, H, T, D] split with batch over the batch axes
+    and heads over tensor."""
+    for block in model.blocks:
+        block.attn.partition_spec = (BATCH_AXES, "tensor", None, None)
+
+
+def optimizer_state_specs(optimizer, model, param_specs: dict):
+    """(state tensor, spec) for every optimizer buffer: a buffer shaped like its parameter is
+    sharded like it, anything else (the step counter) is replicated."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in optimizer.state.items():
+        for buf in state.values():
+            yield buf, (param_specs.get(names.get(id(p))) if buf.shape == p.shape else None)
+    for counter in optimizer.scalar_state():
+        yield counter, None
+
+
+def batch_spec(ndim: int) -> tuple:
+    """[A, B, T+1] (micro-batches) or [B, T+1]: rows split over the batch axes."""
+    return (None, BATCH_AXES, None) if ndim == 3 else (BATCH_AXES, None)
 
 
 def shard_batch(tokens, mesh):
-    """[A, B, T+1] (micro-batches) or [B, T+1]: rows split over the batch axes."""
     import torch_xla.distributed.spmd as xs
 
-    spec = (None, BATCH_AXES, None) if tokens.dim() == 3 else (BATCH_AXES, None)
-    xs.mark_sharding(tokens, mesh, spec)
+    xs.mark_sharding(tokens, mesh, batch_spec(tokens.dim()))
     return tokens
 
 

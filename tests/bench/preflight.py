@@ -1,0 +1,59 @@
+"""TPU preflight (mode=compile) on the user's configs: per-chip HBM from the TPU compiler vs the
+planner's estimate, compile time, and the config that must not fit."""
+
+from __future__ import annotations
+
+import time
+
+COMMAND = "make bench ARGS=preflight   (python -m tests.bench preflight)"
+CONFIGS = [  # the user's known-good runs, then one that cannot fit
+    ["hardware=v5e8", "model=d16", "data=base_data_v3"],  # seq 1024, batch 8
+    ["hardware=v6e4", "model=d16", "data=base_data_v3"],  # seq 2048, batch 8
+    ["hardware=v6e4", "model=d16", "data=cpp16k"],  # seq 16384, batch 1, flash attention
+    ["hardware=v5e8", "model=d26", "data=cpp16k"],  # seq 16384 without sharding: must not fit
+]
+TOLERANCE = 0.25
+GIB = 1024**3
+
+
+def run() -> str:
+    from tests.conftest import compose_cfg
+    from xtrain.preflight import hbm_bytes, run_preflight, verdict
+    from xtrain.plan import resolve
+
+    rows = []
+    for overrides in CONFIGS:
+        cfg = compose_cfg([*overrides, "mode=compile"])
+        plan = resolve(cfg, cfg.hardware.chips)
+        t0 = time.time()
+        report = run_preflight(cfg, plan)
+        wall = time.time() - t0
+        step = report["step"]
+        est = report["planner_bytes"] / GIB
+        if step["ok"]:
+            need = hbm_bytes(step) / GIB
+            compiler = f"{need:.2f}"
+            ratio = f"{est / need:.2f}"
+            within = "yes" if abs(est / need - 1) <= TOLERANCE else "**no**"
+        else:
+            compiler, ratio, within = "over HBM" if "RESOURCE_EXHAUSTED" in step["error"] else "error", "-", "-"
+        problem = verdict(report) or "fits"
+        kernels = ", ".join(f"{k['kernel']} {'ok' if k['ok'] else 'FAILED'}" for k in report["kernels"]) or "-"
+        rows.append(f"| {' '.join(overrides)} | {plan.batch.sequence_len} x {plan.batch.device_batch_size} "
+                    f"| {plan.attention} | {compiler} | {est:.2f} | {ratio} | {within} | {problem} "
+                    f"| {kernels} | {step.get('seconds', '-')} / {wall:.0f} |")
+        print(rows[-1], flush=True)
+        if not step["ok"]:
+            rows.append(f"|  | compiler: {step['error'][:300].splitlines()[0]} |||||||||")
+    return "\n".join([
+        "## TPU preflight: compiler HBM vs the planner's estimate",
+        "",
+        f"`{COMMAND}`. Each config's training step traced on XLA:CPU and compiled by libtpu "
+        "for the profile's topology (no TPU). HBM per chip = arguments + temporaries + outputs - "
+        f"aliases, GiB. Target: the planner within ±{TOLERANCE:.0%} of the compiler.",
+        "",
+        "| config | seq x batch | attention | compiler GiB | planner GiB | planner/compiler | "
+        "within | verdict | kernels | compile s / total s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ])
