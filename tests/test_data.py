@@ -10,10 +10,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
 
 from xtrain.data import DataError, prepare
 from xtrain.data.corpus import chunk_source, top_level_units
-from xtrain.data.loader import PAD, PackedLoader
+from xtrain.data.loader import PAD, PackedLoader, list_shards
 from xtrain.data.tokenizer import BOS, load_tokenizer, save_hf, train_bpe
 
 CPP = """#include <vector>
@@ -221,12 +222,42 @@ def test_no_cpp_sources_is_a_clear_error(tmp_path, compose_config):
 
 
 def test_tokenizer_has_bos_and_byte_lengths(corpus):
-    tok = corpus[2]
-    assert tok.bos_id == tok.backend.token_to_id(BOS) and tok.token_bytes[tok.bos_id] == 0
+    root, _, tok = corpus
+    hf = HFTokenizer.from_file(str(root / "tok" / "tokenizer.json"))
+    assert tok.bos_id == hf.token_to_id(BOS) and tok.token_bytes[tok.bos_id] == 0
     text = "int f1() { return 1; }\n"
     ids = tok.encode(text)
     assert tok.decode(ids) == text
     assert int(tok.token_bytes[ids].sum()) == len(text.encode())
+
+
+def test_xtrain_bpe_encodes_through_tiktoken_with_the_same_ids(compose_config):
+    """The loader encodes xtrain's HF-trained BPE with tiktoken (faster): it must give HF's ids
+    for every document of the default corpus, and for text outside it."""
+    cfg = compose_config()
+    tok = prepare(cfg.data)
+    assert tok.kind == "tiktoken"
+    hf = HFTokenizer.from_file(f"{cfg.data.tokenizer}/tokenizer.json")
+    texts = []
+    for shard in list_shards(cfg.data.train_files):
+        texts += pq.read_table(shard, columns=["text"]).column("text").to_pylist()
+    texts.append("naïve ünïcode — 😀 \t\r\n  trailing   spaces  \n\n'll 've 're 123 x1 \x00\x7f")
+    expected = [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+    assert tok.encode_batch(texts) == expected
+    assert sum(map(len, expected)) > 1_000_000  # the whole corpus, not a sample
+    assert tok.decode(expected[-1]) == texts[-1]
+
+
+def test_other_hf_tokenizers_stay_on_hf(tmp_path):
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers, trainers
+
+    hf = HFTok(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # not a plain byte-level BPE
+    hf.train_from_iterator(_docs(50), trainers.BpeTrainer(vocab_size=300, special_tokens=[BOS]))
+    save_hf(hf, np.ones(hf.get_vocab_size(), dtype=np.int32), str(tmp_path))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.kind == "hf" and tok.encode("int x;") == hf.encode("int x;").ids
 
 
 def test_nanochat_tiktoken_directory_loads(tmp_path):

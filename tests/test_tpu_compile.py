@@ -178,3 +178,23 @@ def test_compile_mode_refuses_a_profile_without_a_tpu(compose_config):
 
     with pytest.raises(ConfigError, match="hardware=cpu is not a TPU profile"):
         run(compose_config(["mode=compile"]), "unused")
+
+
+@pytest.mark.slow
+def test_an_incompatible_jax_libtpu_pair_is_reported_with_the_compilers_reason(v6e4_16k, tmp_path_factory):
+    """jax 0.7.1 writes Mosaic IR v8, libtpu 0.0.21 reads <= 7: the user's broken pin, caught with
+    no TPU. Needs a second environment (created here, ~700 MB from the package registry, or
+    reused from $XTRAIN_JAX071_VENV)."""
+    venv = os.environ.get("XTRAIN_JAX071_VENV") or str(tmp_path_factory.mktemp("jax071"))
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", "jax==0.7.1", "jaxlib==0.7.1",
+                        "libtpu==0.0.21"], check=True, timeout=1800)
+    cfg, plan = v6e4_16k
+    (req, *_) = kernel_requests(cfg.hardware, model_shape(cfg.model), plan.attention, 1)
+    req["shape"][2] = 2048
+    mismatched = compile_kernel(req, python=python)
+    assert mismatched["ok"] is False
+    assert "Unsupported version: expected <= 7 but got 8" in mismatched["error"], mismatched
+    assert compile_kernel(req)["ok"]  # the pinned pair compiles the same request
