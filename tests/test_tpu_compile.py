@@ -178,6 +178,10 @@ def test_compile_mode_refuses_a_profile_without_a_tpu(compose_config):
 
     with pytest.raises(ConfigError, match="hardware=cpu is not a TPU profile"):
         run(compose_config(["mode=compile"]), "unused")
+    windowed = compose_config(["hardware=v6e4", *TINY_TPU, "model.attention=flash",
+                               "model.window_pattern=SL", "mode=compile"])
+    with pytest.raises(ConfigError, match="cannot trace splash attention"):
+        run(windowed, "unused")
 
 
 @pytest.mark.slow

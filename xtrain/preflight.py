@@ -66,12 +66,20 @@ def hbm_bytes(step: dict) -> int:
             - step["alias_bytes"])
 
 
-def check_can_compile(cfg) -> None:
+def check_can_compile(cfg, plan) -> None:
     """Refuse early, before any tracing, what cannot be preflighted here."""
+    from xtrain.plan import model_shape
+
     hw = cfg.hardware
     if not hw.accelerator_type or hw.engine != "xla":
         raise ConfigError(f"mode=compile compiles for a TPU: hardware={hw.name} is not a TPU "
                           "profile (try hardware=v6e4)")
+    windowed = any(w is not None for w in model_shape(cfg.model)["windows"])
+    if plan.attention == "splash" or (plan.attention == "flash" and windowed):
+        # torch_xla's splash wrapper lowers through call_jax with a mesh of JAX's own devices,
+        # which cannot target the TPU from a CPU process
+        raise ConfigError("mode=compile cannot trace splash attention (the windowed layers of "
+                          f"model.window_pattern={cfg.model.window_pattern}) yet")
     missing = [p for p, v in _stack_versions().items() if v is None and p != "torch"]
     if missing:
         raise ConfigError(f"mode=compile needs {', '.join(missing)} (pip install 'xtrain[tpu]')")
@@ -168,7 +176,7 @@ def verdict(report: dict) -> str | None:
 
 def preflight(cfg, plan) -> dict:
     """``mode=compile``: print the report; raise PreflightError when the run would fail."""
-    check_can_compile(cfg)
+    check_can_compile(cfg, plan)
     report = cached_report(cfg, plan)
     if report is not None:
         print("TPU preflight: cached result (same config, versions and code)")

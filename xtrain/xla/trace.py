@@ -58,6 +58,7 @@ def trace_step(cfg, plan) -> dict:
     import torch_xla
     import torch_xla.core.xla_builder as xb
     import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
     from xtrain.model.gpt import rotary_tables
@@ -66,11 +67,7 @@ def trace_step(cfg, plan) -> dict:
     from xtrain.train.module import GPTModule
     from xtrain.xla.spmd import batch_spec, build_mesh, optimizer_state_specs, set_attention_partition
 
-    if plan.attention == "splash" or (plan.attention == "flash" and any(cfg_windows(cfg))):
-        # torch_xla's splash wrapper builds its JAX mesh from JAX's own devices and lowers through
-        # call_jax, which has no cross-platform lowering yet.
-        raise NotImplementedError("tracing the splash kernel (windowed layers) on CPU is not "
-                                  "supported yet; its kernel is still compiled on its own")
+    gpt = gpt_config(cfg.model, plan.attention)
     lower_pallas_for_tpu()
     xr.use_spmd()
     mesh = build_mesh(plan.mesh)
@@ -80,7 +77,7 @@ def trace_step(cfg, plan) -> dict:
         return xb.create_placeholder_tensor(tuple(like.shape), like.dtype)
 
     with torch.device("meta"):  # shapes only: no host memory for the weights
-        module = GPTModule(gpt_config(cfg.model, plan.attention), cfg.optim, plan.max_steps,
+        module = GPTModule(gpt, cfg.optim, plan.max_steps,
                            precision=cfg.hardware.precision)
     model = module.model
     for sub in model.modules():
@@ -121,8 +118,6 @@ def trace_step(cfg, plan) -> dict:
             return "{replicated}"
         if (spec, ndim) not in shardings:  # the HLO string depends on the spec, not the shape
             probe = torch.zeros((mesh.size(),) * ndim, device=device)
-            import torch_xla.distributed.spmd as xs
-
             xs.mark_sharding(probe, mesh, spec)
             shardings[spec, ndim] = torch_xla._XLAC._get_xla_sharding_spec(probe)
         return shardings[spec, ndim]
@@ -132,12 +127,6 @@ def trace_step(cfg, plan) -> dict:
     results = [sharding(spec, t.dim()) for t, spec in state] + ["{replicated}"] * 2
     return {"stablehlo": stablehlo, "args": args, "results": results,
             "devices": xr.global_runtime_device_count(), "trace_seconds": round(time.time() - t0, 2)}
-
-
-def cfg_windows(cfg) -> list:
-    from xtrain.plan import model_shape
-
-    return [w for w in model_shape(cfg.model)["windows"] if w is not None]
 
 
 def main(config_path: str, out_dir: str) -> None:
