@@ -202,3 +202,13 @@ def test_an_incompatible_jax_libtpu_pair_is_reported_with_the_compilers_reason(v
     assert mismatched["ok"] is False
     assert "Unsupported version: expected <= 7 but got 8" in mismatched["error"], mismatched
     assert compile_kernel(req)["ok"]  # the pinned pair compiles the same request
+
+
+def test_the_compilers_out_of_memory_numbers_are_read():
+    from xtrain.tpu_compile import hbm_from_error
+
+    error = ("XlaRuntimeError: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of "
+             "memory in memory space hbm. Used 33.98G of 31.25G hbm. Exceeded hbm capacity by 2.73G.")
+    used, usable = hbm_from_error(error)
+    assert used == int(33.98 * 2**30) and usable == int(31.25 * 2**30)
+    assert hbm_from_error("INVALID_ARGUMENT: something else") is None

@@ -1,13 +1,18 @@
 """Checkpoints through fsspec (local paths or gs://), committed atomically, found on restart.
 
-Layout: ``<dir>/step_000100/{state.pt, meta.json, COMMITTED}``. ``COMMITTED`` is written last,
-after every other byte is durable: a checkpoint without it is incomplete (a crash mid-save) and is
-never chosen for resume. Object stores have no atomic directory rename, so the marker (as Orbax's
-``commit_success.txt``) is the commit on every filesystem. Loading is a trust boundary:
-``torch.load(weights_only=True)`` and JSON metadata, never pickle.
+Layout: ``<dir>/step_000100/{tensors/, state.pt, meta.json, COMMITTED}``. ``tensors/`` is a
+torch.distributed.checkpoint (DCP) directory holding every tensor of the checkpoint (model,
+optimizer state); ``state.pt`` holds the rest (loop counters, loader position, ...) with each
+tensor replaced by a reference into ``tensors/``. Under the XLA engine each host writes only its
+own shards (torch_xla's SPMD planners) and loads only what its devices hold; the CPU engine
+writes the same layout from one process. ``COMMITTED`` is written last, after every other byte is
+durable: a checkpoint without it is incomplete (a crash mid-save) and is never chosen for resume.
+Object stores have no atomic directory rename, so the marker (as Orbax's ``commit_success.txt``)
+is the commit on every filesystem. Loading is a trust boundary: ``torch.load(weights_only=True)``,
+DCP tensor data and JSON metadata, never pickle.
 
 Lightning's own ``TorchCheckpointIO``/``XLACheckpointIO`` write with a plain ``torch.save`` to a
-local path (neither atomic nor fsspec), hence this CheckpointIO.
+local path (neither atomic, sharded nor fsspec), hence this CheckpointIO.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import re
 import signal
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
@@ -27,6 +33,8 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 COMMIT_MARKER = "COMMITTED"
+# Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it each time.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 _STEP_DIR = re.compile(r"step_(\d+)$")
 
 
@@ -63,18 +71,58 @@ def latest_checkpoint(directory: str) -> str | None:
     return found[-1][1] if found else None
 
 
+TENSOR_REF = "xtrain-tensor:"  # a tensor's place in state.pt; its data is under tensors/
+
+
+def split_tensors(obj, path: str = ""):
+    """(skeleton, {key: tensor}): every tensor in nested dicts/lists/tuples replaced by a
+    reference string naming its key."""
+    tensors: dict = {}
+
+    def walk(x, key):
+        if isinstance(x, torch.Tensor):
+            tensors[key] = x
+            return TENSOR_REF + key
+        if isinstance(x, dict):
+            return {k: walk(v, f"{key}/{k}") for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v, f"{key}/{i}") for i, v in enumerate(x))
+        return x
+
+    return walk(obj, path), tensors
+
+
+def join_tensors(skeleton, tensors: dict):
+    """Inverse of :func:`split_tensors`."""
+    if isinstance(skeleton, str) and skeleton.startswith(TENSOR_REF):
+        return tensors[skeleton[len(TENSOR_REF):]]
+    if isinstance(skeleton, dict):
+        return {k: join_tensors(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(join_tensors(v, tensors) for v in skeleton)
+    return skeleton
+
+
 class FsspecCheckpointIO(CheckpointIO):
     """Lightning CheckpointIO: ``path`` is a checkpoint directory (see the module docstring).
 
-    Saves are asynchronous: ``save_checkpoint`` serialises the state on the caller's thread (the
-    snapshot: training may change the weights right after) and a background thread uploads it,
-    retrying with backoff when storage fails, and commits. At most one upload is in flight, so
-    the extra host memory is bounded by one serialised checkpoint. ``wait()`` blocks until the
-    upload committed (the final and the preemption saves use it).
+    Saves are asynchronous: ``save_checkpoint`` snapshots the tensors to host memory on the
+    caller's thread (training may change the weights right after): a copy of every tensor, or
+    under ``sharded`` (XLA SPMD) of this host's shards only. A background thread then writes
+    them, retrying with backoff when storage fails, and commits. At most one save is in flight,
+    so the extra host memory is bounded by one snapshot (this host's share of the weights and
+    optimizer state). ``wait()`` blocks until the save committed (the final and the preemption
+    saves use it).
+
+    ``sharded``: every host calls ``save_checkpoint`` and writes its own shards; the first host
+    (``rank`` 0) also writes ``state.pt``, ``meta.json`` and, once DCP reports every host done,
+    the commit marker. ``process_group`` spans the hosts (None on one host).
     """
 
-    def __init__(self, retries: int = 5, backoff_s: float = 1.0):
+    def __init__(self, retries: int = 5, backoff_s: float = 1.0, sharded: bool = False,
+                 rank: int = 0, process_group=None):
         self.retries, self.backoff_s = retries, backoff_s
+        self.sharded, self.rank, self.process_group = sharded, rank, process_group
         self.on_commit = None  # called from the upload thread with {"path", "ckpt_s", ...}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="xtrain-ckpt")
         self._inflight = None
@@ -82,25 +130,55 @@ class FsspecCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         self.wait()
         t0 = time.perf_counter()
-        buf = io.BytesIO()
-        torch.save(checkpoint, buf)
-        meta = {"step": checkpoint.get("global_step"), "bytes": buf.tell(), "saved_at": time.time(),
+        skeleton, tensors = split_tensors(checkpoint)
+        snapshot = self._snapshot(tensors)
+        rest = io.BytesIO()
+        torch.save(skeleton, rest)
+        meta = {"step": checkpoint.get("global_step"), "saved_at": time.time(),
                 **checkpoint.get("xtrain_meta", {})}
         blocking = time.perf_counter() - t0
-        self._inflight = self._pool.submit(self._upload, str(path), buf.getvalue(), meta, t0, blocking)
+        self._inflight = self._pool.submit(self._upload, str(path), snapshot, rest.getvalue(), meta,
+                                           t0, blocking)
 
-    def _upload(self, path: str, state: bytes, meta: dict, t0: float, blocking: float):
+    def _snapshot(self, tensors: dict) -> dict:
+        if self.sharded:
+            # torch_xla's helper (the one its CheckpointManager uses): this host's shards to CPU in
+            # one transfer, kept with their indices for the SPMD save planner
+            from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+
+            return _sharded_cpu_state_dict(tensors)
+        return {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
+
+    def _planner(self, kind: str):
+        if not self.sharded:
+            return None  # DCP's defaults
+        from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
+
+        return SPMDSavePlanner() if kind == "save" else SPMDLoadPlanner()
+
+    def _dcp_kwargs(self) -> dict:
+        return {"process_group": self.process_group, "no_dist": self.process_group is None}
+
+    def _upload(self, path: str, snapshot: dict, rest: bytes, meta: dict, t0: float, blocking: float):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
         delay = self.backoff_s
         for attempt in range(self.retries + 1):
             try:
                 fs, root = _fs(path)
-                if fs.exists(root):  # a torn attempt at this step; never a committed one we keep
-                    fs.rm(root, recursive=True)
-                fs.makedirs(root, exist_ok=True)
-                fs.pipe_file(f"{root}/state.pt", state)
-                _fault_injection_pause()
-                fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
-                fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
+                if self.rank == 0:
+                    if fs.exists(root):  # a torn attempt at this step; never a committed one we keep
+                        fs.rm(root, recursive=True)
+                    fs.makedirs(root, exist_ok=True)
+                self._barrier()
+                dcp.save(snapshot, storage_writer=FsspecWriter(f"{root}/tensors"),
+                         planner=self._planner("save"), **self._dcp_kwargs())
+                if self.rank == 0:
+                    fs.pipe_file(f"{root}/state.pt", rest)
+                    _fault_injection_pause()
+                    fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
+                    fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
                 break
             except Exception as e:  # storage errors come in many types (OSError, HTTP, ...)
                 if attempt == self.retries:
@@ -113,9 +191,15 @@ class FsspecCheckpointIO(CheckpointIO):
                 delay *= 2
         result = {"path": path, "step": meta["step"], "ckpt_s": round(time.perf_counter() - t0, 3),
                   "ckpt_blocking_s": round(blocking, 3)}
-        if self.on_commit:
+        if self.on_commit and self.rank == 0:
             self.on_commit(result)
         return result
+
+    def _barrier(self) -> None:
+        if self.process_group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.process_group)
 
     def wait(self):
         """Block until the in-flight upload (if any) has committed or given up."""
@@ -127,13 +211,27 @@ class FsspecCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         self.wait()
 
-    def load_checkpoint(self, path, map_location=None, weights_only=True):
+    def load_checkpoint(self, path, map_location=None, weights_only=True, targets: dict | None = None):
+        """The checkpoint dict. ``targets`` maps tensor keys (see :func:`split_tensors`) to tensors
+        to load into in place, e.g. the sharded device tensors of the model and optimizer; every
+        other tensor is read into new CPU tensors."""
         # weights_only is always True here, whatever the caller asks: a checkpoint is untrusted input.
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
         fs, root = _fs(str(path))
         if not fs.exists(f"{root}/{COMMIT_MARKER}"):
             raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
-        data = fs.cat_file(f"{root}/state.pt")
-        return torch.load(io.BytesIO(data), map_location=map_location or "cpu", weights_only=True)
+        skeleton = torch.load(io.BytesIO(fs.cat_file(f"{root}/state.pt")), map_location="cpu",
+                              weights_only=True)
+        reader = FsspecReader(f"{root}/tensors")
+        stored = reader.read_metadata().state_dict_metadata
+        tensors = dict(targets or {})
+        for key, info in stored.items():
+            if key not in tensors:
+                tensors[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        dcp.load(tensors, storage_reader=reader, planner=self._planner("load"), **self._dcp_kwargs())
+        return join_tensors(skeleton, tensors)
 
     def remove_checkpoint(self, path):
         fs, root = _fs(str(path))

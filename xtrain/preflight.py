@@ -26,6 +26,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from xtrain.config import ConfigError
+from xtrain.tpu_compile import hbm_from_error
 
 GIB = 1024**3
 STACK = ("torch", "torch_xla", "jax", "jaxlib", "libtpu")
@@ -149,6 +150,13 @@ def describe(report: dict) -> str:
         coll = ", ".join(f"{k} x{v['count']} ({v['bytes'] / GIB:.2f} GiB)"
                          for k, v in sorted(step["collectives"].items())) or "none"
         lines.append(f"collectives/step/chip: {coll}")
+    elif hbm_from_error(step["error"]):
+        used, usable = hbm_from_error(step["error"])
+        lines.append(f"TPU compile ({report['hardware']}): out of HBM")
+        lines.append(f"HBM/chip (compiler): at least {used / GIB:.2f} GiB of {usable / GIB:.2f} GiB "
+                     f"usable ({used / usable:.0%})")
+        lines.append(f"HBM/chip (planner):  {est / GIB:.2f} GiB ({est / used - 1:+.0%} vs the compiler)")
+        lines.append("compiler's report:\n  " + "\n  ".join(step["error"].splitlines()[:40]))
     else:
         lines.append(f"TPU compile ({report['hardware']}): FAILED\n  {step['error']}")
     for k in report["kernels"]:
@@ -162,9 +170,11 @@ def verdict(report: dict) -> str | None:
     """Why the run would fail on the TPU, or None."""
     step = report["step"]
     if not step["ok"]:
-        out_of_memory = "RESOURCE_EXHAUSTED" in step["error"] or "memory" in step["error"].lower()
-        return ("does not fit: the TPU compiler ran out of HBM" if out_of_memory
-                else "the step does not compile for the TPU")
+        hbm = hbm_from_error(step["error"])
+        if hbm:
+            return (f"does not fit: the TPU compiler needs at least {hbm[0] / GIB:.2f} GiB per chip, "
+                    f"{hbm[1] / GIB:.2f} GiB are usable")
+        return "the step does not compile for the TPU (the compiler's reason is above)"
     if hbm_bytes(step) > report["hbm_bytes_per_chip"]:
         return (f"does not fit: the compiled step needs {hbm_bytes(step) / GIB:.2f} GiB per chip, "
                 f"the chip has {report['hbm_bytes_per_chip'] / GIB:.0f} GiB")

@@ -19,6 +19,7 @@ GIB = 1024**3
 def run() -> str:
     from tests.conftest import compose_cfg
     from xtrain.preflight import hbm_bytes, run_preflight, verdict
+    from xtrain.tpu_compile import hbm_from_error
     from xtrain.plan import resolve
 
     rows = []
@@ -35,8 +36,13 @@ def run() -> str:
             compiler = f"{need:.2f}"
             ratio = f"{est / need:.2f}"
             within = "yes" if abs(est / need - 1) <= TOLERANCE else "**no**"
+        elif hbm_from_error(step["error"]):  # out of HBM: the compiler states what it needed
+            need = hbm_from_error(step["error"])[0] / GIB
+            compiler = f">= {need:.2f} (OOM)"
+            ratio = f"{est / need:.2f}"
+            within = "yes" if abs(est / need - 1) <= TOLERANCE else "**no**"
         else:
-            compiler, ratio, within = "over HBM" if "RESOURCE_EXHAUSTED" in step["error"] else "error", "-", "-"
+            compiler, ratio, within = "error", "-", "-"
         problem = verdict(report) or "fits"
         kernels = ", ".join(f"{k['kernel']} {'ok' if k['ok'] else 'FAILED'}" for k in report["kernels"]) or "-"
         rows.append(f"| {' '.join(overrides)} | {plan.batch.sequence_len} x {plan.batch.device_batch_size} "

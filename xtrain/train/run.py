@@ -48,8 +48,7 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     import torch
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from xtrain.checkpoint import (FsspecCheckpointIO, PeriodicCheckpoint, StopRequest,
-                                   check_compatible, latest_checkpoint)
+    from xtrain.checkpoint import PeriodicCheckpoint, StopRequest, check_compatible, latest_checkpoint
     from xtrain.data import prepare
     from xtrain.data.batches import LoaderState
     from xtrain.hardware import quiet_lightning_tpu_probe
@@ -78,7 +77,7 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
                             extra=engine.counters, fetch=engine.fetch)
     stop = StopRequest()
     ckpt = cfg.checkpoint
-    checkpoint_io = FsspecCheckpointIO(retries=ckpt.retries)
+    checkpoint_io = engine.checkpoint_io(ckpt.retries)
     checkpointer = PeriodicCheckpoint(
         ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last, ckpt.keep_every, stop=stop,
         report=metrics.write, meta={"config": OmegaConf.to_container(cfg, resolve=True), **versions()})
@@ -138,6 +137,16 @@ class Engine:
             self.mesh = build_mesh(plan.mesh)
             self.rules = cfg.parallelism.rules
         self.rows_per_host = global_rows // self.world
+
+    def checkpoint_io(self, retries: int):
+        from xtrain.checkpoint import FsspecCheckpointIO
+
+        if self.kind == "xla":  # every host writes and reads its own shards
+            import torch.distributed as dist
+
+            group = dist.group.WORLD if dist.is_initialized() else None
+            return FsspecCheckpointIO(retries=retries, sharded=True, rank=self.rank, process_group=group)
+        return FsspecCheckpointIO(retries=retries)
 
     def trainer_kwargs(self, checkpoint_io) -> dict:
         if self.kind == "xla":

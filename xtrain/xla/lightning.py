@@ -7,8 +7,8 @@ Lightning 2.6 has no SPMD strategy (its XLAStrategy spawns one process per devic
   (TPU, or CPU PJRT with virtual devices).
 - :class:`SPMDStrategy`: one process per host; moves the module to the XLA device, shards its
   parameters by the ``parallelism`` rules, shards every batch over the batch axes, reports the
-  host's process index as its global rank (so side effects happen once), and saves checkpoints
-  through xtrain's fsspec CheckpointIO with tensors gathered to the host.
+  host's process index as its global rank (so side effects happen once), and saves and loads
+  checkpoints shard by shard through xtrain's fsspec CheckpointIO (DCP, every host its own).
 - :class:`SPMDPrecision`: runs ``optimizer.step(closure)`` — every micro-batch's forward and
   backward, clipping and the update — inside one ``torch_xla.compile`` region, so a step is one
   graph, reused at every step after warm-up.
@@ -100,17 +100,20 @@ class SPMDStrategy(SingleDeviceStrategy):
             return (shard_batch(batch[0], self.mesh), *batch[1:])
         return shard_batch(batch, self.mesh)
 
-    def on_train_start(self) -> None:
-        """Create the optimizer state now, sharded like its parameters, so the first step's graph
-        is every step's graph."""
-        import torch_xla
-
+    def _init_optimizer_state(self) -> None:
+        """Create missing optimizer state on the device, sharded like its parameters."""
         from xtrain.xla.spmd import mark, optimizer_state_specs
 
         for opt in self.optimizers:
             opt.init_state()
             for buf, spec in optimizer_state_specs(opt, self.lightning_module.model, self.param_specs):
                 mark(buf, self.mesh, spec)
+
+    def on_train_start(self) -> None:
+        """Create the optimizer state now, so the first step's graph is every step's graph."""
+        import torch_xla
+
+        self._init_optimizer_state()
         torch_xla.sync()
         # what XLA actually holds (HLO sharding strings), for logs and tests
         self.param_shardings = {n: torch_xla._XLAC._get_xla_sharding_spec(p)
@@ -129,10 +132,19 @@ class SPMDStrategy(SingleDeviceStrategy):
         return out
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-        import torch_xla.core.xla_model as xm
+        # every host writes its own shards (the CheckpointIO is sharded; see xtrain/checkpoint.py)
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-        if self.is_global_zero:
-            # one batched transfer (sharded tensors are gathered) per checkpoint
-            cpu = xm._maybe_convert_to_cpu(checkpoint)
-            self.checkpoint_io.save_checkpoint(cpu, filepath, storage_options=storage_options)
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """Read the model's and optimizer's tensors straight into their sharded device tensors
+        (each host reads only the shards its devices hold)."""
+        import torch_xla
 
+        from xtrain.checkpoint import split_tensors
+
+        self._init_optimizer_state()
+        torch_xla.sync()
+        target = {"state_dict": self.lightning_module.state_dict(),
+                  "optimizer_states": [opt.state_dict() for opt in self.optimizers]}
+        _, tensors = split_tensors(target)
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, targets=tensors)
