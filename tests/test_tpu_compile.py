@@ -162,6 +162,19 @@ def test_compile_mode_exits_non_zero_when_the_step_does_not_fit(tmp_path):
                      r.stderr)
 
 
+def test_compile_mode_reports_the_compilers_out_of_memory_with_its_numbers(tmp_path):
+    pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
+    # 1024 rows of 256 tokens per chip: the bf16 logits alone (1024 x 256 x 65536) need 32 GiB
+    r = _xtrain(["hardware=v6e4", *TINY_TPU, "trainer.device_batch_size=1024",
+                 "trainer.total_batch_size=1048576", "mode=compile"], tmp_path)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "TPU compile (v6e4): out of HBM" in r.stdout
+    assert "would exceed memory" in r.stdout  # the compiler's own report: the logits buffer
+    used = re.search(r"HBM/chip \(compiler\): at least ([\d.]+) GiB of ([\d.]+) GiB usable", r.stdout)
+    assert used and float(used.group(1)) > float(used.group(2)) > 30
+    assert "does not fit: the TPU compiler needs at least" in r.stderr
+
+
 def test_flash_attention_kernel_is_compiled_inside_the_step(tmp_path):
     pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
     from xtrain.preflight import run_preflight
@@ -211,4 +224,7 @@ def test_the_compilers_out_of_memory_numbers_are_read():
              "memory in memory space hbm. Used 33.98G of 31.25G hbm. Exceeded hbm capacity by 2.73G.")
     used, usable = hbm_from_error(error)
     assert used == int(33.98 * 2**30) and usable == int(31.25 * 2**30)
+    single = ("RESOURCE_EXHAUSTED: Allocation (size=34359738368) would exceed memory "
+              "(size=33822867456) :: #allocation448 [shape = 'bf16[1024,256,65536]']")
+    assert hbm_from_error(single) == (34359738368, 33822867456)
     assert hbm_from_error("INVALID_ARGUMENT: something else") is None

@@ -93,13 +93,16 @@ def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
 
 
 def hbm_from_error(error: str) -> tuple[int, int] | None:
-    """(used, usable) bytes per chip from the TPU compiler's out-of-HBM error ("Ran out of memory
-    in memory space hbm. Used 33.98G of 31.25G hbm."; binary units), or None."""
+    """(needed at least, usable) bytes per chip from the TPU compiler's out-of-HBM errors, or None.
+    Two forms: the whole program ("Ran out of memory in memory space hbm. Used 33.98G of 31.25G
+    hbm.", binary units) or one buffer ("Allocation (size=34359738368) would exceed memory
+    (size=33822867456)")."""
     m = re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm", error)
-    if not m:
-        return None
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    return (int(float(m.group(1)) * scale[m.group(2)]), int(float(m.group(3)) * scale[m.group(4)]))
+    if m:
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        return (int(float(m.group(1)) * scale[m.group(2)]), int(float(m.group(3)) * scale[m.group(4)]))
+    m = re.search(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)", error)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 # --- the child side: runs with libtpu loaded -------------------------------------------------
