@@ -69,6 +69,10 @@ def _run_child(kind: str, request: dict, python: str, timeout: int) -> dict:
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if lines:
         return json.loads(lines[-1])
+    if r.returncode == -9:  # SIGKILL: in practice the kernel's out-of-memory killer
+        return {"ok": False, "error": "the compiler process was killed (SIGKILL), usually by the "
+                                      "out-of-memory killer: this machine has too little host RAM "
+                                      "for this compile"}
     tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
     return {"ok": False, "error": f"the compiler process died (exit {r.returncode}): {tail}"}
 
