@@ -77,8 +77,7 @@ def trace_step(cfg, plan) -> dict:
         return xb.create_placeholder_tensor(tuple(like.shape), like.dtype)
 
     with torch.device("meta"):  # shapes only: no host memory for the weights
-        module = GPTModule(gpt, cfg.optim, plan.max_steps,
-                           precision=cfg.hardware.precision)
+        module = GPTModule(gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision)
     model = module.model
     for sub in model.modules():
         for name, p in list(sub.named_parameters(recurse=False)):
