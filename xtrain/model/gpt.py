@@ -53,16 +53,6 @@ def apply_rotary(x, cos, sin):
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
-def token_nats(logits, targets):
-    """Per-token cross-entropy ``logsumexp(logits) - logits[target]`` in float32; 0 where the
-    target is PAD (-1). Written out rather than ``F.cross_entropy``: torch_xla lowers that through
-    a dense one-hot [tokens, vocab] in float32 plus int64 index tensors of the same shape, several
-    times the logits' own memory (seen in the TPU preflight's compiled step)."""
-    logits = logits.float()
-    picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (torch.logsumexp(logits, dim=-1) - picked) * (targets >= 0)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, window: int | None):
         super().__init__()
@@ -146,8 +136,7 @@ class GPT(nn.Module):
         logits = softcap * torch.tanh(logits / softcap)
         if targets is None:
             return logits
-        nats = token_nats(logits, targets)
-        return nats.sum() / (targets >= 0).sum().clamp(min=1)  # mean over scored tokens
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
     def param_groups(self):
         """(matrices for Muon, embedding, head) — the split nanochat's optimiser uses."""

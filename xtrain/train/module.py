@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import lightning as L
 import torch
 
-from xtrain.model.gpt import GPT, GPTConfig, token_nats
+from xtrain.model.gpt import GPT, GPTConfig
 from xtrain.train.optim import build_optimizer
 
 
@@ -84,7 +84,8 @@ class GPTModule(L.LightningModule):
         x, y = split_inputs_targets(batch)
         with self._autocast(x.device.type):
             logits = self.model(x)
-        nats = token_nats(logits, y).reshape(-1)
+        nats = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none", ignore_index=-1)
         y = y.reshape(-1)
         nbytes = torch.where(y >= 0, self.token_bytes[y.clamp(min=0)], 0.0)
         counted = nbytes > 0  # BOS and PAD stand for no bytes: excluded, as nanochat does
