@@ -11,6 +11,8 @@ CONFIGS = [  # the user's known-good runs, then one that cannot fit
     ["hardware=v6e4", "model=d16", "data=base_data_v3"],  # seq 2048, batch 8
     ["hardware=v5e8", "model=d26", "data=cpp16k"],  # seq 16384 without sharding: must not fit
     ["hardware=v6e4", "model=d16", "data=cpp16k"],  # seq 16384, batch 1, flash attention
+    # what the preflight recommends for the second: half the device batch, 2 accumulation steps
+    ["hardware=v6e4", "model=d16", "data=base_data_v3", "trainer.device_batch_size=4"],
 ]
 TOLERANCE = 0.25
 GIB = 1024**3
@@ -18,7 +20,7 @@ GIB = 1024**3
 
 def run() -> str:
     from tests.conftest import compose_cfg
-    from xtrain.preflight import hbm_bytes, run_preflight, verdict
+    from xtrain.preflight import cached_report, hbm_bytes, run_preflight, verdict
     from xtrain.tpu_compile import hbm_from_error
     from xtrain.plan import resolve
 
@@ -27,8 +29,10 @@ def run() -> str:
         cfg = compose_cfg([*overrides, "mode=compile"])
         plan = resolve(cfg, cfg.hardware.chips)
         t0 = time.time()
-        report = run_preflight(cfg, plan)
-        wall = time.time() - t0
+        report = cached_report(cfg, plan)  # same config, versions and xtrain source: reuse
+        cached = report is not None
+        report = report or run_preflight(cfg, plan)
+        wall = f"{time.time() - t0:.0f}" if not cached else "cached"
         step = report["step"]
         est = report["planner_bytes"] / GIB
         if step["ok"]:
@@ -39,15 +43,15 @@ def run() -> str:
         elif hbm_from_error(step["error"]):  # out of HBM: the compiler states what it needed
             need = hbm_from_error(step["error"])[0] / GIB
             compiler = f">= {need:.2f} (OOM)"
-            ratio = f"{est / need:.2f}"
-            within = "yes" if abs(est / need - 1) <= TOLERANCE else "**no**"
+            ratio = f"<= {est / need:.2f}"
+            within = "**no**" if est / need < 1 - TOLERANCE else "n/a: the compiler stops counting at OOM"
         else:
             compiler, ratio, within = "error", "-", "-"
         problem = verdict(report) or "fits"
         kernels = ", ".join(f"{k['kernel']} {'ok' if k['ok'] else 'FAILED'}" for k in report["kernels"]) or "-"
         rows.append(f"| {' '.join(overrides)} | {plan.batch.sequence_len} x {plan.batch.device_batch_size} "
                     f"| {plan.attention} | {compiler} | {est:.2f} | {ratio} | {within} | {problem} "
-                    f"| {kernels} | {step.get('seconds', '-')} / {wall:.0f} |")
+                    f"| {kernels} | {step.get('seconds', '-')} / {wall} |")
         print(rows[-1], flush=True)
         if not step["ok"]:
             rows.append(f"|  | compiler: {step['error'][:300].splitlines()[0]} |||||||||")
@@ -56,9 +60,11 @@ def run() -> str:
         "",
         f"`{COMMAND}`. Each config's training step traced on XLA:CPU and compiled by libtpu "
         "for the profile's topology (no TPU). HBM per chip = arguments + temporaries + outputs - "
-        f"aliases, GiB. Target: the planner within ±{TOLERANCE:.0%} of the compiler.",
+        "aliases, GiB; on an out-of-HBM failure the compiler reports a lower bound. Target: the "
+        f"planner within ±{TOLERANCE:.0%} of the compiler. `cached`: the report of an earlier run "
+        "of this command with the same config, versions and xtrain source.",
         "",
-        "| config | seq x batch | attention | compiler GiB | planner GiB | planner/compiler | "
+        "| config | seq x device batch | attention | compiler GiB | planner GiB | planner/compiler | "
         "within | verdict | kernels | compile s / total s |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
