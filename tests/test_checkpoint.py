@@ -90,6 +90,8 @@ def test_sigterm_resume_through_gcs_emulator(tmp_path, gcs_bucket):
     fs = gcsfs.GCSFileSystem(token="anon")
     fs.invalidate_cache()
     assert fs.exists(f"{bucket}/ckpt/preempted/step_{stopped_at:06d}/COMMITTED")
+    assert fs.exists(f"{bucket}/ckpt/preempted/step_{stopped_at:06d}/tensors/.metadata")
+    assert not (ROOT / bucket.split("://")[1]).exists()  # nothing landed on local disk instead
 
 
 def test_sigterm_resume_on_the_xla_engine_with_4_devices(tmp_path):
@@ -255,6 +257,8 @@ def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_
         fs.invalidate_cache()
         committed = sorted(p.rsplit("/", 2)[-2] for p in fs.glob("outage/ckpt/step_*/COMMITTED"))
         assert committed == [f"step_{s:06d}" for s in (10, 20, 30, 40, 50, 60)]
+        assert fs.exists("outage/ckpt/step_000020/tensors/.metadata")  # the retried tensors too
+        assert not (ROOT / "outage").exists()
     finally:
         if server.proc and server.proc.poll() is None:
             server.stop()

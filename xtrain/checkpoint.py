@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ import fsspec
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch.distributed.checkpoint.api import CheckpointException
 
 COMMIT_MARKER = "COMMITTED"
 # Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it each time.
@@ -172,7 +174,8 @@ class FsspecCheckpointIO(CheckpointIO):
                         fs.rm(root, recursive=True)
                     fs.makedirs(root, exist_ok=True)
                 self._barrier()
-                dcp.save(snapshot, storage_writer=FsspecWriter(f"{root}/tensors"),
+                # the URL, not the bare root: DCP resolves its own filesystem from the protocol
+                dcp.save(snapshot, storage_writer=FsspecWriter(f"{path.rstrip('/')}/tensors"),
                          planner=self._planner("save"), **self._dcp_kwargs())
                 if self.rank == 0:
                     fs.pipe_file(f"{root}/state.pt", rest)
@@ -180,7 +183,8 @@ class FsspecCheckpointIO(CheckpointIO):
                     fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
                     fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
                 break
-            except Exception as e:  # storage errors come in many types (OSError, HTTP, ...)
+            except (Exception, CheckpointException) as e:  # storage errors come in many types;
+                # DCP wraps them in CheckpointException, a BaseException
                 if attempt == self.retries:
                     _warn(f"giving up on checkpoint {path} after {attempt + 1} attempts ({e}); the "
                           "previous checkpoint stays the newest")
@@ -216,22 +220,34 @@ class FsspecCheckpointIO(CheckpointIO):
         to load into in place, e.g. the sharded device tensors of the model and optimizer; every
         other tensor is read into new CPU tensors."""
         # weights_only is always True here, whatever the caller asks: a checkpoint is untrusted input.
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
         fs, root = _fs(str(path))
         if not fs.exists(f"{root}/{COMMIT_MARKER}"):
             raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
         skeleton = torch.load(io.BytesIO(fs.cat_file(f"{root}/state.pt")), map_location="cpu",
                               weights_only=True)
-        reader = FsspecReader(f"{root}/tensors")
+        with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
+            tensors = self._load_tensors(fs, f"{root}/tensors", staging, targets)
+        return join_tensors(skeleton, tensors)
+
+    def _load_tensors(self, fs, directory: str, staging: str, targets: dict | None) -> dict:
+        import torch.distributed.checkpoint as dcp
+        from fsspec.implementations.local import LocalFileSystem
+
+        if not isinstance(fs, LocalFileSystem):
+            # DCP's FsspecReader reads through file objects, which hung on gcsfs's prefetching
+            # reads here (fsspec 2026.9, gcsfs 2026.10, GCS emulator): copy whole files instead.
+            # Each host copies every host's files; the planner then reads only its shards.
+            for remote in fs.ls(directory, detail=False):
+                fs.get_file(remote, os.path.join(staging, remote.rstrip("/").rsplit("/", 1)[-1]))
+            directory = staging
+        reader = dcp.FileSystemReader(directory)
         stored = reader.read_metadata().state_dict_metadata
         tensors = dict(targets or {})
         for key, info in stored.items():
             if key not in tensors:
                 tensors[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
         dcp.load(tensors, storage_reader=reader, planner=self._planner("load"), **self._dcp_kwargs())
-        return join_tensors(skeleton, tensors)
+        return tensors
 
     def remove_checkpoint(self, path):
         fs, root = _fs(str(path))
