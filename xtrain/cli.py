@@ -51,11 +51,9 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
         print("plan: fits" + (f" in {cfg.hardware.hbm_gib_per_chip:g} GiB HBM per chip"
                                if cfg.hardware.hbm_gib_per_chip else ""))
         return None
-    if cfg.mode == "train":
-        from xtrain.train.run import train
+    from xtrain.train.run import train  # mode=train (resolve() refused any other mode)
 
-        return train(cfg, plan, run_dir)
-    raise ConfigError(f"mode={cfg.mode} is not available yet; use train or plan")
+    return train(cfg, plan, run_dir)
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")

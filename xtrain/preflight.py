@@ -43,21 +43,23 @@ def cache_dir() -> Path:
 def cache_key(cfg, plan) -> str:
     """What shapes the compiled step: model, optimizer, parallelism, hardware, the batch; plus
     the compiler stack's versions and xtrain's source (a code change can change the graph)."""
-    from xtrain.hardware import installed_versions
-
     shaping = {k: OmegaConf.to_container(cfg[k], resolve=True)
                for k in ("model", "optim", "parallelism", "hardware")}
     shaping["batch"] = vars(plan.batch)
     shaping["max_steps"] = plan.max_steps  # the schedule's constants are in the graph
-    shaping["versions"] = installed_versions(STACK)
+    shaping["versions"] = _stack_versions()
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode())
     for source in sorted(Path(__file__).parent.rglob("*.py")):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:20]
 
 
+def _cache_path(cfg, plan) -> Path:
+    return cache_dir() / f"{cache_key(cfg, plan)}.json"
+
+
 def cached_report(cfg, plan) -> dict | None:
-    path = cache_dir() / f"{cache_key(cfg, plan)}.json"
+    path = _cache_path(cfg, plan)
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -126,8 +128,8 @@ def run_preflight(cfg, plan, python: str = sys.executable) -> dict:
     report["kernels"] = [{**req, **compile_kernel(req, python)} for req in
                          kernel_requests(hw, model_shape(cfg.model), plan.attention,
                                          cfg.trainer.device_batch_size)]
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    path = cache_dir() / f"{cache_key(cfg, plan)}.json"
+    path = _cache_path(cfg, plan)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp_path = path.with_suffix(".tmp")
     tmp_path.write_text(json.dumps(report, indent=1))
     os.replace(tmp_path, path)
