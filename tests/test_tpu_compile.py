@@ -79,9 +79,14 @@ def test_collective_summary_counts_ops_and_result_bytes():
   %agd = bf16[32]{0} all-gather-done((bf16[8]{0}, bf16[32]{0}) %ags)
   ROOT %all-reduce.2 = f32[10]{0} all-reduce(f32[10]{0} %g), to_apply=%add
   %fusion = f32[4]{0} fusion(f32[4]{0} %all-reduce-like), kind=kLoop
+  %all-gather.7 = f32[128,8]{1,0} all-gather(f32[32,8]{1,0} %r), channel_id=26, dimensions={0}
 """
-    assert collective_summary(hlo) == {"all-gather": {"count": 2, "bytes": 64 * 32 * 4 + 32 * 2},
-                                       "all-reduce": {"count": 1, "bytes": 40}}
+    # the TPU compiler's async collective fusions repeat one gather (same channel) many times
+    clones = "\n".join(f"  %all-gather.{9 + i} = f32[128,8]{{1,0}} all-gather(f32[32,8]{{1,0}} %c{i}), "
+                       f"channel_id=26, dimensions={{0}}" for i in range(30))
+    assert collective_summary(hlo + clones) == {
+        "all-gather": {"count": 3, "bytes": 64 * 32 * 4 + 32 * 2 + 128 * 8 * 4},
+        "all-reduce": {"count": 1, "bytes": 40}}
 
 
 def test_trace_gives_every_argument_its_sharding_and_donation(compose_config, tmp_path):

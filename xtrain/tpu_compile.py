@@ -79,11 +79,23 @@ def _run_child(kind: str, request: dict, python: str, timeout: int) -> dict:
 
 def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
     """kind -> {count, bytes} of the collectives in a compiled (partitioned) HLO module; bytes
-    are the per-device result sizes (async pairs counted once, at their ``-done``)."""
+    are the per-device result sizes.
+
+    Each collective is counted once: async pairs at their ``-done``, and by channel id, because
+    the TPU compiler clones one all-gather into many "async collective fusions" (pieces that
+    overlap it with compute) that all carry the same channel: counting text occurrences made one
+    gather of a [65536, 128] table look like thirty.
+    """
     out: dict[str, dict[str, int]] = {}
-    op = re.compile(r"=\s+(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-done)?\(")
+    op = re.compile(r"=\s+(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-done)?\((.*)")
+    seen: set[str] = set()
     for match in op.finditer(hlo_text):
-        shape, kind = match.group(1), match.group(2)
+        shape, kind, rest = match.group(1), match.group(2), match.group(4)
+        channel = re.search(r"channel_id=(\d+)", rest)
+        if channel:
+            if channel.group(1) in seen:
+                continue
+            seen.add(channel.group(1))
         nbytes = 0
         for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
             n = _DTYPE_BYTES.get(dtype, 4)
