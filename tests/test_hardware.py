@@ -39,8 +39,18 @@ def test_tpu_facts(compose_config):
         check_profile(hw)
         assert hw.engine == "xla" and hw.env.PJRT_DEVICE == "TPU" and hw.env.XLA_NO_SPECIAL_SCALARS == "1"
         assert dict(hw.pins) == {"torch": "2.9.1", "torch_xla": "2.9.0", "libtpu": "0.0.21",
-                                 "jax": "0.7.0", "jaxlib": "0.7.0"}
+                                 "jax": "0.7.0", "jaxlib": "0.7.0", "torchax": "0.0.7"}
 
+
+
+def test_the_tpu_extra_installs_exactly_the_profiles_pins(compose_config):
+    """pip install 'xtrain[tpu]' must give the stack the TPU profiles check at start."""
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    extra = dict(r.split("==") for r in pyproject["project"]["optional-dependencies"]["tpu"])
+    pins = compose_config(["hardware=v6e4"]).hardware.pins
+    assert extra == {p: str(v) for p, v in pins.items() if p not in ("torch", "torch_xla")}
 
 @pytest.mark.parametrize("name, seq, batch", [("v5e8-1024", 1024, 8), ("v6e4-2048", 2048, 8),
                                               ("v6e4-16k", 16384, 1)])

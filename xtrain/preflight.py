@@ -29,7 +29,7 @@ from xtrain.config import ConfigError
 from xtrain.tpu_compile import hbm_from_error
 
 GIB = 1024**3
-STACK = ("torch", "torch_xla", "jax", "jaxlib", "libtpu")
+STACK = ("torch", "torch_xla", "jax", "jaxlib", "libtpu", "torchax")
 
 
 class PreflightError(ConfigError):
@@ -71,19 +71,18 @@ def hbm_bytes(step: dict) -> int:
 
 def check_can_compile(cfg, plan) -> None:
     """Refuse early, before any tracing, what cannot be preflighted here."""
+    from xtrain.model.attention import tpu_kernel
     from xtrain.plan import model_shape
 
     hw = cfg.hardware
     if not hw.accelerator_type or hw.engine != "xla":
         raise ConfigError(f"mode=compile compiles for a TPU: hardware={hw.name} is not a TPU "
                           "profile (try hardware=v6e4)")
-    windowed = any(w is not None for w in model_shape(cfg.model)["windows"])
-    if plan.attention == "splash" or (plan.attention == "flash" and windowed):
-        # torch_xla's splash wrapper lowers through call_jax with a mesh of JAX's own devices,
-        # which cannot target the TPU from a CPU process
-        raise ConfigError("mode=compile cannot trace splash attention (the windowed layers of "
-                          f"model.window_pattern={cfg.model.window_pattern}) yet")
-    missing = [p for p, v in _stack_versions().items() if v is None and p != "torch"]
+    needed = ["jax", "jaxlib", "libtpu"]
+    if any(tpu_kernel(plan.attention, w) == "splash" for w in model_shape(cfg.model)["windows"]):
+        needed.append("torchax")  # torch_xla's splash wrapper goes through call_jax
+    versions = _stack_versions()
+    missing = [p for p in needed if versions[p] is None]
     if missing:
         raise ConfigError(f"mode=compile needs {', '.join(missing)} (pip install 'xtrain[tpu]')")
 

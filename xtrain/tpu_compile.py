@@ -31,11 +31,11 @@ def kernel_requests(hw, shape: dict, attention: str, device_batch: int) -> list[
     """One compile request per distinct kernel the model's layers use on this hardware."""
     from xtrain.hardware import topology_kwargs
 
-    if attention not in ("flash", "splash"):
-        return []
+    from xtrain.model.attention import tpu_kernel
+
     head_dim = shape["n_embd"] // shape["n_head"]
     dims = [device_batch, shape["n_head"], shape["sequence_len"], head_dim]
-    kinds = {("flash" if attention == "flash" and w is None else "splash", w) for w in shape["windows"]}
+    kinds = {(tpu_kernel(attention, w), w) for w in shape["windows"] if tpu_kernel(attention, w)}
     return [{"topology": topology_kwargs(hw), "kernel": k, "window": w, "shape": dims}
             for k, w in sorted(kinds, key=str)]
 

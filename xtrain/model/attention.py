@@ -17,6 +17,7 @@ splash attention's ``LocalMask((T, T), (W, 0), 0)``). The softmax scale is alway
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -25,14 +26,22 @@ import torch.nn.functional as F
 BACKENDS = ("sdpa", "chunked", "flash", "splash")
 
 
+def tpu_kernel(backend: str, window: int | None) -> str | None:
+    """The Pallas kernel a layer runs on the TPU: flash has no sliding windows, so windowed
+    layers of a flash model run splash."""
+    if backend not in ("flash", "splash"):
+        return None
+    return "flash" if backend == "flash" and window is None else "splash"
+
+
 def attend(q, k, v, window: int | None, backend: str, block: int = 512, partition_spec=None):
     if backend == "sdpa":
         return sdpa_attention(q, k, v, window)
     if backend == "chunked":
         return chunked_attention(q, k, v, window, block)
-    if backend == "flash" and window is None:
+    if tpu_kernel(backend, window) == "flash":
         return tpu_flash_attention(q, k, v, partition_spec)
-    if backend in ("flash", "splash"):
+    if tpu_kernel(backend, window) == "splash":
         return tpu_splash_attention(q, k, v, window, partition_spec)
     raise ValueError(f"model.attention={backend!r}: expected one of {BACKENDS}")
 
@@ -148,7 +157,7 @@ def chunked_attention(q, k, v, window: int | None, block: int = 512):
 
 # ---------------------------------------------------------------------------------------------
 # TPU kernels. These run only where torch_xla has a TPU; tests check the exact calls on CPU and
-# the kernels' numerics through JAX's Pallas interpret mode (tests/test_attention_kernels.py).
+# the kernels' numerics through JAX's Pallas interpret mode (tests/test_attention.py).
 
 
 def flash_call_kwargs(q, partition_spec):
@@ -188,6 +197,11 @@ def tpu_splash_attention(q, k, v, window: int | None, partition_spec=None):
 
     if q.size(-1) % 128:
         raise ValueError(f"splash attention needs head_dim % 128 == 0 (got {q.size(-1)})")
+    if importlib.util.find_spec("torchax") is None:
+        # torch_xla's splash wrapper goes through call_jax, which asserts "Jax is required"
+        # without naming the missing package
+        raise ImportError("splash attention (windowed layers) on TPU needs torchax: "
+                          "pip install 'xtrain[tpu]'")
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     cfg = splash_call_config(q, window, xs.get_global_mesh(), partition_spec)
     # The splash kernel applies no softmax scale of its own: scale q (as MaxText does).

@@ -11,8 +11,8 @@ the exported function, the HLO sharding its tensor has in a real run and the out
 into (the buffer donation torch_xla does at every step); :mod:`xtrain.tpu_compile` applies both
 before compiling.
 
-Pallas kernels (flash attention) are lowered for the TPU by JAX's cross-platform lowering, so the
-exported step holds the same ``tpu_custom_call`` the TPU runs.
+Pallas kernels (flash, and splash for windowed layers) are lowered for the TPU by JAX's
+cross-platform lowering, so the exported step holds the same ``tpu_custom_call`` the TPU runs.
 
 Run as a child: ``python -m xtrain.xla.trace CONFIG.yaml OUT_DIR``, with ``PJRT_DEVICE=CPU
 CPU_NUM_DEVICES=<chips>`` (see :func:`xtrain.preflight.trace_environment`).
@@ -26,17 +26,24 @@ import time
 from pathlib import Path
 
 
-def lower_pallas_for_tpu() -> None:
-    """Make torch_xla's Pallas wrappers lower their kernel for the TPU rather than for the
-    process's JAX backend (CPU here, where Mosaic has no lowering).
+def lower_kernels_for_tpu(n_devices: int) -> None:
+    """Make torch_xla's Pallas kernels lower for the TPU rather than for the process's JAX
+    backend (CPU here, where Mosaic has no lowering).
 
-    torch_xla's ``trace_pallas`` calls ``jax.jit(kernel).lower(...)`` on the default backend and
-    has no platform argument, so it is replaced by the same three steps with
-    ``lowering_platforms=("tpu",)``.
+    - flash: torch_xla's ``trace_pallas`` calls ``jax.jit(kernel).lower(...)`` on the default
+      backend and has no platform argument; it is replaced by the same steps with
+      ``lowering_platforms=("tpu",)``.
+    - splash: torch_xla runs it through ``call_jax`` (a ``shard_map`` over a mesh of JAX's own
+      devices, lowered to HLO by ``JaxCallable.specialize``, again on the default backend). JAX
+      gets one CPU device per virtual torch_xla device, so that mesh exists, and
+      ``specialize`` lowers for the TPU.
     """
     import jax
     import torch
+    import torch_xla.core.xla_builder as xb
     import torch_xla.experimental.custom_kernel as custom_kernel
+
+    jax.config.update("jax_num_cpu_devices", n_devices)  # before JAX's CPU backend starts
 
     def trace_pallas(kernel, *args, static_argnums=None, static_argnames=None, use_cache=False,
                      **kwargs):
@@ -49,7 +56,19 @@ def lower_pallas_for_tpu() -> None:
         ir = traced.lower(lowering_platforms=("tpu",)).compiler_ir()
         return custom_kernel._extract_backend_config(ir), [a for a in args if torch.is_tensor(a)]
 
+    def specialize(self, sample_flat_args):
+        from torchax.ops.mappings import t2j_dtype
+
+        specs = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, t2j_dtype(a.dtype))
+                      for a in sample_flat_args)
+        traced = jax.jit(self._flat_input_func.flat_call, keep_unused=True).trace(specs)
+        hlo = traced.lower(lowering_platforms=("tpu",)).compiler_ir("hlo")
+        computation = xb.computation_from_module_proto(
+            "jax_callable", hlo.as_serialized_hlo_module_proto())
+        return xb.xla_computation_as_func(computation, "jax_func")
+
     custom_kernel.trace_pallas = trace_pallas
+    xb.JaxCallable.specialize = specialize
 
 
 def trace_step(cfg, plan) -> dict:
@@ -68,7 +87,7 @@ def trace_step(cfg, plan) -> dict:
     from xtrain.xla.spmd import batch_spec, build_mesh, optimizer_state_specs, set_attention_partition
 
     gpt = gpt_config(cfg.model, plan.attention)
-    lower_pallas_for_tpu()
+    lower_kernels_for_tpu(cfg.hardware.chips)
     xr.use_spmd()
     mesh = build_mesh(plan.mesh)
     device = torch_xla.device()
