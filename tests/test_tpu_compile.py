@@ -132,6 +132,9 @@ def test_compile_mode_measures_the_step_caches_it_and_plan_shows_it(tmp_path):
     assert len(cached) == 1
     report = json.loads(cached[0].read_text())
     assert report["step"]["alias_bytes"] > 0  # donated state, as in a real step
+    # the compiler's own peak host memory: libtpu alone maps hundreds of MiB
+    assert 2**28 < report["step"]["host_peak_bytes"] < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert re.search(r"ok in [\d.]+ s, [\d.]+ GiB of host RAM", out)
 
     again = _xtrain(args, tmp_path)
     assert again.returncode == 0 and "cached result" in again.stdout

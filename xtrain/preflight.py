@@ -141,7 +141,8 @@ def describe(report: dict) -> str:
     if step["ok"]:
         need = hbm_bytes(step)
         lines.append(f"TPU compile ({report['hardware']}, libtpu {report['versions']['libtpu']}): "
-                     f"ok in {step['seconds']:.1f} s")
+                     f"ok in {step['seconds']:.1f} s, {step['host_peak_bytes'] / GIB:.1f} GiB of "
+                     "host RAM")
         lines.append(f"HBM/chip (compiler): {need / GIB:.2f} GiB of {cap / GIB:.0f} GiB "
                      f"({need / cap:.0%}) = arguments {step['argument_bytes'] / GIB:.2f} + temporaries "
                      f"{step['temp_bytes'] / GIB:.2f} + outputs {step['output_bytes'] / GIB:.2f} - "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -70,9 +71,10 @@ def _run_child(kind: str, request: dict, python: str, timeout: int) -> dict:
     if lines:
         return json.loads(lines[-1])
     if r.returncode == -9:  # SIGKILL: in practice the kernel's out-of-memory killer
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         return {"ok": False, "error": "the compiler process was killed (SIGKILL), usually by the "
-                                      "out-of-memory killer: this machine has too little host RAM "
-                                      "for this compile"}
+                                      f"out-of-memory killer: this machine's {ram:.0f} GiB of RAM "
+                                      "(plus swap) are too little for this compile"}
     tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
     return {"ok": False, "error": f"the compiler process died (exit {r.returncode}): {tail}"}
 
@@ -235,7 +237,9 @@ def _compile_step(req: dict) -> dict:
             "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "flops": float(cost.get("flops", 0.0)),
-            "collectives": collective_summary(executable.hlo_modules()[0].to_string())}
+            "collectives": collective_summary(executable.hlo_modules()[0].to_string()),
+            # the compiler's host memory: large steps need a machine sized for it
+            "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 if __name__ == "__main__":
