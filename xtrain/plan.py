@@ -176,8 +176,8 @@ def memory_per_chip(shape: dict, specs: dict, mesh: dict, device_batch: int, att
       splash: none); plus the logits, 8 B * V / tp per token (float32 logits and their gradient;
       the softcap fuses into them).
     Not counted: XLA's temporaries, fragmentation, and its rematerialisation (which can lower the
-    real peak). The user's three known-good TPU configs fit under this estimate, as they do on
-    the TPUs; compiling for the target (mode=compile) gives the compiler's own figure.
+    real peak). Compiling for the target (mode=compile) gives the compiler's own figure;
+    BENCHMARKS.md compares the two.
     """
     from xtrain.parallelism import shard_ways
 

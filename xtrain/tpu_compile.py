@@ -31,7 +31,6 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
 def kernel_requests(hw, shape: dict, attention: str, device_batch: int) -> list[dict]:
     """One compile request per distinct kernel the model's layers use on this hardware."""
     from xtrain.hardware import topology_kwargs
-
     from xtrain.model.attention import tpu_kernel
 
     head_dim = shape["n_embd"] // shape["n_head"]
