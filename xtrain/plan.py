@@ -104,9 +104,11 @@ def flops_per_token(shape: dict) -> float:
 
 
 def choose_attention(requested: str, engine: str, on_tpu: bool, seq_len: int) -> str:
-    """``auto``: Pallas flash attention on TPU from 4K context (the user's measured crossover:
-    below it XLA's fused SDPA was as fast); the chunked kernel for long context elsewhere (memory);
-    torch SDPA otherwise."""
+    """``auto``: on TPU, Pallas flash attention from 2K context. The user measured XLA's SDPA as
+    fast as flash below 4K, but SDPA materialises [B, H, T, T] scores: the TPU compiler puts the
+    d16 step at 2048 x 8 on v6e at >= 34 GiB per chip with SDPA (it does not fit), while the
+    same step with flash/splash needs less than half (BENCHMARKS.md). SDPA below 2K. Elsewhere
+    the chunked kernel for long context (memory), torch SDPA otherwise."""
     if requested not in ATTENTION_CHOICES:
         raise ConfigError(f"model.attention={requested!r}: expected one of {ATTENTION_CHOICES}")
     if requested != "auto":
@@ -115,7 +117,7 @@ def choose_attention(requested: str, engine: str, on_tpu: bool, seq_len: int) ->
                               f"(engine={engine}); use sdpa or chunked")
         return requested
     if on_tpu:
-        return "flash" if seq_len >= 4096 else "sdpa"
+        return "flash" if seq_len >= 2048 else "sdpa"
     return "chunked" if seq_len >= 8192 else "sdpa"
 
 

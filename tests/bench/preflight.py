@@ -7,15 +7,14 @@ import time
 
 COMMAND = "make bench ARGS=preflight   (python -m tests.bench preflight)"
 CONFIGS = [  # the user's known-good runs, then one that cannot fit
-    ["hardware=v5e8", "model=d16", "data=base_data_v3"],  # seq 1024, batch 8
-    ["hardware=v6e4", "model=d16", "data=base_data_v3"],  # seq 2048, batch 8
+    ["hardware=v5e8", "model=d16", "data=base_data_v3"],  # seq 1024, batch 8 (sdpa)
+    ["hardware=v6e4", "model=d16", "data=base_data_v3"],  # seq 2048, batch 8 (flash)
+    # why attention=auto picks flash at 2048 on TPU: with SDPA the same step does not fit
+    ["hardware=v6e4", "model=d16", "data=base_data_v3", "model.attention=sdpa"],
     ["hardware=v5e8", "model=d26", "data=cpp16k"],  # seq 16384 without sharding: must not fit
     ["hardware=v6e4", "model=d16", "data=cpp16k"],  # seq 16384, batch 1, flash attention
-    # what the preflight recommends for the second: half the device batch, 2 accumulation steps
-    ["hardware=v6e4", "model=d16", "data=base_data_v3", "trainer.device_batch_size=4"],
     # sliding windows on 3 of 4 layers: splash kernels inside the step
-    ["hardware=v6e4", "model=d16", "data=base_data_v3", "trainer.device_batch_size=4",
-     "model.window_pattern=SSSL", "model.attention=flash"],
+    ["hardware=v6e4", "model=d16", "data=base_data_v3", "model.window_pattern=SSSL"],
 ]
 TOLERANCE = 0.25
 GIB = 1024**3
