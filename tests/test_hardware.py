@@ -39,7 +39,7 @@ def test_tpu_facts(compose_config):
         check_profile(hw)
         assert hw.engine == "xla" and hw.env.PJRT_DEVICE == "TPU" and hw.env.XLA_NO_SPECIAL_SCALARS == "1"
         assert dict(hw.pins) == {"torch": "2.9.1", "torch_xla": "2.9.0", "libtpu": "0.0.21",
-                                 "jax": "0.7.0", "jaxlib": "0.7.0", "torchax": "0.0.7"}
+                                 "jax": "0.7.0", "jaxlib": "0.7.0", "flax": "0.11.2"}
 
 
 

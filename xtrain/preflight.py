@@ -29,7 +29,7 @@ from xtrain.config import ConfigError
 from xtrain.tpu_compile import hbm_from_error
 
 GIB = 1024**3
-STACK = ("torch", "torch_xla", "jax", "jaxlib", "libtpu", "torchax")
+STACK = ("torch", "torch_xla", "jax", "jaxlib", "libtpu", "flax")
 
 
 class PreflightError(ConfigError):
@@ -80,7 +80,7 @@ def check_can_compile(cfg, plan) -> None:
                           "profile (try hardware=v6e4)")
     needed = ["jax", "jaxlib", "libtpu"]
     if any(tpu_kernel(plan.attention, w) == "splash" for w in model_shape(cfg.model)["windows"]):
-        needed.append("torchax")  # torch_xla's splash wrapper goes through call_jax
+        needed.append("flax")  # splash goes through call_jax -> torch_xla's torchax -> flax
     versions = _stack_versions()
     missing = [p for p in needed if versions[p] is None]
     if missing:

@@ -17,7 +17,6 @@ splash attention's ``LocalMask((T, T), (W, 0), 0)``). The softmax scale is alway
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
@@ -197,11 +196,11 @@ def tpu_splash_attention(q, k, v, window: int | None, partition_spec=None):
 
     if q.size(-1) % 128:
         raise ValueError(f"splash attention needs head_dim % 128 == 0 (got {q.size(-1)})")
-    if importlib.util.find_spec("torchax") is None:
-        # torch_xla's splash wrapper goes through call_jax, which asserts "Jax is required"
-        # without naming the missing package
-        raise ImportError("splash attention (windowed layers) on TPU needs torchax: "
-                          "pip install 'xtrain[tpu]'")
+    try:  # what call_jax needs; without it, it asserts "Jax is required" and names nothing
+        import torchax  # noqa: F401  (torch_xla's bundled copy; it imports flax)
+    except ImportError as e:
+        raise ImportError(f"splash attention (windowed layers) on TPU needs torch_xla's torchax, "
+                          f"which does not import ({e}): pip install 'xtrain[tpu]'") from e
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     cfg = splash_call_config(q, window, xs.get_global_mesh(), partition_spec)
     # The splash kernel applies no softmax scale of its own: scale q (as MaxText does).
