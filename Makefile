@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Reinstall when the dependency list changes. The `tpu` extra (jax 0.7.0, libtpu 0.0.21) is
+# Reinstall when the dependency list changes. The `tpu` extra (jax 0.7.0, libtpu 0.0.21, flax) is
 # installed everywhere: the Pallas kernels are tested in interpret mode and the TPU compiler runs
 # on CPU.
 $(STAMP): pyproject.toml

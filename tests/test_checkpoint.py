@@ -62,7 +62,7 @@ def preempt_and_resume(tmp_path, ckpt_root=None, env=None, extra=()):
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc)
     assert code == 143, err[-3000:]
-    assert "stopped by a signal" in out
+    assert "checkpoint committed" in out and "val loss" not in out  # no validation in the notice
     stopped_at = max(losses(tmp_path / "preempted"))
     assert 20 <= stopped_at < 40
     code, out, err = finish(xtrain(tmp_path / "preempted", *steps, env=env))  # the same command
@@ -116,6 +116,79 @@ def test_sigterm_resume_on_the_xla_engine_with_4_devices(tmp_path):
     _, inline = split_tensors(skeleton)
     assert inline == {}  # state.pt holds only references: every tensor lives under tensors/
     assert skeleton["state_dict"][matrix.rsplit("/", 1)[1]] == "xtrain-tensor:" + matrix
+
+
+def test_checkpoints_save_with_torchax_imported(tmp_path):
+    """torch_xla's mark_sharding imports torchax whenever flax is installed (the tpu extra), and
+    torchax registers a "jax" device module; DCP's default writer then tried that module's
+    streams and every save failed. Run in a child: the registration cannot be undone."""
+    pytest.importorskip("torchax", reason="torch_xla's torchax does not import: flax missing "
+                        "(pip install 'xtrain[tpu]')")
+    code = (
+        "import sys, torch, torchax\n"
+        "from xtrain.checkpoint import FsspecCheckpointIO\n"
+        "io = FsspecCheckpointIO(retries=0)\n"
+        "io.save_checkpoint({'w': torch.arange(6.0), 'global_step': 3}, sys.argv[1])\n"
+        "sys.exit(0 if io.wait() is not None else 1)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "step_000003")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = FsspecCheckpointIO().load_checkpoint(tmp_path / "step_000003")
+    assert torch.equal(loaded["w"], torch.arange(6.0)) and loaded["global_step"] == 3
+
+
+def test_sigterm_when_the_save_fails_says_so_and_exits_unfinished(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = xtrain(run_dir, "trainer.max_steps=400", "checkpoint.every=0", "checkpoint.retries=0")
+    wait_for_step(run_dir, 3, proc)
+    ckpts = run_dir / "checkpoints"
+    ckpts.rmdir()  # storage breaks mid-run: a file where the checkpoint directory was
+    ckpts.write_text("")
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc)
+    assert code == 143, err[-3000:]
+    assert "its checkpoint could not be written, the newest committed one is None" in out
+    assert "giving up on checkpoint" in err
+
+
+def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):
+    (tmp_path / "file").write_text("")
+    code, out, err = finish(xtrain(tmp_path / "run", "trainer.max_steps=2",
+                                   f"checkpoint.dir={tmp_path}/file/ckpt"))
+    assert code == 2 and f"checkpoint.dir {tmp_path}/file/ckpt is not writable" in err
+    assert "step " not in out
+
+
+def _vote(rank: int, world: int, init: str, out_dir: str) -> None:
+    """One host of test_a_signal_on_one_host_stops_every_host."""
+    import json
+
+    import torch.distributed as dist
+
+    from xtrain.checkpoint import StopRequest
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    stop = StopRequest()
+    stop.install()
+    votes = [stop.agreed(dist.group.WORLD)]
+    if rank == 1:  # the preemption notice reaches one host only
+        os.kill(os.getpid(), signal.SIGTERM)
+    votes.append(stop.agreed(dist.group.WORLD))
+    stop.uninstall()
+    dist.destroy_process_group()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(votes))
+
+
+def test_a_signal_on_one_host_stops_every_host(tmp_path):
+    """Hosts must save the preemption checkpoint at the same step (DCP saves are collective):
+    three gloo processes, SIGTERM to one of them, all three agree to stop."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_vote, args=(3, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=3)
+    votes = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    assert votes == [[False, True]] * 3
 
 
 def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):

@@ -44,12 +44,12 @@ def test_tpu_facts(compose_config):
 
 
 def test_the_tpu_extra_installs_exactly_the_profiles_pins(compose_config):
-    """pip install 'xtrain[tpu,splash]' must give the stack the TPU profiles check at start."""
+    """pip install 'xtrain[tpu]' must give the stack the TPU profiles check at start."""
     import tomllib
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]
-    extra = dict(r.split("==") for r in extras["tpu"] + extras["splash"])
+    extra = dict(r.split("==") for r in extras["tpu"])
     pins = compose_config(["hardware=v6e4"]).hardware.pins
     assert extra == {p: str(v) for p, v in pins.items() if p not in ("torch", "torch_xla")}
 

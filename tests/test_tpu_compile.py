@@ -197,7 +197,7 @@ def test_windowed_layers_trace_with_splash_inside_the_step(tmp_path):
     """A sliding-window layer runs torch_xla's splash kernel (a shard_map through call_jax): it
     is traced with the kernel lowered for the TPU and compiled with the rest of the step."""
     pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
-    pytest.importorskip("torchax", reason="torch_xla's torchax does not import: flax missing (pip install 'xtrain[splash]')")
+    pytest.importorskip("torchax", reason="torch_xla's torchax does not import: flax missing (pip install 'xtrain[tpu]')")
     from xtrain.preflight import run_preflight
 
     cfg = compose_cfg(["hardware=v6e4", *TINY_TPU, "model.attention=flash",

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -32,6 +33,7 @@ import fsspec
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint.api import CheckpointException
 
 COMMIT_MARKER = "COMMITTED"
@@ -61,6 +63,21 @@ def step_dirs(directory: str) -> list[tuple[int, str, bool]]:
             committed = fs.exists(f"{entry.rstrip('/')}/{COMMIT_MARKER}")
             found.append((int(m.group(1)), f"{directory.rstrip('/')}/{m.group(0)}", committed))
     return sorted(found)
+
+
+def check_writable(directory: str) -> None:
+    """Fail before training (and a TPU compile) when checkpoints cannot be written to
+    ``directory``: a missing bucket, no permission, a file in the way."""
+    from xtrain.config import ConfigError
+
+    fs, root = _fs(directory)
+    probe = f"{root.rstrip('/')}/.write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
+        raise ConfigError(f"checkpoint.dir {directory} is not writable ({type(e).__name__}: {e})") from e
 
 
 def committed_checkpoints(directory: str) -> list[tuple[int, str]]:
@@ -174,9 +191,14 @@ class FsspecCheckpointIO(CheckpointIO):
                         fs.rm(root, recursive=True)
                     fs.makedirs(root, exist_ok=True)
                 self._barrier()
-                # the URL, not the bare root: DCP resolves its own filesystem from the protocol
-                dcp.save(snapshot, storage_writer=FsspecWriter(f"{path.rstrip('/')}/tensors"),
-                         planner=self._planner("save"), **self._dcp_kwargs())
+                # the URL, not the bare root: DCP resolves its own filesystem from the protocol.
+                # per_thread_copy_ahead=0: the snapshot is already in host memory, and DCP's
+                # overlapping device-to-host loader breaks once torchax is imported (torch_xla's
+                # mark_sharding imports it when flax is installed): torchax registers a "jax"
+                # device module without current_stream(), which that loader calls.
+                writer = FsspecWriter(f"{path.rstrip('/')}/tensors", per_thread_copy_ahead=0)
+                dcp.save(snapshot, storage_writer=writer, planner=self._planner("save"),
+                         **self._dcp_kwargs())
                 if self.rank == 0:
                     fs.pipe_file(f"{root}/state.pt", rest)
                     _fault_injection_pause()
@@ -277,15 +299,23 @@ def stale_checkpoints(steps: list[int], keep_last: int, keep_every: int) -> list
 
 class StopRequest:
     """SIGINT/SIGTERM handler that only raises a flag: the run stops at the next step boundary,
-    after a checkpoint, never in the middle of an update."""
+    after a checkpoint, never in the middle of an update.
+
+    It replaces Lightning's SIGTERM handling for the whole fit (``install`` again once training
+    has started, where Lightning has put its own handler in): Lightning checks its flag after
+    the step's callbacks and would stop a step later without a checkpoint, or on pods at a step
+    of rank 0's choosing while the other hosts are saving.
+    """
 
     def __init__(self):
         self.signal = None
         self._previous = {}
 
     def install(self) -> None:
+        """Handle SIGINT/SIGTERM from now on; ``uninstall`` restores the first call's handlers."""
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
@@ -294,6 +324,18 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         self.signal = signum
+
+    def agreed(self, process_group=None) -> bool:
+        """Whether to stop now: on several hosts, True on all of them as soon as one host was
+        signalled (preemption notices reach hosts at different steps; a save is collective)."""
+        requested = self.signal is not None
+        if process_group is None:
+            return requested
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+        return bool(flag.item())
 
 
 class PeriodicCheckpoint(L.Callback):
@@ -309,14 +351,15 @@ class PeriodicCheckpoint(L.Callback):
         self.meta, self.stop, self.report = meta or {}, stop, report
         self.last_saved_step = None
         self.preempted = False
+        self.preemption_saved = False  # the stop's checkpoint committed (False: upload gave up)
         checkpoint_io.on_commit = self._committed
 
-    def save(self, trainer, wait: bool = False) -> None:
+    def save(self, trainer, wait: bool = False) -> bool:
+        """Save this step (once); with ``wait``, True when it committed."""
         if trainer.global_step != self.last_saved_step:
             trainer.save_checkpoint(step_dir(self.directory, trainer.global_step))
             self.last_saved_step = trainer.global_step
-        if wait:
-            self.io.wait()
+        return wait and self.io.wait() is not None  # None: the upload gave up (it warned)
 
     def _committed(self, result: dict) -> None:
         """Upload thread: the checkpoint at ``result['step']`` is committed."""
@@ -332,12 +375,17 @@ class PeriodicCheckpoint(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         checkpoint["xtrain_meta"] = self.meta
 
+    def on_train_start(self, trainer, pl_module):
+        if self.stop is not None:
+            self.stop.install()  # take SIGTERM back from Lightning (see StopRequest)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        stop = trainer.received_sigterm or (self.stop is not None and self.stop.signal is not None)
-        if stop:
-            self.save(trainer, wait=True)  # within the preemption notice, committed before exit
+        if self.stop is not None and self.stop.agreed(self.io.process_group):
+            self.preemption_saved = self.save(trainer, wait=True)  # committed before exit
             self.preempted = True
-            trainer.should_stop = True
+            # Lightning's stop-by-signal exception, raised now: with only should_stop set it would
+            # still run validation, which a 30 s preemption notice has no time for
+            raise SIGTERMException
         elif self.every and trainer.global_step % self.every == 0:
             self.save(trainer)
 

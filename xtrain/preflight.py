@@ -84,7 +84,7 @@ def check_can_compile(cfg, plan) -> None:
     versions = _stack_versions()
     missing = [p for p in needed if versions[p] is None]
     if missing:
-        raise ConfigError(f"mode=compile needs {', '.join(missing)} (pip install 'xtrain[tpu,splash]')")
+        raise ConfigError(f"mode=compile needs {', '.join(missing)} (pip install 'xtrain[tpu]')")
 
 
 def _stack_versions() -> dict:

@@ -200,7 +200,7 @@ def tpu_splash_attention(q, k, v, window: int | None, partition_spec=None):
         import torchax  # noqa: F401  (torch_xla's bundled copy; it imports flax)
     except ImportError as e:
         raise ImportError(f"splash attention (windowed layers) on TPU needs torch_xla's torchax, "
-                          f"which does not import ({e}): pip install 'xtrain[tpu,splash]'") from e
+                          f"which does not import ({e}): pip install 'xtrain[tpu]'") from e
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     cfg = splash_call_config(q, window, xs.get_global_mesh(), partition_spec)
     # The splash kernel applies no softmax scale of its own: scale q (as MaxText does).

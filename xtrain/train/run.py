@@ -48,7 +48,8 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     import torch
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from xtrain.checkpoint import PeriodicCheckpoint, StopRequest, check_compatible, latest_checkpoint
+    from xtrain.checkpoint import (PeriodicCheckpoint, StopRequest, check_compatible, check_writable,
+                                   latest_checkpoint)
     from xtrain.data import prepare
     from xtrain.data.batches import LoaderState
     from xtrain.hardware import quiet_lightning_tpu_probe
@@ -60,6 +61,8 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     # handler twice; xtrain prints its own plan and progress.
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     trainer_cfg = cfg.trainer
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    check_writable(ckpt_dir)  # before data preparation and the first compile
     tokenizer = prepare(cfg.data)
     engine = Engine(cfg, plan)
     L.seed_everything(trainer_cfg.seed, verbose=False)
@@ -69,7 +72,6 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     module = GPTModule(gpt_config(cfg.model, plan.attention), cfg.optim, plan.max_steps,
                        precision=cfg.hardware.precision, token_bytes=tokenizer.token_bytes)
 
-    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     wandb_run = _start_wandb(cfg, run_dir) if cfg.logging.wandb else None
     metrics = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), trainer_cfg.log_every,
                             plan.batch.total_batch_size, plan.flops_per_token,
@@ -101,16 +103,18 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     try:
         trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=resume_from)
     except SIGTERMException:
-        pass  # the checkpoint callback saved at the step boundary before Lightning raised this
+        pass  # raised by the checkpoint callback after its save at the step boundary
     finally:
         stop.uninstall()
     if wandb_run is not None:
         wandb_run.finish()
     if checkpointer.preempted:
-        print(f"stopped by a signal at step {trainer.global_step}: checkpoint committed; run the "
-              "same command to resume", flush=True)
-        return {"step": trainer.global_step, "checkpoint": latest_checkpoint(ckpt_dir),
-                "preempted": True}
+        newest = latest_checkpoint(ckpt_dir)
+        saved = ("checkpoint committed" if checkpointer.preemption_saved else
+                 f"its checkpoint could not be written, the newest committed one is {newest}")
+        print(f"stopped by a signal at step {trainer.global_step}: {saved}; run the same command "
+              "to resume", flush=True)
+        return {"step": trainer.global_step, "checkpoint": newest, "preempted": True}
     if trainer_cfg.sample_tokens > 0:
         print("sample:\n" + sample_text(module.model, tokenizer, trainer_cfg.sample_tokens, trainer_cfg.seed))
     summary = {"step": trainer.global_step, "checkpoint": latest_checkpoint(ckpt_dir)}
