@@ -39,6 +39,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 COMMIT_MARKER = "COMMITTED"
 # Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it each time.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+# DCP's file writer checks storage sizes through the deprecated TypedStorage (torch 2.9).
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated",
+                        module="torch.distributed.checkpoint.filesystem")
 _STEP_DIR = re.compile(r"step_(\d+)$")
 
 
