@@ -42,7 +42,6 @@ def test_tpu_facts(compose_config):
                                  "jax": "0.7.0", "jaxlib": "0.7.0", "flax": "0.11.2"}
 
 
-
 def test_the_tpu_extra_installs_exactly_the_profiles_pins(compose_config):
     """pip install 'xtrain[tpu]' must give the stack the TPU profiles check at start."""
     import tomllib
@@ -52,6 +51,7 @@ def test_the_tpu_extra_installs_exactly_the_profiles_pins(compose_config):
     extra = dict(r.split("==") for r in extras["tpu"])
     pins = compose_config(["hardware=v6e4"]).hardware.pins
     assert extra == {p: str(v) for p, v in pins.items() if p not in ("torch", "torch_xla")}
+
 
 @pytest.mark.parametrize("name, seq, batch", [("v5e8-1024", 1024, 8), ("v6e4-2048", 2048, 8),
                                               ("v6e4-16k", 16384, 1)])

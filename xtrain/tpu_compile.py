@@ -35,7 +35,7 @@ def kernel_requests(hw, shape: dict, attention: str, device_batch: int) -> list[
 
     head_dim = shape["n_embd"] // shape["n_head"]
     dims = [device_batch, shape["n_head"], shape["sequence_len"], head_dim]
-    kinds = {(tpu_kernel(attention, w), w) for w in shape["windows"] if tpu_kernel(attention, w)}
+    kinds = {(kernel, w) for w in shape["windows"] if (kernel := tpu_kernel(attention, w))}
     return [{"topology": topology_kwargs(hw), "kernel": k, "window": w, "shape": dims}
             for k, w in sorted(kinds, key=str)]
 

@@ -38,9 +38,10 @@ def attend(q, k, v, window: int | None, backend: str, block: int = 512, partitio
         return sdpa_attention(q, k, v, window)
     if backend == "chunked":
         return chunked_attention(q, k, v, window, block)
-    if tpu_kernel(backend, window) == "flash":
+    kernel = tpu_kernel(backend, window)
+    if kernel == "flash":
         return tpu_flash_attention(q, k, v, partition_spec)
-    if tpu_kernel(backend, window) == "splash":
+    if kernel == "splash":
         return tpu_splash_attention(q, k, v, window, partition_spec)
     raise ValueError(f"model.attention={backend!r}: expected one of {BACKENDS}")
 
