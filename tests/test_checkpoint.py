@@ -16,8 +16,9 @@ import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from conftest import read_jsonl
-from xtrain.checkpoint import (FsspecCheckpointIO, committed_checkpoints, split_tensors,
-                               stale_checkpoints)
+from xtrain.checkpoint.async_io import FsspecCheckpointIO
+from xtrain.checkpoint.io import split_tensors
+from xtrain.checkpoint.layout import COMMIT_MARKER, committed_checkpoints, stale_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trainer.log_every=1",
@@ -126,7 +127,7 @@ def test_checkpoints_save_with_torchax_imported(tmp_path):
                         "(pip install 'xtrain[tpu]')")
     code = (
         "import sys, torch, torchax\n"
-        "from xtrain.checkpoint import FsspecCheckpointIO\n"
+        "from xtrain.checkpoint.async_io import FsspecCheckpointIO\n"
         "io = FsspecCheckpointIO(retries=0)\n"
         "io.save_checkpoint({'w': torch.arange(6.0), 'global_step': 3}, sys.argv[1])\n"
         "sys.exit(0 if io.wait() is not None else 1)\n")
@@ -165,7 +166,7 @@ def _vote(rank: int, world: int, init: str, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from xtrain.checkpoint import StopRequest
+    from xtrain.train.preemption import StopRequest
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     stop = StopRequest()
@@ -248,10 +249,6 @@ def test_retention_keeps_last_k_and_every_nth():
 
 def test_checkpoint_loading_never_unpickles(tmp_path):
     """A state.pt holding a pickled object is refused (weights_only), even if committed."""
-    import torch
-
-    from xtrain.checkpoint import COMMIT_MARKER, FsspecCheckpointIO
-
     d = tmp_path / "step_000001"
     d.mkdir()
     torch.save({"x": argparse.Namespace(a=1)}, d / "state.pt")  # any non-tensor class

@@ -96,3 +96,14 @@ def test_config_errors_before_work(tmp_path):
     r = _cli("model.head_dim=48", f"hydra.run.dir={tmp_path}")
     assert r.returncode == 2
     assert "model.head_dim=48 does not divide the width 256" in r.stderr
+
+
+@pytest.mark.parametrize("override, choices", [
+    ("mode=nope", "train, plan, compile"),
+    ("model.attention=nope", "auto, sdpa, chunked, flash, splash"),
+])
+def test_enum_fields_refuse_unknown_values_with_the_choices(override, choices):
+    r = _cli(override)
+    assert r.returncode != 0
+    assert f"Invalid value 'nope', expected one of [{choices}]" in r.stderr
+    assert f"full_key: {override.split('=')[0]}" in r.stderr

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from xtrain.data import DataError, prepare
+from xtrain.data import prepare
+from xtrain.errors import DataError
 from xtrain.data.corpus import chunk_source, top_level_units
 from xtrain.data.loader import PAD, PackedLoader, list_shards
 from xtrain.data.tokenizer import BOS, load_tokenizer, save_hf, train_bpe
@@ -298,12 +299,12 @@ def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, c
 
 
 def test_last_shard_held_out_for_validation(corpus, compose_config):
-    from xtrain.train.run import make_loaders
+    from xtrain.train.run import build_loaders
 
     root, _, tok = corpus
     cfg = compose_config(["model.sequence_len=48"])
     cfg.data.train_files, cfg.data.holdout_last_shard = str(root / "train"), True
-    train, _, val = make_loaders(cfg, tok, rows=2, accum=1)
-    train_shards = {u[0] for u in train.units}
-    val_shards = {u[0] for u in val.loader.units}
+    loaders = build_loaders(cfg.data, cfg.trainer, 48, tok, rows=2, accum=1)
+    train_shards = {u[0] for u in loaders.train.units}
+    val_shards = {u[0] for u in loaders.val.loader.units}
     assert len(train_shards) == 2 and val_shards == {str(root / "train" / "shard_2.parquet")}

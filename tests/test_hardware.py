@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 
 from xtrain.cli import config_dir
-from xtrain.config import ConfigError
-from xtrain.hardware import check_profile, runtime_mismatches, topology_kwargs
-from xtrain.plan import GIB, check_fits, resolve
+from xtrain.errors import ConfigError
+from xtrain.hardware import check_profile
+from xtrain.plan import check_fits, resolve
+from xtrain.preflight.targets import topology_kwargs
+from xtrain.units import GIB
+from xtrain.xla.runtime import runtime_mismatches
 
 TPU_PROFILES = sorted(p.stem for p in (Path(config_dir()) / "hardware").glob("v*.yaml"))
-USER_CONFIGS = {  # (hardware, data, seq, device batch) as the user trains today
+REAL_RUNS = {  # (hardware, data): the real runs' configs
     "v5e8-1024": ["hardware=v5e8", "data=base_data_v3"],
     "v6e4-2048": ["hardware=v6e4", "data=base_data_v3"],
     "v6e4-16k": ["hardware=v6e4", "data=cpp16k"],
@@ -56,7 +59,7 @@ def test_the_tpu_extra_installs_exactly_the_profiles_pins(compose_config):
 @pytest.mark.parametrize("name, seq, batch", [("v5e8-1024", 1024, 8), ("v6e4-2048", 2048, 8),
                                               ("v6e4-16k", 16384, 1)])
 def test_user_batch_arithmetic_reproduces(name, seq, batch, compose_config):
-    cfg, plan = _plan(compose_config, *USER_CONFIGS[name])
+    cfg, plan = _plan(compose_config, *REAL_RUNS[name])
     assert (cfg.model.sequence_len, cfg.trainer.device_batch_size) == (seq, batch)
     assert plan.batch.grad_accum_steps == 8 and plan.batch.total_batch_size == 524_288
 
@@ -75,9 +78,9 @@ HAND_MEMORY = {
 
 @pytest.mark.parametrize("name", sorted(HAND_MEMORY))
 def test_memory_estimate_matches_hand_computation(name, compose_config):
-    _, plan = _plan(compose_config, *USER_CONFIGS[name])
+    _, plan = _plan(compose_config, *REAL_RUNS[name])
     assert plan.memory.total == HAND_MEMORY[name]
-    assert plan.memory.fits  # all three run on the user's TPUs today
+    assert plan.memory.fits  # all three run on real TPUs today
     assert plan.attention == ("sdpa" if name == "v5e8-1024" else "flash")
 
 
@@ -91,7 +94,7 @@ def test_fsdp_divides_state_by_the_fsdp_axis(compose_config):
 
 
 def test_time_and_cost_at_the_assumed_mfu(compose_config):
-    cfg, plan = _plan(compose_config, *USER_CONFIGS["v6e4-2048"], "trainer.max_steps=1000")
+    cfg, plan = _plan(compose_config, *REAL_RUNS["v6e4-2048"], "trainer.max_steps=1000")
     expected = plan.flops_per_token * 524_288 / (4 * 918e12 * cfg.hardware.expected_mfu)
     assert plan.step_seconds == pytest.approx(expected)
     text = plan.describe()
@@ -181,11 +184,14 @@ def test_topologies_are_known_to_the_tpu_compiler(compose_config):
 
 
 def test_profile_environment_is_exported_and_user_values_win(compose_config, monkeypatch):
-    from xtrain.hardware import apply_environment
+    from xtrain.xla.runtime import apply_environment
 
     hw = compose_config(["hardware=v6e4"]).hardware
-    monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    monkeypatch.setenv("XLA_NO_SPECIAL_SCALARS", "0")  # set by the user: kept
+    # setenv first, so monkeypatch restores the environment (a leaked PJRT_DEVICE=TPU would make
+    # later tests start libtpu)
+    monkeypatch.setenv("PJRT_DEVICE", "unset")
+    monkeypatch.delenv("PJRT_DEVICE")
+    monkeypatch.setenv("XLA_NO_SPECIAL_SCALARS", "0")  # set explicitly: kept
     applied = apply_environment(hw)
     assert os.environ["PJRT_DEVICE"] == "TPU" and applied == {"PJRT_DEVICE": "TPU"}
     assert os.environ["XLA_NO_SPECIAL_SCALARS"] == "0"

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from xtrain.train.optim import MuonAdamW, lr_multiplier, orthogonalize
+from xtrain.optim import MuonAdamW, lr_multiplier, orthogonalize
 
 
 def test_schedule_warmup_constant_warmdown():

@@ -12,8 +12,10 @@ import sys
 import pytest
 
 from tests.conftest import compose_cfg
-from xtrain.plan import model_shape, resolve
-from xtrain.tpu_compile import collective_summary, compile_kernel, kernel_requests
+from xtrain.plan import resolve
+from xtrain.preflight.report import collective_summary, hbm_from_error
+from xtrain.preflight.runner import compile_kernel, run_preflight
+from xtrain.preflight.targets import kernel_requests, trace_environment
 
 
 @pytest.fixture
@@ -26,7 +28,7 @@ def v6e4_16k(compose_config):
 
 def test_requests_cover_flash_and_the_windowed_splash_layers(v6e4_16k):
     cfg, plan = v6e4_16k
-    reqs = kernel_requests(cfg.hardware, model_shape(cfg.model), plan.attention, 1)
+    reqs = kernel_requests(cfg.hardware, plan.gpt, 1)
     assert plan.attention == "flash"
     assert [(r["kernel"], r["window"]) for r in reqs] == [("flash", None), ("splash", 1024)]
     assert reqs[0]["shape"] == [1, 8, 16384, 128]
@@ -36,13 +38,13 @@ def test_requests_cover_flash_and_the_windowed_splash_layers(v6e4_16k):
 def test_sdpa_configs_need_no_kernel(compose_config):
     cfg = compose_config(["hardware=v5e8", "model=d16", "data=base_data_v3"])
     plan = resolve(cfg, 8)
-    assert kernel_requests(cfg.hardware, model_shape(cfg.model), plan.attention, 8) == []
+    assert kernel_requests(cfg.hardware, plan.gpt, 8) == []
 
 
 def test_kernels_compile_for_v6e_with_the_pinned_jax_and_libtpu(v6e4_16k):
     pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
     cfg, plan = v6e4_16k
-    for req in kernel_requests(cfg.hardware, model_shape(cfg.model), plan.attention, 1):
+    for req in kernel_requests(cfg.hardware, plan.gpt, 1):
         req["shape"][2] = 2048  # the real kernels at a shorter length keep the test quick
         if req["window"]:
             req["window"] = 512
@@ -54,7 +56,7 @@ def test_kernels_compile_for_v6e_with_the_pinned_jax_and_libtpu(v6e4_16k):
 def test_a_compiler_failure_is_reported_not_raised(v6e4_16k):
     pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
     cfg, plan = v6e4_16k
-    (req, *_) = kernel_requests(cfg.hardware, model_shape(cfg.model), plan.attention, 1)
+    (req, *_) = kernel_requests(cfg.hardware, plan.gpt, 1)
     req["topology"]["topology_name"] = "v6e:3x3x3"  # no such slice
     result = compile_kernel(req)
     assert result["ok"] is False and 'Topology layout "v6e:3x3x3"' in result["error"]  # libtpu's words
@@ -94,12 +96,10 @@ def test_trace_gives_every_argument_its_sharding_and_donation(compose_config, tm
     the batch over the batch axes, and every piece of state donated to its own update."""
     from omegaconf import OmegaConf
 
-    from xtrain.preflight import trace_environment
-
     cfg = compose_config(["hardware=v6e4", *TINY_TPU, "parallelism=fsdp", "mode=compile"])
     plan = resolve(cfg, 4)
     OmegaConf.save(cfg, tmp_path / "config.yaml", resolve=True)
-    r = subprocess.run([sys.executable, "-m", "xtrain.xla.trace", str(tmp_path / "config.yaml"),
+    r = subprocess.run([sys.executable, "-m", "xtrain.preflight.trace", str(tmp_path / "config.yaml"),
                         str(tmp_path)], capture_output=True, text=True, timeout=300,
                        env=trace_environment(cfg.hardware))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -147,8 +147,6 @@ def test_compile_mode_measures_the_step_caches_it_and_plan_shows_it(tmp_path):
 
 def test_fsdp_divides_the_resident_state_the_compiler_reports(tmp_path):
     pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
-    from xtrain.preflight import run_preflight
-
     reports = {}
     for parallelism in ("dp", "fsdp"):
         cfg = compose_cfg(["hardware=v6e4", *TINY_TPU, f"parallelism={parallelism}", "mode=compile"])
@@ -185,8 +183,6 @@ def test_compile_mode_reports_the_compilers_out_of_memory_with_its_numbers(tmp_p
 
 def test_flash_attention_kernel_is_compiled_inside_the_step(tmp_path):
     pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
-    from xtrain.preflight import run_preflight
-
     cfg = compose_cfg(["hardware=v6e4", *TINY_TPU, "model.attention=flash", "mode=compile"])
     report = run_preflight(cfg, resolve(cfg, 4))
     assert report["step"]["ok"], report["step"]
@@ -198,12 +194,10 @@ def test_windowed_layers_trace_with_splash_inside_the_step(tmp_path):
     is traced with the kernel lowered for the TPU and compiled with the rest of the step."""
     pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
     pytest.importorskip("torchax", reason="torch_xla's torchax does not import: flax missing (pip install 'xtrain[tpu]')")
-    from xtrain.preflight import run_preflight
-
     cfg = compose_cfg(["hardware=v6e4", *TINY_TPU, "model.attention=flash",
                        "model.window_pattern=SL", "model.head_dim=128", "mode=compile"])
     plan = resolve(cfg, 4)
-    assert model_shape(cfg.model)["windows"] == (128, None)
+    assert plan.gpt.windows == (128, None)
     report = run_preflight(cfg, plan)
     assert report["step"]["ok"], report["step"]
     assert report["step"]["temp_bytes"] > 0
@@ -212,8 +206,8 @@ def test_windowed_layers_trace_with_splash_inside_the_step(tmp_path):
 
 
 def test_compile_mode_refuses_a_profile_without_a_tpu(compose_config):
-    from xtrain.cli import run
-    from xtrain.config import ConfigError
+    from xtrain.errors import ConfigError
+    from xtrain.modes import run
 
     with pytest.raises(ConfigError, match="hardware=cpu is not a TPU profile"):
         run(compose_config(["mode=compile"]), "unused")
@@ -221,7 +215,7 @@ def test_compile_mode_refuses_a_profile_without_a_tpu(compose_config):
 
 @pytest.mark.slow
 def test_an_incompatible_jax_libtpu_pair_is_reported_with_the_compilers_reason(v6e4_16k, tmp_path_factory):
-    """jax 0.7.1 writes Mosaic IR v8, libtpu 0.0.21 reads <= 7: the user's broken pin, caught with
+    """jax 0.7.1 writes Mosaic IR v8, libtpu 0.0.21 reads <= 7: a broken pin, caught with
     no TPU. Needs a second environment (created here, ~700 MB from the package registry, or
     reused from $XTRAIN_JAX071_VENV)."""
     venv = os.environ.get("XTRAIN_JAX071_VENV") or str(tmp_path_factory.mktemp("jax071"))
@@ -231,7 +225,7 @@ def test_an_incompatible_jax_libtpu_pair_is_reported_with_the_compilers_reason(v
         subprocess.run([python, "-m", "pip", "install", "-q", "jax==0.7.1", "jaxlib==0.7.1",
                         "libtpu==0.0.21"], check=True, timeout=1800)
     cfg, plan = v6e4_16k
-    (req, *_) = kernel_requests(cfg.hardware, model_shape(cfg.model), plan.attention, 1)
+    (req, *_) = kernel_requests(cfg.hardware, plan.gpt, 1)
     req["shape"][2] = 2048
     mismatched = compile_kernel(req, python=python)
     assert mismatched["ok"] is False
@@ -240,8 +234,6 @@ def test_an_incompatible_jax_libtpu_pair_is_reported_with_the_compilers_reason(v
 
 
 def test_the_compilers_out_of_memory_numbers_are_read():
-    from xtrain.tpu_compile import hbm_from_error
-
     error = ("XlaRuntimeError: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of "
              "memory in memory space hbm. Used 33.98G of 31.25G hbm. Exceeded hbm capacity by 2.73G.")
     used, usable = hbm_from_error(error)
@@ -250,3 +242,28 @@ def test_the_compilers_out_of_memory_numbers_are_read():
               "(size=33822867456) :: #allocation448 [shape = 'bf16[1024,256,65536]']")
     assert hbm_from_error(single) == (34359738368, 33822867456)
     assert hbm_from_error("INVALID_ARGUMENT: something else") is None
+
+
+def test_cache_key_follows_step_shaping_code_only(compose_config, tmp_path):
+    """Editing metrics or evaluation code keeps a cached compile; editing the model, the step,
+    the optimizer or an engine invalidates it."""
+    import shutil
+
+    from xtrain.preflight.cache import PACKAGE, cache_key
+
+    cfg = compose_config(["hardware=v6e4", *TINY_TPU, "mode=compile"])
+    plan = resolve(cfg, 4)
+    copy = tmp_path / "xtrain"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = cache_key(cfg, plan, copy)
+    assert before == cache_key(cfg, plan, PACKAGE)  # the copy is the same code
+    for unrelated in ("observe/metrics.py", "train/run.py", "cli.py"):
+        (copy / unrelated).write_text((copy / unrelated).read_text() + "\n# edited\n")
+    assert cache_key(cfg, plan, copy) == before
+    for shaping in ("model/gpt.py", "engines/step.py", "optim.py", "xla/spmd.py"):
+        edited = copy / shaping
+        original = edited.read_text()
+        edited.write_text(original + "\n# edited\n")
+        assert cache_key(cfg, plan, copy) != before, shaping
+        edited.write_text(original)
+    assert cache_key(cfg, plan, copy) == before

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from conftest import TINY, read_jsonl
-from xtrain.checkpoint import committed_checkpoints
-from xtrain.cli import run
+from xtrain.checkpoint.layout import committed_checkpoints
+from xtrain.modes import run
 
 
 def _train(compose_config, tmp_path, *extra):

@@ -20,7 +20,7 @@ SEQ, ROWS, STEPS = 64, 8, 30  # every run sees the same 8 rows of 64 tokens per 
 DRIVER = r"""
 import json, sys
 from tests.conftest import compose_cfg
-from xtrain.cli import run
+from xtrain.modes import run
 from tests.conftest import read_jsonl
 out = {}
 for job in json.loads(sys.argv[1]):

@@ -12,10 +12,38 @@ use it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+
+from xtrain.paths import cache_root
+
+
+class Mode(str, Enum):
+    """What ``python -m xtrain`` does with the composed config (xtrain/modes.py)."""
+
+    train = "train"  # train (the default)
+    plan = "plan"  # print the derived numbers and checks, run nothing
+    compile = "compile"  # the TPU preflight: compile the step for the profile's TPU (xtrain/preflight/)
+
+
+class Attention(str, Enum):
+    """Attention backends (xtrain/model/attention.py); ``auto`` is resolved by the planner."""
+
+    auto = "auto"
+    sdpa = "sdpa"  # torch's fused kernel
+    chunked = "chunked"  # blockwise online softmax in torch ops, O(T x block) memory, any device
+    flash = "flash"  # torch_xla's Pallas flash kernel (TPU); windowed layers run splash
+    splash = "splash"  # torch_xla's Pallas splash kernel with a local mask (TPU)
+
+
+# The device mesh's axes, in mesh order: the ``parallelism`` group sizes them, sharding rules and
+# the attention kernels' partition specs name them. The batch dimension is split over BATCH_AXES.
+DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
 
 
 @dataclass
@@ -56,10 +84,10 @@ class ModelConfig:
     sequence_len: int | None = None  # None: the data's, else the hardware profile's
     # Per-layer attention pattern, tiled over layers; the last layer is always full-context.
     # Letters (nanochat's): S = sliding window of `window_len`, L = full causal context.
-    # The user's notes write G = global / L = local instead: a pattern containing G is read that way.
+    # Or G = global / L = local: a pattern containing G is read that way.
     window_pattern: str = "L"
     window_len: int | None = None  # None: sequence_len // 2
-    attention: str = "auto"  # auto | sdpa | chunked | flash | splash
+    attention: Attention = Attention.auto
     attention_block: int = 512  # block size of the chunked backend
     softcap: float = 15.0  # logits = softcap * tanh(logits / softcap)
 
@@ -85,7 +113,7 @@ class DataConfig:
 
 @dataclass
 class ParallelismConfig:
-    """Mesh axes over all devices; -1 means "the remaining devices"."""
+    """Mesh axes (MESH_AXES) over all devices; -1 means "the remaining devices"."""
 
     name: str = MISSING
     data: int = -1
@@ -154,7 +182,7 @@ class RunConfig:
 
 @dataclass
 class TrainConfig:
-    mode: str = "train"  # train | plan (print the plan) | compile (TPU preflight, xtrain/preflight.py)
+    mode: Mode = Mode.train
     run: RunConfig = field(default_factory=RunConfig)
     hardware: HardwareConfig = MISSING
     model: ModelConfig = MISSING
@@ -198,7 +226,10 @@ def register() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     if not OmegaConf.has_resolver("xtrain_run_name"):
         OmegaConf.register_new_resolver("xtrain_run_name", run_name)
+    if not OmegaConf.has_resolver("xtrain_cache"):  # ${xtrain_cache:}: see xtrain.paths.cache_root
+        OmegaConf.register_new_resolver("xtrain_cache", lambda: str(cache_root()))
 
 
-class ConfigError(ValueError):
-    """A config value is wrong; the message names the field and shows the arithmetic."""
+def to_plain(cfg) -> dict:
+    """A config as plain JSON-ready containers (enums as their names), resolved."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

@@ -1,14 +1,13 @@
-"""Hardware profiles at run time: validation of a profile's facts, how many devices a run spans,
-the environment a TPU run needs (set before torch_xla initialises), and the runtime check that
-refuses a run whose runtime is not the one the profile names (no silent CPU fallback)."""
+"""Hardware profiles (conf/hardware/): the checks that a profile's facts agree with each other,
+and how many devices a run spans. Starting a runtime for a profile is the XLA engine's
+(xtrain/xla/runtime.py); compiling for its topology is the preflight's (xtrain/preflight/)."""
 
 from __future__ import annotations
 
 import os
 import re
-from importlib import metadata
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 
 # Accelerator families: TensorCores per chip, and whether the type's number counts TensorCores
 # (v4-32 = 32 cores = 16 chips) or chips (v5litepod-8, v6e-4).
@@ -65,89 +64,3 @@ def run_devices(hw) -> int:
     if hw.engine == "xla":
         return hw.chips
     return hw.hosts
-
-
-def apply_environment(hw) -> dict[str, str]:
-    """Export the profile's environment; must run before torch_xla initialises its runtime.
-    Variables the user set explicitly win (so a profile can be debugged without editing it)."""
-    applied = {}
-    for key, value in hw.env.items():
-        if key not in os.environ:
-            os.environ[key] = str(value)
-            applied[key] = str(value)
-    return applied
-
-
-def installed_versions(packages) -> dict[str, str | None]:
-    out = {}
-    for package in packages:
-        try:
-            out[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            out[package] = None
-    return out
-
-
-def runtime_mismatches(hw, device_type: str, device_count: int, versions: dict) -> list[str]:
-    """Why this process cannot run ``hw`` (empty: it can). Pure, so it is testable off-TPU."""
-    problems = []
-    want = "TPU" if hw.accelerator_type else "CPU"
-    if hw.engine == "xla" and device_type != want:
-        problems.append(f"the XLA runtime is {device_type}, hardware={hw.name} needs {want} "
-                        "(is this the TPU VM? is PJRT_DEVICE overridden?)")
-    if hw.accelerator_type and device_count != hw.chips:
-        problems.append(f"{device_count} devices visible, hardware={hw.name} has {hw.chips} chips")
-    for package, pinned in hw.pins.items():
-        found = versions.get(package)
-        if found is not None and found.split("+")[0] != str(pinned):
-            problems.append(f"{package}=={found} installed, hardware={hw.name} pins {pinned}")
-        if found is None and package in REQUIRED_PINS and hw.accelerator_type:
-            problems.append(f"{package} is not installed (hardware={hw.name} pins {pinned})")
-    return problems
-
-
-def check_runtime(hw) -> None:
-    """After torch_xla initialised: refuse a runtime that is not the one the profile names."""
-    import torch_xla.runtime as xr
-
-    problems = runtime_mismatches(hw, xr.device_type(), xr.global_runtime_device_count(),
-                                  installed_versions(hw.pins))
-    if problems:
-        raise ConfigError("refusing to run: " + "; ".join(problems))
-
-
-def tpu_chips_on_pci() -> int:
-    """TPU chips attached to this host, read from the PCI bus (no network, no runtime init)."""
-    try:
-        from torch_xla._internal.tpu import num_available_chips
-    except ImportError:
-        return 0
-    return num_available_chips()
-
-
-def quiet_lightning_tpu_probe() -> None:
-    """Lightning's Trainer logs ``XLAAccelerator.is_available()`` on every construction; off-TPU
-    that probe queries the GCE metadata server and, with some TPU_* variables set (jax/libtpu set
-    them), raises instead of returning False (see DESIGN.md). Answer it from the PCI bus."""
-    from lightning.pytorch.accelerators import XLAAccelerator
-
-    if not getattr(XLAAccelerator.is_available, "_xtrain", False):
-        def is_available() -> bool:
-            return tpu_chips_on_pci() > 0
-
-        is_available._xtrain = True
-        XLAAccelerator.is_available = staticmethod(is_available)
-
-
-def topology_kwargs(hw) -> dict:
-    """Arguments for ``jax.experimental.topologies.get_topology_desc`` for this profile. Slices
-    smaller than libtpu's default host bounds (2x2x1), e.g. v6e-1, must state their own; chips
-    with two TensorCores (v4, v5p) run as one megacore device each, as torch_xla sees them
-    (libtpu's default config would list every TensorCore as a device)."""
-    kwargs = {"platform": "tpu", "topology_name": hw.topology}
-    if hw.cores_per_chip > 1:
-        kwargs["chip_config_name"] = "megacore"
-    if hw.chips_per_host < 4:
-        dims = [int(d) for d in hw.topology.split(":")[1].split("x")]
-        kwargs["chips_per_host_bounds"] = tuple((dims + [1, 1])[:3])
-    return kwargs

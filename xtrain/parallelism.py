@@ -1,6 +1,6 @@
 """The ``parallelism`` group: mesh axes over all devices and parameter sharding rules, as data.
 
-Torch-free (the planner uses it); :mod:`xtrain.xla.sharding` applies the same rules to a model.
+Torch-free (the planner uses it); :mod:`xtrain.xla.spmd` applies the same rules to a model.
 Like torchtitan's ``ParallelDims``, the degrees are checked against the device count and a -1
 axis takes the remaining devices.
 """
@@ -10,14 +10,12 @@ from __future__ import annotations
 import math
 import re
 
-from xtrain.config import ConfigError
-
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over these
+from xtrain.config import BATCH_AXES, MESH_AXES
+from xtrain.errors import ConfigError
 
 
 def mesh_shape(par, devices: int) -> dict[str, int]:
-    sizes = {axis: int(par[axis]) for axis in AXES}
+    sizes = {axis: int(par[axis]) for axis in MESH_AXES}
     free = [a for a, n in sizes.items() if n == -1]
     if len(free) > 1 or any(n == 0 or n < -1 for n in sizes.values()):
         raise ConfigError(f"parallelism={par.name}: axis sizes {sizes}: use positive sizes and at "

@@ -18,7 +18,7 @@ def _state():
 
     from tests.bench.step_time import _setup
     from xtrain.model.gpt import GPT
-    from xtrain.train.optim import build_optimizer
+    from xtrain.optim import build_optimizer
 
     cfg, gc, batch = _setup()
     torch.manual_seed(0)
@@ -32,7 +32,7 @@ def _save_vs_raw(root: str, reps: int = 3):
     import fsspec
     import torch
 
-    from xtrain.checkpoint import FsspecCheckpointIO
+    from xtrain.checkpoint.async_io import FsspecCheckpointIO
 
     _, model, opt, _ = _state()
     ckpt = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 1}
@@ -56,7 +56,7 @@ def _save_vs_raw(root: str, reps: int = 3):
 
 def _async_overhead(root: str, steps: int = 12):
 
-    from xtrain.checkpoint import FsspecCheckpointIO
+    from xtrain.checkpoint.async_io import FsspecCheckpointIO
 
     cfg, model, opt, batch = _state()
     ckio = FsspecCheckpointIO()

@@ -1,12 +1,14 @@
-"""TPU preflight (mode=compile) on the user's configs: per-chip HBM from the TPU compiler vs the
+"""TPU preflight (mode=compile) on the real runs' configs: per-chip HBM from the TPU compiler vs the
 planner's estimate, compile time, and the config that must not fit."""
 
 from __future__ import annotations
 
 import time
 
+from xtrain.units import GIB
+
 COMMAND = "make bench ARGS=preflight   (python -m tests.bench preflight)"
-CONFIGS = [  # the user's known-good runs, then one that cannot fit
+CONFIGS = [  # the known-good real runs, then one that cannot fit
     ["hardware=v5e8", "model=d16", "data=base_data_v3"],  # seq 1024, batch 8 (sdpa)
     ["hardware=v6e4", "model=d16", "data=base_data_v3"],  # seq 2048, batch 8 (flash)
     # why attention=auto picks flash at 2048 on TPU: with SDPA the same step does not fit
@@ -17,7 +19,6 @@ CONFIGS = [  # the user's known-good runs, then one that cannot fit
     ["hardware=v6e4", "model=d16", "data=base_data_v3", "model.window_pattern=SSSL"],
 ]
 TOLERANCE = 0.25
-GIB = 1024**3
 
 
 def _meminfo_gib(field: str) -> int:
@@ -28,8 +29,9 @@ def _meminfo_gib(field: str) -> int:
 
 def run() -> str:
     from tests.conftest import compose_cfg
-    from xtrain.preflight import cached_report, hbm_bytes, run_preflight, verdict
-    from xtrain.tpu_compile import hbm_from_error
+    from xtrain.preflight.cache import cached_report
+    from xtrain.preflight.report import hbm_bytes, hbm_from_error, verdict
+    from xtrain.preflight.runner import run_preflight
     from xtrain.plan import resolve
 
     rows = []

@@ -13,19 +13,20 @@ STEPS, WARMUP = 30, 5
 
 def _setup():
     from tests.conftest import compose_cfg
-    from xtrain.plan import gpt_config, resolve
+    from xtrain.model.config import GPTConfig
+    from xtrain.plan import resolve
 
     cfg = compose_cfg(["model=d4", "trainer.device_batch_size=8", f"trainer.max_steps={STEPS}",
                        "model.vocab_size=4096"])
     resolve(cfg, 1)
     torch.manual_seed(0)
     batch = torch.randint(0, 4096, (1, 8, cfg.model.sequence_len + 1))
-    return cfg, gpt_config(cfg.model, "sdpa"), batch
+    return cfg, GPTConfig.from_model(cfg.model, "sdpa"), batch
 
 
 def bare_loop(cfg, gc, batch) -> float:
     from xtrain.model.gpt import GPT
-    from xtrain.train.optim import build_optimizer
+    from xtrain.optim import build_optimizer
 
     torch.manual_seed(0)
     model = GPT(gc)
@@ -46,7 +47,7 @@ def bare_loop(cfg, gc, batch) -> float:
 def framework(cfg, gc, batch) -> float:
     import lightning as L
 
-    from xtrain.hardware import quiet_lightning_tpu_probe
+    from xtrain.compat import quiet_lightning_tpu_probe
     from xtrain.train.module import GPTModule
 
     class Timer(L.Callback):

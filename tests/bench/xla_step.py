@@ -16,13 +16,15 @@ CHILD = r"""
 import json, time, torch
 import lightning as L
 from tests.conftest import compose_cfg
-from xtrain.plan import gpt_config, resolve
-from xtrain.xla.spmd import start_runtime, build_mesh, shard_parameters, shard_batch, mark
+from xtrain.model.config import GPTConfig
+from xtrain.plan import resolve
+from xtrain.xla.runtime import start_runtime
+from xtrain.xla.spmd import build_mesh, shard_parameters, shard_batch, mark
 from xtrain.xla.lightning import SPMDStrategy
 from xtrain.train.module import GPTModule
-from xtrain.train.optim import build_optimizer
+from xtrain.optim import build_optimizer
 from xtrain.model.gpt import GPT
-from xtrain.hardware import quiet_lightning_tpu_probe
+from xtrain.compat import quiet_lightning_tpu_probe
 import torch_xla, torch_xla.core.xla_model as xm
 
 WARM, STEPS = 5, 20
@@ -31,7 +33,7 @@ cfg = compose_cfg(["model=d4", "hardware.engine=xla", "trainer.device_batch_size
 plan = resolve(cfg, 4)
 start_runtime(cfg.hardware)
 mesh = build_mesh(plan.mesh)
-gc = gpt_config(cfg.model, "sdpa")
+gc = GPTConfig.from_model(cfg.model, "sdpa")
 torch.manual_seed(0)
 host_batch = torch.randint(0, 4096, (1, 8, cfg.model.sequence_len + 1), dtype=torch.int32)
 

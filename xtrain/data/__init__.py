@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from xtrain.data.tokenizer import DataError, Tokenizer, load_tokenizer
+from xtrain.data.tokenizer import Tokenizer, load_tokenizer
+from xtrain.errors import DataError
 
 
 def prepare(data, log=print) -> Tokenizer:
@@ -20,4 +21,4 @@ def prepare(data, log=print) -> Tokenizer:
     return tokenizer
 
 
-__all__ = ["DataError", "Tokenizer", "load_tokenizer", "prepare"]
+__all__ = ["Tokenizer", "load_tokenizer", "prepare"]

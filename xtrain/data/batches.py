@@ -1,9 +1,7 @@
-"""Torch-facing views of the loader: optimizer-step batches for training, fixed batches for eval,
-and the Lightning callback that checkpoints the loader's position."""
+"""Torch-facing views of the loader: optimizer-step batches for training, fixed batches for eval."""
 
 from __future__ import annotations
 
-import lightning as L
 import numpy as np
 import torch
 
@@ -40,20 +38,3 @@ class EvalBatches(torch.utils.data.IterableDataset):
             if i == self.limit:
                 return
             yield torch.from_numpy(batch)
-
-
-class LoaderState(L.Callback):
-    """Checkpoints the position after the last *trained* batch (Lightning prefetches ahead)."""
-
-    def __init__(self, loader: PackedLoader):
-        self.loader = loader
-        self.state = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.state = batch[1]
-
-    def state_dict(self):
-        return {"loader": self.state if self.state is not None else self.loader.state_dict()}
-
-    def load_state_dict(self, state_dict):
-        self.loader.load_state_dict(state_dict["loader"])

@@ -12,14 +12,14 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
 import random
 import re
 from dataclasses import dataclass
 
 import fsspec
 
-from xtrain.data.tokenizer import DataError
+from xtrain.errors import DataError
+from xtrain.paths import as_url, url_to_fs
 
 CPP_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc", ".ipp", ".inl")
 BUILDER_VERSION = 2  # 2: row groups of 1024 rows (larger tokenizer batches)
@@ -41,18 +41,16 @@ def find_sources(roots: list[str]) -> list[tuple[str, str]]:
     """(url, fingerprint) of every C/C++ file under ``roots``, sorted; fingerprint = size+mtime."""
     found = []
     for root in roots:
-        fs, base = fsspec.core.url_to_fs(os.path.expanduser(root))
+        fs, base = url_to_fs(root)
         if not fs.exists(base):
             continue
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         for path, info in fs.find(base, detail=True).items():
             if info.get("type") != "file" or info.get("size", 0) == 0:
                 continue
             with fs.open(path, "rb") as f:
                 head = f.read(2048)
             if looks_like_cpp(path, head):
-                url = path if protocol == "file" else f"{protocol}://{path}"
-                found.append((url, f"{info.get('size')}:{info.get('mtime', info.get('updated', ''))}"))
+                found.append((as_url(fs, path), f"{info.get('size')}:{info.get('mtime', info.get('updated', ''))}"))
     return sorted(found)
 
 
@@ -176,7 +174,7 @@ class BuildSpec:
 
 
 def read_manifest(out_dir: str) -> dict | None:
-    fs, root = fsspec.core.url_to_fs(os.path.expanduser(out_dir))
+    fs, root = url_to_fs(out_dir)
     path = f"{root}/manifest.json"
     if not fs.exists(path):
         return None
@@ -234,7 +232,7 @@ def build(spec: BuildSpec, urls: list[str], key: str) -> dict:
             splits["val" if url in val_files else "train"].append(chunk)
     rng.shuffle(splits["train"])
 
-    fs, root = fsspec.core.url_to_fs(os.path.expanduser(spec.out_dir))
+    fs, root = url_to_fs(spec.out_dir)
     if fs.exists(root):
         fs.rm(root, recursive=True)  # a stale or partial build: its manifest is gone or wrong
     save_hf(tok, token_bytes, f"{spec.out_dir}/tokenizer")

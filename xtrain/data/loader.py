@@ -26,14 +26,16 @@ from concurrent.futures import ThreadPoolExecutor
 import fsspec
 import numpy as np
 
-from xtrain.data.tokenizer import DataError, Tokenizer
+from xtrain.data.tokenizer import Tokenizer
+from xtrain.errors import DataError
+from xtrain.paths import as_url, url_to_fs
 
 PAD = -1  # only in the last batch of a non-looping pass; an ignored target, never a real token
 
 
 def list_shards(files: str) -> list[str]:
     """Parquet shards of ``files`` (a directory or a glob), as URLs, sorted."""
-    fs, path = fsspec.core.url_to_fs(files)
+    fs, path = url_to_fs(files)
     if any(ch in path for ch in "*?["):
         paths = fs.glob(path)
     elif fs.isdir(path):
@@ -42,8 +44,7 @@ def list_shards(files: str) -> list[str]:
         raise DataError(f"{files}: no such directory")
     if not paths:
         raise DataError(f"{files}: no parquet shards found")
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return sorted(p if protocol == "file" else f"{protocol}://{p}" for p in paths)
+    return sorted(as_url(fs, p) for p in paths)
 
 
 def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int]]:

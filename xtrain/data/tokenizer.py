@@ -14,17 +14,15 @@ from __future__ import annotations
 import io
 import pickle
 
-import fsspec
 import numpy as np
+
+from xtrain.errors import DataError
+from xtrain.paths import url_to_fs
 
 BOS = "<|bos|>"
 SPECIAL_TOKENS = [BOS]
 # GPT-2's pre-tokenizer split: the regex HF's ByteLevel(use_regex=True) applies
 BYTE_LEVEL_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-class DataError(ValueError):
-    """Bad or missing data; the message names the path."""
 
 
 class Tokenizer:
@@ -119,7 +117,7 @@ def tiktoken_from_hf(spec: dict):
 def save_hf(tok, token_bytes: np.ndarray, directory: str) -> None:
     import torch
 
-    fs, root = fsspec.core.url_to_fs(directory)
+    fs, root = url_to_fs(directory)
     fs.makedirs(root, exist_ok=True)
     with fs.open(f"{root}/tokenizer.json", "w") as f:
         f.write(tok.to_str())
@@ -134,7 +132,7 @@ def load_tokenizer(directory: str, threads: int = 2) -> Tokenizer:
     """
     import torch
 
-    fs, root = fsspec.core.url_to_fs(directory)
+    fs, root = url_to_fs(directory)
     if not fs.exists(f"{root}/token_bytes.pt"):
         raise DataError(f"{directory}: no token_bytes.pt (needed for bits-per-byte)")
     with fs.open(f"{root}/token_bytes.pt", "rb") as f:

@@ -22,28 +22,31 @@ import math
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("sdpa", "chunked", "flash", "splash")
+from xtrain.config import BATCH_AXES, Attention
+from xtrain.model.config import SPLASH_BLOCK
 
 
 def tpu_kernel(backend: str, window: int | None) -> str | None:
     """The Pallas kernel a layer runs on the TPU: flash has no sliding windows, so windowed
     layers of a flash model run splash."""
-    if backend not in ("flash", "splash"):
+    if backend not in (Attention.flash, Attention.splash):
         return None
-    return "flash" if backend == "flash" and window is None else "splash"
+    return (Attention.flash if backend == Attention.flash and window is None else Attention.splash).value
 
 
-def attend(q, k, v, window: int | None, backend: str, block: int = 512, partition_spec=None):
-    if backend == "sdpa":
+def attend(q, k, v, window: int | None, backend: str, block: int | None = None, partition_spec=None):
+    """Causal attention of ``backend``; ``block`` is the chunked backend's block size."""
+    if backend == Attention.sdpa:
         return sdpa_attention(q, k, v, window)
-    if backend == "chunked":
+    if backend == Attention.chunked:
         return chunked_attention(q, k, v, window, block)
     kernel = tpu_kernel(backend, window)
-    if kernel == "flash":
+    if kernel == Attention.flash:
         return tpu_flash_attention(q, k, v, partition_spec)
-    if kernel == "splash":
+    if kernel == Attention.splash:
         return tpu_splash_attention(q, k, v, window, partition_spec)
-    raise ValueError(f"model.attention={backend!r}: expected one of {BACKENDS}")
+    raise ValueError(f"model.attention={backend!r}: expected one of "
+                     f"{[a.value for a in Attention if a != Attention.auto]}")
 
 
 def allowed_mask(n_q: int, n_k: int, window: int | None, q_start: int = 0, k_start: int = 0,
@@ -150,7 +153,7 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def chunked_attention(q, k, v, window: int | None, block: int = 512):
+def chunked_attention(q, k, v, window: int | None, block: int):
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     return _ChunkedAttention.apply(q, k, v, window, block)
 
@@ -162,7 +165,7 @@ def chunked_attention(q, k, v, window: int | None, block: int = 512):
 
 def flash_call_kwargs(q, partition_spec):
     """Keyword arguments for torch_xla's flash_attention. sm_scale defaults to 1.0 in torch_xla:
-    without 1/sqrt(head_dim) the softmax is far too peaked (the defect in the user's old code)."""
+    without 1/sqrt(head_dim) the softmax is far too peaked (a known defect of calls that omit it)."""
     kwargs = {"causal": True, "sm_scale": 1.0 / math.sqrt(q.size(-1))}
     if partition_spec is not None:
         kwargs["partition_spec"] = tuple(partition_spec)
@@ -181,10 +184,10 @@ def splash_call_config(q, window: int | None, mesh, partition_spec):
     kernel blocks no larger than the sequence; the global mesh and the q/k/v partition spec."""
     from torch_xla.experimental.splash_attention import SplashAttentionConfig
 
-    T, block = q.size(-2), min(512, q.size(-2))
+    T, block = q.size(-2), min(SPLASH_BLOCK, q.size(-2))
     blocks = {f"sa_block_{n}": block for n in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv",
                                                "kv_dkv_compute", "q_dq", "kv_dq")}
-    spec = tuple(partition_spec) if partition_spec is not None else (("data", "fsdp"), None, None, None)
+    spec = tuple(partition_spec) if partition_spec is not None else (BATCH_AXES, None, None, None)
     return SplashAttentionConfig(
         **blocks, mesh=str(mesh), qkv_partition_spec=spec, segment_ids_partition_spec=(spec[0], None),
         attentiontype_local_sliding=window is not None and window < T - 1,

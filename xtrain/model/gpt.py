@@ -4,37 +4,20 @@ Rotary position embeddings, QK-norm, parameter-free RMSNorm, relu^2 MLP, untied 
 head, logit softcap, no biases, optional GQA and per-layer sliding windows. Depth is the one size
 dial: width = depth * aspect_ratio, heads = width / head_dim.
 
-The model knows nothing about sharding or devices: the engines place and shard it.
+The shape lives in :class:`xtrain.model.config.GPTConfig` (torch-free). The model knows nothing
+about sharding or devices: the engines place and shard it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from xtrain.model.attention import attend
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    n_layer: int
-    n_head: int
-    n_kv_head: int
-    n_embd: int
-    vocab_size: int
-    sequence_len: int
-    windows: tuple[int | None, ...]  # per layer: None = full context, W = sliding window
-    attention: str = "sdpa"
-    attention_block: int = 512
-    softcap: float = 15.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+from xtrain.model.config import GPTConfig
 
 
 def norm(x):

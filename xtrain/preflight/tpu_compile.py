@@ -1,10 +1,11 @@
 """Compile for a TPU topology on a machine without a TPU, with the real TPU compiler (libtpu).
 
-Two kinds of request, each compiled in a child process (``python -m xtrain.tpu_compile KIND
-REQUEST_JSON``) because libtpu can abort its whole process; the child reports JSON on its last
-stdout line and a compiler failure comes back as ``{"ok": false, "error": ...}``, never raised:
+The child side (``python -m xtrain.preflight.tpu_compile KIND REQUEST_JSON``; the parent,
+xtrain/preflight/__init__.py, starts it because libtpu can abort its whole process). It reports
+JSON on its last stdout line and a compiler failure comes back as ``{"ok": false, "error":
+...}``, never raised. Two kinds of request:
 
-- ``step``: a training step traced by :mod:`xtrain.xla.trace`, partitioned over the topology's
+- ``step``: a training step traced by :mod:`xtrain.preflight.trace`, partitioned over the topology's
   chips (GSPMD) with the real run's argument shardings and buffer donation. Reports per-chip
   memory (arguments, outputs, aliases, temporaries), the FLOPs the compiler counts and the
   collectives in the partitioned program.
@@ -16,113 +17,15 @@ stdout line and a compiler failure comes back as ``{"ok": false, "error": ...}``
 from __future__ import annotations
 
 import json
-import os
-import re
 import resource
-import subprocess
 import sys
 import time
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-
-
-def kernel_requests(hw, shape: dict, attention: str, device_batch: int) -> list[dict]:
-    """One compile request per distinct kernel the model's layers use on this hardware."""
-    from xtrain.hardware import topology_kwargs
-    from xtrain.model.attention import tpu_kernel
-
-    head_dim = shape["n_embd"] // shape["n_head"]
-    dims = [device_batch, shape["n_head"], shape["sequence_len"], head_dim]
-    kinds = {(kernel, w) for w in shape["windows"] if (kernel := tpu_kernel(attention, w))}
-    return [{"topology": topology_kwargs(hw), "kernel": k, "window": w, "shape": dims}
-            for k, w in sorted(kinds, key=str)]
-
-
-def compile_kernel(request: dict, python: str = sys.executable, timeout: int = 600) -> dict:
-    return _run_child("kernel", request, python, timeout)
-
-
-def compile_step(request: dict, python: str = sys.executable, timeout: int = 3600) -> dict:
-    """``request``: topology (get_topology_desc kwargs), devices, stablehlo (a file) and the
-    trace's args/results annotations (see :func:`xtrain.xla.trace.trace_step`)."""
-    return _run_child("step", request, python, timeout)
-
-
-def _run_child(kind: str, request: dict, python: str, timeout: int) -> dict:
-    # JAX_PLATFORMS=cpu would hide the TPU compiler; libtpu aborts with TPU_ACCELERATOR_TYPE set
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE")}
-    env["TPU_SKIP_MDS_QUERY"] = "1"  # compile-only: no TPU metadata server
-    # compile-only clients use no TPU, so several may run at once (libtpu's lock file would
-    # refuse the second)
-    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-    # this module runs in any Python that has jax/libtpu (e.g. a second environment with other
-    # versions), whether or not xtrain is installed there
-    source_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [source_root, env.get("PYTHONPATH")]))
-    try:
-        r = subprocess.run([python, "-m", "xtrain.tpu_compile", kind, json.dumps(request)],
-                           capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"the TPU compiler took longer than {timeout} s"}
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if lines:
-        return json.loads(lines[-1])
-    if r.returncode == -9:  # SIGKILL: in practice the kernel's out-of-memory killer
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        return {"ok": False, "error": "the compiler process was killed (SIGKILL), usually by the "
-                                      f"out-of-memory killer: this machine's {ram:.0f} GiB of RAM "
-                                      "(plus swap) are too little for this compile"}
-    tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
-    return {"ok": False, "error": f"the compiler process died (exit {r.returncode}): {tail}"}
-
-
-def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
-    """kind -> {count, bytes} of the collectives in a compiled (partitioned) HLO module; bytes
-    are the per-device result sizes.
-
-    Each collective is counted once: async pairs at their ``-done``, and by channel id, because
-    the TPU compiler clones one all-gather into many "async collective fusions" (pieces that
-    overlap it with compute) that all carry the same channel: counting text occurrences made one
-    gather of a [65536, 128] table look like thirty.
-    """
-    out: dict[str, dict[str, int]] = {}
-    op = re.compile(r"=\s+(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-done)?\((.*)")
-    seen: set[str] = set()
-    for match in op.finditer(hlo_text):
-        shape, kind, rest = match.group(1), match.group(2), match.group(4)
-        channel = re.search(r"channel_id=(\d+)", rest)
-        if channel:
-            if channel.group(1) in seen:
-                continue
-            seen.add(channel.group(1))
-        nbytes = 0
-        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
-            n = _DTYPE_BYTES.get(dtype, 4)
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            nbytes += n
-        entry = out.setdefault(kind, {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += nbytes
-    return out
-
-
-def hbm_from_error(error: str) -> tuple[int, int] | None:
-    """(needed at least, usable) bytes per chip from the TPU compiler's out-of-HBM errors, or None.
-    Two forms: the whole program ("Ran out of memory in memory space hbm. Used 33.98G of 31.25G
-    hbm.", binary units) or one buffer ("Allocation (size=34359738368) would exceed memory
-    (size=33822867456)")."""
-    m = re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm", error)
-    if m:
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-        return (int(float(m.group(1)) * scale[m.group(2)]), int(float(m.group(3)) * scale[m.group(4)]))
-    m = re.search(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)", error)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-# --- the child side: runs with libtpu loaded -------------------------------------------------
+# Only dependency-free xtrain modules: this child runs in any Python that has jax and libtpu
+# (e.g. a second environment with other versions), with xtrain's source on PYTHONPATH.
+from xtrain.compat import jax_compiler_internals
+from xtrain.model.config import SPLASH_BLOCK
+from xtrain.preflight.report import collective_summary
 
 
 def _topology_devices(kwargs: dict):
@@ -149,7 +52,7 @@ def _compile_kernel(req: dict) -> dict:
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-        W, block = req["window"], min(512, T)
+        W, block = req["window"], min(SPLASH_BLOCK, T)
         mask = sm.CausalMask(shape=(T, T)) & sm.LocalMask(shape=(T, T), window_size=(W, W), offset=0)
         sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                               block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
@@ -171,8 +74,7 @@ def _compile_kernel(req: dict) -> dict:
 def _annotate(module, req: dict, n: int) -> None:
     """The real run's facts the exported text lacks: partition count, each argument's sharding
     and the output it is donated to, each result's sharding."""
-    from jax._src.lib.mlir import ir
-
+    ir, _, _, _ = jax_compiler_internals()
     i32 = ir.IntegerType.get_signless(32)
     attrs = module.operation.attributes
     attrs["mhlo.num_partitions"] = ir.IntegerAttr.get(i32, n)
@@ -204,10 +106,8 @@ def _annotate(module, req: dict, n: int) -> None:
 def _compile_step(req: dict) -> dict:
     import jax
     import numpy as np
-    from jax._src import compiler
-    from jax._src.interpreters import mlir
-    from jax._src.lib import xla_client as xc
-    from jax._src.lib.mlir import ir
+
+    ir, mlir, compiler, xc = jax_compiler_internals()
 
     # torch_xla exports GSPMD annotations (mhlo.sharding), not Shardy's
     jax.config.update("jax_use_shardy_partitioner", False)

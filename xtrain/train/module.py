@@ -3,27 +3,21 @@
 A batch is ``(tokens [A, B, T+1], loader_state)``: all ``A`` gradient-accumulation micro-batches of
 the step, fetched outside the step, plus the loader position after them (checkpointed, so resume
 is exact even though Lightning prefetches a batch ahead). Optimisation is manual so the whole step
-(every micro-batch's forward and backward, clipping, the update) sits inside one
-``optimizer.step(closure)`` call, which the XLA engine compiles as one graph.
+(xtrain/engines/step.py) sits inside one ``optimizer.step(closure)`` call, which the XLA engine
+compiles as one graph.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 
 import lightning as L
 import torch
 
-from xtrain.model.gpt import GPT, GPTConfig
-from xtrain.train.optim import build_optimizer
-
-
-def split_inputs_targets(tokens):
-    """[B, T+1] -> inputs [B, T], targets [B, T]. PAD (-1, see the loader) is an ignored target;
-    as an input it is clamped to a real id (its output is never scored)."""
-    tokens = tokens.long()
-    return tokens[:, :-1].clamp(min=0), tokens[:, 1:]
+from xtrain.engines.step import autocast, split_inputs_targets, step_closure
+from xtrain.model.config import GPTConfig
+from xtrain.model.gpt import GPT
+from xtrain.optim import build_optimizer
 
 
 class GPTModule(L.LightningModule):
@@ -42,35 +36,12 @@ class GPTModule(L.LightningModule):
     def configure_optimizers(self):
         return build_optimizer(self.model, self.optim_cfg, self.max_steps, self.precision_name)
 
-    def _autocast(self, device_type: str):
-        if self.precision_name == "bfloat16":
-            return torch.autocast(device_type, dtype=torch.bfloat16)
-        return nullcontext()
-
-    def step_closure(self, tokens, backward):
-        """The body of one optimizer step over ``tokens`` [A, B, T+1]: every micro-batch's forward
-        and ``backward``, then clipping; returns the mean loss. Training runs it through
-        ``optimizer.step(closure)``; the TPU preflight traces the very same function."""
-        accum = tokens.size(0)
-
-        def closure():
-            total = torch.zeros((), device=tokens.device)
-            for micro in tokens.unbind(0):
-                x, y = split_inputs_targets(micro)
-                with self._autocast(tokens.device.type):
-                    loss = self.model(x, y) / accum
-                backward(loss)
-                total = total + loss.detach()
-            if self.optim_cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
-            return total
-
-        return closure
-
     def training_step(self, batch, batch_idx):
         tokens, _ = batch
         opt = self.optimizers()
-        loss = opt.step(closure=self.step_closure(tokens, self.manual_backward))
+        closure = step_closure(self.model, tokens, self.manual_backward, self.optim_cfg.grad_clip,
+                               self.precision_name)
+        loss = opt.step(closure=closure)
         opt.zero_grad(set_to_none=True)
         self.last_loss = loss
 
@@ -82,7 +53,7 @@ class GPTModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = split_inputs_targets(batch)
-        with self._autocast(x.device.type):
+        with autocast(x.device.type, self.precision_name):
             logits = self.model(x)
         nats = torch.nn.functional.cross_entropy(
             logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none", ignore_index=-1)

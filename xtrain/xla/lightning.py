@@ -16,12 +16,12 @@ Lightning 2.6 has no SPMD strategy (its XLAStrategy spawns one process per devic
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from xtrain import compat
 
 
 class SPMDAccelerator(Accelerator):
@@ -66,7 +66,7 @@ class SPMDPrecision(Precision):
         # No max_different_graphs guard: torch_xla counts graphs per compiled function object, and
         # Lightning hands us a new closure each step. Recompiles are caught by the tests instead
         # (tests/test_xla.py: 3 compilations per run, the same for 50 and 100 steps).
-        closure = partial(self._wrap_closure, model, optimizer, closure)
+        closure = compat.wrap_closure(self, model, optimizer, closure)
         return torch_xla.compile(lambda: optimizer.step(closure=closure, **kwargs), full_graph=True,
                                  name="xtrain_train_step")()
 
@@ -113,11 +113,11 @@ class SPMDStrategy(SingleDeviceStrategy):
         """Create the optimizer state now, so the first step's graph is every step's graph."""
         import torch_xla
 
+        from xtrain.xla.spmd import sharding_specs
+
         self._init_optimizer_state()
         torch_xla.sync()
-        # what XLA actually holds (HLO sharding strings), for logs and tests
-        self.param_shardings = {n: torch_xla._XLAC._get_xla_sharding_spec(p)
-                                for n, p in self.lightning_module.model.named_parameters()}
+        self.param_shardings = sharding_specs(self.lightning_module.model)  # what XLA holds
 
     def on_validation_start(self) -> None:
         from xtrain.xla.spmd import mark
@@ -132,7 +132,7 @@ class SPMDStrategy(SingleDeviceStrategy):
         return out
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-        # every host writes its own shards (the CheckpointIO is sharded; see xtrain/checkpoint.py)
+        # every host writes its own shards (the CheckpointIO is sharded; see xtrain/checkpoint/io.py)
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
@@ -140,7 +140,7 @@ class SPMDStrategy(SingleDeviceStrategy):
         (each host reads only the shards its devices hold)."""
         import torch_xla
 
-        from xtrain.checkpoint import split_tensors
+        from xtrain.checkpoint.io import split_tensors
 
         self._init_optimizer_state()
         torch_xla.sync()

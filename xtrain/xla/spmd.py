@@ -1,53 +1,26 @@
-"""torch_xla SPMD: runtime start-up, the device mesh, and the sharding rules applied to a model.
+"""torch_xla SPMD: the device mesh, and the sharding rules applied to a model, its optimizer
+state and its batches.
 
-One process per host drives every device of the slice (``xr.use_spmd()``), the way the user
-trains today. The rules come from the ``parallelism`` group (validated by
-:mod:`xtrain.parallelism`); the model code knows nothing about them.
+One process per host drives every device of the slice (``xr.use_spmd()``). The rules come from
+the ``parallelism`` group (validated by :mod:`xtrain.parallelism`); the model code knows nothing
+about them.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from xtrain.parallelism import AXES, BATCH_AXES, check_rules
-
-_started = False
-
-
-def start_runtime(hw) -> None:
-    """Environment first, then SPMD mode, before any XLA tensor exists (order matters: torch_xla
-    reads PJRT_DEVICE and XLA_* once, and use_spmd() must precede the first device tensor)."""
-    global _started
-    from xtrain.hardware import apply_environment, check_runtime
-
-    if _started:
-        return
-    apply_environment(hw)
-    if not hw.accelerator_type:
-        os.environ.setdefault("PJRT_DEVICE", "CPU")  # XLA on CPU PJRT: the test/try-out path
-    import torch_xla.runtime as xr
-
-    xr.use_spmd()
-    check_runtime(hw)
-    if xr.process_count() > 1:
-        # a CPU process group across hosts, for coordination outside the compiled graph
-        # (untestable here: torch_xla multi-process on CPU does not rendezvous; see DESIGN.md)
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="xla://")
-    _started = True
-
+from xtrain import compat
+from xtrain.config import BATCH_AXES, MESH_AXES, TENSOR_AXIS
+from xtrain.parallelism import check_rules
 
 def build_mesh(sizes: dict[str, int]):
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
     devices = xr.global_runtime_device_count()
-    shape = tuple(sizes[a] for a in AXES)
-    mesh = xs.Mesh(np.arange(devices), shape, AXES)
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    mesh = xs.Mesh(np.arange(devices), shape, MESH_AXES)
     xs.set_global_mesh(mesh)  # the Pallas kernels' SPMD wrappers read the global mesh
     return mesh
 
@@ -79,7 +52,7 @@ def set_attention_partition(model) -> None:
     """The Pallas kernels run per shard: q/k/v [B, H, T, D] split with batch over the batch axes
     and heads over tensor."""
     for block in model.blocks:
-        block.attn.partition_spec = (BATCH_AXES, "tensor", None, None)
+        block.attn.partition_spec = (BATCH_AXES, TENSOR_AXIS, None, None)
 
 
 def optimizer_state_specs(optimizer, model, param_specs: dict):
@@ -114,3 +87,8 @@ def counters() -> dict[str, int]:
         return int(data[0]) if data else 0
 
     return {"xla_compiles": count("CompileTime"), "host_syncs": count("TransferFromDeviceTime")}
+
+
+def sharding_specs(model) -> dict[str, str]:
+    """name -> the HLO sharding string XLA holds for each parameter (for logs and tests)."""
+    return {n: compat.sharding_spec(p) for n, p in model.named_parameters()}

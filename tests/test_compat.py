@@ -1,0 +1,54 @@
+"""xtrain.compat: the private APIs it wraps still exist in the installed versions, and those
+versions are the ones it was checked against. A failure here names what to re-verify on an
+upgrade; the behaviour behind each shim is exercised by the engine, checkpoint and preflight
+tests."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from xtrain import compat
+
+PRIVATE_NAMES = [  # (module, attribute) every compat shim reaches for
+    ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
+    ("torch_xla", "_XLAC._get_xla_sharding_spec"),
+    ("torch_xla", "_XLAC._xla_get_tensor_id"),
+    ("torch_xla", "_XLAC._get_tensors_xla_device_data_node"),
+    ("torch_xla.core.xla_model", "_maybe_convert_to_cpu"),
+    ("torch_xla.experimental.distributed_checkpoint._helpers", "_sharded_cpu_state_dict"),
+    ("torch_xla._internal.tpu", "num_available_chips"),
+    ("torch_xla.experimental.custom_kernel", "trace_pallas"),
+    ("torch_xla.experimental.custom_kernel", "_extract_backend_config"),
+    ("torch_xla.core.xla_builder", "JaxCallable"),
+    ("lightning.pytorch.plugins.precision", "Precision"),
+    ("jax._src.compiler", "backend_compile"),
+    ("jax._src.interpreters.mlir", "make_ir_context"),
+]
+
+
+def test_installed_versions_are_the_verified_ones():
+    assert compat.unverified() == []
+
+
+@pytest.mark.parametrize("module, name", PRIVATE_NAMES)
+def test_private_names_exist(module, name):
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        assert hasattr(obj, part), f"{module}.{name} is gone"
+        obj = getattr(obj, part)
+
+
+def test_lightning_precision_still_wraps_closures():
+    from lightning.pytorch.plugins.precision import Precision
+
+    wrapped = compat.wrap_closure(Precision(), None, None, lambda: 7)
+    assert callable(wrapped) and wrapped.func.__name__ == "_wrap_closure"
+
+
+def test_lightning_tpu_probe_answers_from_the_pci_bus_without_network():
+    from lightning.pytorch.accelerators import XLAAccelerator
+
+    compat.quiet_lightning_tpu_probe()
+    assert XLAAccelerator.is_available() is False  # no TPU on this machine, and no metadata query

@@ -1,0 +1,92 @@
+"""Lightning's CheckpointIO for xtrain's layout: a snapshot on the caller's thread, the upload in
+the background with retries.
+
+Lightning's own ``TorchCheckpointIO``/``XLACheckpointIO`` write with a plain ``torch.save`` to a
+local path (neither atomic, sharded nor fsspec), hence this one.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch.distributed.checkpoint.api import CheckpointException
+
+from xtrain.checkpoint import io as ckpt_io
+from xtrain.checkpoint.layout import remove
+
+
+class FsspecCheckpointIO(CheckpointIO):
+    """``path`` is a checkpoint directory (see xtrain/checkpoint/__init__.py).
+
+    ``save_checkpoint`` snapshots the tensors to host memory on the caller's thread, then a
+    background thread writes them, retrying with backoff when storage fails, and commits. At most
+    one save is in flight, so the extra host memory is bounded by one snapshot (this host's share
+    of the weights and optimizer state). ``wait()`` blocks until the save committed (the final
+    and the preemption saves use it). ``sharded``, ``rank``, ``process_group``: see
+    :mod:`xtrain.checkpoint.io`.
+    """
+
+    def __init__(self, retries: int = 5, backoff_s: float = 1.0, sharded: bool = False,
+                 rank: int = 0, process_group=None):
+        self.retries, self.backoff_s = retries, backoff_s
+        self.sharded, self.rank, self.process_group = sharded, rank, process_group
+        self.on_commit = None  # called from the upload thread with {"path", "ckpt_s", ...}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="xtrain-ckpt")
+        self._inflight = None
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.wait()
+        t0 = time.perf_counter()
+        skeleton, tensors = ckpt_io.split_tensors(checkpoint)
+        snapshot = ckpt_io.snapshot(tensors, self.sharded)
+        rest = io.BytesIO()
+        torch.save(skeleton, rest)
+        meta = {"step": checkpoint.get("global_step"), "saved_at": time.time(),
+                **checkpoint.get("xtrain_meta", {})}
+        blocking = time.perf_counter() - t0
+        self._inflight = self._pool.submit(self._upload, str(path), snapshot, rest.getvalue(), meta,
+                                           t0, blocking)
+
+    def _upload(self, path: str, snapshot: dict, rest: bytes, meta: dict, t0: float, blocking: float):
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                ckpt_io.write(path, snapshot, rest, meta, sharded=self.sharded, rank=self.rank,
+                              process_group=self.process_group)
+                break
+            except (Exception, CheckpointException) as e:  # storage errors come in many types;
+                # DCP wraps them in CheckpointException, a BaseException
+                if attempt == self.retries:
+                    ckpt_io.warn(f"giving up on checkpoint {path} after {attempt + 1} attempts ({e}); "
+                                 "the previous checkpoint stays the newest")
+                    return None
+                ckpt_io.warn(f"checkpoint upload to {path} failed ({type(e).__name__}: {e}); "
+                             f"retrying in {delay:.0f} s ({attempt + 1}/{self.retries})")
+                time.sleep(delay)
+                delay *= 2
+        result = {"path": path, "step": meta["step"], "ckpt_s": round(time.perf_counter() - t0, 3),
+                  "ckpt_blocking_s": round(blocking, 3)}
+        if self.on_commit and self.rank == 0:
+            self.on_commit(result)
+        return result
+
+    def wait(self):
+        """Block until the in-flight upload (if any) has committed or given up (None)."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            return inflight.result()
+        return None
+
+    def teardown(self) -> None:
+        self.wait()
+
+    def load_checkpoint(self, path, map_location=None, weights_only=True, targets: dict | None = None):
+        # weights_only is always True, whatever the caller asks: a checkpoint is untrusted input
+        return ckpt_io.read(path, targets, sharded=self.sharded, process_group=self.process_group)
+
+    def remove_checkpoint(self, path):
+        remove(str(path))

@@ -1,0 +1,74 @@
+"""Where checkpoints live and which ones count: step directories, the commit marker, discovery
+of committed checkpoints, retention, and the up-front check that a directory is writable."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+from xtrain.errors import ConfigError
+from xtrain.paths import url_to_fs
+
+COMMIT_MARKER = "COMMITTED"
+_STEP_DIR = re.compile(r"step_(\d+)$")
+
+
+def step_dir(directory: str, step: int) -> str:
+    return f"{directory.rstrip('/')}/step_{step:06d}"
+
+
+def step_dirs(directory: str) -> list[tuple[int, str, bool]]:
+    """(step, path, committed) of every step directory under ``directory``, oldest first."""
+    fs, root = url_to_fs(directory)
+    fs.invalidate_cache()  # gcsfs caches listings: a stale one would hide the newest checkpoint
+    if not fs.exists(root):
+        return []
+    found = []
+    for entry in fs.ls(root, detail=False):
+        m = _STEP_DIR.search(entry.rstrip("/"))
+        if m:
+            committed = fs.exists(f"{entry.rstrip('/')}/{COMMIT_MARKER}")
+            found.append((int(m.group(1)), f"{directory.rstrip('/')}/{m.group(0)}", committed))
+    return sorted(found)
+
+
+def committed_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of complete checkpoints under ``directory``, oldest first."""
+    return [(step, path) for step, path, committed in step_dirs(directory) if committed]
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    found = committed_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def is_committed(path: str) -> bool:
+    fs, root = url_to_fs(path)
+    return fs.exists(f"{root}/{COMMIT_MARKER}")
+
+
+def stale_checkpoints(steps: list[int], keep_last: int, keep_every: int) -> list[int]:
+    """Steps to delete: all but the newest ``keep_last`` and multiples of ``keep_every``."""
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return [s for s in steps if s not in keep]
+
+
+def remove(path: str) -> None:
+    fs, root = url_to_fs(path)
+    fs.rm(root, recursive=True)
+
+
+def check_writable(directory: str) -> None:
+    """Fail before training (and a TPU compile) when checkpoints cannot be written to
+    ``directory``: a missing bucket, no permission, a file in the way."""
+    fs, root = url_to_fs(directory)
+    probe = f"{root.rstrip('/')}/.write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
+        raise ConfigError(f"checkpoint.dir {directory} is not writable ({type(e).__name__}: {e})") from e

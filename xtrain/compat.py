@@ -1,0 +1,189 @@
+"""Every use of a library's private API, and every monkeypatch, in one place.
+
+Each function below names what it relies on. They were checked against the versions in
+``VERIFIED``; :func:`unverified` lists what differs in this environment, and on an upgrade
+every function tagged with that package must be re-checked (tests/test_compat.py exercises them
+against the installed versions). Public APIs are used directly elsewhere, never through here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from importlib import metadata
+
+# package -> version every private use below was checked against
+VERIFIED = {"torch": "2.9.1", "torch_xla": "2.9.0", "lightning": "2.6.6", "jax": "0.7.0"}
+
+
+def installed_versions(packages) -> dict[str, str | None]:
+    out = {}
+    for package in packages:
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def unverified() -> list[str]:
+    """Installed packages whose version is not the one the private uses here were checked on."""
+    found = installed_versions(VERIFIED)
+    return [f"{p} {found[p]} (checked: {v}; re-verify the xtrain.compat functions tagged [{p}])"
+            for p, v in VERIFIED.items() if found[p] is not None and found[p].split("+")[0] != v]
+
+
+def warn_unverified() -> None:
+    problems = unverified()
+    if problems:
+        warnings.warn("xtrain.compat: private APIs unverified for " + "; ".join(problems),
+                      stacklevel=2)
+
+
+# --- torch -----------------------------------------------------------------------------------
+
+
+def fsspec_writer(path: str):
+    """[torch] DCP's fsspec writer lives in a private module (torch 2.9). per_thread_copy_ahead=0:
+    snapshots are already in host memory, and DCP's overlapping device-to-host loader breaks once
+    torchax is imported (torch_xla's mark_sharding imports it when flax is installed): torchax
+    registers a "jax" device module without current_stream(), which that loader calls."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(path, per_thread_copy_ahead=0)
+
+
+# --- torch_xla -------------------------------------------------------------------------------
+
+
+def sharding_spec(tensor) -> str:
+    """[torch_xla] The HLO sharding string XLA holds for a device tensor (``_XLAC``)."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+def tensors_to_cpu(tensors) -> list:
+    """[torch_xla] Several device tensors to the host in one transfer (``xm._maybe_convert_to_cpu``;
+    ``.cpu()`` on each would transfer them one by one)."""
+    import torch_xla.core.xla_model as xm
+
+    return xm._maybe_convert_to_cpu(list(tensors))
+
+
+def sharded_cpu_state_dict(tensors: dict) -> dict:
+    """[torch_xla] This host's shards of SPMD tensors copied to the host, with their indices for
+    DCP's SPMD save planner (the helper torch_xla's own CheckpointManager uses)."""
+    from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+
+    return _sharded_cpu_state_dict(tensors)
+
+
+def tpu_chips_on_pci() -> int:
+    """[torch_xla] TPU chips attached to this host, read from the PCI bus (no network, no runtime)."""
+    try:
+        from torch_xla._internal.tpu import num_available_chips
+    except ImportError:
+        return 0
+    return num_available_chips()
+
+
+def tensor_id(tensor) -> int:
+    """[torch_xla] The lazy tensor's id, as graph inputs are named (``_XLAC``)."""
+    import torch_xla
+
+    return torch_xla._XLAC._xla_get_tensor_id(tensor)
+
+
+def graph_input_ids(outputs) -> list[int]:
+    """[torch_xla] Ids of the device-data inputs of the graph computing ``outputs``, in the order
+    of the exported function's arguments (torch_xla/stablehlo.py relies on the same order)."""
+    import torch_xla
+
+    ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs)
+    return ids
+
+
+def lower_pallas_for_tpu(n_devices: int) -> None:
+    """[torch_xla, jax] Make torch_xla's Pallas kernels lower for the TPU rather than for the
+    process's JAX backend (CPU in the preflight's trace child, where Mosaic has no lowering).
+    Process-wide: only the trace child calls it.
+
+    - flash: torch_xla's ``trace_pallas`` calls ``jax.jit(kernel).lower(...)`` on the default
+      backend and has no platform argument; it is replaced by the same steps with
+      ``lowering_platforms=("tpu",)``.
+    - splash: torch_xla runs it through ``call_jax`` (a ``shard_map`` over a mesh of JAX's own
+      devices, lowered to HLO by ``JaxCallable.specialize``, again on the default backend). JAX
+      gets one CPU device per virtual torch_xla device, so that mesh exists, and ``specialize``
+      lowers for the TPU.
+    """
+    import jax
+    import torch
+    import torch_xla.core.xla_builder as xb
+    import torch_xla.experimental.custom_kernel as custom_kernel
+
+    jax.config.update("jax_num_cpu_devices", n_devices)  # before JAX's CPU backend starts
+
+    def trace_pallas(kernel, *args, static_argnums=None, static_argnames=None, use_cache=False,
+                     **kwargs):
+        import jax._src.pallas.mosaic.pallas_call_registration  # noqa: F401  (registers Mosaic)
+
+        specs = [custom_kernel.to_jax_shape_dtype_struct(a) if torch.is_tensor(a) else a
+                 for a in args]
+        traced = jax.jit(kernel, static_argnums=static_argnums,
+                         static_argnames=static_argnames).trace(*specs, **kwargs)
+        ir = traced.lower(lowering_platforms=("tpu",)).compiler_ir()
+        return custom_kernel._extract_backend_config(ir), [a for a in args if torch.is_tensor(a)]
+
+    def specialize(self, sample_flat_args):
+        from torchax.ops.mappings import t2j_dtype
+
+        specs = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, t2j_dtype(a.dtype))
+                      for a in sample_flat_args)
+        traced = jax.jit(self._flat_input_func.flat_call, keep_unused=True).trace(specs)
+        hlo = traced.lower(lowering_platforms=("tpu",)).compiler_ir("hlo")
+        computation = xb.computation_from_module_proto(
+            "jax_callable", hlo.as_serialized_hlo_module_proto())
+        return xb.xla_computation_as_func(computation, "jax_func")
+
+    custom_kernel.trace_pallas = trace_pallas
+    xb.JaxCallable.specialize = specialize
+
+
+# --- Lightning -------------------------------------------------------------------------------
+
+
+def wrap_closure(precision, model, optimizer, closure):
+    """[lightning] The closure Lightning's precision plugins hand to ``optimizer.step`` (runs the
+    training step's hooks around ours): ``Precision._wrap_closure``."""
+    from functools import partial
+
+    return partial(precision._wrap_closure, model, optimizer, closure)
+
+
+def quiet_lightning_tpu_probe() -> None:
+    """[lightning] Lightning's Trainer logs ``XLAAccelerator.is_available()`` on every construction;
+    off-TPU that probe queries the GCE metadata server and, with some TPU_* variables set
+    (jax/libtpu set them), raises instead of returning False. Answer it from the PCI bus.
+    Process-wide and idempotent."""
+    from lightning.pytorch.accelerators import XLAAccelerator
+
+    if not getattr(XLAAccelerator.is_available, "_xtrain", False):
+        def is_available() -> bool:
+            return tpu_chips_on_pci() > 0
+
+        is_available._xtrain = True
+        XLAAccelerator.is_available = staticmethod(is_available)
+
+
+# --- jax (the TPU compiler child) ------------------------------------------------------------
+
+
+def jax_compiler_internals():
+    """[jax] What compiling a foreign StableHLO module for a compile-only TPU topology needs and
+    jax exposes only privately: (ir, mlir, compiler, xla_client)."""
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
+
+    return ir, mlir, compiler, xla_client

@@ -1,0 +1,47 @@
+"""One optimizer step's body, in torch only: what training runs and the TPU preflight traces.
+
+A step takes ``tokens [A, B, T+1]``: all ``A`` gradient-accumulation micro-batches, fetched
+outside the step, so the XLA engine compiles the whole step (every micro-batch's forward and
+backward, clipping, the optimizer update) as one graph.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+
+def split_inputs_targets(tokens):
+    """[B, T+1] -> inputs [B, T], targets [B, T]. PAD (-1, see the loader) is an ignored target;
+    as an input it is clamped to a real id (its output is never scored)."""
+    tokens = tokens.long()
+    return tokens[:, :-1].clamp(min=0), tokens[:, 1:]
+
+
+def autocast(device_type: str, precision: str):
+    """Matmuls in bfloat16 on bfloat16 profiles (weights stay float32); nothing otherwise."""
+    if precision == "bfloat16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def step_closure(model, tokens, backward, grad_clip: float, precision: str):
+    """The closure ``optimizer.step(closure)`` runs: every micro-batch's forward and ``backward``
+    (``loss.backward`` or Lightning's ``manual_backward``), then gradient clipping; it returns
+    the mean loss as a device tensor."""
+    accum = tokens.size(0)
+
+    def closure():
+        total = torch.zeros((), device=tokens.device)
+        for micro in tokens.unbind(0):
+            x, y = split_inputs_targets(micro)
+            with autocast(tokens.device.type, precision):
+                loss = model(x, y) / accum
+            backward(loss)
+            total = total + loss.detach()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        return total
+
+    return closure

@@ -1,0 +1,42 @@
+"""What ``python -m xtrain`` does with a composed config: resolve and check it (printing the plan),
+then run its ``mode``. Heavy libraries are imported only by the modes that need them, so
+``mode=plan`` stays fast and torch-free."""
+
+from __future__ import annotations
+
+from xtrain.config import Mode
+from xtrain.hardware import run_devices
+from xtrain.plan import RunPlan, check_fits, resolve
+
+
+def run(cfg, run_dir: str) -> dict | None:
+    """Resolve, check, print the plan, then dispatch on ``cfg.mode``."""
+    plan = resolve(cfg, run_devices(cfg.hardware))
+    print(f"run {cfg.run.name} -> {run_dir}\n{plan.describe()}", flush=True)
+    if cfg.mode == Mode.compile:
+        return compile_for_tpu(cfg, plan)
+    if cfg.mode == Mode.plan:
+        return show_plan(cfg, plan)
+    check_fits(plan)
+    from xtrain.train.run import train
+
+    return train(cfg, plan, run_dir)
+
+
+def compile_for_tpu(cfg, plan: RunPlan) -> None:
+    """The TPU compiler, not the estimate, decides whether the step fits."""
+    from xtrain.preflight.runner import preflight
+
+    preflight(cfg, plan)
+
+
+def show_plan(cfg, plan: RunPlan) -> None:
+    if cfg.hardware.accelerator_type:
+        from xtrain.preflight.cache import cached_report
+        from xtrain.preflight.report import describe
+
+        report = cached_report(cfg, plan)
+        print(describe(report) if report else "TPU compiler: not run yet for this config (mode=compile)")
+    check_fits(plan)
+    hbm = cfg.hardware.hbm_gib_per_chip
+    print("plan: fits" + (f" in {hbm:g} GiB HBM per chip" if hbm else ""))

@@ -1,0 +1,33 @@
+"""Where xtrain keeps things: the cache root, and fsspec URL handling shared by data, checkpoints
+and logs (local paths and ``gs://`` alike)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Derived, rebuildable state (corpora, tokenizers, compile reports): ``$XTRAIN_CACHE``, else
+    ``~/.cache/xtrain``."""
+    return Path(os.environ.get("XTRAIN_CACHE") or Path.home() / ".cache" / "xtrain")
+
+
+def url_to_fs(url: str):
+    """(filesystem, path without protocol) for a local path or any fsspec URL; ``~`` expanded."""
+    import fsspec
+
+    return fsspec.core.url_to_fs(os.path.expanduser(str(url)))
+
+
+def protocol(fs) -> str:
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+
+
+def as_url(fs, path: str) -> str:
+    """A path that ``fs`` returned (listings drop the protocol) as a URL any fsspec call accepts."""
+    return path if protocol(fs) in ("file", "local") else f"{protocol(fs)}://{path}"
+
+
+def is_local(url: str) -> bool:
+    return "://" not in str(url) or str(url).startswith("file://")

@@ -1,0 +1,65 @@
+"""The preflight's result cache: ``<cache root>/preflight/<key>.json``.
+
+The key covers what shapes the compiled step and nothing else, so editing metrics, logging or
+evaluation code keeps 3-12 minute compiles: the step-shaping config groups and the batch, the
+compiler stack's versions, and the source of the modules that shape the compiled graph (the
+model, the step, the optimizer, both engines, the sharding rules, the private-API shims and the
+preflight's own trace and compile children).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from xtrain.compat import installed_versions
+from xtrain.config import to_plain
+from xtrain.paths import cache_root
+
+STACK = ("torch", "torch_xla", "jax", "jaxlib", "libtpu", "flax")
+# relative to the xtrain package; directories stand for every .py file below them
+STEP_SHAPING = ("model", "engines", "xla", "optim.py", "parallelism.py", "compat.py",
+                "preflight/trace.py", "preflight/tpu_compile.py")
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def stack_versions() -> dict:
+    return installed_versions(STACK)
+
+
+def step_sources(package: Path = PACKAGE) -> list[Path]:
+    files = []
+    for entry in STEP_SHAPING:
+        path = package / entry
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return files
+
+
+def cache_key(cfg, plan, package: Path = PACKAGE) -> str:
+    shaping = {k: to_plain(cfg[k]) for k in ("model", "optim", "parallelism", "hardware")}
+    shaping["batch"] = vars(plan.batch)
+    shaping["max_steps"] = plan.max_steps  # the schedule's constants are in the graph
+    shaping["versions"] = stack_versions()
+    digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode())
+    for source in step_sources(package):
+        digest.update(str(source.relative_to(package)).encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def cache_path(cfg, plan) -> Path:
+    return cache_root() / "preflight" / f"{cache_key(cfg, plan)}.json"
+
+
+def cached_report(cfg, plan) -> dict | None:
+    path = cache_path(cfg, plan)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def store_report(cfg, plan, report: dict) -> None:
+    path = cache_path(cfg, plan)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_suffix(f".tmp{os.getpid()}")
+    tmp_path.write_text(json.dumps(report, indent=1))
+    os.replace(tmp_path, path)  # readers see the old report or the new one, never half

@@ -1,0 +1,111 @@
+"""``mode=compile``, the parent side: trace the step, compile it and its attention kernels for the
+profile's TPU in child processes, cache and describe the report, refuse what would fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from xtrain.errors import ConfigError
+from xtrain.preflight.cache import cached_report, stack_versions, store_report
+from xtrain.preflight.report import describe, verdict
+from xtrain.preflight.targets import (check_can_compile, kernel_requests, topology_kwargs,
+                                      trace_environment)
+from xtrain.units import GIB
+
+SOURCE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the xtrain package
+
+
+class PreflightError(ConfigError):
+    """The step does not compile or does not fit: a config problem, found before a TPU exists."""
+
+
+def compile_kernel(request: dict, python: str = sys.executable, timeout: int = 600) -> dict:
+    return _run_compile_child("kernel", request, python, timeout)
+
+
+def compile_step(request: dict, python: str = sys.executable, timeout: int = 3600) -> dict:
+    """``request``: topology (get_topology_desc kwargs), devices, stablehlo (a file) and the
+    trace's args/results annotations (see :func:`xtrain.preflight.trace.trace_step`)."""
+    return _run_compile_child("step", request, python, timeout)
+
+
+def _run_compile_child(kind: str, request: dict, python: str, timeout: int) -> dict:
+    # JAX_PLATFORMS=cpu would hide the TPU compiler; libtpu aborts with TPU_ACCELERATOR_TYPE set
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE")}
+    env["TPU_SKIP_MDS_QUERY"] = "1"  # compile-only: no TPU metadata server
+    # compile-only clients use no TPU, so several may run at once (libtpu's lock file would
+    # refuse the second)
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    # the child runs in any Python that has jax/libtpu (e.g. a second environment with other
+    # versions), whether or not xtrain is installed there
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SOURCE_ROOT, env.get("PYTHONPATH")]))
+    try:
+        r = subprocess.run([python, "-m", "xtrain.preflight.tpu_compile", kind, json.dumps(request)],
+                           capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"the TPU compiler took longer than {timeout} s"}
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if lines:
+        return json.loads(lines[-1])
+    if r.returncode == -9:  # SIGKILL: in practice the kernel's out-of-memory killer
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+        return {"ok": False, "error": "the compiler process was killed (SIGKILL), usually by the "
+                                      f"out-of-memory killer: this machine's {ram:.0f} GiB of RAM "
+                                      "(plus swap) are too little for this compile"}
+    tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+    return {"ok": False, "error": f"the compiler process died (exit {r.returncode}): {tail}"}
+
+
+def trace(cfg, out_dir: str, python: str = sys.executable) -> dict:
+    """Trace the step in a child (torch_xla reads its device count once per process); returns
+    the trace's annotations, with the StableHLO in ``out_dir/step.mlir``."""
+    OmegaConf.save(cfg, os.path.join(out_dir, "config.yaml"), resolve=True)
+    r = subprocess.run([python, "-m", "xtrain.preflight.trace", os.path.join(out_dir, "config.yaml"),
+                        out_dir], capture_output=True, text=True, env=trace_environment(cfg.hardware))
+    if r.returncode != 0:
+        tail = "\n".join(r.stderr.strip().splitlines()[-3:])
+        raise PreflightError(f"tracing the step on XLA:CPU failed:\n{tail}")
+    return json.loads(Path(out_dir, "step.json").read_text())
+
+
+def run_preflight(cfg, plan, python: str = sys.executable) -> dict:
+    """Trace, compile and measure; returns the report (also cached)."""
+    hw = cfg.hardware
+    report: dict = {"hardware": hw.name, "hbm_bytes_per_chip": int(hw.hbm_gib_per_chip * GIB),
+                    "planner_bytes": int(plan.memory.total), "versions": stack_versions()}
+    with tempfile.TemporaryDirectory(prefix="xtrain-preflight-") as tmp:
+        traced = trace(cfg, tmp, python)
+        report["trace_seconds"] = traced["trace_seconds"]
+        request = {"topology": topology_kwargs(hw), "devices": traced["devices"],
+                   "stablehlo": os.path.join(tmp, "step.mlir"), "args": traced["args"],
+                   "results": traced["results"]}
+        report["step"] = compile_step(request, python)
+    report["kernels"] = [{**req, **compile_kernel(req, python)} for req in
+                         kernel_requests(hw, plan.gpt, cfg.trainer.device_batch_size)]
+    store_report(cfg, plan, report)
+    return report
+
+
+def preflight(cfg, plan) -> dict:
+    """``mode=compile``: print the report; raise PreflightError when the run would fail."""
+    check_can_compile(cfg.hardware, plan.gpt)
+    report = cached_report(cfg, plan)
+    if report is not None:
+        print("TPU preflight: cached result (same config, versions and step-shaping code)")
+    else:
+        print(f"TPU preflight: tracing the step on {cfg.hardware.chips} virtual devices, then "
+              f"compiling for {cfg.hardware.topology} with libtpu (minutes for large models)",
+              flush=True)
+        report = run_preflight(cfg, plan)
+    print(describe(report), flush=True)
+    problem = verdict(report)
+    if problem:
+        raise PreflightError(problem)
+    return report

@@ -1,0 +1,80 @@
+"""Training-time checkpoint policy: when to save (every N steps, at the end, on a stop request),
+what to prune after each commit, and whether a checkpoint fits the configured model."""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from xtrain.checkpoint.async_io import FsspecCheckpointIO
+from xtrain.checkpoint.io import read_meta
+from xtrain.checkpoint.layout import stale_checkpoints, step_dir, step_dirs
+from xtrain.errors import ConfigError
+from xtrain.model.config import GPTConfig
+from xtrain.train.preemption import StopRequest
+
+
+class PeriodicCheckpoint(L.Callback):
+    """Saves every ``every`` steps (asynchronously), at the end and when a stop (preemption) is
+    requested (both waiting for the commit); after each commit prunes by retention and removes
+    torn attempts older than it, and reports the save's seconds."""
+
+    def __init__(self, directory: str, every: int, checkpoint_io: FsspecCheckpointIO,
+                 keep_last: int = 2, keep_every: int = 0, meta: dict | None = None,
+                 stop: StopRequest | None = None, report=None):
+        self.directory, self.every, self.io = directory.rstrip("/"), every, checkpoint_io
+        self.keep_last, self.keep_every = max(1, keep_last), keep_every
+        self.meta, self.stop, self.report = meta or {}, stop, report
+        self.last_saved_step = None
+        self.preempted = False
+        self.preemption_saved = False  # the stop's checkpoint committed (False: upload gave up)
+        checkpoint_io.on_commit = self._committed
+
+    def save(self, trainer, wait: bool = False) -> bool:
+        """Save this step (once); with ``wait``, True when it committed."""
+        if trainer.global_step != self.last_saved_step:
+            trainer.save_checkpoint(step_dir(self.directory, trainer.global_step))
+            self.last_saved_step = trainer.global_step
+        return wait and self.io.wait() is not None  # None: the upload gave up (it warned)
+
+    def _committed(self, result: dict) -> None:
+        """Upload thread: the checkpoint at ``result['step']`` is committed."""
+        dirs = step_dirs(self.directory)
+        committed = [s for s, _, done in dirs if done]
+        doomed = set(stale_checkpoints(committed, self.keep_last, self.keep_every))
+        for step, path, done in dirs:
+            if step in doomed or (not done and step < result["step"]):
+                self.io.remove_checkpoint(path)
+        if self.report:
+            self.report({k: v for k, v in result.items() if k != "path"})
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint["xtrain_meta"] = self.meta
+
+    def on_train_start(self, trainer, pl_module):
+        if self.stop is not None:
+            self.stop.install()  # take SIGTERM back from Lightning (see StopRequest)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.stop is not None and self.stop.agreed(self.io.process_group):
+            self.preemption_saved = self.save(trainer, wait=True)  # committed before exit
+            self.preempted = True
+            # Lightning's stop-by-signal exception, raised now: with only should_stop set it would
+            # still run validation, which a 30 s preemption notice has no time for
+            raise SIGTERMException
+        elif self.every and trainer.global_step % self.every == 0:
+            self.save(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        self.save(trainer, wait=True)
+
+
+def check_compatible(path: str, gpt: GPTConfig) -> None:
+    """Refuse a checkpoint whose model differs in shape from the configured one."""
+    from omegaconf import OmegaConf
+
+    saved_model = OmegaConf.create(read_meta(path).get("config", {})["model"])
+    diff = gpt.differences(GPTConfig.from_model(saved_model))
+    if diff:
+        raise ConfigError(f"checkpoint {path} holds a different model ({', '.join(diff)}); "
+                          "start a new run (run.name=...) or restore the model config")

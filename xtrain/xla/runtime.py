@@ -1,0 +1,76 @@
+"""Starting torch_xla for a hardware profile: the profile's environment (set before torch_xla
+reads it), SPMD mode, and the check that refuses a runtime that is not the profile's (no silent
+CPU fallback)."""
+
+from __future__ import annotations
+
+import os
+
+from xtrain.compat import installed_versions
+from xtrain.errors import ConfigError
+from xtrain.hardware import REQUIRED_PINS
+
+_started = False
+
+
+def apply_environment(hw) -> dict[str, str]:
+    """Export the profile's environment; must run before torch_xla initialises its runtime.
+    Variables already set in the environment win (so a profile can be debugged without editing
+    it)."""
+    applied = {}
+    for key, value in hw.env.items():
+        if key not in os.environ:
+            os.environ[key] = str(value)
+            applied[key] = str(value)
+    return applied
+
+
+def runtime_mismatches(hw, device_type: str, device_count: int, versions: dict) -> list[str]:
+    """Why this process cannot run ``hw`` (empty: it can). Pure, so it is testable off-TPU."""
+    problems = []
+    want = "TPU" if hw.accelerator_type else "CPU"
+    if hw.engine == "xla" and device_type != want:
+        problems.append(f"the XLA runtime is {device_type}, hardware={hw.name} needs {want} "
+                        "(is this the TPU VM? is PJRT_DEVICE overridden?)")
+    if hw.accelerator_type and device_count != hw.chips:
+        problems.append(f"{device_count} devices visible, hardware={hw.name} has {hw.chips} chips")
+    for package, pinned in hw.pins.items():
+        found = versions.get(package)
+        if found is not None and found.split("+")[0] != str(pinned):
+            problems.append(f"{package}=={found} installed, hardware={hw.name} pins {pinned}")
+        if found is None and package in REQUIRED_PINS and hw.accelerator_type:
+            problems.append(f"{package} is not installed (hardware={hw.name} pins {pinned})")
+    return problems
+
+
+def check_runtime(hw) -> None:
+    """After torch_xla initialised: refuse a runtime that is not the one the profile names."""
+    import torch_xla.runtime as xr
+
+    problems = runtime_mismatches(hw, xr.device_type(), xr.global_runtime_device_count(),
+                                  installed_versions(hw.pins))
+    if problems:
+        raise ConfigError("refusing to run: " + "; ".join(problems))
+
+
+def start_runtime(hw) -> None:
+    """Environment first, then SPMD mode, before any XLA tensor exists (order matters: torch_xla
+    reads PJRT_DEVICE and XLA_* once, and use_spmd() must precede the first device tensor)."""
+    global _started
+    if _started:
+        return
+    apply_environment(hw)
+    if not hw.accelerator_type:
+        os.environ.setdefault("PJRT_DEVICE", "CPU")  # XLA on CPU PJRT: the test/try-out path
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    check_runtime(hw)
+    if xr.process_count() > 1:
+        # a CPU process group across hosts, for coordination outside the compiled graph
+        # (untestable here: torch_xla multi-process on CPU does not rendezvous)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="xla://")
+    _started = True
