@@ -21,3 +21,22 @@ class DataError(InputError):
     """Bad or missing data; the message names the path."""
 
     kind = "data"
+
+
+class CheckpointError(InputError):
+    """A checkpoint to resume from is missing, incomplete or of another model; names the path."""
+
+    kind = "checkpoint"
+
+
+class EnvironmentMismatch(InputError):
+    """This machine cannot run the config (e.g. a TPU profile where no TPU is attached)."""
+
+    kind = "environment"
+
+
+class RecompileError(InputError):
+    """An XLA run compiled more graphs than trainer.max_compiles allows (a shape or constant that
+    changes between steps); names the graph and torch_xla's reason."""
+
+    kind = "recompile"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from xtrain.config import Mode
 from xtrain.hardware import run_devices
+from xtrain.inputs import check_inputs
 from xtrain.plan import RunPlan, check_fits, resolve
 
 
@@ -17,7 +18,8 @@ def run(cfg, run_dir: str) -> dict | None:
         return compile_for_tpu(cfg, plan)
     if cfg.mode == Mode.plan:
         return show_plan(cfg, plan)
-    check_fits(plan)
+    check_fits(plan, cfg)
+    check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
     from xtrain.train.run import train
 
     return train(cfg, plan, run_dir)
@@ -37,6 +39,6 @@ def show_plan(cfg, plan: RunPlan) -> None:
 
         report = cached_report(cfg, plan)
         print(describe(report) if report else "TPU compiler: not run yet for this config (mode=compile)")
-    check_fits(plan)
+    check_fits(plan, cfg)
     hbm = cfg.hardware.hbm_gib_per_chip
     print("plan: fits" + (f" in {hbm:g} GiB HBM per chip" if hbm else ""))
