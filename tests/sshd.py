@@ -108,6 +108,21 @@ class Sshd:
         self.log.close()
 
 
+def live_group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, read from /proc. Zombies count as
+    gone: this machine's PID 1 does not reap orphans, so `kill -0` would see them forever."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():
@@ -205,6 +220,19 @@ class FakeGcloud:
         """Environment putting the stand-in first on PATH (a real gcloud may be installed)."""
         return {"PATH": f"{self.dir / 'bin'}{os.pathsep}{os.environ['PATH']}",
                 "XTRAIN_FAKE_GCLOUD": str(self.dir)}
+
+
+def git_tree(path: Path) -> Path:
+    """A small git checkout: tracked, untracked, ignored, secret-looking and data files."""
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    for rel, text in {"pkg/mod.py": "x = 1\n", ".gitignore": "ignored/\n*.log\n",
+                      "ignored/big.txt": "no\n", "run.log": "no\n", "new_untracked.py": "y\n",
+                      ".env": "WANDB_API_KEY=no\n", "keys/id_ed25519": "no\n",
+                      "data/shard.parquet": "no\n", "outputs/x/metrics.jsonl": "{}\n"}.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_text(text)
+    subprocess.run(["git", "-C", str(path), "add", "pkg/mod.py", ".gitignore"], check=True)
+    return path
 
 
 class Remote:

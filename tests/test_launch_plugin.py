@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.sshd import FakeGcloud, gcloud, tpu_node  # noqa: F401  (gcloud is a fixture)
+from tests.sshd import gcloud, git_tree, tpu_node  # noqa: F401  (gcloud is a fixture)
 from xtrain.config import ConfigError
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.envcheck import problems
@@ -109,18 +109,6 @@ def test_a_pod_profile_needs_tpu_pod(compose_config):
                         hardware(compose_config, "v4_32"), None)
     with pytest.raises(ConfigError, match="tpu=NAME"):
         resolve_targets(launcher(), hardware(compose_config, "v6e4"), None)
-
-
-def git_tree(path: Path) -> Path:
-    subprocess.run(["git", "init", "-q", str(path)], check=True)
-    for rel, text in {"pkg/mod.py": "x = 1\n", ".gitignore": "ignored/\n*.log\n",
-                      "ignored/big.txt": "no\n", "run.log": "no\n", "new_untracked.py": "y\n",
-                      ".env": "WANDB_API_KEY=no\n", "keys/id_ed25519": "no\n",
-                      "data/shard.parquet": "no\n", "outputs/x/metrics.jsonl": "{}\n"}.items():
-        (path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (path / rel).write_text(text)
-    subprocess.run(["git", "-C", str(path), "add", "pkg/mod.py", ".gitignore"], check=True)
-    return path
 
 
 def test_code_files_are_tracked_and_untracked_not_ignored_minus_secrets_and_data(tmp_path):

@@ -69,9 +69,10 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
                               f"failed:\n{_tail(r.stderr or r.stdout)}")
     problems = verify(worker, spec.requirements)
     if problems:
-        hint = "" if spec.install else " (hydra.launcher.install=false: fix it by hand or drop that)"
+        hint = "" if spec.install else " (hydra.launcher.install=false: fix it by hand, or let " \
+                                          "xtrain install)"
         raise LaunchError(f"worker {worker.index} ({worker.host}): {venv} does not match the "
-                          f"profile{hint}: " + "; ".join(problems))
+                          "profile: " + "; ".join(problems) + hint)
     if not spec.install:
         return "verified"
     listing = "\n".join(spec.requirements)

@@ -19,15 +19,21 @@ from xtrain.launcher.runner import LaunchError
 
 q = shlex.quote
 
+# Whether process group $1 has a live member. Not `kill -0`: that also counts zombies, which
+# stay forever where PID 1 does not reap them (some containers).
+GROUP_ALIVE_SH = r"""
+group_alive() { ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {f=1} END {exit !f}'; }
+"""
+
 # Prints "<state> <exit code or -> <reported 0|1> <attempt or -> <log bytes>" for job dir $1.
 # state: none (never started), running, exited, lost (gone without an exit code: killed or the
 # VM restarted).
-STATE_SH = r"""
+STATE_SH = GROUP_ALIVE_SH + r"""
 job_state() {
   pid=$(cat "$1/pid" 2>/dev/null)
   if [ -z "$pid" ]; then s=none
   elif [ -f "$1/exit" ]; then s=exited
-  elif kill -0 -- "-$pid" 2>/dev/null; then s=running
+  elif group_alive "$pid"; then s=running
   else s=lost; fi
   printf '%s %s %s %s %s\n' "$s" "$(cat "$1/exit" 2>/dev/null || echo -)" \
     "$([ -f "$1/reported" ] && echo 1 || echo 0)" "$(cat "$1/attempt" 2>/dev/null || echo -)" \
@@ -36,13 +42,14 @@ job_state() {
 """
 
 # SIGTERM to the job's process group (xtrain checkpoints at the next step boundary and exits 143),
-# SIGKILL after the grace period. Expects $pid and $grace.
-STOP_SH = r"""
-if kill -TERM -- "-$pid" 2>/dev/null; then
-  end=$(( $(date +%s) + grace ))
-  while kill -0 -- "-$pid" 2>/dev/null; do
-    if [ "$(date +%s)" -ge "$end" ]; then kill -KILL -- "-$pid" 2>/dev/null; echo killed; break; fi
-    sleep 0.2
+# SIGKILL after the grace period, then wait until the group is gone. Expects $pid and $grace.
+STOP_SH = GROUP_ALIVE_SH + r"""
+if group_alive "$pid"; then
+  kill -TERM -- "-$pid" 2>/dev/null
+  ticks=$(( grace * 5 ))
+  while group_alive "$pid"; do
+    if [ "$ticks" -eq 0 ]; then kill -KILL -- "-$pid" 2>/dev/null; echo killed; fi
+    sleep 0.2; ticks=$(( ticks - 1 ))
   done
 fi
 """

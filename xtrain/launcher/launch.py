@@ -77,7 +77,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
         for w, (sent, env_state) in zip(workers, done):
             log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
         command_of = {w.index: remote_command(w, overrides, run_name, job_id) for w in workers}
-        log("launch: starting on every worker: " + shlex.join(command_of[0]))
+        log("launch: starting on every worker; worker 0 runs: " + shlex.join(command_of[0]))
         lockfile = cfg.tpu_lockfile if hardware.accelerator_type else None
         start_all(jobs, lambda j: j.start(command_of[j.worker.index], j.worker.code,
                                           job_env(cfg, j.worker, workers), secret_values, attempt,

@@ -15,6 +15,7 @@ appears on a command line that ``ps`` shows, locally or remotely.
 from __future__ import annotations
 
 import getpass
+import hashlib
 import os
 import shlex
 import tempfile
@@ -63,9 +64,11 @@ class Ssh:
             "LogLevel": "ERROR",  # keeps "Permanently added ..." out of job output; errors still show
         }
         if cfg.multiplex:
-            # %C hashes host, port and user; the directory is short because socket paths are
-            # limited to about 100 characters.
-            control_dir = os.path.join(tempfile.gettempdir(), f"xtrain-ssh-{os.getuid()}")
+            # %C hashes host, port and user; the directory adds the key and known_hosts, so a
+            # connection verified against one trust store is never reused for another. Short,
+            # because socket paths are limited to about 100 characters.
+            trust = hashlib.sha256(f"{self.identity}\0{self.known_hosts}".encode()).hexdigest()
+            control_dir = os.path.join(tempfile.gettempdir(), f"xtrain-ssh-{os.getuid()}", trust[:10])
             os.makedirs(control_dir, mode=0o700, exist_ok=True)
             opts.update(ControlMaster="auto", ControlPath=os.path.join(control_dir, "%C"),
                         ControlPersist="120")

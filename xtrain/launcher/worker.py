@@ -11,7 +11,7 @@ from xtrain.launcher.job import STATE_SH, JobState
 from xtrain.launcher.runner import LaunchError
 
 q = shlex.quote
-TOOLS = ("bash", "rsync", "setsid", "tail", "find")
+TOOLS = ("bash", "rsync", "setsid", "tail", "find", "ps", "awk")
 
 
 @dataclass
