@@ -133,7 +133,7 @@ def test_relaunching_an_unchanged_tree_copies_nothing_and_installs_nothing(remot
     assert second.returncode == 0, second.stderr[-3000:]
     assert "0 file(s) synced, environment unchanged" in second.stdout
     assert tree_snapshot(root / "code") == code and tree_snapshot(root / "venv") == venv
-    started = int((job_dir(remote, "e2e-again") / "starts").read_text().split()[-1])
+    started = float((job_dir(remote, "e2e-again") / "starts").read_text().split()[-1])
     assert started - t0 < 20  # the remote python started within seconds (no copy, no install)
 
 
@@ -278,6 +278,23 @@ def test_bad_input_is_refused_before_anything_is_copied(remote, gcloud, tmp_path
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert expected in r.stderr
     assert not fresh.exists()
+
+
+def test_a_worker_busy_with_another_job_is_refused(remote, tmp_path):
+    other = job_dir(remote, "e2e-other")
+    other.mkdir(parents=True, exist_ok=True)
+    sleeper = subprocess.Popen(["sleep", "120"], start_new_session=True)  # "another job"
+    try:
+        (other / "pid").write_text(f"{sleeper.pid}\n")
+        r = run_xtrain(*TINY, "run.name=e2e-busy", *remote.overrides(), cwd=tmp_path)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        (other / "pid").unlink()
+    assert r.returncode == 1
+    assert (f"another xtrain job is running there: worker 0 ({HOSTS[0]}): e2e-other pid "
+            f"{sleeper.pid}") in r.stderr
+    assert not job_dir(remote, "e2e-busy").exists()
 
 
 def cli_routes_single_runs() -> bool:

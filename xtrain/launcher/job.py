@@ -111,7 +111,7 @@ class RemoteJob:
             'if [ -n "$pid" ]; then', STOP_SH, "fi",
             _clear_lock_sh(tpu_lockfile) if tpu_lockfile else "",
             f"rm -f {d}/exit {d}/reported {d}/pid {d}/secrets",
-            f"echo {q(attempt)} > {d}/attempt", f'echo "{attempt} $(date +%s)" >> {d}/starts',
+            f"echo {q(attempt)} > {d}/attempt", f'echo "{attempt} $(date +%s.%N)" >> {d}/starts',
             f"(umask 077; cat > {d}/secrets) <<'{_eof(secrets)}'", *_env_lines(secrets), _eof(secrets),
             f"cat > {d}/run.sh <<'XTRAIN_RUN_SH_END'", run_sh.rstrip("\n"), "XTRAIN_RUN_SH_END",
             f"setsid bash {d}/run.sh > {d}/log 2>&1 < /dev/null &",
