@@ -152,7 +152,8 @@ def stack_venv(path: Path) -> Path:
 
 # The stand-in gcloud. It records every call (argv, one JSON line each) and replays TPU node
 # resources in the shape `gcloud compute tpus tpu-vm describe NAME --zone=Z --format=json` prints
-# (the TPU API v2 Node); an unknown name gets gcloud's NOT_FOUND error and exit code 1.
+# (the TPU API v2 Node); an unknown name gets gcloud's NOT_FOUND error and exit code 1. `create`
+# records a READY node (one worker at 127.0.0.2) from its flags, `delete` removes it.
 GCLOUD = '''#!{python}
 import json, os, sys
 state = os.environ["XTRAIN_FAKE_GCLOUD"]
@@ -160,14 +161,25 @@ with open(os.path.join(state, "calls.jsonl"), "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
 args = sys.argv[1:]
 flags = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
-if args[:4] == ["compute", "tpus", "tpu-vm", "describe"]:
-    path = os.path.join(state, "nodes", args[4] + ".json")
+path = os.path.join(state, "nodes", args[4] + ".json") if len(args) > 4 else None
+if args[:4] == ["compute", "tpus", "tpu-vm", "create"]:
+    node = dict(name="projects/xtrain-test/locations/%s/nodes/%s" % (flags["zone"], args[4]),
+                acceleratorType=flags["accelerator-type"], runtimeVersion=flags["version"],
+                schedulingConfig=dict(spot="--spot" in args), state="READY",
+                networkEndpoints=[dict(ipAddress="127.0.0.2", port=8470,
+                                       accessConfig=dict(externalIp="127.0.0.2"))])
+    open(path, "w").write(json.dumps(node))
+    sys.exit(0)
+if args[:4] in (["compute", "tpus", "tpu-vm", "describe"], ["compute", "tpus", "tpu-vm", "delete"]):
     if not os.path.exists(path):
-        sys.stderr.write("ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource "
+        sys.stderr.write("ERROR: (gcloud.compute.tpus.tpu-vm.%s) NOT_FOUND: Resource "
                          "'projects/%s/locations/%s/nodes/%s' was not found\\n"
-                         % (flags.get("project", "xtrain-test"), flags.get("zone"), args[4]))
+                         % (args[3], flags.get("project", "xtrain-test"), flags.get("zone"), args[4]))
         sys.exit(1)
-    print(open(path).read())
+    if args[3] == "delete":
+        os.remove(path)
+    else:
+        print(open(path).read())
     sys.exit(0)
 sys.stderr.write("ERROR: the gcloud stand-in has no recording for: %s\\n" % " ".join(args))
 sys.exit(2)

@@ -100,6 +100,22 @@ def test_bad_tpu_targets_are_refused_with_the_reason(gcloud, compose_config, cas
     assert expected in str(e.value)
 
 
+def test_gcloud_creates_and_deletes_a_vm_of_the_profile(gcloud, compose_config):
+    """The spot fleet's building blocks: create a VM of the profile's type and runtime, delete it."""
+    cloud = Gcloud(Runner())
+    hw = hardware(compose_config, "v6e4")
+    cloud.create("fresh", "asia-northeast1-b", hw)
+    assert gcloud.calls()[-1] == ["compute", "tpus", "tpu-vm", "create", "fresh",
+                                  "--zone=asia-northeast1-b", "--accelerator-type=v6e-4",
+                                  "--version=v2-alpha-tpuv6e", "--spot"]
+    node = cloud.describe("fresh", "asia-northeast1-b")
+    assert (node["state"], node["acceleratorType"]) == ("READY", "v6e-4")
+    cloud.delete("fresh", "asia-northeast1-b")
+    assert gcloud.calls()[-1][3:] == ["delete", "fresh", "--zone=asia-northeast1-b", "--quiet"]
+    with pytest.raises(ConfigError, match="NOT_FOUND"):
+        cloud.describe("fresh", "asia-northeast1-b")
+
+
 def test_a_pod_profile_needs_tpu_pod(compose_config):
     with pytest.raises(ConfigError, match="spans 4 hosts.*hydra/launcher=tpu_pod"):
         resolve_targets(launcher(hosts=["a", "b", "c", "d"]), hardware(compose_config, "v4_32"),

@@ -194,7 +194,11 @@ def follow(jobs, job_dir, offsets, cfg, log) -> list[JobState]:
             i = ended.get()
             if i in final:
                 continue
-            state = jobs[i].state()
+            try:
+                state = jobs[i].state()
+            except LaunchError as e:
+                raise LaunchError(f"{e}; the job may still be running there: run the same "
+                                  "command to reattach") from e
             if state.state == "running":  # the connection dropped, not the job
                 cuts[i] += 1
                 if cuts[i] > cfg.retries + 3:
