@@ -198,8 +198,10 @@ def tpu_node(name: str, zone: str, accelerator: str, endpoints, state: str = "RE
         "id": "4406231791221346843",
         "metadata": {"ssh-keys": "dave:ssh-rsa AAAA... dave"},
         "name": f"projects/xtrain-test/locations/{zone}/nodes/{name}",
-        "networkConfig": {"enableExternalIps": True, "network": "projects/xtrain-test/global/networks/default",
-                          "subnetwork": "projects/xtrain-test/regions/asia-northeast1/subnetworks/default"},
+        "networkConfig": {"enableExternalIps": True,
+                          "network": "projects/xtrain-test/global/networks/default",
+                          "subnetwork": "projects/xtrain-test/regions/asia-northeast1/subnetworks/"
+                                        "default"},
         "networkEndpoints": [{"accessConfig": {"externalIp": ext}, "ipAddress": internal, "port": 8470}
                              for internal, ext in endpoints],
         "runtimeVersion": "v2-alpha-tpuv6e",

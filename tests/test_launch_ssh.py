@@ -124,7 +124,8 @@ def test_env_managed_by_hand_is_verified_never_changed(remote, tmp_path):
 
     ok = EnvSpec("unused", (f"omegaconf=={omegaconf.__version__}",), install=False)
     assert ensure_env(worker, ok, None) == "verified"
-    with pytest.raises(LaunchError, match=r"omegaconf \S+ is installed, wanted ==0.0.1 \(hydra.launcher.install=false"):
+    mismatch = r"omegaconf \S+ is installed, wanted ==0.0.1 \(hydra.launcher.install=false"
+    with pytest.raises(LaunchError, match=mismatch):
         ensure_env(worker, EnvSpec("unused", ("omegaconf==0.0.1",), install=False), None)
     assert "install" not in runner.labels()
 

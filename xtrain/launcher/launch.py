@@ -72,16 +72,10 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
         offsets = [resume_offset(job_dir, w.index, attempt, p.job.log_bytes)
                    for w, p in zip(workers, probes)]
     else:
-        attempt = time.strftime("%Y%m%d-%H%M%S-") + random_tokens.token_hex(3)
         done = parallel(lambda w: prepare(w, root, files, spec, probes[w.index].stamp), workers)
         for w, (sent, env_state) in zip(workers, done):
             log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
-        command_of = {w.index: remote_command(w, overrides, run_name, job_id) for w in workers}
-        log("launch: starting on every worker; worker 0 runs: " + shlex.join(command_of[0]))
-        lockfile = cfg.tpu_lockfile if hardware.accelerator_type else None
-        start_all(jobs, lambda j: j.start(command_of[j.worker.index], j.worker.code,
-                                          job_env(cfg, j.worker, workers), secret_values, attempt,
-                                          cfg.stop_grace_s, lockfile), cfg.stop_grace_s)
+        attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log)
         log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
             f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
         offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
@@ -108,21 +102,31 @@ def parallel(fn, items):
     return [f.result() for f in futures]
 
 
-def start_all(jobs, start, grace_s: float) -> None:
-    """Start every worker's job; if one cannot start, stop those that did (a pod's workers would
-    otherwise wait for the missing one) and raise its error."""
-    def attempt(job):
+def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, log) -> str:
+    """Start a new attempt of the job on every worker; returns its id. If one worker cannot
+    start, those that did are stopped (a pod's workers would wait for the missing one) and
+    marked seen, so the next launch starts afresh; the error is raised."""
+    attempt = time.strftime("%Y%m%d-%H%M%S-") + random_tokens.token_hex(3)
+    workers = [j.worker for j in jobs]
+    commands = [remote_command(w, overrides, run_name, jobs[0].job_id) for w in workers]
+    log("launch: starting on every worker; worker 0 runs: " + shlex.join(commands[0]))
+    lockfile = cfg.tpu_lockfile if hardware.accelerator_type else None
+
+    def start(job):
         try:
-            return start(job)
+            return job.start(commands[job.worker.index], job.worker.code,
+                             job_env(cfg, job.worker, workers), secret_values, attempt,
+                             cfg.stop_grace_s, lockfile)
         except (LaunchError, OSError) as e:
             return e
 
-    outcomes = parallel(attempt, jobs)
+    outcomes = parallel(start, jobs)
     errors = [e for e in outcomes if isinstance(e, Exception)]
     if errors:
-        parallel(lambda j: j.stop(grace_s),
-                 [j for j, o in zip(jobs, outcomes) if not isinstance(o, Exception)])
+        started = [j for j, o in zip(jobs, outcomes) if not isinstance(o, Exception)]
+        parallel(lambda j: (j.stop(cfg.stop_grace_s), j.acknowledge()), started)
         raise errors[0]
+    return attempt
 
 
 def prepare(worker, root, files, spec, stamp) -> tuple[list[str], str]:
