@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.sshd import gcloud, git_tree, tpu_node  # noqa: F401  (gcloud is a fixture)
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.envcheck import problems
 from xtrain.launcher.gcloud import Gcloud

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from tests.sshd import (BASE_PYTHON, HOSTS, git_tree, keygen, live_group, remote,  # noqa: F401
                         sshd)
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.env import EnvSpec, ensure_env
 from xtrain.launcher.job import RemoteJob

@@ -10,10 +10,16 @@ from xtrain.inputs import check_inputs
 from xtrain.plan import RunPlan, check_fits, resolve
 
 
+def plan_run(cfg, where: str) -> RunPlan:
+    """Resolve and check the config, and print the plan (also before a remote launch)."""
+    plan = resolve(cfg, run_devices(cfg.hardware))
+    print(f"run {cfg.run.name} -> {where}\n{plan.describe()}", flush=True)
+    return plan
+
+
 def run(cfg, run_dir: str) -> dict | None:
     """Resolve, check, print the plan, then dispatch on ``cfg.mode``."""
-    plan = resolve(cfg, run_devices(cfg.hardware))
-    print(f"run {cfg.run.name} -> {run_dir}\n{plan.describe()}", flush=True)
+    plan = plan_run(cfg, run_dir)
     if cfg.mode == Mode.compile:
         return compile_for_tpu(cfg, plan)
     if cfg.mode == Mode.plan:

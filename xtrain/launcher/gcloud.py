@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError, Result
 
 

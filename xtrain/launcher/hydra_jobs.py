@@ -5,12 +5,11 @@ in multirun mode); the plugin in launch/hydra_plugins/xtrain_launchers/ calls
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from xtrain.config import ConfigError
+from xtrain.config import Mode
+from xtrain.errors import is_refusal, refuse
 from xtrain.launcher.launch import launch_job
-from xtrain.launcher.runner import LaunchError
 
 
 def launch_from_hydra(cfg) -> dict:
@@ -18,15 +17,14 @@ def launch_from_hydra(cfg) -> dict:
     before anything is copied), then run on the workers by :func:`launch_job`."""
     from hydra.core.hydra_config import HydraConfig
 
-    from xtrain.hardware import run_devices
-    from xtrain.plan import check_fits, resolve
+    from xtrain.modes import plan_run
+    from xtrain.plan import check_fits
 
     hc = HydraConfig.get()
-    plan = resolve(cfg, run_devices(cfg.hardware))
     where = hc.launcher.tpu or ", ".join(hc.launcher.hosts)
-    print(f"run {cfg.run.name} -> {hc.launcher.kind} {where}\n{plan.describe()}", flush=True)
-    if cfg.mode == "train":
-        check_fits(plan)
+    plan = plan_run(cfg, f"{hc.launcher.kind} {where}")
+    if cfg.mode == Mode.train:
+        check_fits(plan, cfg)
     return launch_job(hc.launcher, cfg.hardware, list(hc.overrides.task), cfg.run.name,
                       hc.runtime.output_dir)
 
@@ -56,15 +54,10 @@ def launch_sweep(hydra_context, config, job_overrides, initial_job_idx: int) -> 
 
 
 def exit_on_launch_error(ret) -> None:
-    """A refused config or a failed worker ends the process with one clear message (exit 2 or 1);
+    """A refused config or a failed worker ends the process with one clear line (exit 2 or 1);
     any other error is left to Hydra's own report."""
     try:
         ret.return_value
-    except ConfigError as e:
-        print(f"xtrain: config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except LaunchError as e:
-        print(f"xtrain: launch error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except Exception:
-        pass
+    except Exception as e:  # noqa: BLE001  (the job's own error, re-raised by Hydra)
+        if is_refusal(e):
+            refuse(e)

@@ -13,9 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-
-class LaunchError(RuntimeError):
-    """A remote step failed (a worker's job, an unreachable host); the message names the worker."""
+from xtrain.errors import LaunchError  # noqa: F401  (raised by every launcher module)
 
 
 @dataclass

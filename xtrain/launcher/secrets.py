@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 
 ALWAYS = ("WANDB_API_KEY", "HF_TOKEN")
 

@@ -21,7 +21,7 @@ import shlex
 import tempfile
 import time
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError, Result
 
 # ssh's own messages (stderr) for a connection that could not be made or was cut: worth a retry.

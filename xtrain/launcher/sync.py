@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError
 
 # Matched against every component of a file's path (and so against whole directories).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
