@@ -45,6 +45,7 @@ from xtrain.evals.config import EvalConfig
 
 _UID_LOCKS = Path(tempfile.gettempdir()) / "xtrain-sandbox-uids"
 _UID_CANDIDATES = 4096  # uids tried below the top of this namespace's uid range
+_warned: list[list[str]] = []
 
 
 @dataclass(frozen=True)
@@ -81,28 +82,30 @@ class Sandbox:
 
     def __init__(self, cfg: EvalConfig, slots: int):
         self.cfg = cfg
-        self.is_root = os.geteuid() == 0
-        self._uid_locks: list = []
+        self._uid_locks: list[int] = []
         self._free: list[int | None] = [None] * slots
         self._lock = threading.Condition()
-        if self.is_root:
-            self._free = self._claim_uids(slots)
         self.missing: list[str] = []  # protections the fallback lacks (empty under bwrap)
-        self.mode = self._choose_mode()
-        if self.missing:
+        try:
+            if os.geteuid() == 0:
+                self._free = self._claim_uids(slots)
+            self.mode = self._choose_mode()
+        except BaseException:
+            self.close()
+            raise
+        if self.missing and self.missing not in _warned:  # once per process, not per eval
+            _warned.append(self.missing)
             print(f"xtrain: warning: C++ eval sandbox without bubblewrap: "
                   f"{'; '.join(self.missing)}", file=sys.stderr, flush=True)
 
     def _claim_uids(self, count: int) -> list[int | None]:
-        """``count`` uids no other sandbox holds, each locked for this sandbox's lifetime. Taken
-        from the top of the uid range this process may map (below 2^31: some tools read uids as
-        signed), far above any account."""
-        top = min(2**31 - 1, _top_of_uid_map()) - 2  # not 65534/65535 (nobody, (uint16)-1)
+        """``count`` uids of :func:`uid_range` no other sandbox holds, each locked (a lock file)
+        for this sandbox's lifetime."""
         _UID_LOCKS.mkdir(mode=0o755, exist_ok=True)
         if _UID_LOCKS.is_symlink() or _UID_LOCKS.stat().st_uid != 0:  # /tmp is world-writable
             raise RuntimeError(f"C++ sandbox: {_UID_LOCKS} is not a directory owned by root")
         uids = []
-        for uid in range(top, top - _UID_CANDIDATES, -1):
+        for uid in reversed(uid_range()):
             fd = os.open(_UID_LOCKS / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -260,22 +263,53 @@ def _read(path: Path) -> str:
 
 
 def _kill_all_of(uid: int) -> None:
-    """SIGKILL every process of ``uid`` (kill(-1) from that uid reaches exactly its own)."""
+    """SIGKILL every process of ``uid`` (kill(-1) from that uid reaches exactly its own) and wait
+    until they are gone: dying takes a while for dozens of busy processes on two cores, and the
+    slot's next program must not find its process count used up."""
     # kill(-1) from root would kill every process on the machine: only ever as a sandbox uid
     # (subprocess exits before exec when the switch to `uid` fails).
     if not isinstance(uid, int) or uid <= 0:
         raise ValueError(f"refusing to kill all processes of uid {uid!r}")
-    subprocess.run(["kill", "-s", "KILL", "--", "-1"], env=_minimal_env(), capture_output=True,
-                   check=False, **_as_user(uid))  # procps kill; fails harmlessly when none left
+    deadline = time.monotonic() + 10
+    while True:
+        # procps kill (`kill -9 -1` is its documented "kill all processes you can kill"; it
+        # rejects `--` before -1)
+        subprocess.run(["kill", "-9", "-1"], env=_minimal_env(), capture_output=True,
+                       check=False, **_as_user(uid))
+        if not _processes_of(uid):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"C++ sandbox: processes of uid {uid} survive SIGKILL for 10 s")
+        time.sleep(0.01)
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Live processes of ``uid``. Zombies do not count: nothing runs in them, and collecting
+    their exit status is up to their parent or init (which may take a few seconds)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # exited while scanning
+                if entry.stat().st_uid == uid and not _is_zombie(entry.name):
+                    pids.append(int(entry.name))
+    return pids
+
+
+def _is_zombie(pid: str) -> bool:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def _count_own() -> int:
-    uid, count = os.getuid(), 0
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                count += entry.stat().st_uid == uid
-    return count
+    return len(_processes_of(os.getuid()))
+
+
+def uid_range() -> range:
+    """The uids sandboxed programs run as when xtrain runs as root: the top of the uid range
+    this process may switch to (below 2^31, as some tools read uids as signed; not 65534/65535,
+    nobody and (uint16)-1), far above any account."""
+    top = min(2**31 - 1, _top_of_uid_map()) - 2
+    return range(top - _UID_CANDIDATES + 1, top + 1)
 
 
 def _top_of_uid_map() -> int:
