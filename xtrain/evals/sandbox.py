@@ -274,8 +274,9 @@ def _kill_all_of(uid: int) -> None:
     while True:
         # procps kill (`kill -9 -1` is its documented "kill all processes you can kill"; it
         # rejects `--` before -1)
+        # user= spelled out here, not through _as_user: this call must never run as root.
         subprocess.run(["kill", "-9", "-1"], env=_minimal_env(), capture_output=True,
-                       check=False, **_as_user(uid))
+                       check=False, user=uid, group=uid, extra_groups=[])
         if not _processes_of(uid):
             return
         if time.monotonic() > deadline:
