@@ -22,10 +22,11 @@ def _token_before(text: str, i: int) -> str:
     return text[j:i]
 
 
-def scan(text: str, start: int = 0) -> tuple[int, int | None]:
-    """Brace depth at the end of ``text``, and the first index ``>= start`` right after a ``}``
-    that brought the depth back to 0 (None if none). Unterminated literals or comments at the end
-    leave the depth where it was."""
+def scan(text: str, stop_from: int | None = None) -> tuple[int, int | None]:
+    """Brace depth at the end of ``text`` (or where it stopped), and, when ``stop_from`` is
+    given, the index right after the first ``}`` at or after ``stop_from`` that brings the depth
+    back to 0 (None if none). Unterminated literals or comments at the end leave the depth where
+    it was."""
     depth, i, n = 0, 0, len(text)
     while i < n:
         c = text[i]
@@ -54,7 +55,7 @@ def scan(text: str, start: int = 0) -> tuple[int, int | None]:
             depth += 1
         elif c == "}":
             depth -= 1
-            if depth == 0 and i >= start:
+            if depth == 0 and stop_from is not None and i >= stop_from:
                 return depth, i + 1
         i += 1
     return depth, None
@@ -87,7 +88,7 @@ def cut(prompt: str, raw: str, eof_markers: list[str] | tuple[str, ...] = ()) ->
         at = raw.find(marker)
         if at >= 0:
             raw = raw[:at]
-    _, end = scan(prompt + raw, start=len(prompt))
+    _, end = scan(prompt + raw, stop_from=len(prompt))
     if end is None:
         return raw
     return raw[:end - len(prompt)] + "\n"
