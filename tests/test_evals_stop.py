@@ -14,7 +14,7 @@ def test_cuts_after_the_closing_brace_of_the_function():
 
 def test_braces_in_literals_and_comments_do_not_count():
     raw = ('  // a } in a comment\n  /* and } { here */\n  std::string s = "}}\\"}";\n'
-           "  char c = '}';\n  char q = '\\'';\n  auto r = R\"x(}\")x\";\n"
+           "  char c = '}';\n  char q = '\\'';\n  auto r = R\"x(a\"})x\";\n"
            "  int big = 1'000; if (big) { big = 2'0; }  // digit separators, not char literals\n"
            "  return s + c + q + r;\n}\nint next() { return 0; }\n")
     body = raw[:raw.index("}\nint next")] + "}\n"
