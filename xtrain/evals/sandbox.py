@@ -271,16 +271,14 @@ def _kill_all_of(uid: int) -> None:
     if not isinstance(uid, int) or uid <= 0:
         raise ValueError(f"refusing to kill all processes of uid {uid!r}")
     deadline = time.monotonic() + 10
-    while True:
-        # procps kill (`kill -9 -1` is its documented "kill all processes you can kill"; it
-        # rejects `--` before -1)
-        # user= spelled out here, not through _as_user: this call must never run as root.
-        subprocess.run(["kill", "-9", "-1"], env=_minimal_env(), capture_output=True,
-                       check=False, user=uid, group=uid, extra_groups=[])
-        if not _processes_of(uid):
-            return
+    while _processes_of(uid):  # usually none: bubblewrap's PID namespace died with the program
         if time.monotonic() > deadline:
             raise RuntimeError(f"C++ sandbox: processes of uid {uid} survive SIGKILL for 10 s")
+        # procps kill: `kill -9 -1` is its documented "kill all processes you can kill" (it
+        # rejects `--` before -1). user= is spelled out here, not taken from _as_user: this
+        # call must never run as root.
+        subprocess.run(["kill", "-9", "-1"], env=_minimal_env(), capture_output=True,
+                       check=False, user=uid, group=uid, extra_groups=[])
         time.sleep(0.01)
 
 
