@@ -83,11 +83,11 @@ def evaluate(problems: Sequence[Problem], completions: Mapping[str, Sequence[str
     gxx = shutil.which(cfg.gxx)
     if gxx is None:
         raise ConfigError(f"eval.gxx={cfg.gxx!r}: compiler not found on PATH")
-    workers = cfg.workers or len(os.sched_getaffinity(0))
     jobs = [(p, i, c) for p in problems for i, c in enumerate(completions[p.id])]
+    workers = min(cfg.workers or len(os.sched_getaffinity(0)), len(jobs))
     marker = f"xtrain-tests-passed-{secrets.token_hex(8)}"  # unguessable by the program
     start = time.perf_counter()
-    sandbox = Sandbox(cfg, min(workers, len(jobs)))
+    sandbox = Sandbox(cfg, workers)
     try:
         _check_toolchain(sandbox, gxx, cfg)
         with ThreadPoolExecutor(workers, thread_name_prefix="cpp-eval") as pool:

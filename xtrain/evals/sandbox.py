@@ -86,6 +86,7 @@ class Sandbox:
         self._free: list[int | None] = [None] * slots
         self._lock = threading.Condition()
         self.missing: list[str] = []  # protections the fallback lacks (empty under bwrap)
+        self.mode = "bwrap"  # until the probe says otherwise
         try:
             if os.geteuid() == 0:
                 self._free = self._claim_uids(slots)
@@ -121,10 +122,10 @@ class Sandbox:
     def _choose_mode(self) -> str:
         if self.cfg.sandbox in ("auto", "bwrap"):
             bwrap = shutil.which("bwrap")
+            self._bwrap = [] if bwrap is None else self._bwrap_argv(bwrap)
             problem = "bwrap not found (apt-get install bubblewrap)" if bwrap is None else \
-                self._probe_bwrap(bwrap)
+                self._probe_bwrap()
             if problem is None:
-                self._bwrap = bwrap
                 return "bwrap"
             if self.cfg.sandbox == "bwrap":
                 raise ConfigError(f"eval.sandbox=bwrap: {problem}")
@@ -137,10 +138,10 @@ class Sandbox:
                             "uid may) and no PID namespace")
         return "rlimits"
 
-    def _probe_bwrap(self, bwrap: str) -> str | None:
+    def _probe_bwrap(self) -> str | None:
         with tempfile.TemporaryDirectory(prefix="xtrain-cpp-probe-") as box:
             os.chmod(box, 0o755)
-            return self._probe(self._bwrap_prefix(Path(box), bwrap) + ["/usr/bin/true"])
+            return self._probe(self._inside(Path(box)) + ["/usr/bin/true"])
 
     def _probe(self, argv: list[str]) -> str | None:
         """None when ``argv`` runs as a sandboxed command would, else its error."""
@@ -154,7 +155,9 @@ class Sandbox:
             return f"{argv[0]} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
         return None
 
-    def _bwrap_prefix(self, box: Path, bwrap: str) -> list[str]:
+    def _bwrap_argv(self, bwrap: str) -> list[str]:
+        """bubblewrap's arguments shared by every session: namespaces, a read-only /usr (and
+        the toolchain's prefix if elsewhere), a private /tmp; no /root, /home, /work or /etc."""
         argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
                 "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/box",
                 "--setenv", "LANG", "C.UTF-8", "--ro-bind", "/usr", "/usr"]
@@ -169,8 +172,13 @@ class Sandbox:
         prefix = Path(os.path.realpath(gxx)).parent.parent if gxx else None
         if prefix and not str(prefix).startswith("/usr"):  # a toolchain installed elsewhere
             argv += ["--ro-bind", str(prefix), str(prefix)]
-        return argv + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-                       "--bind", str(box), "/box", "--chdir", "/box", "--"]
+        return argv + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+
+    def _inside(self, box: Path) -> list[str]:
+        """The command prefix that puts a program inside the sandbox, working in ``box``."""
+        if self.mode == "bwrap":
+            return self._bwrap + ["--bind", str(box), "/box", "--chdir", "/box", "--"]
+        return self._unshare
 
     @contextlib.contextmanager
     def session(self):
@@ -179,8 +187,9 @@ class Sandbox:
             while not self._free:
                 self._lock.wait()
             uid = self._free.pop()
-        root = Path(tempfile.mkdtemp(prefix="xtrain-cpp-"))
+        root = None
         try:
+            root = Path(tempfile.mkdtemp(prefix="xtrain-cpp-"))
             os.chmod(root, 0o711)  # the sandbox uid may reach box/, not list or read the logs
             box = root / "box"
             box.mkdir(mode=0o700)
@@ -188,12 +197,15 @@ class Sandbox:
                 os.chown(box, uid, uid)
             yield Session(self, root, box, uid)
         finally:
-            if uid is not None:
-                _kill_all_of(uid)
-            shutil.rmtree(root, ignore_errors=True)
-            with self._lock:
-                self._free.append(uid)
-                self._lock.notify()
+            try:
+                if uid is not None:
+                    _kill_all_of(uid)
+                if root is not None:
+                    shutil.rmtree(root, ignore_errors=True)
+            finally:
+                with self._lock:
+                    self._free.append(uid)
+                    self._lock.notify()
 
     def close(self) -> None:
         for fd in self._uid_locks:
@@ -206,16 +218,14 @@ class Session:
 
     def __init__(self, sandbox: Sandbox, root: Path, box: Path, uid: int | None):
         self.sandbox, self.root, self.box, self.uid = sandbox, root, box, uid
-        self.cwd = "/box" if sandbox.mode == "bwrap" else str(box)  # the box as the program sees it
 
     def write(self, name: str, text: str) -> None:
         (self.box / name).write_text(text)
 
     def run(self, argv: list[str], limits: Limits) -> Result:
-        """Run ``argv`` (paths as seen from :attr:`cwd`) under ``limits``."""
-        sb = self.sandbox
-        inner = (sb._bwrap_prefix(self.box, sb._bwrap) if sb.mode == "bwrap" else sb._unshare)
-        argv = _prlimit(limits, self._process_limit(limits)) + inner + argv
+        """Run ``argv`` under ``limits``, working in the session dir (use relative paths)."""
+        argv = (_prlimit(limits, self._process_limit(limits)) + self.sandbox._inside(self.box)
+                + argv)
         out_path, err_path = self.root / "stdout", self.root / "stderr"
         start = time.perf_counter()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
