@@ -103,6 +103,7 @@ def test_generate_interface_cuts_continuations_and_writes_records(gcs_bucket):
     assert "add(2, 3) != 5" in records[1]["test_output"]
     assert "error:" in records[2]["compiler_message"]
     assert records[2]["run_s"] is None and records[0]["run_s"] > 0
+    assert [r["exit_code"] for r in records] == [0, 1, None, 0]
     assert scores["cpp_pass_rate"] == 0.5 and scores["cpp_compile_rate"] == 0.75
     assert scores["cpp_pass@2"] == 1.0 and scores["cpp_pass@1/hard"] == 0.5
     assert scores["cpp_eval_seconds"] > 0 and scores["cpp_generate_seconds"] >= 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import socket
 import stat
 import tempfile
@@ -86,6 +87,10 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
         "write_outside": (f"  FILE* f = std::fopen(\"{outside}\", \"w\");\n  if (!f) return 41;\n"
                           "  std::fputs(\"escaped\", f);\n  std::fclose(f);\n  return 42;\n}\n",
                           "wrong_answer"),
+        # the compiler is attacked too: an endless include, and one that would copy a secret
+        # into the compiler message (the compiler runs in the sandbox as well)
+        "include_dev_zero": ("#include \"/dev/zero\"\n}\n", "compile_error"),
+        "include_secret": ("#include \"/etc/shadow\"\n}\n", "compile_error"),
         # A daemon that leaves the process group: the program itself passes, the daemon must
         # still be gone afterwards.
         "escaping_daemon": ("  if (fork() == 0) {\n    setsid();\n"
@@ -167,6 +172,9 @@ def test_hostile_program_scored_as_its_failure_within_limits(hostile, kind):
     programs, result = hostile
     record = result["records"][kind]
     assert record["outcome"] == programs[kind][1], record
+    signals = {"allocate_64_gib": 128 + signal.SIGABRT, "huge_output": 128 + signal.SIGXFSZ}
+    if kind in signals:  # died of the limit meant for it
+        assert record["exit_code"] == signals[kind], record
     if record["run_s"] is not None:
         assert record["run_s"] < RUN_TIMEOUT + 1.5, record  # killed on time, not waited out
     assert record["compile_s"] < 30
@@ -176,13 +184,19 @@ def test_hostile_batch_leaves_nothing_behind(hostile):
     _, result = hostile
     assert result["processes"] == []
     assert result["new_dirs"] == set()
-    assert result["elapsed"] < 30  # three 2 s timeouts and fourteen compiles on two workers
+    assert result["elapsed"] < 30  # three 2 s timeouts and sixteen compiles on two workers
 
 
 def test_network_connection_reaches_nothing(hostile):
     _, result = hostile
     assert result["received"] == b""
     assert "answer 41" in result["records"]["network"]["test_output"]  # connect() failed
+
+
+def test_compiler_cannot_read_secrets(hostile):
+    _, result = hostile
+    message = result["records"]["include_secret"]["compiler_message"]
+    assert "/etc/shadow: No such file or directory" in message and "root:" not in message
 
 
 def test_write_outside_its_dir_does_not_appear(hostile):

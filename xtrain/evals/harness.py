@@ -8,7 +8,10 @@ thread (the threads only wait on child processes).
 
 Outcomes: compile_error, timeout (wall clock, or CPU seconds), runtime_error (a signal or an
 exit code other than 0 and 1), wrong_answer (exit code 1, or exit 0 before the tests finished),
-passed. The tests' ``main`` is renamed and called from a harness ``main`` that prints a random
+passed. Records (one JSON object per sample): id, difficulty, sample (index), code (the
+completion after the stop rule), compiled, outcome, compiler_message and test_output (capped at
+``eval.message_chars``), exit_code (128 + signal for a signal), compile_s, run_s (None when not
+run). The tests' ``main`` is renamed and called from a harness ``main`` that prints a random
 marker after it returns 0: a completion that calls ``exit(0)`` does not pass. The scores assume a
 model that does not deliberately game the tests; the sandbox protects the machine, not the score.
 """
@@ -125,7 +128,8 @@ def _judge(sandbox: Sandbox, gxx: str, cfg: EvalConfig, marker: str, problem: Pr
            sample: int, completion: str) -> dict:
     record = {"id": problem.id, "difficulty": problem.difficulty, "sample": sample,
               "code": completion, "compiled": False, "outcome": "compile_error",
-              "compiler_message": "", "test_output": "", "compile_s": None, "run_s": None}
+              "compiler_message": "", "test_output": "", "exit_code": None, "compile_s": None,
+              "run_s": None}
     with sandbox.session() as session:
         session.write("main.cpp", program(problem, completion, marker))
         built = _compile(session, gxx, cfg)
@@ -138,6 +142,7 @@ def _judge(sandbox: Sandbox, gxx: str, cfg: EvalConfig, marker: str, problem: Pr
         record["compiled"] = True
         ran = session.run(["./prog"], limits_for(cfg, compile=False))
     record["run_s"] = round(ran.seconds, 3)
+    record["exit_code"] = ran.returncode
     record["outcome"] = outcome(ran, marker)
     output = ran.stdout.replace(marker, "").strip() + "\n" + ran.stderr.strip()
     record["test_output"] = output.strip()[:cfg.message_chars]
