@@ -9,7 +9,8 @@ import fsspec
 import pytest
 
 from xtrain.config import ConfigError
-from xtrain.evals import EvalConfig, evaluate, generate_and_evaluate, pass_at_k, write_records
+from xtrain.evals import (EvalConfig, ProblemFileError, evaluate, generate_and_evaluate,
+                          pass_at_k, prepare, write_records)
 from xtrain.evals.config import check
 from xtrain.evals.harness import score
 from xtrain.evals.problems import Problem
@@ -82,6 +83,14 @@ def test_a_broken_toolchain_is_one_clear_error(changes, message):
         evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(**changes))
 
 
+def test_prepare_checks_config_file_and_toolchain_up_front(tmp_path):
+    assert len(prepare(EvalConfig())) >= 40
+    with pytest.raises(ProblemFileError, match="does not exist"):
+        prepare(EvalConfig(cpp_file=str(tmp_path / "absent.jsonl")))
+    with pytest.raises(ConfigError, match="an empty C\\+\\+ program does not compile"):
+        prepare(EvalConfig(flags=["-fno-such-flag"]))
+
+
 def test_generate_interface_cuts_continuations_and_writes_records(gcs_bucket):
     calls = []
 
@@ -126,3 +135,17 @@ def test_write_records_creates_local_parents(tmp_path):
     path = tmp_path / "run" / "evals" / "cpp.jsonl"
     write_records([{"id": "a"}, {"id": "b"}], str(path))
     assert path.read_text() == '{"id": "a"}\n{"id": "b"}\n'
+
+
+def test_eval_config_is_a_structured_config():
+    """The lead registers EvalConfig as the `eval` group: it must compose and type-check."""
+    from omegaconf import OmegaConf, ValidationError
+
+    cfg = OmegaConf.merge(OmegaConf.structured(EvalConfig),
+                          OmegaConf.from_dotlist(["n=5", "k=[1,5]", "temperature=0.8"]))
+    check(cfg)
+    assert isinstance(OmegaConf.to_object(cfg), EvalConfig)
+    with pytest.raises(ValidationError):
+        OmegaConf.merge(OmegaConf.structured(EvalConfig), {"run_timeout_s": "soon"})
+    with pytest.raises(ConfigError, match="eval.k=\\[1, 6\\]"):
+        check(OmegaConf.merge(cfg, {"k": [1, 6]}))

@@ -28,8 +28,9 @@ schema), ``problems`` (load and validate), ``stop`` (cut a continuation at the f
 """
 
 from xtrain.evals.config import EvalConfig
-from xtrain.evals.harness import evaluate, generate_and_evaluate, pass_at_k, write_records
+from xtrain.evals.harness import (evaluate, generate_and_evaluate, pass_at_k, prepare,
+                                  write_records)
 from xtrain.evals.problems import Problem, ProblemFileError, load_problems
 
 __all__ = ["EvalConfig", "Problem", "ProblemFileError", "evaluate", "generate_and_evaluate",
-           "load_problems", "pass_at_k", "write_records"]
+           "load_problems", "pass_at_k", "prepare", "write_records"]

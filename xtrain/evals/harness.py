@@ -34,7 +34,7 @@ import fsspec
 from xtrain.config import ConfigError
 from xtrain.evals import stop
 from xtrain.evals.config import EvalConfig, check
-from xtrain.evals.problems import DIFFICULTIES, Problem
+from xtrain.evals.problems import DIFFICULTIES, Problem, load_problems
 from xtrain.evals.sandbox import Result, Sandbox, Session, limits_for
 
 OUTCOMES = ("compile_error", "timeout", "runtime_error", "wrong_answer", "passed")
@@ -56,6 +56,19 @@ def program(problem: Problem, completion: str, marker: str) -> str:
     then a ``main`` that prints ``marker`` once the tests return 0."""
     return (problem.prompt + completion + "\n#define main xtrain_tests_main\n" + problem.tests
             + _FOOTER.format(marker=marker))
+
+
+def prepare(cfg: EvalConfig) -> list[Problem]:
+    """Check everything an evaluation needs before training starts (the config, the benchmark
+    file, the compiler inside the sandbox) and return the problems."""
+    check(cfg)
+    problems = load_problems(cfg.cpp_file)
+    sandbox = Sandbox(cfg, 1)
+    try:
+        _check_toolchain(sandbox, _find_gxx(cfg), cfg)
+    finally:
+        sandbox.close()
+    return problems
 
 
 def generate_and_evaluate(generate: Generate, problems: Sequence[Problem], cfg: EvalConfig,
@@ -83,9 +96,7 @@ def evaluate(problems: Sequence[Problem], completions: Mapping[str, Sequence[str
     missing = [p.id for p in problems if not completions.get(p.id)]
     if missing:
         raise ValueError(f"no completions for problem(s) {', '.join(missing[:5])}")
-    gxx = shutil.which(cfg.gxx)
-    if gxx is None:
-        raise ConfigError(f"eval.gxx={cfg.gxx!r}: compiler not found on PATH")
+    gxx = _find_gxx(cfg)
     jobs = [(p, i, c) for p in problems for i, c in enumerate(completions[p.id])]
     workers = min(cfg.workers or len(os.sched_getaffinity(0)), len(jobs))
     marker = f"xtrain-tests-passed-{secrets.token_hex(8)}"  # unguessable by the program
@@ -102,6 +113,13 @@ def evaluate(problems: Sequence[Problem], completions: Mapping[str, Sequence[str
     if records_path:
         write_records(records, records_path)
     return scores, records
+
+
+def _find_gxx(cfg: EvalConfig) -> str:
+    gxx = shutil.which(cfg.gxx)
+    if gxx is None:
+        raise ConfigError(f"eval.gxx={cfg.gxx!r}: compiler not found on PATH")
+    return gxx
 
 
 def _compile(session: Session, gxx: str, cfg: EvalConfig) -> Result:
