@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 from xtrain.evals import EvalConfig, evaluate
 from xtrain.evals import sandbox as sandbox_module
 from xtrain.evals.problems import Problem

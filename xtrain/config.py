@@ -223,6 +223,49 @@ class CheckpointConfig:
     retries: int = limits(5, ge=0)
 
 
+class Sandbox(str, Enum):
+    """How the C++ evaluation isolates each program (xtrain/evals/sandbox.py)."""
+
+    auto = "auto"  # bubblewrap when installed, else resource limits only (with a warning)
+    bwrap = "bwrap"  # require bubblewrap (namespaces: no network, read-only system, private /tmp)
+    rlimits = "rlimits"  # resource limits only, for machines without user namespaces
+
+
+@dataclass
+class EvalConfig:
+    """How a model is judged on C++ problems (xtrain/evals/): sampling, the sandbox's limits, the
+    compiler."""
+
+    # Benchmark file, JSONL (format in xtrain/evals/__init__.py); a local path or any fsspec URL
+    # (gs://...). None: the benchmark shipped in the package (xtrain/evals/cpp_problems.jsonl).
+    cpp_file: str | None = None
+    # evaluate every this many optimizer steps during training (rank 0); 0: never mid-run
+    cpp_every: int = limits(0, ge=0)
+    n: int = limits(1, ge=1)  # completions sampled per problem (pass@k needs n >= k)
+    k: list[int] = field(default_factory=lambda: [1])  # pass@k reported for each of these k
+    # 0: greedy decoding (then n must be 1: greedy samples are identical)
+    temperature: float = limits(0.0, ge=0)
+    top_k: int | None = limits(None, ge=1)  # sample among the top_k most likely tokens; None: all
+    max_tokens: int = limits(384, ge=1)  # new tokens per completion before the stop rule cuts it
+    # Raw text that ends a completion (the tokenizer's document separator as decoded text).
+    eof_markers: list[str] = field(default_factory=lambda: ["<|bos|>", "<|endoftext|>"])
+    gxx: str = "g++"  # compiler executable (name on PATH or absolute path)
+    std: str = "c++17"  # -std= value; C++17 or newer
+    flags: list[str] = field(default_factory=lambda: ["-O1", "-pipe"])  # extra g++ flags
+    compile_timeout_s: float = limits(30.0, gt=0)  # wall-clock limit of one compile
+    # wall-clock limit of one test run (CPU time gets the same + 1 s)
+    run_timeout_s: float = limits(5.0, gt=0)
+    compile_memory_mb: int = limits(2048, ge=1)  # address-space limit of the compiler processes
+    run_memory_mb: int = limits(512, ge=1)  # address-space limit of the test program
+    # largest file a program (or the compiler, x64) may write; caps output
+    max_file_kb: int = limits(1024, ge=1)
+    max_processes: int = limits(32, ge=1)  # processes the sandbox's user may have (fork bombs)
+    max_open_files: int = limits(64, ge=1)  # open file descriptors per process
+    workers: int = limits(0, ge=0)  # compiles/runs at once; 0: one per CPU core this process may use
+    sandbox: Sandbox = Sandbox.auto
+    message_chars: int = limits(2000, ge=1)  # compiler message and test output kept per record
+
+
 @dataclass
 class LoggingConfig:
     wandb: bool = False  # the key comes from WANDB_API_KEY in the environment, never from config
@@ -246,6 +289,7 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -273,7 +317,7 @@ def out_of_range(cfg, schema=TrainConfig, prefix: str = "") -> list[str]:
 
 _SCHEMAS = {cls.__name__: cls for cls in (HardwareConfig, ModelConfig, DataConfig, ParallelismConfig,
                                            OptimConfig, TrainerConfig, CheckpointConfig,
-                                           LoggingConfig, RunConfig)}
+                                           EvalConfig, LoggingConfig, RunConfig)}
 
 
 def register() -> None:

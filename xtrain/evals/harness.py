@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 from xtrain.evals import stop
 from xtrain.evals.config import EvalConfig, check
 from xtrain.evals.problems import DIFFICULTIES, Problem, load_problems

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import fsspec
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 from xtrain.evals import stop
 
 DEFAULT_FILE = str(Path(__file__).with_name("cpp_problems.jsonl"))

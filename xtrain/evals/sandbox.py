@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 from xtrain.evals.config import EvalConfig
 
 _UID_LOCKS = Path(tempfile.gettempdir()) / "xtrain-sandbox-uids"
