@@ -1,4 +1,5 @@
-"""``gcloud compute tpus tpu-vm``: describe (a VM's workers, state, type), create and delete.
+"""``gcloud compute tpus tpu-vm`` (and ``queued-resources``): describe (a VM's workers, state,
+type), create and delete.
 
 Only the control plane goes through gcloud; every connection to a VM is direct OpenSSH
 (xtrain/launcher/ssh.py), because ``gcloud ... ssh`` is flaky (exit 255) and slow. Calls go
@@ -12,40 +13,66 @@ import json
 from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError, Result
 
+# gcloud's words for "no capacity for this request right now": waiting and retrying can help.
+NO_CAPACITY = ("RESOURCE_EXHAUSTED", "no more capacity", "insufficient capacity", "STOCKOUT",
+               "ZONE_RESOURCE_POOL_EXHAUSTED", "does not have enough resources")
+
+
+class NoCapacity(LaunchError):
+    """A create refused because the zone has no capacity (or quota) for it now."""
+
 
 class Gcloud:
     def __init__(self, runner, binary: str = "gcloud"):
         self.runner, self.binary = runner, binary
 
-    def _tpu_vm(self, verb: str, name: str, zone: str, project: str | None) -> list[str]:
-        argv = [self.binary, "compute", "tpus", "tpu-vm", verb, name, f"--zone={zone}"]
+    def _argv(self, verb: str, name: str, zone: str, project: str | None, queued=False) -> list[str]:
+        group = "queued-resources" if queued else "tpu-vm"
+        argv = [self.binary, "compute", "tpus", group, verb, name, f"--zone={zone}"]
         return argv + ([f"--project={project}"] if project else [])
 
     def describe(self, name: str, zone: str, project: str | None = None) -> dict:
         """The TPU node resource (``networkEndpoints``, ``state``, ``acceleratorType``, ...)."""
-        r = self.runner.run(self._tpu_vm("describe", name, zone, project) + ["--format=json"],
+        return self.find(name, zone, project, refuse=True)
+
+    def find(self, name: str, zone: str, project: str | None = None, queued: bool = False,
+             refuse: bool = False) -> dict | None:
+        """The node (or queued resource), None when gcloud does not know it. Any other failure
+        raises: ConfigError with ``refuse`` (a launch's target), else LaunchError."""
+        r = self.runner.run(self._argv("describe", name, zone, project, queued) + ["--format=json"],
                             timeout=120, label="gcloud describe")
         if not r.ok:
-            raise ConfigError(f"gcloud could not describe TPU {name!r} in {zone}: {_message(r)}")
+            if refuse:
+                raise ConfigError(f"gcloud could not describe TPU {name!r} in {zone}: {_message(r)}")
+            if "NOT_FOUND" in r.stderr:
+                return None
+            raise LaunchError(f"gcloud could not describe TPU {name!r} in {zone}: {_message(r)}")
         try:
             return json.loads(r.stdout)
         except json.JSONDecodeError as e:
             raise LaunchError(f"gcloud describe {name}: unreadable output ({e})") from e
 
     def create(self, name: str, zone: str, hardware, project: str | None = None,
-               spot: bool = True) -> None:
-        """Create a TPU VM of the profile's type and runtime (the spot fleet's building block)."""
-        argv = self._tpu_vm("create", name, zone, project) + [
-            f"--accelerator-type={hardware.accelerator_type}",
-            f"--version={hardware.runtime_version}"] + (["--spot"] if spot else [])
+               spot: bool = True, queued: bool = False) -> None:
+        """Create a TPU VM (or a queued resource whose node has the same name) of the profile's
+        type and runtime. Raises NoCapacity when the zone has none for it now."""
+        kind = [f"--accelerator-type={hardware.accelerator_type}"]
+        if queued:  # queued-resources takes --runtime-version and names its node with --node-id
+            kind = [f"--node-id={name}", *kind, f"--runtime-version={hardware.runtime_version}"]
+        else:
+            kind.append(f"--version={hardware.runtime_version}")
+        argv = self._argv("create", name, zone, project, queued) + kind + (["--spot"] if spot else [])
         r = self.runner.run(argv, timeout=1800, label="gcloud create")
         if not r.ok:
-            raise LaunchError(f"gcloud could not create TPU {name!r} in {zone}: {_message(r)}")
+            error = NoCapacity if any(m.lower() in r.stderr.lower() for m in NO_CAPACITY) else LaunchError
+            raise error(f"gcloud could not create TPU {name!r} in {zone}: {_message(r)}")
 
-    def delete(self, name: str, zone: str, project: str | None = None) -> None:
-        r = self.runner.run(self._tpu_vm("delete", name, zone, project) + ["--quiet"],
+    def delete(self, name: str, zone: str, project: str | None = None, queued: bool = False) -> None:
+        """Delete the VM (a queued resource with its node: --force)."""
+        extra = ["--force", "--quiet"] if queued else ["--quiet"]
+        r = self.runner.run(self._argv("delete", name, zone, project, queued) + extra,
                             timeout=1800, label="gcloud delete")
-        if not r.ok:
+        if not r.ok and "NOT_FOUND" not in r.stderr:  # already gone is what was asked
             raise LaunchError(f"gcloud could not delete TPU {name!r} in {zone}: {_message(r)}")
 
 

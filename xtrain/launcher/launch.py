@@ -41,10 +41,11 @@ def say(message: str) -> None:
 
 
 def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Runner | None = None,
-               log=say) -> dict:
+               log=say, vm_check=None) -> dict:
     """Run ``python -m xtrain <overrides>`` on the workers ``cfg`` names; returns the final metrics
     (and ``preempted``/``stopped`` when the job did not finish). Raises ConfigError for bad input,
-    LaunchError when a worker fails or cannot be reached."""
+    LaunchError when a worker fails or cannot be reached. ``vm_check`` (xtrain/launcher/fleet.py)
+    is called whenever a worker's log stream ends and raises when the VM itself is gone."""
     t0 = time.perf_counter()
     runner = runner or Runner()
     ssh = Ssh(cfg, runner, log)
@@ -83,7 +84,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
         json.dump({"job": job_id, "attempt": attempt, "hosts": [w.host for w in workers],
                    "remote_job_dir": jobs[0].dir, "remote_run_dir": run_dir(workers[0], job_id)},
                   f, indent=1)
-    states = follow(jobs, job_dir, offsets, cfg, log)
+    states = follow(jobs, job_dir, offsets, cfg, log, vm_check)
     return result(workers[0], job_id, job_dir, states, log)
 
 
@@ -178,7 +179,7 @@ def resume_offset(job_dir: str, index: int, attempt: str, remote_bytes: int) -> 
     return 0
 
 
-def follow(jobs, job_dir, offsets, cfg, log) -> list[JobState]:
+def follow(jobs, job_dir, offsets, cfg, log, vm_check=None) -> list[JobState]:
     """Stream every worker's log until every job ended; on the first failure stop the others.
     Returns the final states; raises LaunchError with the first failure's log tail."""
     ended: queue.Queue = queue.Queue()
@@ -198,6 +199,8 @@ def follow(jobs, job_dir, offsets, cfg, log) -> list[JobState]:
             i = ended.get()
             if i in final:
                 continue
+            if vm_check is not None:
+                vm_check()  # a preempted VM raises here, before a poll waits for it over ssh
             try:
                 state = jobs[i].state()
             except LaunchError as e:

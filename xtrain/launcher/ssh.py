@@ -126,8 +126,11 @@ class Ssh:
             raise LaunchError(f"{host}: ssh failed: {err.strip() or 'exit 255'}")
         return None
 
+    def _entry(self, host: str) -> str:
+        return host if self.cfg.port == 22 else f"[{host}]:{self.cfg.port}"
+
     def _host_key_changed(self, host: str) -> str:
-        entry = host if self.cfg.port == 22 else f"[{host}]:{self.cfg.port}"
+        entry = self._entry(host)
         if not self.cfg.rekey or host in self._rekeyed:
             raise ConfigError(
                 f"{entry}: host key changed since it was recorded in {self.known_hosts} (a "
@@ -137,3 +140,14 @@ class Ssh:
         self.runner.run(["ssh-keygen", "-R", entry, "-f", self.known_hosts], label="rekey")
         self.log(f"launch: {entry}: host key changed; old key removed (hydra.launcher.rekey=true)")
         return "rekeyed"
+
+    def forget(self, host: str) -> None:
+        """A VM xtrain itself deleted and recreated: drop the address's recorded key (the new VM
+        has a new one, accepted on first contact) and close the connection kept open to the old
+        VM, which would otherwise be reused without checking the new key."""
+        if os.path.exists(self.known_hosts):
+            self.runner.run(["ssh-keygen", "-R", self._entry(host), "-f", self.known_hosts],
+                            label="forget host key")
+        if self.cfg.multiplex:
+            self.runner.run(["ssh", *self.options(), "-O", "exit", self.destination(host)],
+                            timeout=30, label="close connection")
