@@ -10,6 +10,7 @@ import time
 
 import lightning as L
 
+from xtrain.observe import preemptions
 from xtrain.observe.sinks import Sink
 
 
@@ -32,6 +33,9 @@ class MetricsLogger(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         self._t0, self._step0 = time.perf_counter(), trainer.global_step
+        resumed = preemptions.record(trainer.global_step)  # a re-run after a preemption
+        if resumed and trainer.global_rank == 0:
+            self.write(resumed)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
