@@ -48,9 +48,13 @@ def run_name() -> str:
     """The ``${xtrain_run_name:}`` resolver: the name of the job Hydra is composing."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
+    from omegaconf import OmegaConf
 
     hc = HydraConfig.get()
-    return compose_name(dict(hc.runtime.choices), list(hc.overrides.task),
+    # unresolved, and without the overrides that interpolate: one may name the run itself
+    # (checkpoint.dir='gs://bucket/ckpt/${run.name}' gives every job of a sweep its own dir)
+    overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)
+    return compose_name(dict(hc.runtime.choices), [o for o in overrides if "${" not in o],
                         sweep=hc.mode == RunMode.MULTIRUN)
 
 

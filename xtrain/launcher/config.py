@@ -62,3 +62,23 @@ class LauncherConfig:
     tpu_lockfile: str = "/tmp/libtpu_lockfile"
     # stop this job on its workers (SIGTERM: it checkpoints and exits 143) instead of running it
     stop: bool = False
+
+    # Spot fleet (xtrain/launcher/fleet.py, pool.py). With `tpu` or `pool`, a job whose stream or
+    # connection ends is judged by the VM's state in gcloud: not READY is a preemption.
+    # delete and recreate a preempted VM (accelerator_type and runtime_version of the hardware
+    # profile), set it up again and re-run the job, which resumes from its newest committed
+    # checkpoint; needs checkpoint.dir=gs://... (a recreated VM starts with an empty disk)
+    recreate: bool = False
+    max_recreates: int = 3  # preemptions one job may survive (each re-runs it); then it fails
+    spot: bool = True  # create VMs with --spot
+    # the VM is the node of a queued resource of the same name (gcloud compute tpus
+    # queued-resources): its state is the queued resource's (SUSPENDED: preempted), and it is
+    # recreated as a queued resource
+    queued: bool = False
+    # a recreation (delete, create with capacity retries, wait for READY) that takes longer fails
+    ready_timeout_s: float = 3600.0
+    capacity_backoff_s: float = 60.0  # wait after "no capacity", doubled each time, at most 16x
+    poll_s: float = 15.0  # between gcloud describes while waiting for a VM
+    # single-host TPU VMs (names, in `zone`) a multirun's jobs are spread over: one job per VM at
+    # a time, the next job to the first free VM; a preempted VM's job is requeued
+    pool: list[str] = field(default_factory=list)

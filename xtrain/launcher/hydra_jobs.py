@@ -5,52 +5,153 @@ in multirun mode); the plugin in launch/hydra_plugins/xtrain_launchers/ calls
 
 from __future__ import annotations
 
+import copy
+import os
 from pathlib import Path
 
 from xtrain.config import Mode
 from xtrain.errors import is_refusal, refuse
-from xtrain.launcher.launch import launch_job
+from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
+from xtrain.launcher.launch import launch_job, say
 
 
-def launch_from_hydra(cfg) -> dict:
-    """The job of the current Hydra context: planned and checked here (a bad config is refused
-    before anything is copied), then run on the workers by :func:`launch_job`."""
+def prepare_from_hydra(cfg) -> Job:
+    """The job of the current Hydra context, planned and checked here: a bad config (or a fleet
+    setting that cannot work) is refused before anything is copied or any VM touched."""
     from hydra.core.hydra_config import HydraConfig
 
+    from xtrain.inputs import checkpoint_dir
     from xtrain.modes import plan_run
     from xtrain.plan import check_fits
 
     hc = HydraConfig.get()
-    where = hc.launcher.tpu or ", ".join(hc.launcher.hosts)
-    plan = plan_run(cfg, f"{hc.launcher.kind} {where}")
+    launcher = hc.launcher
+    where = launcher.tpu or ", ".join(launcher.pool or launcher.hosts)
+    plan = plan_run(cfg, f"{launcher.kind} {where}")
     if cfg.mode == Mode.train:
         check_fits(plan, cfg)
-    return launch_job(hc.launcher, cfg.hardware, list(hc.overrides.task), cfg.run.name,
-                      hc.runtime.output_dir)
+    check_job(launcher, cfg.hardware, cfg.checkpoint.dir)
+    return Job(copy.deepcopy(launcher), copy.deepcopy(cfg.hardware), list(hc.overrides.task),
+               cfg.run.name, hc.runtime.output_dir,
+               checkpoint_dir(cfg, "<run dir on the VM>"))
+
+
+def run_prepared(job: Job) -> dict:
+    """A pool (of one job, for a single run), a TPU VM by name (preemption-aware, recreated when
+    asked), or explicit hosts."""
+    if job.cfg.stop:
+        return stop(job)
+    if job.cfg.pool:
+        from xtrain.launcher.pool import run_pool
+
+        (outcome,) = run_pool([job])
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.result
+    if job.cfg.tpu:
+        return run_on_vm(job)
+    return launch_job(job.cfg, job.hardware, job.overrides, job.run_name, job.job_dir)
+
+
+def launch_from_hydra(cfg) -> dict:
+    return run_prepared(prepare_from_hydra(cfg))
+
+
+def stop(job: Job) -> dict:
+    """``hydra.launcher.stop=true``: stop the job wherever it runs (every VM of a pool)."""
+    stopped = False
+    for vm in job.cfg.pool or [None]:
+        cfg = derive(job.cfg, tpu=vm, pool=[]) if vm else job.cfg
+        stopped |= launch_job(cfg, job.hardware, job.overrides, job.run_name,
+                              job.job_dir)["stopped"]
+    return {"stopped": stopped}
 
 
 def launch_sweep(hydra_context, config, job_overrides, initial_job_idx: int) -> list:
     """Hydra's Launcher.launch: each job in turn, like Hydra's basic launcher, but run remotely.
-    The sweep stops at the first job that fails: the next ones would meet the same workers."""
-    from hydra.core.utils import JobStatus, configure_log, run_job, setup_globals
-    from omegaconf import open_dict
+    The sweep stops at the first job that fails: the next ones would meet the same workers.
+    With ``pool`` the jobs are spread over the pool's VMs instead (:func:`launch_pool`)."""
+    from hydra.core.utils import JobStatus
 
-    setup_globals()
-    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
-    Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+    if config.hydra.launcher.pool and not config.hydra.launcher.stop:
+        return launch_pool(hydra_context, config, job_overrides, initial_job_idx)
     returns = []
-    for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-        sweep_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
-        with open_dict(sweep_config):
-            sweep_config.hydra.job.id = sweep_config.hydra.job.num = idx
-        ret = run_job(hydra_context=hydra_context, task_function=launch_from_hydra,
-                      config=sweep_config, job_dir_key="hydra.sweep.dir",
-                      job_subdir_key="hydra.sweep.subdir")
+    for ret in hydra_jobs(hydra_context, config, job_overrides, initial_job_idx,
+                          launch_from_hydra):
         returns.append(ret)
         if ret.status == JobStatus.FAILED:
             exit_on_launch_error(ret)
             break
     return returns
+
+
+def hydra_jobs(hydra_context, config, job_overrides, initial_job_idx: int, task):
+    """Hydra's run_job for each job in turn (its dir, .hydra/, logging), with ``task``."""
+    from hydra.core.utils import configure_log, run_job, setup_globals
+    from omegaconf import open_dict
+
+    setup_globals()
+    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+    Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+    for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+        sweep_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+        with open_dict(sweep_config):
+            sweep_config.hydra.job.id = sweep_config.hydra.job.num = idx
+        yield run_job(hydra_context=hydra_context, task_function=task, config=sweep_config,
+                      job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+
+
+def launch_pool(hydra_context, config, job_overrides, initial_job_idx: int) -> list:
+    """Every job is prepared through Hydra first (its dir and config; a refusal ends the sweep
+    before any VM is touched), then the pool runs them all and each JobReturn gets its job's
+    result or error; a summary table ends the sweep."""
+    from hydra.core.utils import JobStatus
+
+    from xtrain.launcher.pool import outcome_rows, run_pool, summary
+
+    returns = list(hydra_jobs(hydra_context, config, job_overrides, initial_job_idx,
+                              refusing(prepare_from_hydra)))
+    jobs = [ret.return_value for ret in returns]
+    check_distinct_checkpoints(jobs)
+    outcomes = run_pool(jobs)
+    for ret, outcome in zip(returns, outcomes):
+        failed = outcome.error is not None or outcome.result is None
+        ret.status = JobStatus.FAILED if failed else JobStatus.COMPLETED
+        ret.return_value = outcome.error if failed else outcome.result
+    table = summary(outcome_rows(jobs, outcomes))
+    say("fleet: the sweep is over:\n" + table)
+    with open(os.path.join(str(config.hydra.sweep.dir), "summary.txt"), "w") as f:
+        f.write(table + "\n")
+    for outcome in outcomes:
+        if outcome.error is not None and is_refusal(outcome.error):
+            refuse(outcome.error)
+    return returns
+
+
+def refusing(task):
+    """``task`` ending the process with the one line of a refusal (Hydra would add its own)."""
+    def run(cfg):
+        try:
+            return task(cfg)
+        except Exception as e:  # noqa: BLE001  (only refusals end here; the rest is raised)
+            if is_refusal(e):
+                refuse(e)
+            raise
+    return run
+
+
+def check_distinct_checkpoints(jobs: list[Job]) -> None:
+    """Two jobs of one sweep sharing a checkpoint dir on GCS would resume from each other."""
+    from xtrain.errors import ConfigError
+
+    seen: dict[str, str] = {}
+    for job in jobs:
+        where = job.checkpoint_dir or ""
+        if where.startswith("gs://") and seen.setdefault(where, job.run_name) != job.run_name:
+            raise ConfigError(f"checkpoint.dir={where} is shared by jobs {seen[where]} and "
+                              f"{job.run_name}, which would resume from each other: give "
+                              "each job its own, e.g. checkpoint.dir='gs://bucket/ckpt/${run.name}'"
+                              " (quoted, so the sweep keeps the interpolation)")
 
 
 def exit_on_launch_error(ret) -> None:

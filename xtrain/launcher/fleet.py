@@ -1,0 +1,327 @@
+"""Spot TPU VMs: tell a preemption from a failed job or a network drop, and survive it.
+
+Whenever a job's log stream or connection ends, the launcher asks gcloud for the VM's state
+(:func:`vm_health`, over the state tables below):
+
+- the VM is not READY (PREEMPTED, TERMINATED, ...; a queued resource SUSPENDED): a preemption;
+- the VM is READY and the job's process exited non-zero: a failure of the job, reported as such;
+- the VM is READY and the process still runs: the network dropped; the launcher reattaches
+  (``follow`` in xtrain/launcher/launch.py).
+
+With ``recreate=true`` a preempted VM is deleted (never left FAILED or SUSPENDED, holding quota),
+created again with the profile's accelerator type and runtime version (``--spot``), retried with
+backoff while the zone has no capacity, waited for until READY (bounded by ``ready_timeout_s``),
+set up again by the ordinary launch (its new host key is accepted: xtrain deleted the old VM
+itself), and the job re-run, which resumes from its newest committed checkpoint on GCS. The
+re-run's environment carries the preemption history (xtrain/observe/preemptions.py), so the
+run's metrics record it. xtrain/launcher/pool.py spreads a multirun over several such VMs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+
+from xtrain.errors import ConfigError, InputError
+from xtrain.launcher.gcloud import Gcloud, NoCapacity
+from xtrain.launcher.launch import launch_job, say
+from xtrain.launcher.logs import log_path
+from xtrain.launcher.runner import LaunchError, Runner
+from xtrain.launcher.ssh import Ssh
+from xtrain.observe.preemptions import launch_env
+
+UP, PENDING, DOWN = "up", "pending", "down"
+NOT_FOUND = "NOT_FOUND"  # gcloud does not know the name (deleted)
+# TPU API v2 Node.State (cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.nodes):
+# READY is usable, these come up by themselves; every other state (PREEMPTED, TERMINATED,
+# STOPPED, STOPPING, DELETING, HIDDEN, UNKNOWN, ...) means the node must be deleted and recreated.
+NODE_STATES = {"READY": UP, "CREATING": PENDING, "STARTING": PENDING, "RESTARTING": PENDING,
+               "REIMAGING": PENDING, "REPAIRING": PENDING, "UNHIDING": PENDING}
+# QueuedResourceState.State: ACTIVE is usable, these are on their way; SUSPENDING, SUSPENDED
+# (preempted), FAILED (no capacity in time) and DELETING must be deleted and created again.
+QUEUED_STATES = {"ACTIVE": UP, "CREATING": PENDING, "ACCEPTED": PENDING, "PROVISIONING": PENDING,
+                 "WAITING_FOR_RESOURCES": PENDING}
+
+
+def vm_health(state: str, queued: bool = False) -> str:
+    """UP (a job can run there), PENDING (coming up by itself) or DOWN (preempted, failed or
+    gone: any job there is lost, and the VM must be recreated)."""
+    return (QUEUED_STATES if queued else NODE_STATES).get(state, DOWN)
+
+
+class VmLost(LaunchError):
+    """The job's VM is no longer READY: a preemption, not a failure of the job."""
+
+    def __init__(self, vm: str, state: str):
+        super().__init__(f"TPU {vm} is {state}")
+        self.vm, self.state, self.seen_at = vm, state, time.monotonic()
+
+
+@dataclass
+class Job:
+    """One job of a launch: the launcher's fields and what ``launch_job`` needs."""
+
+    cfg: object  # hydra.launcher
+    hardware: object
+    overrides: list[str]
+    run_name: str
+    job_dir: str  # the local (Hydra) job dir
+    checkpoint_dir: str | None = None  # for the give-up message
+
+
+@dataclass
+class Preemptions:
+    """What one job went through: preemptions, time lost, the furthest step logged before the
+    latest one."""
+
+    count: int = 0
+    time_lost_s: float = 0.0
+    steps_seen: int | None = None
+    seen_at: float | None = None  # the latest preemption, until the job is launched again
+
+    def record(self, lost: VmLost, job: Job) -> None:
+        """Count ``lost``; keep the preempted attempt's log beside the next one's."""
+        self.count += 1
+        self.seen_at = lost.seen_at
+        path = log_path(job.job_dir, 0)
+        if os.path.exists(path):
+            self.steps_seen = last_logged_step(path) or self.steps_seen
+            os.replace(path, path.replace(".log", f".preempted-{self.count}.log"))
+
+    def relaunching(self) -> dict[str, str]:
+        """The re-run's environment; the time since the preemption was seen counts as lost."""
+        if self.seen_at is not None:
+            self.time_lost_s += time.monotonic() - self.seen_at
+            self.seen_at = None
+        return launch_env(self.count, self.time_lost_s, self.steps_seen) if self.count else {}
+
+    def lost_so_far(self) -> float:
+        return self.time_lost_s + (time.monotonic() - self.seen_at if self.seen_at else 0.0)
+
+    def summary(self) -> dict:
+        return {"preemptions": self.count, "time_lost_s": round(self.time_lost_s, 1)}
+
+
+# The console line of a training record (xtrain/observe/sinks.py, ConsoleSink).
+STEP_LINE = re.compile(rb"^step\s+(\d+)/\d+ \| loss")
+
+
+def last_logged_step(path: str) -> int | None:
+    with open(path, "rb") as f:
+        steps = [int(m.group(1)) for line in f if (m := STEP_LINE.match(line))]
+    return steps[-1] if steps else None
+
+
+def derive(cfg, **changes):
+    """A copy of the launcher's fields with ``changes`` (Hydra's own copy is read-only)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), **changes})
+
+
+def clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}h{m % 60:02d}m{s:02d}s" if m >= 60 else f"{m}m{s:02d}s"
+
+
+class Vm:
+    """One TPU VM (or queued resource) by name, through gcloud: its state, and its recreation."""
+
+    def __init__(self, name: str, cfg, hardware, runner: Runner | None = None, log=say):
+        self.name, self.cfg, self.hardware, self.log = name, cfg, hardware, log
+        self.runner = runner or Runner()
+        self.gcloud = Gcloud(self.runner)
+
+    def __repr__(self) -> str:
+        return f"TPU {self.name}"
+
+    def describe(self) -> dict | None:
+        return self.gcloud.find(self.name, self.cfg.zone, self.cfg.project, self.cfg.queued)
+
+    def state(self) -> str:
+        found = self.describe()
+        if found is None:
+            return NOT_FOUND
+        state = found.get("state", "UNKNOWN")
+        return state.get("state", "UNKNOWN") if isinstance(state, dict) else state  # queued: nested
+
+    def health(self) -> str:
+        return vm_health(self.state(), self.cfg.queued)
+
+    def check(self) -> None:
+        """``vm_check`` for launch_job: raises VmLost when the VM is not READY. A gcloud that
+        cannot answer gives no verdict: the job is then polled over ssh as usual."""
+        try:
+            state = self.state()
+        except LaunchError as e:
+            self.log(f"fleet: {self}: {e}; asking the worker instead")
+            return
+        if vm_health(state, self.cfg.queued) != UP:
+            raise VmLost(self.name, state)
+
+    def addresses(self) -> set[str]:
+        """Every address of the node's workers (a recreated VM may get the old ones back)."""
+        try:
+            node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
+        except LaunchError:
+            return set()
+        return {a for e in (node or {}).get("networkEndpoints", [])
+                for a in (e.get("ipAddress"), e.get("accessConfig", {}).get("externalIp")) if a}
+
+    # Long: one loop over the VM's state, because every step (delete, create, wait) can end in
+    # any state and the deadline and backoff span them all.
+    def restore(self, lost_so_far=lambda: 0.0) -> None:
+        """Bring the VM back to READY: delete it when it is down, create it again, retry with
+        backoff while the zone has no capacity, wait while it comes up; all within
+        ``ready_timeout_s``. Forgets the old VM's host keys and connections."""
+        cfg = self.cfg
+        t0, backoff, created = time.monotonic(), cfg.capacity_backoff_s, False
+        old = self.addresses()
+        while True:
+            state = self.state()
+            health = vm_health(state, cfg.queued)
+            if health == UP:
+                break
+            waited = time.monotonic() - t0
+            if waited > cfg.ready_timeout_s:
+                if created:  # a VM nobody uses would run up its cost unattended
+                    self.gcloud.delete(self.name, cfg.zone, cfg.project, cfg.queued)
+                raise LaunchError(f"{self} is still {state} after {clock(waited)} "
+                                  f"(hydra.launcher.ready_timeout_s={cfg.ready_timeout_s:g})")
+            if health == PENDING or state == "DELETING":  # on its way up, or out
+                time.sleep(cfg.poll_s)
+                continue
+            if state != NOT_FOUND:
+                self.log(f"fleet: {self} is {state}: deleting it")
+                self.gcloud.delete(self.name, cfg.zone, cfg.project, cfg.queued)
+                if created:  # it failed on its way up: the zone has no capacity for it
+                    backoff = self._wait_for_capacity(state, backoff, lost_so_far)
+                continue
+            try:
+                self.log(f"fleet: {self}: creating a {self.hardware.accelerator_type} "
+                         f"({self.hardware.runtime_version}{', spot' if cfg.spot else ''})")
+                self.gcloud.create(self.name, cfg.zone, self.hardware, cfg.project, cfg.spot,
+                                   cfg.queued)
+                created = True
+            except NoCapacity as e:
+                backoff = self._wait_for_capacity(str(e), backoff, lost_so_far)
+        ssh = Ssh(cfg, self.runner, self.log)
+        for host in sorted(old | self.addresses()):
+            ssh.forget(host)
+        self.log(f"fleet: {self} is READY again, {clock(time.monotonic() - t0)} after the "
+                 f"recreation began; {clock(lost_so_far())} lost so far")
+
+    def _wait_for_capacity(self, why: str, backoff: float, lost_so_far) -> float:
+        self.log(f"fleet: {self}: no capacity ({why}); retrying in {backoff:g} s, "
+                 f"{clock(lost_so_far())} lost so far")
+        time.sleep(backoff)
+        return min(backoff * 2, self.cfg.capacity_backoff_s * 16)
+
+
+def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
+    """Run ``job`` on ``vm`` once. Raises VmLost when the VM went down under it (or was found
+    down while launching), and anything else as the job's own failure."""
+    env = {**job.cfg.env, **history.relaunching()}
+    cfg = derive(job.cfg, tpu=vm.name, pool=[], hosts=[], env=env)
+    try:
+        result = launch_job(cfg, job.hardware, job.overrides, job.run_name, job.job_dir,
+                            Runner(), log, vm_check=vm.check)
+    except VmLost:
+        raise
+    except (LaunchError, InputError) as e:
+        state = vm.state()
+        if vm_health(state, vm.cfg.queued) != UP:
+            raise VmLost(vm.name, state) from e
+        raise
+    return {**result, **history.summary(), "vm": vm.name}
+
+
+def preempted(vm: Vm, job: Job, history: Preemptions, lost: VmLost, log=say) -> None:
+    """Record the preemption and log it; raises LaunchError when the job's budget is spent."""
+    history.record(lost, job)
+    log(f"fleet: {vm} is {lost.state}: job {job.run_name} preempted{_at(history)} (preemption "
+        f"{history.count}); {clock(history.lost_so_far())} lost so far")
+    if history.count > job.cfg.max_recreates:
+        where = f" (its checkpoints stay in {job.checkpoint_dir})" if job.checkpoint_dir else ""
+        raise LaunchError(f"job {job.run_name}: preempted {history.count} times, more than "
+                          f"hydra.launcher.max_recreates={job.cfg.max_recreates}: giving up{where}; "
+                          "run the same command to resume")
+
+
+def _at(history: Preemptions) -> str:
+    return f" at step {history.steps_seen}" if history.steps_seen is not None else ""
+
+
+def run_on_vm(job: Job, log=say) -> dict:
+    """``hydra.launcher.tpu=NAME``: run the job there; with ``recreate``, recreate the VM when it
+    is preempted (or found preempted) and re-run the job until it ends or the budget is spent."""
+    vm = Vm(job.cfg.tpu, job.cfg, job.hardware, log=log)
+    history = Preemptions()
+    if job.cfg.recreate:
+        check_known(vm, recreate=True)
+        if vm.health() != UP:  # found preempted: recreated before the job starts
+            vm.restore()
+    while True:
+        try:
+            return attempt(vm, job, history, log)
+        except VmLost as lost:
+            preempted(vm, job, history, lost, log)
+            if not job.cfg.recreate:
+                raise LaunchError(f"{vm} is {lost.state}: job {job.run_name} was preempted"
+                                  f"{_at(history)}; run the same command once the VM is back, or "
+                                  "add hydra.launcher.recreate=true to recreate it and resume "
+                                  "unattended") from None
+        vm.restore(history.lost_so_far)
+        log(f"fleet: re-running {job.run_name} on {vm} (it resumes from its newest committed "
+            "checkpoint)")
+
+
+def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:
+    """Refuse a fleet config that cannot work, before any VM is touched."""
+    if cfg.pool:
+        if cfg.tpu or cfg.hosts:
+            raise ConfigError("hydra.launcher.pool names the VMs: give pool, tpu or hosts, not two")
+        if cfg.kind != "vm" or hardware.hosts > 1:
+            raise ConfigError(f"hydra.launcher.pool with hardware={hardware.name} "
+                              f"({hardware.hosts} hosts): pools are single-host TPU VMs "
+                              "(hydra/launcher=tpu_vm)")
+        if len(set(cfg.pool)) != len(cfg.pool):
+            raise ConfigError(f"hydra.launcher.pool={list(cfg.pool)} names a VM twice")
+    if (cfg.pool or cfg.tpu) and not cfg.zone:
+        raise ConfigError("hydra.launcher.zone is required with hydra.launcher.tpu or pool")
+    if not cfg.recreate:
+        return
+    if not (cfg.tpu or cfg.pool):
+        raise ConfigError("hydra.launcher.recreate=true needs hydra.launcher.tpu (or pool): "
+                          "hosts given by address cannot be recreated")
+    if not str(checkpoint_dir or "").startswith("gs://"):
+        raise ConfigError(f"hydra.launcher.recreate=true needs checkpoint.dir=gs://...: a "
+                          "recreated VM starts with an empty disk, so checkpoints in "
+                          f"{checkpoint_dir or 'the run dir on the VM'} would be lost with it")
+    if not (hardware.accelerator_type and hardware.runtime_version):
+        raise ConfigError(f"hydra.launcher.recreate=true: hardware={hardware.name} names no "
+                          "accelerator_type and runtime_version to create the VM with")
+    if cfg.max_recreates < 0 or cfg.ready_timeout_s <= 0 or cfg.capacity_backoff_s <= 0:
+        raise ConfigError("hydra.launcher: max_recreates must be >= 0, ready_timeout_s and "
+                          "capacity_backoff_s > 0")
+
+
+def check_known(vm: Vm, recreate: bool) -> None:
+    """Refuse a VM gcloud does not know (a misspelt name must never create a VM), or one of
+    another type; without ``recreate``, one that is not READY."""
+    found = vm.describe()
+    if found is None:
+        raise ConfigError(f"gcloud does not know {vm} in {vm.cfg.zone}"
+                          + (" (queued resource)" if vm.cfg.queued else ""))
+    state = vm.state()
+    if not recreate and vm_health(state, vm.cfg.queued) != UP:
+        raise ConfigError(f"{vm} is {state}, not READY (hydra.launcher.recreate=true recreates "
+                          "a preempted VM)")
+    if vm.cfg.queued:  # the queued resource holds its node's spec
+        found = (found.get("tpu", {}).get("nodeSpec") or [{}])[0].get("node", {})
+    kind = found.get("acceleratorType", "").rsplit("/", 1)[-1]
+    if kind and vm.hardware.accelerator_type and kind != vm.hardware.accelerator_type:
+        raise ConfigError(f"{vm} is a {kind}, hardware={vm.hardware.name} is a "
+                          f"{vm.hardware.accelerator_type}")

@@ -1,0 +1,190 @@
+"""A pool of single-host TPU VMs for a multirun: ``hydra.launcher.pool=[vm-a,vm-b,...]``.
+
+One thread per VM takes the next job from one queue, so every VM runs one job at a time and the
+next job goes to the first free VM. A job whose VM is preempted goes back to the front of the
+queue: to another VM, or to the same one once it is recreated (``recreate=true``); without
+``recreate`` the preempted VM leaves the pool. A job still running on one of the VMs from an
+earlier launch of the same sweep (the local side was gone) is reattached there, never started a
+second time elsewhere. Each job keeps its own Hydra job dir; the end is a summary table.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from xtrain.launcher.fleet import (UP, Job, Preemptions, Vm, VmLost, attempt, check_known, clock,
+                                   preempted)
+from xtrain.launcher.launch import job_name, parallel, say
+from xtrain.launcher.runner import LaunchError
+from xtrain.launcher.ssh import Ssh
+from xtrain.launcher.targets import node_targets
+from xtrain.launcher.worker import Worker
+
+
+@dataclass
+class Outcome:
+    """How one job of the pool ended: its result (final metrics) or its error."""
+
+    vm: str | None = None  # the VM it last ran on
+    result: dict | None = None
+    error: BaseException | None = None
+    history: Preemptions = field(default_factory=Preemptions)
+
+    @property
+    def state(self) -> str:
+        if self.error is not None or self.result is None:
+            return "failed"
+        return "stopped" if self.result.get("preempted") else "finished"
+
+
+class JobQueue:
+    """The jobs not yet run, in order; a requeued job goes first. Thread-safe."""
+
+    def __init__(self, count: int, placed: dict[int, str], vms: int):
+        self.pending = deque(range(count))
+        self.placed = dict(placed)  # job -> the VM it already runs on (only that VM takes it)
+        self.in_flight, self.alive = 0, vms
+        self.cond = threading.Condition()
+
+    def take(self, vm: str) -> int | None:
+        """The next job for ``vm``; None once nothing is left to run or to come back."""
+        with self.cond:
+            while True:
+                for i in self.pending:
+                    if self.placed.get(i, vm) == vm:
+                        self.pending.remove(i)
+                        self.placed.pop(i, None)
+                        self.in_flight += 1
+                        return i
+                if not self.pending and not self.in_flight:
+                    return None
+                self.cond.wait()
+
+    def finish(self, i: int, requeue: bool = False) -> None:
+        with self.cond:
+            self.in_flight -= 1
+            if requeue:
+                self.pending.appendleft(i)
+            self.cond.notify_all()
+
+    def leave(self, vm: str) -> list[int]:
+        """``vm`` leaves the pool; returns the jobs nobody is left to run (it was the last)."""
+        with self.cond:
+            self.alive -= 1
+            self.placed = {i: v for i, v in self.placed.items() if v != vm}
+            orphans = list(self.pending) if self.alive == 0 else []
+            if orphans:
+                self.pending.clear()
+            self.cond.notify_all()
+            return orphans
+
+
+def run_pool(jobs: list[Job], log=say) -> list[Outcome]:
+    """Run ``jobs`` over the pool of the first job's launcher fields; one Outcome per job."""
+    cfg, hardware = jobs[0].cfg, jobs[0].hardware
+    vms = [Vm(name, cfg, hardware, log=_prefixed(log, name)) for name in cfg.pool]
+    for vm in vms:  # every refusal before any VM is touched
+        check_known(vm, cfg.recreate)
+    queue = JobQueue(len(jobs), locate(vms, jobs, log), len(vms))
+    outcomes = [Outcome() for _ in jobs]
+    threads = [threading.Thread(target=serve, args=(vm, jobs, queue, outcomes),
+                                name=f"xtrain-pool-{vm.name}", daemon=True) for vm in vms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes
+
+
+def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> None:
+    """One VM's thread: run the next job until none is left; leave the pool when the VM is lost
+    for good (preempted without ``recreate``, or its recreation failed)."""
+    while (i := queue.take(vm.name)) is not None:
+        job, out = jobs[i], outcomes[i]
+        out.vm = vm.name
+        try:
+            if vm.health() == UP:
+                out.result, out.error = attempt(vm, job, out.history, vm.log), None
+                queue.finish(i)
+                continue
+            queue.finish(i, requeue=True)  # down while idle: the job lost nothing, it waits
+        except VmLost as lost:
+            queue.finish(i, requeue=_survives(vm, job, out, lost))
+        except Exception as e:  # noqa: BLE001  (the job's own failure, the VM is READY: go on)
+            out.error = e
+            queue.finish(i)
+            continue
+        if not (vm.cfg.recreate and _restored(vm, out.history)):
+            vm.log(f"fleet: {vm} leaves the pool")
+            for orphan in queue.leave(vm.name):
+                outcomes[orphan].error = LaunchError(f"job {jobs[orphan].run_name}: no VM of "
+                                                     "the pool is left to run it")
+            return
+
+
+def _survives(vm: Vm, job: Job, out: Outcome, lost: VmLost) -> bool:
+    """Record the preemption; False (with the error) when the job's budget is spent."""
+    try:
+        preempted(vm, job, out.history, lost, vm.log)
+        return True
+    except LaunchError as e:
+        out.error = e
+        return False
+
+
+def _restored(vm: Vm, history: Preemptions) -> bool:
+    try:
+        vm.restore(history.lost_so_far)
+        return True
+    except LaunchError as e:
+        vm.log(f"fleet: {vm} could not be recreated: {e}")
+        return False
+
+
+def locate(vms: list[Vm], jobs: list[Job], log=say) -> dict[int, str]:
+    """Jobs of this sweep already running on a VM of the pool (an earlier launch of the same
+    command): job index -> VM name. One probe per READY VM; its ``busy`` list names them."""
+    index = {job_name(j.run_name): i for i, j in enumerate(jobs)}
+    cfg, hardware = jobs[0].cfg, jobs[0].hardware
+
+    def running_on(vm: Vm) -> list[str]:
+        node = vm.describe()
+        if node is None or vm.health() != UP:
+            return []
+        target = node_targets(node, cfg.address, hardware)[0]
+        worker = Worker(target, Ssh(cfg, vm.runner, vm.log), cfg.remote_dir, cfg.venv)
+        probe = worker.probe(job_name(jobs[0].run_name))
+        names = [b.split()[0] for b in probe.busy]
+        return names + ([job_name(jobs[0].run_name)] if probe.job.state == "running" else [])
+
+    placed = {}
+    for vm, names in zip(vms, parallel(running_on, vms)):
+        for name in names:
+            if name in index:
+                placed[index[name]] = vm.name
+                log(f"fleet: job {jobs[index[name]].run_name} is already running on {vm}: "
+                    "reattaching there")
+    return placed
+
+
+def _prefixed(log, name: str):
+    return lambda message: log(f"[{name}] {message}")
+
+
+def summary(rows) -> str:
+    """The sweep's table: rows of (job, VM, final metrics or None, state, preemptions, seconds
+    lost)."""
+    table = [("job", "VM", "final loss", "state", "preemptions", "time lost")]
+    for name, vm, result, state, count, lost in rows:
+        loss = result.get("loss") if result else None
+        table.append((name, vm or "-", f"{loss:.4f}" if loss is not None else "-", state,
+                      str(count), clock(lost)))
+    widths = [max(len(r[c]) for r in table) for c in range(len(table[0]))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in table)
+
+
+def outcome_rows(jobs: list[Job], outcomes: list[Outcome]):
+    return [(j.run_name, o.vm, o.result, o.state, o.history.count, o.history.time_lost_s)
+            for j, o in zip(jobs, outcomes)]
