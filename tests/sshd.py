@@ -150,39 +150,10 @@ def stack_venv(path: Path) -> Path:
     return path
 
 
-# The stand-in gcloud. It records every call (argv, one JSON line each) and replays TPU node
-# resources in the shape `gcloud compute tpus tpu-vm describe NAME --zone=Z --format=json` prints
-# (the TPU API v2 Node); an unknown name gets gcloud's NOT_FOUND error and exit code 1. `create`
-# records a READY node (one worker at 127.0.0.2) from its flags, `delete` removes it.
-GCLOUD = '''#!{python}
-import json, os, sys
-state = os.environ["XTRAIN_FAKE_GCLOUD"]
-with open(os.path.join(state, "calls.jsonl"), "a") as f:
-    f.write(json.dumps(sys.argv[1:]) + "\\n")
-args = sys.argv[1:]
-flags = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
-path = os.path.join(state, "nodes", args[4] + ".json") if len(args) > 4 else None
-if args[:4] == ["compute", "tpus", "tpu-vm", "create"]:
-    node = dict(name="projects/xtrain-test/locations/%s/nodes/%s" % (flags["zone"], args[4]),
-                acceleratorType=flags["accelerator-type"], runtimeVersion=flags["version"],
-                schedulingConfig=dict(spot="--spot" in args), state="READY",
-                networkEndpoints=[dict(ipAddress="127.0.0.2", port=8470,
-                                       accessConfig=dict(externalIp="127.0.0.2"))])
-    open(path, "w").write(json.dumps(node))
-    sys.exit(0)
-if args[:4] in (["compute", "tpus", "tpu-vm", "describe"], ["compute", "tpus", "tpu-vm", "delete"]):
-    if not os.path.exists(path):
-        sys.stderr.write("ERROR: (gcloud.compute.tpus.tpu-vm.%s) NOT_FOUND: Resource "
-                         "'projects/%s/locations/%s/nodes/%s' was not found\\n"
-                         % (args[3], flags.get("project", "xtrain-test"), flags.get("zone"), args[4]))
-        sys.exit(1)
-    if args[3] == "delete":
-        os.remove(path)
-    else:
-        print(open(path).read())
-    sys.exit(0)
-sys.stderr.write("ERROR: the gcloud stand-in has no recording for: %s\\n" % " ".join(args))
-sys.exit(2)
+# The stand-in gcloud (tests/gcloud_standin.py: it records every call and replays TPU VM and
+# queued-resource JSON in gcloud's format, states and create outcomes from a scenario).
+GCLOUD = '''#!/bin/sh
+exec {python} {script} "$@"
 '''
 
 
@@ -219,12 +190,29 @@ class FakeGcloud:
         (self.dir / "nodes").mkdir(parents=True, exist_ok=True)
         (self.dir / "bin").mkdir(exist_ok=True)
         exe = self.dir / "bin" / "gcloud"
-        exe.write_text(GCLOUD.format(python=sys.executable))
+        exe.write_text(GCLOUD.format(python=sys.executable,
+                                     script=Path(__file__).with_name("gcloud_standin.py")))
         exe.chmod(0o755)
 
-    def add(self, node: dict) -> None:
+    def add(self, node: dict, queued: bool = False) -> None:
         name = node["name"].rsplit("/", 1)[-1]
-        (self.dir / "nodes" / f"{name}.json").write_text(json.dumps(node, indent=1))
+        folder = self.dir / ("queued" if queued else "nodes")
+        folder.mkdir(exist_ok=True)
+        (folder / f"{name}.json").write_text(json.dumps(node, indent=1))
+
+    def set_state(self, name: str, state: str, queued: bool = False) -> None:
+        """What the VM is now (e.g. PREEMPTED): every later describe reports it."""
+        path = self.dir / ("queued" if queued else "nodes") / f"{name}.json"
+        node = json.loads(path.read_text())
+        node["state"] = {"state": state} if queued else state
+        node.pop("x-states", None)
+        path.write_text(json.dumps(node, indent=1))
+
+    def scenario(self, name: str, **what) -> None:
+        """What happens to ``name`` next (creates, states, endpoints, wipe, host_key): the fields
+        are described in tests/gcloud_standin.py."""
+        (self.dir / "scenarios").mkdir(exist_ok=True)
+        (self.dir / "scenarios" / f"{name}.json").write_text(json.dumps(what, indent=1))
 
     def calls(self) -> list[list[str]]:
         path = self.dir / "calls.jsonl"

@@ -1,0 +1,138 @@
+"""The stand-in for ``gcloud compute tpus tpu-vm|queued-resources describe|create|delete``: Google
+Cloud cannot be reached from here, so this is the one mock of the launcher tests (tests/sshd.py's
+FakeGcloud puts it first on PATH). Everything else they use is real: OpenSSH, rsync, the training.
+
+It records every call (argv, one JSON line each in calls.jsonl) and replays resources in gcloud's
+``--format=json`` shapes (TPU API v2 Node and QueuedResource) from its state directory:
+
+    nodes/NAME.json       a TPU VM; a describe prints it
+    queued/NAME.json      a queued resource (its node is nodes/NAME.json)
+    scenarios/NAME.json   what happens to NAME next (all optional):
+      creates      outcomes of the next creates, in order: "ok" or "no-capacity" (gcloud's
+                   RESOURCE_EXHAUSTED error); once used up, creates succeed
+      states       states the created resource goes through, one per describe; the last stays
+      endpoints    [[internal, external], ...] of the created node (default 127.0.0.2)
+      wipe         directories a delete empties: the VM's disk goes with it
+      host_key     an sshd host key file a create replaces: a new VM has a new host key
+
+An unknown name gets gcloud's NOT_FOUND error and exit code 1, like the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+STATE = os.environ["XTRAIN_FAKE_GCLOUD"]
+NO_CAPACITY = ('{"code": 8, "message": "There is no more capacity in the zone \\"%s\\"; you can '
+               'try in another zone where Cloud TPU Nodes are offered (see '
+               'https://cloud.google.com/tpu/docs/regions) [EID: 0x5e0b1a2f]"}')
+
+
+def load(path: str, default=None):
+    if not os.path.exists(path):
+        return default
+    with open(path) as f:
+        return json.load(f)
+
+
+def save(path: str, value) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def fail(args, what: str, code: int = 1) -> None:
+    sys.stderr.write(f"ERROR: (gcloud.compute.tpus.{args[2]}.{args[3]}) {what}\n")
+    sys.exit(code)
+
+
+def node(name: str, zone: str, accelerator: str, version: str, spot: bool, endpoints) -> dict:
+    return {"name": f"projects/xtrain-test/locations/{zone}/nodes/{name}",
+            "acceleratorType": accelerator, "runtimeVersion": version,
+            "schedulingConfig": {"spot": spot}, "state": "READY",
+            "networkEndpoints": [{"ipAddress": i, "port": 8470, "accessConfig": {"externalIp": e}}
+                                 for i, e in endpoints]}
+
+
+def create(args, flags, name, queued: bool) -> None:
+    scenario_path = os.path.join(STATE, "scenarios", name + ".json")
+    scenario = load(scenario_path, {})
+    outcomes = scenario.get("creates", [])
+    outcome = outcomes.pop(0) if outcomes else "ok"
+    save(scenario_path, scenario)
+    if outcome == "no-capacity":
+        fail(args, NO_CAPACITY % flags["zone"])
+    if scenario.get("host_key"):
+        key = scenario["host_key"]
+        for old in (key, key + ".pub"):
+            if os.path.exists(old):
+                os.remove(old)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True,
+                       stdin=subprocess.DEVNULL)
+    version = flags["runtime-version" if queued else "version"]
+    states = list(scenario.get("states", []))
+    vm = node(flags.get("node-id", name), flags["zone"], flags["accelerator-type"], version,
+              "--spot" in args, scenario.get("endpoints", [["127.0.0.2", "127.0.0.2"]]))
+    if queued:
+        save(os.path.join(STATE, "nodes", vm["name"].rsplit("/", 1)[-1] + ".json"), vm)
+        resource = {"name": f"projects/xtrain-test/locations/{flags['zone']}/queuedResources/{name}",
+                    "tpu": {"nodeSpec": [{"nodeId": flags["node-id"], "node": {
+                        "acceleratorType": flags["accelerator-type"], "runtimeVersion": version}}]},
+                    "spot": {} if "--spot" in args else None, "state": {"state": "ACTIVE"}}
+        save(os.path.join(STATE, "queued", name + ".json"), {**resource, "x-states": states})
+    else:
+        save(os.path.join(STATE, "nodes", name + ".json"), {**vm, "x-states": states})
+
+
+def describe(path: str, queued: bool) -> None:
+    resource = load(path)
+    states = resource.get("x-states", [])
+    if states:  # replay: one state per describe, the last one stays
+        state = states.pop(0) if len(states) > 1 else states[0]
+        resource["state"] = {"state": state} if queued else state
+        save(path, {**resource, "x-states": states})
+    print(json.dumps({k: v for k, v in resource.items() if not k.startswith("x-")}, indent=1))
+
+
+def delete(args, name: str, path: str, queued: bool) -> None:
+    scenario = load(os.path.join(STATE, "scenarios", name + ".json"), {})
+    for directory in scenario.get("wipe", []):
+        shutil.rmtree(directory, ignore_errors=True)
+    if queued:
+        if "--force" not in args and os.path.exists(os.path.join(STATE, "nodes", name + ".json")):
+            fail(args, "FAILED_PRECONDITION: the queued resource still has a node (use --force)")
+        node_path = os.path.join(STATE, "nodes", name + ".json")
+        if os.path.exists(node_path):
+            os.remove(node_path)
+    os.remove(path)
+
+
+def main(args: list[str]) -> None:
+    with open(os.path.join(STATE, "calls.jsonl"), "a") as f:
+        f.write(json.dumps(args) + "\n")
+    flags = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+    if args[:2] != ["compute", "tpus"] or len(args) < 5 or \
+            args[2] not in ("tpu-vm", "queued-resources") or \
+            args[3] not in ("describe", "create", "delete"):
+        fail(args + ["?"] * 4, "the gcloud stand-in has no recording for: " + " ".join(args), 2)
+    queued, verb, name = args[2] == "queued-resources", args[3], args[4]
+    path = os.path.join(STATE, "queued" if queued else "nodes", name + ".json")
+    if verb == "create":
+        create(args, flags, name, queued)
+    elif not os.path.exists(path):
+        kind = "queuedResources" if queued else "nodes"
+        fail(args, f"NOT_FOUND: Resource 'projects/{flags.get('project', 'xtrain-test')}/"
+                   f"locations/{flags.get('zone')}/{kind}/{name}' was not found")
+    elif verb == "describe":
+        describe(path, queued)
+    else:
+        delete(args, name, path, queued)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

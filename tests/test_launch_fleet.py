@@ -1,0 +1,186 @@
+"""The spot fleet's local half: VM states, recreation through gcloud, the pool's queue, the
+preemption record, and the refusals before launch. gcloud is the stand-in of tests/sshd.py
+(tests/gcloud_standin.py: it replays VM states from a scenario and records its calls), because
+Google Cloud cannot be reached from here; everything else is real. The end-to-end half, over real
+SSH with real training, is tests/test_launch_fleet_e2e.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.sshd import HOSTS, gcloud, tpu_node  # noqa: F401  (gcloud is a fixture)
+from xtrain.launcher.config import LauncherConfig
+from xtrain.launcher.fleet import DOWN, PENDING, UP, Vm, vm_health
+from xtrain.launcher.pool import JobQueue, summary
+from xtrain.launcher.runner import LaunchError
+from xtrain.observe import preemptions
+
+ROOT = Path(__file__).resolve().parent.parent
+ZONE = "asia-northeast1-b"
+TINY = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trainer.log_every=5",
+        "trainer.sample_tokens=0"]
+
+
+def queued_resource(name: str, accelerator: str, state: str) -> dict:
+    """A queued resource as `gcloud compute tpus queued-resources describe --format=json` shows it."""
+    return {"name": f"projects/xtrain-test/locations/{ZONE}/queuedResources/{name}",
+            "tpu": {"nodeSpec": [{"nodeId": name, "node": {"acceleratorType": accelerator,
+                                                            "runtimeVersion": "v2-alpha-tpuv6e"}}]},
+            "spot": {}, "state": {"state": state}}
+
+
+def test_vm_states_are_classified_from_the_tables():
+    assert vm_health("READY") == UP
+    for gone in ("PREEMPTED", "TERMINATED", "STOPPED", "DELETING", "NOT_FOUND", "SOMETHING_NEW"):
+        assert vm_health(gone) == DOWN, gone
+    assert vm_health("CREATING") == PENDING and vm_health("REPAIRING") == PENDING
+    assert vm_health("ACTIVE", queued=True) == UP
+    for gone in ("SUSPENDED", "SUSPENDING", "FAILED"):
+        assert vm_health(gone, queued=True) == DOWN, gone
+    assert vm_health("WAITING_FOR_RESOURCES", queued=True) == PENDING
+    assert vm_health("READY", queued=True) == DOWN  # a node state is not a queued resource's
+
+
+def fleet_cfg(tmp_path, **fields):
+    fields = {"tpu": "vm-a", "zone": ZONE, "recreate": True, "poll_s": 0.05,
+              "capacity_backoff_s": 0.1, "ready_timeout_s": 30,
+              "known_hosts": str(tmp_path / "known_hosts"), **fields}
+    return OmegaConf.structured(LauncherConfig(**fields))
+
+
+@pytest.fixture
+def v6e4(compose_config):
+    return compose_config(["hardware=v6e4"]).hardware
+
+
+def test_a_preempted_vm_is_deleted_and_recreated_as_the_profile_says(gcloud, tmp_path, v6e4):
+    """PREEMPTED -> delete; the first create finds no capacity (backoff), the second works; the
+    new VM is CREATING for two describes, then READY. Its old host key is forgotten."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="PREEMPTED"))
+    gcloud.scenario("vm-a", creates=["no-capacity", "ok"], states=["CREATING", "CREATING", "READY"])
+    known = tmp_path / "known_hosts"
+    known.write_text(f"{HOSTS[0]} ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOldKeyOfThePreemptedVm\n"
+                     "127.0.0.9 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAnotherHostStays\n")
+    messages = []
+    t0 = time.monotonic()
+    Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=messages.append).restore()
+    verbs = [c[3] for c in gcloud.calls() if c[2] == "tpu-vm"]
+    assert verbs.count("delete") == 1 and verbs.count("create") == 2
+    create = ["compute", "tpus", "tpu-vm", "create", "vm-a", f"--zone={ZONE}",
+              "--accelerator-type=v6e-4", "--version=v2-alpha-tpuv6e", "--spot"]
+    assert [c for c in gcloud.calls() if c[3] == "create"] == [create, create]
+    assert verbs.index("delete") < verbs.index("create")  # never two VMs holding quota
+    assert time.monotonic() - t0 >= 0.1  # waited out the capacity backoff
+    assert any("no capacity" in m and "RESOURCE_EXHAUSTED" not in m and "no more capacity" in m
+               for m in messages)
+    assert any("vm-a is PREEMPTED: deleting it" in m for m in messages)
+    assert any("vm-a is READY again" in m for m in messages)
+    assert known.read_text().splitlines() == [
+        "127.0.0.9 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAnotherHostStays"]
+
+
+def test_a_suspended_queued_resource_is_recreated_as_one(gcloud, tmp_path, v6e4):
+    gcloud.add(queued_resource("qr-a", "v6e-4", "SUSPENDED"), queued=True)
+    gcloud.scenario("qr-a", states=["WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"])
+    Vm("qr-a", fleet_cfg(tmp_path, tpu="qr-a", queued=True), v6e4, log=print).restore()
+    queued = [c for c in gcloud.calls() if c[2] == "queued-resources"]
+    assert ["compute", "tpus", "queued-resources", "delete", "qr-a", f"--zone={ZONE}", "--force",
+            "--quiet"] in queued
+    assert ["compute", "tpus", "queued-resources", "create", "qr-a", f"--zone={ZONE}",
+            "--node-id=qr-a", "--accelerator-type=v6e-4", "--runtime-version=v2-alpha-tpuv6e",
+            "--spot"] in queued
+    assert Vm("qr-a", fleet_cfg(tmp_path, tpu="qr-a", queued=True), v6e4).state() == "ACTIVE"
+
+
+def test_a_recreation_that_never_gets_ready_is_deleted_and_fails(gcloud, tmp_path, v6e4):
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="TERMINATED"))
+    gcloud.scenario("vm-a", states=["CREATING"])
+    with pytest.raises(LaunchError, match=r"TPU vm-a is still CREATING after 0m0\ds .*"
+                                          r"ready_timeout_s=0.3"):
+        Vm("vm-a", fleet_cfg(tmp_path, ready_timeout_s=0.3), v6e4, log=print).restore()
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create", "delete"]
+
+
+def test_the_queue_gives_requeued_jobs_first_and_placed_jobs_to_their_vm():
+    queue = JobQueue(3, placed={2: "vm-b"}, vms=2)
+    assert queue.take("vm-a") == 0
+    assert queue.take("vm-a") == 1  # job 2 runs on vm-b already: only vm-b reattaches it
+    assert queue.take("vm-b") == 2
+    queue.finish(0, requeue=True)  # vm-a was preempted under job 0
+    assert queue.take("vm-b") == 0
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(queue.take("vm-a")))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive()  # jobs are in flight and may come back: vm-a waits
+    assert queue.leave("vm-b") == []  # vm-a is still there
+    for job in (1, 2, 0):
+        queue.finish(job)
+    waiter.join(5)
+    assert got == [None]
+    lonely = JobQueue(2, {}, vms=1)
+    assert lonely.take("vm-a") == 0
+    lonely.finish(0, requeue=True)
+    assert lonely.leave("vm-a") == [0, 1]  # nobody is left to run them
+
+
+def test_the_summary_table_shows_every_job():
+    table = summary([("d2-a", "vm-a", {"loss": 5.12345}, "finished", 1, 95.0),
+                     ("d2-b", None, None, "failed", 0, 0.0)]).splitlines()
+    assert table[0].split() == ["job", "VM", "final", "loss", "state", "preemptions", "time", "lost"]
+    assert table[1].split() == ["d2-a", "vm-a", "5.1235", "finished", "1", "1m35s"]
+    assert table[2].split() == ["d2-b", "-", "-", "failed", "0", "0m00s"]
+
+
+def test_a_rerun_records_its_preemptions_in_its_metrics():
+    env = preemptions.launch_env(2, 130.04, 23)
+    assert env == {"XTRAIN_PREEMPTIONS": "2", "XTRAIN_TIME_LOST_S": "130.0", "XTRAIN_STEPS_SEEN": "23"}
+    assert preemptions.record(20, env) == {"step": 20, "preemptions": 2, "time_lost_s": 130.0,
+                                           "steps_redone": 3}
+    assert preemptions.record(20, {}) is None  # a first run records nothing
+
+
+def cli(*args, env=None, tmp_path):
+    launch = ROOT / "launch"
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(launch)]), **(env or {}))
+    full.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, "-m", "xtrain", *args], cwd=tmp_path, env=full,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["local checkpoints", "unknown pool entry", "pod profile in a pool",
+                                  "unknown tpu"])
+def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path, case):
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
+    gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [("10.0.0.6", HOSTS[1])]))
+    remote = tmp_path / "remote"
+    base = [*TINY, "run.name=fleet-bad", "hydra/launcher=tpu_vm", f"hydra.launcher.zone={ZONE}",
+            f"hydra.launcher.remote_dir='{remote}/{{host}}'",
+            f"hydra.launcher.identity_file={tmp_path / 'no_key_needed_yet'}"]
+    multirun = []
+    if case == "local checkpoints":
+        args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "hydra.launcher.recreate=true"]
+        expected = "hydra.launcher.recreate=true needs checkpoint.dir=gs://..."
+    elif case == "unknown pool entry":
+        multirun, args = ["-m"], ["optim.matrix_lr=0.01,0.02", "hydra.launcher.pool=[vm-a,vm-x]"]
+        expected = f"gcloud does not know TPU vm-x in {ZONE}"
+    elif case == "pod profile in a pool":
+        multirun, args = ["-m"], ["hardware=v4_32", "hydra.launcher.pool=[vm-a,vm-b]"]
+        expected = "pools are single-host TPU VMs"
+    else:
+        args = ["hardware=v6e4", "hydra.launcher.tpu=vm-typo", "hydra.launcher.recreate=true",
+                "checkpoint.dir=gs://bucket/ckpt"]
+        expected = f"gcloud does not know TPU vm-typo in {ZONE}"
+    r = cli(*multirun, *base, *args, tmp_path=tmp_path)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not remote.exists()  # nothing copied, no directory made
+    assert not [c for c in gcloud.calls() if c[3] in ("create", "delete")]
