@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,12 @@ def test_cli_help_does_not_import_torch():
     assert r.returncode == 0, r.stderr
 
 
+
+
+def test_tab_completion_of_the_console_script_lists_options_and_fields():
+    """The README's completion command: Hydra completes the installed `xtrain` script."""
+    script = Path(sys.executable).with_name("xtrain")
+    for line, expected in (("xtrain hardware=v6", "hardware=v6e4"), ("xtrain optim.mat", "optim.matrix_lr=")):
+        r = subprocess.run([str(script), "-sc", "query=bash"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COMP_LINE": line})
+        assert expected in r.stdout.split(), (line, r.stdout, r.stderr[-500:])
