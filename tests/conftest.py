@@ -13,6 +13,12 @@ from omegaconf import OmegaConf, open_dict
 from xtrain.cli import config_dir
 
 
+def pytest_configure(config):
+    from required_packages import install  # tests/ is on sys.path while pytest runs
+
+    install()  # CI=true: a declared package that cannot be imported fails, never skips
+
+
 @pytest.fixture(scope="session", autouse=True)
 def xtrain_cache(tmp_path_factory):
     path = os.environ.get("XTRAIN_TEST_CACHE") or str(tmp_path_factory.mktemp("xtrain-cache"))
