@@ -7,12 +7,13 @@ import os
 import pickle
 import re
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
+
+from conftest import gcs_filesystem
 
 from xtrain.data import prepare
 from xtrain.errors import DataError
@@ -163,7 +164,7 @@ def test_resume_at_step_k_is_bitwise_identical(corpus, k):
 def test_gs_path_gives_the_same_batches_as_local(corpus, gcs_bucket):
     root, _, tok = corpus
     bucket, _ = gcs_bucket
-    fs = fsspec.filesystem("gs", token="anon")
+    fs = gcs_filesystem(bucket)
     for shard in sorted((root / "train").iterdir()):
         fs.put_file(str(shard), f"{bucket}/data/train/{shard.name}")
     local = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=2), 8)

@@ -42,14 +42,25 @@ def warn_unverified() -> None:
 # --- torch -----------------------------------------------------------------------------------
 
 
-def fsspec_writer(path: str):
+def fsspec_writer(path: str, written: list | None = None):
     """[torch] DCP's fsspec writer lives in a private module (torch 2.9). per_thread_copy_ahead=0:
     snapshots are already in host memory, and DCP's overlapping device-to-host loader breaks once
     torchax is imported (torch_xla's mark_sharding imports it when flax is installed): torchax
-    registers a "jax" device module without current_stream(), which that loader calls."""
+    registers a "jax" device module without current_stream(), which that loader calls.
+
+    ``written`` receives the paths (relative to ``path``) of the files this process wrote: the
+    results of ``StorageWriter.write_data`` name them in ``storage_data.relative_path``
+    (``_StorageInfo``, a private class)."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return FsspecWriter(path, per_thread_copy_ahead=0)
+    class RecordingWriter(FsspecWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            if written is not None:
+                written.extend(sorted({r.storage_data.relative_path for r in future.wait()}))
+            return future
+
+    return RecordingWriter(path, per_thread_copy_ahead=0)
 
 
 # --- torch_xla -------------------------------------------------------------------------------

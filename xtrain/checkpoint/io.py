@@ -1,5 +1,6 @@
 """One checkpoint written or read: tensors through torch.distributed.checkpoint (DCP), the rest
-through ``state.pt`` with references, ``meta.json``, and the commit marker last.
+through ``state.pt`` with references, ``meta.json``, every file's size and checksum in
+``manifest.json``, and the commit marker last.
 
 ``sharded`` (the XLA engine): every host snapshots and writes only its own shards, and reads
 only what its devices hold (torch_xla's SPMD planners); ``process_group`` spans the hosts (None
@@ -20,6 +21,7 @@ import warnings
 import torch
 
 from xtrain import compat
+from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import COMMIT_MARKER
 from xtrain.paths import url_to_fs
 
@@ -100,13 +102,19 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
             fs.rm(root, recursive=True)
         fs.makedirs(root, exist_ok=True)
     _barrier(process_group)
+    written: list[str] = []  # this host's DCP files
     # the URL, not the bare root: DCP resolves its own filesystem from the protocol
-    dcp.save(tensors, storage_writer=compat.fsspec_writer(f"{path.rstrip('/')}/tensors"),
+    dcp.save(tensors, storage_writer=compat.fsspec_writer(f"{path.rstrip('/')}/tensors", written),
              planner=_planner(sharded, "save"), **_dcp_kwargs(process_group))
+    # every host records what it wrote; the first host writes the manifest (xtrain/checkpoint/manifest.py)
+    entries = manifest.gather(manifest.describe(fs, root, [f"tensors/{f}" for f in written]),
+                              process_group)
     if rank == 0:
         fs.pipe_file(f"{root}/state.pt", rest)
         _fault_injection_pause()
         fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
+        own = ["tensors/.metadata", "state.pt", "meta.json"]  # .metadata: DCP's, by this host
+        manifest.write(fs, root, {**entries, **manifest.describe(fs, root, own)})
         fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
 
 

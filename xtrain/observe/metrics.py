@@ -2,6 +2,11 @@
 
 Values are read from the device only every ``log_every`` steps (and at evaluations), so logging
 adds no host sync to the other steps. Lightning's progress bar is disabled for the same reason.
+
+``loss`` is the step's float32 loss unrounded (JSON keeps every digit, so runs compare exactly).
+``tokens`` is counted from the batches the steps received: micro-batches x rows x sequence_len
+per step ([A, B, T+1] holds T targets per row; training rows are never padded, see
+xtrain/data/loader.py), times the processes feeding disjoint rows; checkpointed with the run.
 """
 
 from __future__ import annotations
@@ -14,26 +19,34 @@ from xtrain.observe.sinks import Sink
 
 
 class MetricsLogger(L.Callback):
-    def __init__(self, sinks: list[Sink], log_every: int, tokens_per_step: int,
-                 flops_per_token: float = 0.0, peak_flops: float = 0.0, chips: int = 1,
-                 extra=None, fetch=None):
-        self.sinks, self.log_every, self.tokens_per_step = sinks, log_every, tokens_per_step
+    def __init__(self, sinks: list[Sink], log_every: int, flops_per_token: float = 0.0,
+                 peak_flops: float = 0.0, chips: int = 1, extra=None, fetch=None):
+        self.sinks, self.log_every = sinks, log_every
         self.flops_per_token, self.peak_flops, self.chips = flops_per_token, peak_flops, chips
         self.extra = extra or (lambda: {})  # engine-specific counters (e.g. XLA compiles)
         # device tensors -> Python floats in one transfer (the engine knows how)
         self.fetch = fetch or (lambda tensors: [float(t) for t in tensors])
         self._t0 = None
-        self._step0 = 0
+        self.tokens = 0  # consumed by the steps so far (this run and the ones it resumed)
+        self._tokens0 = 0
 
     def write(self, record: dict) -> None:
         """Hand one record to every sink; thread-safe (checkpoint uploads report from their thread)."""
         for sink in self.sinks:
             sink.write(record)
 
+    def state_dict(self) -> dict:
+        return {"tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens = state["tokens"]
+
     def on_train_start(self, trainer, pl_module):
-        self._t0, self._step0 = time.perf_counter(), trainer.global_step
+        self._t0, self._tokens0 = time.perf_counter(), self.tokens
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        accum, rows, row_len = batch[0].shape  # host-side shape: no device read
+        self.tokens += accum * rows * (row_len - 1) * trainer.world_size
         step = trainer.global_step
         if step % self.log_every and step not in (1, trainer.max_steps):
             return
@@ -43,11 +56,11 @@ class MetricsLogger(L.Callback):
         opt = pl_module.optimizers().optimizer
         # the one device-to-host transfer of this logging interval
         loss, lr_mult = self.fetch([pl_module.last_loss, opt.last_lr_multiplier()])
-        tok_per_s = (step - self._step0) * self.tokens_per_step / max(now - self._t0, 1e-9)
-        self._t0, self._step0 = now, step
+        tok_per_s = (self.tokens - self._tokens0) / max(now - self._t0, 1e-9)
+        self._t0, self._tokens0 = now, self.tokens
         lr = float(f"{opt.param_groups[0]['lr'] * lr_mult:.6g}")
-        record = {"step": step, "loss": round(loss, 6), "lr": lr,
-                  "tokens": step * self.tokens_per_step, "tok_per_s": round(tok_per_s, 1),
+        record = {"step": step, "loss": loss, "lr": lr,
+                  "tokens": self.tokens, "tok_per_s": round(tok_per_s, 1),
                   "tok_per_s_per_chip": round(tok_per_s / self.chips, 1)}
         if self.peak_flops and self.flops_per_token:
             record["mfu"] = round(tok_per_s * self.flops_per_token / (self.peak_flops * self.chips), 5)

@@ -1,14 +1,16 @@
 """Training-time checkpoint policy: when to save (every N steps, at the end, on a stop request),
-what to prune after each commit, and whether a checkpoint fits the configured model."""
+what to prune after each commit, which checkpoint to resume from (the newest intact one), and
+whether a checkpoint fits the configured model."""
 
 from __future__ import annotations
 
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from xtrain.checkpoint import manifest
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
-from xtrain.checkpoint.io import read_meta
-from xtrain.checkpoint.layout import stale_checkpoints, step_dir, step_dirs
+from xtrain.checkpoint.io import read_meta, warn
+from xtrain.checkpoint.layout import committed_checkpoints, stale_checkpoints, step_dir, step_dirs
 from xtrain.errors import ConfigError
 from xtrain.model.config import GPTConfig
 from xtrain.train.preemption import StopRequest
@@ -78,3 +80,24 @@ def check_compatible(path: str, gpt: GPTConfig) -> None:
     if diff:
         raise ConfigError(f"checkpoint {path} holds a different model ({', '.join(diff)}); "
                           "start a new run (run.name=...) or restore the model config")
+
+
+def newest_intact(directory: str) -> str | None:
+    """The newest committed checkpoint whose files still match its manifest. A newer committed one
+    that does not (truncated, altered: the storage broke after the commit) is named in a warning
+    and passed over, left in place for inspection; the run then resumes from the one before."""
+    for _, path in reversed(committed_checkpoints(directory)):
+        found = manifest.problems(path)
+        if not found:
+            return path
+        warn(f"checkpoint {path} is corrupt ({'; '.join(found)}): not resuming from it, "
+             "trying the previous committed one")
+    return None
+
+
+def check_intact(path: str) -> None:
+    """Refuse an explicitly chosen checkpoint (checkpoint.resume) that no longer matches its
+    manifest."""
+    found = manifest.problems(path)
+    if found:
+        raise ConfigError(f"checkpoint.resume={path} is corrupt: {'; '.join(found)}")

@@ -103,7 +103,7 @@ def build_callbacks(cfg, plan: RunPlan, run_dir: str, engine: Engine, ckpt_dir: 
     from xtrain.train.preemption import StopRequest
 
     metrics = MetricsLogger(build_sinks(cfg, plan, run_dir), cfg.trainer.log_every,
-                            plan.batch.total_batch_size, plan.flops_per_token,
+                            plan.flops_per_token,
                             cfg.hardware.peak_bf16_tflops_per_chip * 1e12, plan.devices,
                             extra=engine.counters, fetch=engine.fetch)
     stop, ckpt = StopRequest(), cfg.checkpoint
@@ -115,11 +115,13 @@ def build_callbacks(cfg, plan: RunPlan, run_dir: str, engine: Engine, ckpt_dir: 
 
 
 def resume_point(ckpt, ckpt_dir: str, gpt) -> str | None:
-    """The checkpoint to start from: ``checkpoint.resume``, else the newest committed one."""
-    from xtrain.checkpoint.layout import latest_checkpoint
-    from xtrain.train.checkpointing import check_compatible
+    """The checkpoint to start from: ``checkpoint.resume`` (refused when corrupt), else the
+    newest committed one whose files match its manifest (newer corrupt ones are warned about)."""
+    from xtrain.train.checkpointing import check_compatible, check_intact, newest_intact
 
-    resume_from = ckpt.resume or latest_checkpoint(ckpt_dir)
+    if ckpt.resume:
+        check_intact(ckpt.resume)
+    resume_from = ckpt.resume or newest_intact(ckpt_dir)
     if resume_from:
         check_compatible(resume_from, gpt)
         print(f"resuming from {resume_from}")
