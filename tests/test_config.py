@@ -99,7 +99,7 @@ def test_config_errors_before_work(tmp_path):
 
 
 @pytest.mark.parametrize("override, choices", [
-    ("mode=nope", "train, plan, compile"),
+    ("mode=nope", "train, plan, compile, sample"),
     ("model.attention=nope", "auto, sdpa, chunked, flash, splash"),
 ])
 def test_enum_fields_refuse_unknown_values_with_the_choices(override, choices):

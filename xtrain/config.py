@@ -27,6 +27,7 @@ class Mode(str, Enum):
     train = "train"  # train (the default)
     plan = "plan"  # print the derived numbers and checks, run nothing
     compile = "compile"  # the TPU preflight: compile the step for the profile's TPU (xtrain/preflight/)
+    sample = "sample"  # generate text from a checkpoint (checkpoint.resume, else the run's newest)
 
 
 class Attention(str, Enum):
@@ -154,8 +155,14 @@ class TrainerConfig:
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 8
-    sample_tokens: int = 64  # length of the text sample printed at the end; 0 disables
+    sample_tokens: int = 64  # tokens per training sample (every sample_every steps, at the end); 0: none
+    sample_every: int = 0  # steps between samples during training (prompts: sample.*); 0: at the end only
     seed: int = 42
+
+
+def sample_prompts(sample) -> list[str]:
+    """The prompts a ``sample`` config asks for."""
+    return [sample.prompt] if sample.prompt is not None else list(sample.prompts)
 
 
 @dataclass
@@ -168,11 +175,68 @@ class CheckpointConfig:
     retries: int = 5  # upload attempts after a storage error (backoff 1, 2, 4, ... s); then warn
 
 
+class WandbMode(str, Enum):
+    """How the W&B logger reaches W&B (xtrain/observe/wandb_run.py)."""
+
+    auto = "auto"  # WANDB_MODE if set, else online with a key (WANDB_API_KEY or ~/.netrc), offline without
+    online = "online"  # refused without a key (never W&B's interactive login prompt)
+    offline = "offline"  # files under <run dir>/wandb; `wandb sync` uploads them later
+
+
 @dataclass
-class LoggingConfig:
-    wandb: bool = False  # the key comes from WANDB_API_KEY in the environment, never from config
-    wandb_project: str = "xtrain"
-    wandb_entity: str | None = None
+class JsonlLoggerConfig:
+    """``metrics.jsonl`` in the run dir, through fsspec. Always on, chosen or not."""
+
+    _target_: str = "xtrain.observe.sinks.JsonlSink"
+    filename: str = "metrics.jsonl"
+
+
+@dataclass
+class WandbLoggerConfig:
+    """A W&B run, logged through Lightning's WandbLogger. The key is read from WANDB_API_KEY in
+    the environment only: configs are written into every run dir. The run id is kept in the run
+    dir (``wandb-run-id``): a resumed run continues its W&B run, a fresh run dir starts a new one."""
+
+    _target_: str = "xtrain.observe.wandb_run.wandb_logger"
+    project: str = "xtrain"
+    entity: str | None = None  # None: the key's default entity
+    group: str | None = None  # None: in a sweep (-m), the sweep's command as a name; else no group
+    tags: list[str] = field(default_factory=list)
+    mode: WandbMode = WandbMode.auto
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    """Event files in ``<run dir>/tensorboard`` (a local run dir: TensorBoard writes no gs://)."""
+
+    _target_: str = "lightning.pytorch.loggers.TensorBoardLogger"
+    name: str = ""  # subdirectory names under <run dir>/tensorboard; empty: none
+    version: str = ""
+    default_hp_metric: bool = False  # no placeholder hp_metric scalar
+
+
+@dataclass
+class LoggerConfig:
+    """The ``logger`` group: several options at once, e.g. ``logger=[jsonl,wandb,tensorboard]``;
+    an option that is not chosen stays null. Every logger writes from rank 0 only."""
+
+    jsonl: JsonlLoggerConfig | None = None
+    wandb: WandbLoggerConfig | None = None
+    tensorboard: TensorBoardLoggerConfig | None = None
+
+
+@dataclass
+class SampleConfig:
+    """Text generation: what ``mode=sample`` prints, and the prompts and settings of training's
+    samples (``trainer.sample_every``, ``trainer.sample_tokens``)."""
+
+    prompts: list[str] = field(default_factory=lambda: ["#include <", "int main("])
+    prompt: str | None = None  # one prompt instead of `prompts` (command-line friendly)
+    n: int = 1  # samples per prompt (mode=sample)
+    max_tokens: int = 128  # new tokens per sample (mode=sample)
+    temperature: float = 0.8  # 0: greedy
+    top_k: int | None = 50  # sample among the k likeliest tokens; None: all
+    seed: int = 42
 
 
 @dataclass
@@ -191,12 +255,13 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
 
 
 # Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
 _NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
-                          "mode", "run.", "checkpoint.", "logging.", "hydra.", "data.prefetch",
+                          "mode", "run.", "checkpoint.", "logger", "sample.", "hydra.", "data.prefetch",
                           "data.tokenizer_threads")
 
 
@@ -209,15 +274,35 @@ def run_name() -> str:
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
-    choices = hc.runtime.choices
-    parts = [choices.get("model"), choices.get("hardware"), choices.get("data")]
-    groups = {"model", "hardware", "data"}
-    extra = []
-    for override in hc.overrides.task:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key in groups or key.startswith(_NAME_NEUTRAL_PREFIXES):
-            continue
-        extra.append(override.replace("/", "_").replace("=", "_"))
+    return _name(hc.runtime.choices, hc.overrides.task)
+
+
+def sweep_name() -> str | None:
+    """In a sweep (``-m``), the sweep's own command named like a run, swept values kept as lists
+    (``d2-cpu-cpp_local-optim.matrix_lr_0.01,0.02``): the same for every job of the sweep, so it
+    groups them (W&B's group). None outside a sweep."""
+    import sys
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return _name(hc.runtime.choices, [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")])
+
+
+def _name(choices, overrides) -> str:
+    groups = ("model", "hardware", "data")
+    given, extra = {}, []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.lstrip("+~")
+        if key in groups:
+            given[key] = value
+        elif not key.startswith(_NAME_NEUTRAL_PREFIXES):
+            extra.append(override.replace("/", "_").replace("=", "_"))
+    parts = [given.get(g, choices.get(g)) for g in groups]
     return "-".join(str(p) for p in parts + sorted(extra) if p)
 
 
@@ -226,6 +311,8 @@ def register() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     if not OmegaConf.has_resolver("xtrain_run_name"):
         OmegaConf.register_new_resolver("xtrain_run_name", run_name)
+    if not OmegaConf.has_resolver("xtrain_sweep_name"):
+        OmegaConf.register_new_resolver("xtrain_sweep_name", sweep_name)
     if not OmegaConf.has_resolver("xtrain_cache"):  # ${xtrain_cache:}: see xtrain.paths.cache_root
         OmegaConf.register_new_resolver("xtrain_cache", lambda: str(cache_root()))
 
