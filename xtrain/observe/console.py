@@ -135,23 +135,24 @@ class ProgressDisplay(Sink):
     record arrives."""
 
     def __init__(self, max_steps: int, start_step: int = 0, tty: bool | None = None,
-                 log: logging.Logger | None = None):
+                 console=None, log: logging.Logger | None = None):
+        """``console``: rich's Console to draw on (default: stdout's)."""
         self.max_steps = max_steps
         self.log = log or logging.getLogger("xtrain.progress")
         self.tty = sys.stdout.isatty() if tty is None else tty
         self.refreshes = 0
         self._progress = self._task = None
         if self.tty:
-            self._start_bar(start_step)
+            self._start_bar(start_step, console)
 
-    def _start_bar(self, start_step: int) -> None:
+    def _start_bar(self, start_step: int, console) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]} | {task.fields[tok_s]} tok/s | mfu {task.fields[mfu]}"
                        " | elapsed {task.fields[elapsed]} | eta {task.fields[eta]}"),
-            auto_refresh=False, redirect_stdout=True, redirect_stderr=True)
+            console=console, auto_refresh=False, redirect_stdout=True, redirect_stderr=True)
         self._task = self._progress.add_task("train", total=self.max_steps, completed=start_step,
                                              loss="-", tok_s="-", mfu="-", elapsed="-", eta="-")
         self._progress.start()

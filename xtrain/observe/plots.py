@@ -48,7 +48,7 @@ def series(records: list[dict], metric: str, kind: str | None = None) -> tuple[l
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def png(title: str, ylabel: str, lines: list[tuple[str, list, list]], log_y: bool = False) -> bytes:
+def png(title: str, ylabel: str, lines: list[tuple[str, list, list]]) -> bytes:
     """One chart (steps on x) with a line per (label, steps, values); PNG bytes."""
     import matplotlib
 
@@ -59,8 +59,6 @@ def png(title: str, ylabel: str, lines: list[tuple[str, list, list]], log_y: boo
     for label, xs, ys in lines:
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
     ax.set(title=title, xlabel="step", ylabel=ylabel)
-    if log_y:
-        ax.set_yscale("log")
     ax.grid(alpha=0.3)
     if len(lines) > 1:
         ax.legend(fontsize=8)
