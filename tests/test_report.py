@@ -95,9 +95,9 @@ def test_every_run_leaves_its_plots_and_reproducibility_bundle(sweep):
                           text=True).stdout.strip()
     assert code["git"] is True and code["commit"] == head
     packages = (bundle / "packages.txt").read_text().splitlines()
-    import torch
+    from importlib.metadata import version
 
-    assert f"torch=={torch.__version__}" in packages
+    assert f"torch=={version('torch')}" in packages and f"lightning=={version('lightning')}" in packages
     devices = json.loads((bundle / "devices.json").read_text())
     assert devices["engine"] == "cpu" and devices["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
     assert devices["devices"][0]["type"] == "cpu"

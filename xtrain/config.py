@@ -188,7 +188,6 @@ class JsonlLoggerConfig:
     """``metrics.jsonl`` in the run dir, through fsspec. Always on, chosen or not."""
 
     _target_: str = "xtrain.observe.sinks.JsonlSink"
-    filename: str = "metrics.jsonl"
 
 
 @dataclass
@@ -292,6 +291,14 @@ def sweep_name() -> str | None:
     return _name(hc.runtime.choices, [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")])
 
 
+def hydra_subdir(mode) -> str:
+    """Where Hydra writes a job's config in its run dir: ``.hydra`` for training, ``.hydra-<mode>``
+    for the other modes, so ``mode=sample`` or ``mode=plan`` in a training run's dir leaves the
+    training's record alone."""
+    mode = getattr(mode, "value", mode)
+    return ".hydra" if mode == Mode.train.value else f".hydra-{mode}"
+
+
 def _name(choices, overrides) -> str:
     groups = ("model", "hardware", "data")
     given, extra = {}, []
@@ -311,6 +318,8 @@ def register() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     if not OmegaConf.has_resolver("xtrain_run_name"):
         OmegaConf.register_new_resolver("xtrain_run_name", run_name)
+    if not OmegaConf.has_resolver("xtrain_hydra_subdir"):  # see conf/train.yaml
+        OmegaConf.register_new_resolver("xtrain_hydra_subdir", hydra_subdir)
     if not OmegaConf.has_resolver("xtrain_sweep_name"):
         OmegaConf.register_new_resolver("xtrain_sweep_name", sweep_name)
     if not OmegaConf.has_resolver("xtrain_cache"):  # ${xtrain_cache:}: see xtrain.paths.cache_root

@@ -89,7 +89,7 @@ class AppendFile:
 class JsonlSink(Sink):
     """``metrics.jsonl``: one JSON object per record (the run's own record of its metrics)."""
 
-    def __init__(self, run_dir: str, filename: str = "metrics.jsonl", _target_: str | None = None):
+    def __init__(self, run_dir: str, filename: str = "metrics.jsonl"):
         self.file = AppendFile(f"{run_dir.rstrip('/')}/{filename}")
         self.path = self.file.path
 

@@ -85,8 +85,7 @@ def describe_mode(chosen: str, mode: WandbMode | str, files: str, environ=os.env
 
 def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
                  project: str = "xtrain", entity: str | None = None, group: str | None = None,
-                 tags=(), mode: WandbMode | str = WandbMode.auto, git_root: str | None = None,
-                 _target_: str | None = None):
+                 tags=(), mode: WandbMode | str = WandbMode.auto, git_root: str | None = None):
     """Start (or continue) the run's W&B run and wrap it in Lightning's WandbLogger.
     ``run_config``: the resolved config with secrets masked (the W&B run's config). The run id is
     kept in ``run_dir`` (any fsspec URL); W&B writes its files under ``<local_dir>/wandb`` (W&B

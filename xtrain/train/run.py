@@ -159,6 +159,16 @@ def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks) ->
         callbacks.stop.uninstall()
 
 
+def write_plots(run_dir: str) -> None:
+    """The run's charts; a chart that cannot be drawn costs a warning, never the finished run."""
+    from xtrain.observe.plots import write_run_plots
+
+    try:
+        write_run_plots(run_dir)
+    except Exception as e:  # noqa: BLE001
+        log.warning("plots not written (%s: %s)", type(e).__name__, e)
+
+
 def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     """Train; returns a summary (final step, newest checkpoint, preempted or not)."""
     import lightning as L
@@ -195,9 +205,7 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     finally:
         run_log.close(status)
         if engine.rank == 0 and status != "failed":
-            from xtrain.observe.plots import write_run_plots
-
-            write_run_plots(run_dir)
+            write_plots(run_dir)
     newest = latest_checkpoint(ckpt_dir)
     if status == "preempted":
         saved = ("checkpoint committed" if callbacks.checkpointer.preemption_saved else
