@@ -13,13 +13,13 @@ from xtrain.model.gpt import GPT
 
 
 def host_copy(model):
-    """The model on the CPU, in one device-to-host transfer. Generating on an XLA device would
-    trace and compile a graph per sequence length; on the CPU the model is used as it is."""
+    """The model on the CPU, copied from this host's shards without compiling anything (a sharded
+    tensor's own ``.cpu()`` compiles a gather per tensor). Generating on an XLA device would trace
+    and compile a graph per sequence length; on the CPU the model is used as it is."""
     if next(model.parameters()).device.type != "xla":
         return model
-    state = model.state_dict()
     cpu_model = GPT(model.config)
-    cpu_model.load_state_dict(dict(zip(state, compat.tensors_to_cpu(list(state.values())))))
+    cpu_model.load_state_dict(compat.full_cpu_tensors(model.state_dict()))
     return cpu_model
 
 
