@@ -77,6 +77,9 @@ class ConsoleLog:
     def __enter__(self):
         logging.captureWarnings(True)
         logging.getLogger().addHandler(self._root_guard)
+        # TensorBoard's import warns that without TensorFlow it cannot write gs:// paths; xtrain
+        # gives it a local directory (xtrain/observe/loggers.py)
+        logging.getLogger("absl").setLevel(logging.ERROR)
         for name in LOGGERS:
             logger = logging.getLogger(name)
             self._saved[name] = (logger.level, logger.propagate, list(logger.handlers))

@@ -6,7 +6,10 @@ Why JSONL is xtrain's own sink rather than Lightning's CSVLogger: records of dif
 carry different keys, and CSVLogger rewrites its whole file (header and all) whenever a new key
 appears; JSONL appends, and ``metrics.jsonl`` is the format the README, the plots and the report
 read. The W&B run is started by xtrain (xtrain/observe/wandb_run.py says why) and logged to
-through Lightning's WandbLogger; TensorBoard is Lightning's TensorBoardLogger as it is.
+through Lightning's WandbLogger; TensorBoard is Lightning's TensorBoardLogger as it is. The
+loggers are not handed to Lightning's Trainer (``logger=False``): records come from xtrain's
+callbacks and from the checkpoint upload thread, not from ``LightningModule.log``, which would
+reduce values on the device at every step.
 """
 
 from __future__ import annotations
