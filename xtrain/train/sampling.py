@@ -4,12 +4,16 @@ step (the XLA engine's model is copied to the CPU first), logged as ``sample`` r
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 
 from xtrain import compat
 from xtrain.config import sample_prompts
 from xtrain.model.generate import check_prompts_fit, generate
 from xtrain.model.gpt import GPT
+
+log = logging.getLogger(__name__)
 
 
 def host_copy(model):
@@ -35,12 +39,18 @@ class SampleCallback(L.Callback):
         if tokens > 0:  # refused now rather than at the first sample, mid-run
             check_prompts_fit(tokenizer, self.prompts, tokens, sequence_len, "trainer.sample_tokens")
 
-    def sample(self, step: int, model) -> dict:
+    def sample(self, step: int, model) -> dict | None:
         with self.timer.measure("sample"):  # not charged to training throughput
             was_training = model.training
             stats = {}
             prompts = self.prompts
-            texts = generate(host_copy(model), self.tokenizer, prompts, 1, max_tokens=self.tokens,
+            try:
+                cpu_model = host_copy(model)
+            except RuntimeError as e:  # a pod: this host holds only its shards of the weights
+                log.warning("samples skipped for the rest of the run: %s", e)
+                self.tokens = 0
+                return None
+            texts = generate(cpu_model, self.tokenizer, prompts, 1, max_tokens=self.tokens,
                              temperature=self.cfg.temperature, top_k=self.cfg.top_k,
                              seed=self.cfg.seed, stats=stats)
             model.train(was_training)
