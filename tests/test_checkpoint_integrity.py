@@ -15,8 +15,8 @@ import torch
 from conftest import assert_same_tensors, checkpoint_tensors, finish, gcs_filesystem, losses, xtrain
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
-from xtrain.errors import ConfigError
-from xtrain.train.checkpointing import check_intact
+from xtrain.errors import CheckpointError
+from xtrain.inputs import resume_checkpoint
 
 
 def _save(path: str, tensors: dict) -> None:
@@ -63,8 +63,8 @@ def test_the_manifest_records_every_file_and_catches_truncation_and_bit_flips(tm
         f"{rel} has {len(original) - 100:,} bytes, {len(original):,} when saved"]
     data.unlink()
     assert manifest.problems(str(ckpt)) == [f"{rel} missing"]
-    with pytest.raises(ConfigError, match=f"checkpoint.resume={ckpt} is corrupt: {rel} missing"):
-        check_intact(str(ckpt))
+    with pytest.raises(CheckpointError, match=f"checkpoint.resume={ckpt} is corrupt: {rel} missing"):
+        resume_checkpoint(str(ckpt), str(tmp_path), gpt=None)  # refused before the model is compared
 
 
 def test_on_gcs_the_servers_crc32c_is_recorded_and_checked(tmp_path, gcs_bucket):

@@ -12,7 +12,8 @@ import warnings
 from importlib import metadata
 
 # package -> version every private use below was checked against
-VERIFIED = {"torch": "2.9.1", "torch_xla": "2.9.0", "lightning": "2.6.6", "jax": "0.7.0"}
+VERIFIED = {"torch": "2.9.1", "torch_xla": "2.9.0", "lightning": "2.6.6", "jax": "0.7.0",
+            "hydra-core": "1.3.8"}
 
 
 def installed_versions(packages) -> dict[str, str | None]:
@@ -87,6 +88,33 @@ def sharded_cpu_state_dict(tensors: dict) -> dict:
     from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
     return _sharded_cpu_state_dict(tensors)
+
+
+def full_cpu_tensors(tensors: dict) -> dict:
+    """[torch_xla] SPMD tensors as whole CPU tensors, assembled on the host from this host's shards
+    (:func:`sharded_cpu_state_dict`): ``.cpu()`` on a sharded tensor compiles a gather graph per
+    tensor instead. Raises when this host does not hold every part of a tensor (a pod)."""
+    import torch
+
+    out = {}
+    for name, value in sharded_cpu_state_dict(tensors).items():
+        if isinstance(value, torch.Tensor):  # replicated: already whole
+            out[name] = value
+            continue
+        whole = torch.empty(value.global_shape, dtype=value.shards[0].data.dtype)
+        covered = torch.zeros(value.global_shape, dtype=torch.bool)
+        for shard in value.shards:  # indices: a list of slices, or Ellipsis when replicated
+            if shard.indices is Ellipsis:
+                where, data = ..., shard.data
+            else:  # a shard of an uneven split is padded at its end
+                where = tuple(shard.indices)
+                data = shard.data[tuple(slice(0, s.stop - s.start) for s in shard.indices)]
+            whole[where] = data
+            covered[where] = True
+        if not bool(covered.all()):
+            raise RuntimeError(f"{name}: this host holds only part of it (multi-host)")
+        out[name] = whole
+    return out
 
 
 def tpu_chips_on_pci() -> int:
@@ -184,6 +212,37 @@ def quiet_lightning_tpu_probe() -> None:
 
         is_available._xtrain = True
         XLAAccelerator.is_available = staticmethod(is_available)
+
+
+# --- Hydra ------------------------------------------------------------------------------------
+
+
+def report_refusals(is_refusal, refuse) -> None:
+    """[hydra-core] Hydra composes the config inside ``run_and_report``, which prints a multi-line
+    report and exits 1 for any error. Replace it so that refused input (``is_refusal``) goes to
+    ``refuse`` (one line, xtrain's exit code); other exceptions keep Hydra's report, and
+    ``HYDRA_FULL_ERROR=1`` still raises with the full traceback. Process-wide and idempotent."""
+    import hydra._internal.utils as hydra_utils
+
+    original = getattr(hydra_utils.run_and_report, "_xtrain_original", hydra_utils.run_and_report)
+
+    def run_and_report(func):
+        try:
+            return func()
+        except Exception as ex:  # noqa: BLE001  (Hydra's contract: report any error)
+            if not is_refusal(ex) or hydra_utils._is_env_set("HYDRA_FULL_ERROR"):
+                return original(_raise(ex))
+            refuse(ex)
+
+    run_and_report._xtrain_original = original
+    hydra_utils.run_and_report = run_and_report
+
+
+def _raise(ex):
+    def again():
+        raise ex
+
+    return again
 
 
 # --- jax (the TPU compiler child) ------------------------------------------------------------

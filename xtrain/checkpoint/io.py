@@ -23,6 +23,7 @@ import torch
 from xtrain import compat
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import COMMIT_MARKER
+from xtrain.errors import warn
 from xtrain.paths import url_to_fs
 
 # Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it each time.
@@ -132,13 +133,18 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
     return join_tensors(skeleton, tensors)
 
 
-def read_meta(path: str) -> dict:
+def read_tensors(path: str, prefix: str) -> dict:
+    """Only the stored tensors whose key starts with ``prefix`` (e.g. the model's weights without
+    the optimizer state, for sampling), as new CPU tensors: {key: tensor}."""
     fs, root = url_to_fs(str(path))
-    with fs.open(f"{root}/meta.json", "r") as f:
-        return json.load(f)
+    if not fs.exists(f"{root}/{COMMIT_MARKER}"):
+        raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
+    with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
+        return _read_tensors(fs, f"{root}/tensors", staging, None, False, None, prefix)
 
 
-def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, process_group) -> dict:
+def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, process_group,
+                  prefix: str = "") -> dict:
     import torch.distributed.checkpoint as dcp
     from fsspec.implementations.local import LocalFileSystem
 
@@ -153,15 +159,11 @@ def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, proc
     stored = reader.read_metadata().state_dict_metadata
     tensors = dict(targets or {})
     for key, info in stored.items():
-        if key not in tensors:
+        if key not in tensors and key.startswith(prefix):
             tensors[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
     dcp.load(tensors, storage_reader=reader, planner=_planner(sharded, "load"),
              **_dcp_kwargs(process_group))
     return tensors
-
-
-def warn(message: str) -> None:
-    print(f"xtrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _fault_injection_pause() -> None:

@@ -84,3 +84,4 @@ def problems(path: str) -> list[str]:
             found.append(f"{rel} changed since it was saved (crc32c {have['crc32c']}, "
                          f"{want['crc32c']} when saved)")
     return found
+

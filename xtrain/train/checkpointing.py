@@ -1,18 +1,15 @@
-"""Training-time checkpoint policy: when to save (every N steps, at the end, on a stop request),
-what to prune after each commit, which checkpoint to resume from (the newest intact one), and
-whether a checkpoint fits the configured model."""
+"""Training-time checkpoint policy: when to save (every N steps, at the end, on a stop request)
+and what to prune after each commit. Which checkpoint a run starts from: xtrain/inputs.py."""
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from xtrain.checkpoint import manifest
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
-from xtrain.checkpoint.io import read_meta, warn
-from xtrain.checkpoint.layout import committed_checkpoints, stale_checkpoints, step_dir, step_dirs
-from xtrain.errors import ConfigError
-from xtrain.model.config import GPTConfig
+from xtrain.checkpoint.layout import stale_checkpoints, step_dir, step_dirs
 from xtrain.train.preemption import StopRequest
 
 
@@ -23,10 +20,11 @@ class PeriodicCheckpoint(L.Callback):
 
     def __init__(self, directory: str, every: int, checkpoint_io: FsspecCheckpointIO,
                  keep_last: int = 2, keep_every: int = 0, meta: dict | None = None,
-                 stop: StopRequest | None = None, report=None):
+                 stop: StopRequest | None = None, report=None, timer=None):
         self.directory, self.every, self.io = directory.rstrip("/"), every, checkpoint_io
         self.keep_last, self.keep_every = max(1, keep_last), keep_every
         self.meta, self.stop, self.report = meta or {}, stop, report
+        self.timer = timer  # a PhaseTimer (xtrain/observe/metrics.py): blocking save time
         self.last_saved_step = None
         self.preempted = False
         self.preemption_saved = False  # the stop's checkpoint committed (False: upload gave up)
@@ -34,10 +32,11 @@ class PeriodicCheckpoint(L.Callback):
 
     def save(self, trainer, wait: bool = False) -> bool:
         """Save this step (once); with ``wait``, True when it committed."""
-        if trainer.global_step != self.last_saved_step:
-            trainer.save_checkpoint(step_dir(self.directory, trainer.global_step))
-            self.last_saved_step = trainer.global_step
-        return wait and self.io.wait() is not None  # None: the upload gave up (it warned)
+        with self.timer.measure("checkpoint") if self.timer else nullcontext():
+            if trainer.global_step != self.last_saved_step:
+                trainer.save_checkpoint(step_dir(self.directory, trainer.global_step))
+                self.last_saved_step = trainer.global_step
+            return wait and self.io.wait() is not None  # None: the upload gave up (it warned)
 
     def _committed(self, result: dict) -> None:
         """Upload thread: the checkpoint at ``result['step']`` is committed."""
@@ -69,35 +68,3 @@ class PeriodicCheckpoint(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.save(trainer, wait=True)
-
-
-def check_compatible(path: str, gpt: GPTConfig) -> None:
-    """Refuse a checkpoint whose model differs in shape from the configured one."""
-    from omegaconf import OmegaConf
-
-    saved_model = OmegaConf.create(read_meta(path).get("config", {})["model"])
-    diff = gpt.differences(GPTConfig.from_model(saved_model))
-    if diff:
-        raise ConfigError(f"checkpoint {path} holds a different model ({', '.join(diff)}); "
-                          "start a new run (run.name=...) or restore the model config")
-
-
-def newest_intact(directory: str) -> str | None:
-    """The newest committed checkpoint whose files still match its manifest. A newer committed one
-    that does not (truncated, altered: the storage broke after the commit) is named in a warning
-    and passed over, left in place for inspection; the run then resumes from the one before."""
-    for _, path in reversed(committed_checkpoints(directory)):
-        found = manifest.problems(path)
-        if not found:
-            return path
-        warn(f"checkpoint {path} is corrupt ({'; '.join(found)}): not resuming from it, "
-             "trying the previous committed one")
-    return None
-
-
-def check_intact(path: str) -> None:
-    """Refuse an explicitly chosen checkpoint (checkpoint.resume) that no longer matches its
-    manifest."""
-    found = manifest.problems(path)
-    if found:
-        raise ConfigError(f"checkpoint.resume={path} is corrupt: {'; '.join(found)}")

@@ -15,12 +15,15 @@ from xtrain.config import to_plain
 from xtrain.engines.base import Engine
 from xtrain.plan import RunPlan
 
+log = logging.getLogger(__name__)
 
-def build_engine(hardware, parallelism, plan: RunPlan) -> Engine:
+
+def build_engine(hardware, parallelism, plan: RunPlan, trainer_cfg, run_dir: str) -> Engine:
     if hardware.engine == "xla":
         from xtrain.xla.engine import XLAEngine
 
-        return XLAEngine(hardware, parallelism, plan)
+        analysis = os.path.join(run_dir, "xla_compilations.log") if trainer_cfg.max_compiles else None
+        return XLAEngine(hardware, parallelism, plan, compile_analysis=analysis)
     from xtrain.engines.cpu import CPUEngine
 
     return CPUEngine(plan)
@@ -37,13 +40,10 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
                   rank: int = 0, world: int = 1) -> Loaders:
     from xtrain.data.batches import EvalBatches, StepBatches
     from xtrain.data.loader import PackedLoader, list_shards
-    from xtrain.errors import DataError
 
     train_files, val_files = data.train_files, data.val_files
     if data.holdout_last_shard:  # nanochat's convention: the last shard is the validation split
-        shards = list_shards(data.train_files)
-        if len(shards) < 2:
-            raise DataError(f"{data.train_files}: holdout_last_shard needs at least 2 shards")
+        shards = list_shards(data.train_files)  # at least 2 (xtrain.inputs.check_data)
         train_files, val_files = shards[:-1], shards[-1:]
     train = PackedLoader(train_files, tokenizer, seq_len, rows, seed=trainer_cfg.seed, rank=rank,
                          world=world, prefetch=data.prefetch, threads=data.tokenizer_threads)
@@ -52,17 +52,20 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
         val_loader = PackedLoader(val_files, tokenizer, seq_len, rows, shuffle=False, loop=True,
                                   rank=rank, world=world, prefetch=2, threads=data.tokenizer_threads)
         val = EvalBatches(val_loader, trainer_cfg.eval_batches)
-    return Loaders(train, StepBatches(train, accum), val)
+    return Loaders(train, StepBatches(train, accum, repeat=trainer_cfg.overfit_batches), val)
 
 
-def build_sinks(cfg, plan: RunPlan, run_dir: str) -> list:
-    from xtrain.observe.sinks import ConsoleSink, JsonlSink, WandbSink
+def build_run_log(cfg, plan: RunPlan, run_dir: str, engine: Engine, start_step: int):
+    """The run's loggers (rank 0), and its reproducibility bundle."""
+    from xtrain.observe.bundle import write_bundle
+    from xtrain.observe.loggers import build_run_log as build
 
-    sinks = [JsonlSink(os.path.join(run_dir, "metrics.jsonl")), ConsoleSink(plan.max_steps)]
-    if cfg.logging.wandb:
-        log = cfg.logging
-        sinks.append(WandbSink(log.wandb_project, log.wandb_entity, cfg.run.name, run_dir, to_plain(cfg)))
-    return sinks
+    run_log = build(cfg.logger, run_dir, cfg.run.name, to_plain(cfg), plan.max_steps, start_step,
+                    engine.rank)
+    if engine.rank == 0:
+        write_bundle(run_dir, start_step, to_plain(cfg), {"engine": engine.name, "mesh": plan.mesh,
+                                                          "devices": engine.devices()})
+    return run_log
 
 
 def run_meta(cfg) -> dict:
@@ -71,8 +74,20 @@ def run_meta(cfg) -> dict:
     return {"config": to_plain(cfg), "python": platform.python_version(), **versions}
 
 
+def build_profiler(trainer_cfg, run_dir: str):
+    """Lightning's PyTorch profiler over three steps after two of warm-up (the first steps
+    compile), as a chrome trace in the run dir; None when not asked for."""
+    if not trainer_cfg.profile:
+        return None
+    import torch
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    return PyTorchProfiler(dirpath=run_dir, filename="profile", export_to_chrome=True,
+                           schedule=torch.profiler.schedule(wait=0, warmup=2, active=3, repeat=1))
+
+
 def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan, trainer_cfg,
-                  has_val: bool):
+                  has_val: bool, run_dir: str):
     import lightning as L
 
     compat.quiet_lightning_tpu_probe()
@@ -80,7 +95,8 @@ def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan,
     return L.Trainer(
         **engine.trainer_kwargs(checkpoint_io), max_steps=plan.max_steps, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=callbacks,
+        num_sanity_val_steps=0, callbacks=callbacks + engine.callbacks(trainer_cfg, run_dir),
+        profiler=build_profiler(trainer_cfg, run_dir), default_root_dir=run_dir,
         val_check_interval=eval_every if has_val else None,
         check_val_every_n_epoch=None, limit_val_batches=trainer_cfg.eval_batches,
     )
@@ -90,42 +106,51 @@ def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan,
 class Callbacks:
     metrics: object
     checkpointer: object
+    sampler: object
     stop: object
     checkpoint_io: object
 
     def all(self, loader_state) -> list:
-        return [self.metrics, loader_state, self.checkpointer]
+        # order matters: the metrics see the step before a checkpoint or a sample at it
+        return [self.metrics, loader_state, self.checkpointer, self.sampler]
 
 
-def build_callbacks(cfg, plan: RunPlan, run_dir: str, engine: Engine, ckpt_dir: str) -> Callbacks:
-    from xtrain.observe.metrics import MetricsLogger
+def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_log, tokenizer) -> Callbacks:
+    from xtrain.observe.metrics import MetricsLogger, PhaseTimer
+    from xtrain.observe.peak import run_peak_flops
     from xtrain.train.checkpointing import PeriodicCheckpoint
     from xtrain.train.preemption import StopRequest
+    from xtrain.train.sampling import SampleCallback
 
-    metrics = MetricsLogger(build_sinks(cfg, plan, run_dir), cfg.trainer.log_every,
-                            plan.flops_per_token,
-                            cfg.hardware.peak_bf16_tflops_per_chip * 1e12, plan.devices,
+    peak, source = run_peak_flops(cfg.hardware, plan.devices) if engine.rank == 0 else (0.0, "")
+    if source:
+        log.info("MFU peak: %s", source)
+    timer, trainer_cfg = PhaseTimer(), cfg.trainer
+    metrics = MetricsLogger(run_log, trainer_cfg.log_every, plan.max_steps, plan.flops_per_token,
+                            peak, plan.devices, timer=timer,
                             extra=engine.counters, fetch=engine.fetch)
     stop, ckpt = StopRequest(), cfg.checkpoint
     checkpoint_io = engine.checkpoint_io(ckpt.retries)
-    checkpointer = PeriodicCheckpoint(ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last,
-                                      ckpt.keep_every, stop=stop, report=metrics.write,
-                                      meta=run_meta(cfg))
-    return Callbacks(metrics, checkpointer, stop, checkpoint_io)
+    checkpointer = PeriodicCheckpoint(
+        ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last, ckpt.keep_every, stop=stop,
+        report=lambda r: run_log.record("checkpoint", r["step"], {k: v for k, v in r.items() if k != "step"}),
+        meta=run_meta(cfg), timer=timer)
+    sampler = SampleCallback(tokenizer, cfg.sample, trainer_cfg.sample_tokens, trainer_cfg.sample_every,
+                             run_log, timer, plan.gpt.sequence_len)
+    return Callbacks(metrics, checkpointer, sampler, stop, checkpoint_io)
 
 
-def resume_point(ckpt, ckpt_dir: str, gpt) -> str | None:
-    """The checkpoint to start from: ``checkpoint.resume`` (refused when corrupt), else the
-    newest committed one whose files match its manifest (newer corrupt ones are warned about)."""
-    from xtrain.train.checkpointing import check_compatible, check_intact, newest_intact
+def resume_point(ckpt, ckpt_dir: str, gpt) -> tuple[str | None, int]:
+    """The checkpoint to start from (``checkpoint.resume``, else the newest committed one) and
+    its step (0 for a fresh run)."""
+    from xtrain.checkpoint.layout import read_meta
+    from xtrain.inputs import resume_checkpoint
 
-    if ckpt.resume:
-        check_intact(ckpt.resume)
-    resume_from = ckpt.resume or newest_intact(ckpt_dir)
-    if resume_from:
-        check_compatible(resume_from, gpt)
-        print(f"resuming from {resume_from}")
-    return resume_from
+    resume_from = resume_checkpoint(ckpt.resume, ckpt_dir, gpt)
+    if not resume_from:
+        return None, 0
+    log.info("resuming from %s", resume_from)
+    return resume_from, int(read_meta(resume_from).get("step") or 0)
 
 
 def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks) -> None:
@@ -142,44 +167,60 @@ def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks) ->
         pass  # raised by the checkpoint callback after its save at the step boundary
     finally:
         callbacks.stop.uninstall()
-        callbacks.metrics.close()
+
+
+def write_plots(run_dir: str) -> None:
+    """The run's charts; a chart that cannot be drawn costs a warning, never the finished run."""
+    from xtrain.observe.plots import write_run_plots
+
+    try:
+        write_run_plots(run_dir)
+    except Exception as e:  # noqa: BLE001
+        log.warning("plots not written (%s: %s)", type(e).__name__, e)
 
 
 def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     """Train; returns a summary (final step, newest checkpoint, preempted or not)."""
     import lightning as L
 
-    from xtrain.checkpoint.layout import check_writable, latest_checkpoint
+    from xtrain.checkpoint.layout import latest_checkpoint
     from xtrain.data import prepare
+    from xtrain.inputs import checkpoint_dir
+    from xtrain.observe.wandb_run import choose_mode
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
-    from xtrain.train.sampling import sample_text
 
-    # Lightning's INFO banners (accelerator probes, tips) would also flow through Hydra's log
-    # handler twice; xtrain prints its own plan and progress.
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     trainer_cfg = cfg.trainer
-    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
-    check_writable(ckpt_dir)  # before data preparation and the first compile
-    tokenizer = prepare(cfg.data)
-    engine = build_engine(cfg.hardware, cfg.parallelism, plan)
+    ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
+    if cfg.logger.wandb is not None:
+        choose_mode(cfg.logger.wandb.mode)  # online without a key is refused now, not later
+    tokenizer = prepare(cfg.data, log=log.info)
+    engine = build_engine(cfg.hardware, cfg.parallelism, plan, trainer_cfg, run_dir)
     L.seed_everything(trainer_cfg.seed, verbose=False)
     loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
                             rows=engine.rows_per_host, accum=plan.batch.grad_accum_steps,
                             rank=engine.rank, world=engine.world)
     module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                        token_bytes=tokenizer.token_bytes)
-    callbacks = build_callbacks(cfg, plan, run_dir, engine, ckpt_dir)
-    trainer = build_trainer(engine, callbacks.checkpoint_io, callbacks.all(LoaderState(loaders.train)),
-                            plan, trainer_cfg, loaders.val is not None)
-    fit(trainer, module, loaders, resume_point(cfg.checkpoint, ckpt_dir, plan.gpt), callbacks)
+    resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt)
+    run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
+    status = "failed"
+    try:
+        callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_log, tokenizer)
+        trainer = build_trainer(engine, callbacks.checkpoint_io,
+                                callbacks.all(LoaderState(loaders.train)), plan, trainer_cfg,
+                                loaders.val is not None, run_dir)
+        fit(trainer, module, loaders, resume_from, callbacks)
+        status = "preempted" if callbacks.checkpointer.preempted else "success"
+    finally:
+        run_log.close(status)
+        if engine.rank == 0 and status != "failed":
+            write_plots(run_dir)
     newest = latest_checkpoint(ckpt_dir)
-    if callbacks.checkpointer.preempted:
+    if status == "preempted":
         saved = ("checkpoint committed" if callbacks.checkpointer.preemption_saved else
                  f"its checkpoint could not be written, the newest committed one is {newest}")
-        print(f"stopped by a signal at step {trainer.global_step}: {saved}; run the same command "
-              "to resume", flush=True)
+        log.info("stopped by a signal at step %d: %s; run the same command to resume",
+                 trainer.global_step, saved)
         return {"step": trainer.global_step, "checkpoint": newest, "preempted": True}
-    if trainer_cfg.sample_tokens > 0:
-        print("sample:\n" + sample_text(module.model, tokenizer, trainer_cfg.sample_tokens, trainer_cfg.seed))
     return {"step": trainer.global_step, "checkpoint": newest, **engine.summary()}

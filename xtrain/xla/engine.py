@@ -10,12 +10,15 @@ from xtrain.engines.base import Engine
 class XLAEngine(Engine):
     name = "xla"
 
-    def __init__(self, hardware, parallelism, plan):
+    def __init__(self, hardware, parallelism, plan, compile_analysis: str | None = None):
+        """``compile_analysis``: a file for torch_xla's explanation of every compilation (the
+        recompilation guard reads it); None: not collected."""
         super().__init__(plan)
         from xtrain.xla.runtime import start_runtime
         from xtrain.xla.spmd import build_mesh
 
-        start_runtime(hardware)
+        self.compile_analysis = compile_analysis
+        start_runtime(hardware, compile_analysis)
         import torch_xla.runtime as xr
 
         self.rank, self.world = xr.process_index(), xr.process_count()
@@ -36,8 +39,20 @@ class XLAEngine(Engine):
         self.strategy = SPMDStrategy(self.mesh, self.rules, checkpoint_io=checkpoint_io)
         return {"strategy": self.strategy, "devices": 1}
 
+    def callbacks(self, trainer_cfg, run_dir: str) -> list:
+        if not trainer_cfg.max_compiles:
+            return []
+        from xtrain.xla.guard import RecompileGuard
+
+        return [RecompileGuard(trainer_cfg.max_compiles, self.compile_analysis)]
+
     def fetch(self, tensors) -> list[float]:
         return [float(t) for t in compat.tensors_to_cpu(tensors)]
+
+    def devices(self) -> list[dict]:
+        import torch_xla.runtime as xr
+
+        return [dict(attrs, index=i) for i, attrs in enumerate(xr.global_runtime_device_attributes())]
 
     def counters(self) -> dict:
         from xtrain.xla.spmd import counters
