@@ -3,6 +3,8 @@ the CLI and the launchers report it."""
 
 from __future__ import annotations
 
+import sys
+
 EXIT_REFUSED = 2  # every refused input: config, data, checkpoint, environment
 EXIT_LAUNCH_FAILED = 1  # a remote launch failed (a worker's job, an unreachable host)
 
@@ -84,3 +86,8 @@ def refuse(ex: BaseException) -> None:
 
     print(one_line(ex), file=sys.stderr, flush=True)
     sys.exit(EXIT_LAUNCH_FAILED if isinstance(ex, LaunchError) else EXIT_REFUSED)
+
+
+def warn(message: str) -> None:
+    """A warning that does not stop the run, on stderr in the refusals' one-line form."""
+    print(f"xtrain: warning: {message}", file=sys.stderr, flush=True)

@@ -38,6 +38,12 @@ class Engine:
         """Device tensors to Python floats, in one device-to-host transfer."""
         return [float(t) for t in tensors]
 
+    def devices(self) -> list[dict]:
+        """The devices the run uses, for the reproducibility bundle."""
+        import torch
+
+        return [{"type": "cpu", "torch_threads": torch.get_num_threads()}]
+
     def counters(self) -> dict:
         """Engine counters for the metrics (e.g. XLA compilations)."""
         return {}

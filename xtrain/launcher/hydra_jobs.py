@@ -22,12 +22,14 @@ def prepare_from_hydra(cfg) -> Job:
 
     from xtrain.inputs import checkpoint_dir
     from xtrain.modes import plan_run
+    from xtrain.observe.console import ConsoleLog
     from xtrain.plan import check_fits
 
     hc = HydraConfig.get()
     launcher = hc.launcher
     where = launcher.tpu or ", ".join(launcher.pool or launcher.hosts)
-    plan = plan_run(cfg, f"{launcher.kind} {where}")
+    with ConsoleLog(None):
+        plan = plan_run(cfg, f"{launcher.kind} {where}")
     if cfg.mode == Mode.train:
         check_fits(plan, cfg)
     check_job(launcher, cfg.hardware, cfg.checkpoint.dir)

@@ -49,6 +49,11 @@ class XLAEngine(Engine):
     def fetch(self, tensors) -> list[float]:
         return [float(t) for t in compat.tensors_to_cpu(tensors)]
 
+    def devices(self) -> list[dict]:
+        import torch_xla.runtime as xr
+
+        return [dict(attrs, index=i) for i, attrs in enumerate(xr.global_runtime_device_attributes())]
+
     def counters(self) -> dict:
         from xtrain.xla.spmd import counters
 
