@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests.test_launch_e2e import ssh_processes
 from tests.sshd import (HOSTS, Remote, Sshd, gcloud, live_group, stack_venv,  # noqa: F401
                         tpu_node)
 from xtrain.cli import config_dir
@@ -157,18 +158,9 @@ def losses(rows) -> dict[int, float]:
 
 
 def ssh_streams(marker: str) -> list[int]:
-    """Local ssh clients following a log whose path contains ``marker``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv and argv[0] == b"ssh" and any(marker.encode() in a and b"tail" in a
-                                                  for a in argv):
-                out.append(int(entry.name))
-    return out
+    """Local ssh clients following (``tail``) a log whose path contains ``marker``."""
+    return [pid for pid in ssh_processes(marker)
+            if b"tail" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def test_a_preempted_vm_is_recreated_and_the_rerun_resumes_to_the_same_loss(
