@@ -161,20 +161,22 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):
 
 
 def _vote(rank: int, world: int, init: str, out_dir: str) -> None:
-    """One host of test_a_signal_on_one_host_stops_every_host."""
+    """One host of test_a_signal_on_one_host_stops_every_host: a step boundary per vote."""
     import json
 
     import torch.distributed as dist
 
+    from xtrain.engines.processes import Processes
     from xtrain.train.preemption import StopRequest
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    stop = StopRequest()
+    stop = StopRequest(Processes(rank, world, dist.group.WORLD))
     stop.install()
-    votes = [stop.agreed(dist.group.WORLD)]
-    if rank == 1:  # the preemption notice reaches one host only
+    votes = [stop.agreed(), stop.agreed()]
+    if rank == 1:  # the preemption notice reaches one host only, during a step
         os.kill(os.getpid(), signal.SIGTERM)
-    votes.append(stop.agreed(dist.group.WORLD))
+    votes += [stop.agreed(), stop.agreed()]
+    stop.settle()
     stop.uninstall()
     dist.destroy_process_group()
     Path(out_dir, f"{rank}.json").write_text(json.dumps(votes))
@@ -182,14 +184,16 @@ def _vote(rank: int, world: int, init: str, out_dir: str) -> None:
 
 def test_a_signal_on_one_host_stops_every_host(tmp_path):
     """Hosts must save the preemption checkpoint at the same step (DCP saves are collective):
-    three gloo processes, SIGTERM to one of them, all three agree to stop."""
+    three gloo processes, SIGTERM to one of them, all three agree to stop at the same boundary.
+    The vote of one boundary is read at the next (it overlaps a step), so the stop comes one
+    boundary after the signal."""
     import json
 
     import torch.multiprocessing as mp
 
     mp.spawn(_vote, args=(3, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=3)
     votes = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
-    assert votes == [[False, True]] * 3
+    assert votes == [[False, False, False, True]] * 3
 
 
 def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):

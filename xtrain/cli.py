@@ -7,6 +7,7 @@ Heavy libraries (torch, lightning, torch_xla) are imported only once a mode need
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from xtrain.config import register
-from xtrain.errors import EXIT_REFUSED, InputError
+from xtrain.errors import EXIT_PEER_LOST, EXIT_REFUSED, InputError, PeerLost
 
 
 def config_dir() -> str:
@@ -40,9 +41,23 @@ def _main(cfg: DictConfig) -> None:
     except InputError as e:  # bad input: a one-line reason, not a traceback
         print(f"xtrain: {e.kind} error: {e}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
+    except PeerLost as e:
+        print(f"xtrain: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_PEER_LOST)
     if summary and summary.get("preempted"):
         sys.exit(143)  # 128 + SIGTERM: not finished; re-running the command resumes
 
 
+def secondary_process_overrides(env=os.environ) -> list[str]:
+    """Hydra overrides for a process other than the first of a multi-process run (RANK > 0, as
+    torchrun and xtrain's launchers set it): it writes no Hydra files into the run directory the
+    processes may share (no .hydra/ copy of the config, no log file; it logs to stdout). What a
+    run writes is process 0's job; the overrides do not change the run's name."""
+    if env.get("RANK", "0") in ("", "0"):
+        return []
+    return ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
 def main() -> None:
+    sys.argv += secondary_process_overrides()
     _main()

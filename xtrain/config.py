@@ -56,6 +56,8 @@ class HardwareConfig:
     runtime_version: str | None = None  # gcloud --version used to create the VM
     topology: str | None = None  # TPU compiler topology name, e.g. v6e:2x2
     chips: int = 1  # accelerator chips in the slice (v4 names count TensorCores: v4-32 = 16 chips)
+    # Processes of the run, one per host: TPU VM workers (xla), or CPU processes joined over gloo
+    # (cpu). A cpu profile with hosts > 1 needs the standard launch environment (README).
     hosts: int = 1
     chips_per_host: int = 1
     cores_per_chip: int = 1  # TensorCores per chip
@@ -156,6 +158,11 @@ class TrainerConfig:
     eval_batches: int = 8
     sample_tokens: int = 64  # length of the text sample printed at the end; 0 disables
     seed: int = 42
+    # Seconds one process waits for the others in a collective (gloo: gradients, barriers, stop
+    # votes, checkpoint saves) before failing. Must exceed the longest legitimate wait, e.g. the
+    # slowest host's checkpoint upload. A process that vanishes (SIGKILL) is named as soon as the
+    # others notice, usually at their next collective.
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -166,6 +173,18 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
     resume: str | None = None  # explicit checkpoint dir to start from; None: newest in `dir`
     retries: int = 5  # upload attempts after a storage error (backoff 1, 2, 4, ... s); then warn
+
+
+@dataclass
+class PreemptionConfig:
+    """How a run learns that it must stop (SIGTERM, Ctrl-C, or a GCE notice), stopping at a step
+    boundary with a checkpoint (xtrain/train/preemption.py, xtrain/train/notices.py)."""
+
+    # GCE metadata server to watch for preemption and maintenance notices. None: the real one
+    # (http://metadata.google.internal/computeMetadata/v1) when running on a GCE VM, nothing
+    # elsewhere (no thread, no request).
+    metadata_url: str | None = None
+    watch_notices: bool = True  # false: rely on SIGTERM alone, even on GCE
 
 
 @dataclass
@@ -191,13 +210,14 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
 _NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
                           "mode", "run.", "checkpoint.", "logging.", "hydra.", "data.prefetch",
-                          "data.tokenizer_threads")
+                          "data.tokenizer_threads", "trainer.collective_timeout_s", "preemption.")
 
 
 def run_name() -> str:

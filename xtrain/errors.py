@@ -1,8 +1,10 @@
-"""Refused input: one exception family, one exit code (the CLI prints one line, no traceback)."""
+"""Errors the CLI reports in one line, without a traceback, each with its exit code: refused input
+(one exception family), and a run that lost one of its processes."""
 
 from __future__ import annotations
 
 EXIT_REFUSED = 2  # every refused input: config, data, checkpoint, environment
+EXIT_PEER_LOST = 3  # another process of a multi-process run vanished
 
 
 class InputError(ValueError):
@@ -21,3 +23,9 @@ class DataError(InputError):
     """Bad or missing data; the message names the path."""
 
     kind = "data"
+
+
+class PeerLost(RuntimeError):
+    """Another process of the run vanished (killed, crashed, its host gone) and the collectives
+    cannot go on; the message names it. Re-running the command resumes from the newest
+    committed checkpoint."""

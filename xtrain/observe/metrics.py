@@ -37,12 +37,15 @@ class MetricsLogger(L.Callback):
         step = trainer.global_step
         if step % self.log_every and step not in (1, trainer.max_steps):
             return
-        if trainer.global_rank != 0:
+        # every process: under DDP each holds its own rows' loss and this is a collective; under
+        # SPMD the loss is already the global one and this does nothing
+        loss = trainer.strategy.reduce(pl_module.last_loss, reduce_op="mean")
+        if not trainer.is_global_zero:
             return
         now = time.perf_counter()
         opt = pl_module.optimizers().optimizer
         # the one device-to-host transfer of this logging interval
-        loss, lr_mult = self.fetch([pl_module.last_loss, opt.last_lr_multiplier()])
+        loss, lr_mult = self.fetch([loss, opt.last_lr_multiplier()])
         tok_per_s = (step - self._step0) * self.tokens_per_step / max(now - self._t0, 1e-9)
         self._t0, self._step0 = now, step
         lr = float(f"{opt.param_groups[0]['lr'] * lr_mult:.6g}")
@@ -55,9 +58,11 @@ class MetricsLogger(L.Callback):
         self.write(record)
 
     def on_validation_epoch_end(self, trainer, pl_module):
-        if trainer.sanity_checking or trainer.global_rank != 0:
+        if trainer.sanity_checking:
             return
-        summary = pl_module.validation_summary()
+        summary = pl_module.validation_summary()  # every process (a collective under DDP)
+        if not trainer.is_global_zero:
+            return
         self.write({"step": trainer.global_step, **{k: round(v, 6) for k, v in summary.items()}})
         self._t0 = time.perf_counter()  # do not charge evaluation time to training throughput
 

@@ -1,6 +1,8 @@
 """Assemble a run from its resolved config groups and train it with Lightning's Trainer.
 
-Each ``build_*`` step makes one part from its own config group; :func:`train` wires them.
+Each ``build_*`` step makes one part from its own config group; :func:`train` wires them. On
+several processes (hosts) every process runs all of it; process 0 alone writes metrics, logs,
+samples and checkpoint metadata (``engine.rank`` is the one source of that decision).
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from xtrain.engines.base import Engine
 from xtrain.plan import RunPlan
 
 
-def build_engine(hardware, parallelism, plan: RunPlan) -> Engine:
+def build_engine(hardware, parallelism, plan: RunPlan, timeout_s: float) -> Engine:
     if hardware.engine == "xla":
         from xtrain.xla.engine import XLAEngine
 
-        return XLAEngine(hardware, parallelism, plan)
+        return XLAEngine(hardware, parallelism, plan, timeout_s)
     from xtrain.engines.cpu import CPUEngine
 
-    return CPUEngine(plan)
+    return CPUEngine(hardware, plan, timeout_s)
 
 
 @dataclass
@@ -34,7 +36,9 @@ class Loaders:
 
 
 def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: int,
-                  rank: int = 0, world: int = 1) -> Loaders:
+                  host_rows: slice = slice(None)) -> Loaders:
+    """Loaders packing ``rows`` rows per micro-batch (the global batch, the same on every
+    process), of which this process keeps ``host_rows``."""
     from xtrain.data.batches import EvalBatches, StepBatches
     from xtrain.data.loader import PackedLoader, list_shards
     from xtrain.errors import DataError
@@ -45,19 +49,22 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
         if len(shards) < 2:
             raise DataError(f"{data.train_files}: holdout_last_shard needs at least 2 shards")
         train_files, val_files = shards[:-1], shards[-1:]
-    train = PackedLoader(train_files, tokenizer, seq_len, rows, seed=trainer_cfg.seed, rank=rank,
-                         world=world, prefetch=data.prefetch, threads=data.tokenizer_threads)
+    train = PackedLoader(train_files, tokenizer, seq_len, rows, seed=trainer_cfg.seed,
+                         prefetch=data.prefetch, threads=data.tokenizer_threads)
     val = None
     if val_files:
         val_loader = PackedLoader(val_files, tokenizer, seq_len, rows, shuffle=False, loop=True,
-                                  rank=rank, world=world, prefetch=2, threads=data.tokenizer_threads)
-        val = EvalBatches(val_loader, trainer_cfg.eval_batches)
-    return Loaders(train, StepBatches(train, accum), val)
+                                  prefetch=2, threads=data.tokenizer_threads)
+        val = EvalBatches(val_loader, trainer_cfg.eval_batches, host_rows)
+    return Loaders(train, StepBatches(train, accum, host_rows), val)
 
 
-def build_sinks(cfg, plan: RunPlan, run_dir: str) -> list:
+def build_sinks(cfg, plan: RunPlan, run_dir: str, primary: bool) -> list:
+    """Where metrics go; nowhere on processes other than the first."""
     from xtrain.observe.sinks import ConsoleSink, JsonlSink, WandbSink
 
+    if not primary:
+        return []
     sinks = [JsonlSink(os.path.join(run_dir, "metrics.jsonl")), ConsoleSink(plan.max_steps)]
     if cfg.logging.wandb:
         log = cfg.logging
@@ -93,91 +100,134 @@ class Callbacks:
     stop: object
     checkpoint_io: object
 
+    dump: object = None  # test-only (xtrain/train/debug_dump.py)
+
     def all(self, loader_state) -> list:
-        return [self.metrics, loader_state, self.checkpointer]
+        return [c for c in (self.metrics, loader_state, self.checkpointer, self.dump) if c]
 
 
 def build_callbacks(cfg, plan: RunPlan, run_dir: str, engine: Engine, ckpt_dir: str) -> Callbacks:
     from xtrain.observe.metrics import MetricsLogger
     from xtrain.train.checkpointing import PeriodicCheckpoint
+    from xtrain.train.debug_dump import debug_dump
     from xtrain.train.preemption import StopRequest
 
-    metrics = MetricsLogger(build_sinks(cfg, plan, run_dir), cfg.trainer.log_every,
-                            plan.batch.total_batch_size, plan.flops_per_token,
-                            cfg.hardware.peak_bf16_tflops_per_chip * 1e12, plan.devices,
-                            extra=engine.counters, fetch=engine.fetch)
-    stop, ckpt = StopRequest(), cfg.checkpoint
+    metrics = MetricsLogger(build_sinks(cfg, plan, run_dir, engine.processes.primary),
+                            cfg.trainer.log_every, plan.batch.total_batch_size,
+                            plan.flops_per_token, cfg.hardware.peak_bf16_tflops_per_chip * 1e12,
+                            plan.devices, extra=engine.counters, fetch=engine.fetch)
+    stop, ckpt = StopRequest(engine.processes), cfg.checkpoint
     checkpoint_io = engine.checkpoint_io(ckpt.retries)
     checkpointer = PeriodicCheckpoint(ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last,
                                       ckpt.keep_every, stop=stop, report=metrics.write,
                                       meta=run_meta(cfg))
-    return Callbacks(metrics, checkpointer, stop, checkpoint_io)
+    return Callbacks(metrics, checkpointer, stop, checkpoint_io,
+                     debug_dump(engine.rank, engine.host_rows))
 
 
-def resume_point(ckpt, ckpt_dir: str, gpt) -> str | None:
-    """The checkpoint to start from: ``checkpoint.resume``, else the newest committed one."""
+def resume_point(ckpt, ckpt_dir: str, gpt, engine: Engine) -> str | None:
+    """The checkpoint to start from: ``checkpoint.resume``, else the newest committed one, as
+    process 0 sees it (every process must resume from the same step)."""
     from xtrain.checkpoint.layout import latest_checkpoint
     from xtrain.train.checkpointing import check_compatible
 
-    resume_from = ckpt.resume or latest_checkpoint(ckpt_dir)
+    resume_from = ckpt.resume or (latest_checkpoint(ckpt_dir) if engine.processes.primary else None)
+    resume_from = engine.processes.broadcast(resume_from)
     if resume_from:
         check_compatible(resume_from, gpt)
-        print(f"resuming from {resume_from}")
+        if engine.processes.primary:
+            print(f"resuming from {resume_from}")
     return resume_from
 
 
-def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks) -> None:
+def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, engine: Engine,
+        preemption) -> None:
     import torch
     from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from xtrain.errors import PeerLost
+    from xtrain.train.notices import watch
 
     step_loader = torch.utils.data.DataLoader(loaders.steps, batch_size=None)
     val_loader = torch.utils.data.DataLoader(loaders.val, batch_size=None) if loaders.val else None
     callbacks.stop.install()
+    watcher = watch(preemption, callbacks.stop)  # None off GCE: no thread, no request
     try:
         trainer.fit(module, train_dataloaders=step_loader, val_dataloaders=val_loader,
                     ckpt_path=resume_from)
     except SIGTERMException:
         pass  # raised by the checkpoint callback after its save at the step boundary
+    except Exception as e:
+        lost = engine.processes.vanished() if engine.world > 1 else None
+        if lost:  # gloo's own error does not say which process is gone
+            raise PeerLost(f"process {lost}; this is rank {engine.rank} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200]}). Run the same command to resume "
+                           "from the newest committed checkpoint") from e
+        raise
     finally:
+        if watcher:
+            watcher.stop()
         callbacks.stop.uninstall()
         callbacks.metrics.close()
 
 
+def prepare_data(data, engine: Engine):
+    """The corpus and tokenizer, built on first use: by process 0 first, then by the others
+    (which find it built when they share its disk), never by two processes into one directory."""
+    from xtrain.data import prepare
+
+    if engine.processes.primary:
+        tokenizer = prepare(data)
+    engine.processes.barrier()
+    return tokenizer if engine.processes.primary else prepare(data, log=lambda *_: None)
+
+
 def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     """Train; returns a summary (final step, newest checkpoint, preempted or not)."""
+    # Lightning's INFO banners (accelerator probes, tips) would also flow through Hydra's log
+    # handler twice; xtrain prints its own plan and progress.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    # first the processes (a missing peer or launch variable fails here), then the storage
+    # checks, all before data preparation and the first compile
+    engine = build_engine(cfg.hardware, cfg.parallelism, plan, cfg.trainer.collective_timeout_s)
+    try:
+        return train_on(engine, cfg, plan, run_dir)
+    finally:
+        engine.processes.close()
+
+
+def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
     import lightning as L
 
-    from xtrain.checkpoint.layout import check_writable, latest_checkpoint
-    from xtrain.data import prepare
+    from xtrain.checkpoint.layout import check_shared, check_writable, latest_checkpoint
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
     from xtrain.train.sampling import sample_text
 
-    # Lightning's INFO banners (accelerator probes, tips) would also flow through Hydra's log
-    # handler twice; xtrain prints its own plan and progress.
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     trainer_cfg = cfg.trainer
     ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
-    check_writable(ckpt_dir)  # before data preparation and the first compile
-    tokenizer = prepare(cfg.data)
-    engine = build_engine(cfg.hardware, cfg.parallelism, plan)
+    check_writable(ckpt_dir)
+    check_shared(ckpt_dir, engine.processes)
+    tokenizer = prepare_data(cfg.data, engine)
     L.seed_everything(trainer_cfg.seed, verbose=False)
     loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
-                            rows=engine.rows_per_host, accum=plan.batch.grad_accum_steps,
-                            rank=engine.rank, world=engine.world)
+                            rows=engine.global_rows, accum=plan.batch.grad_accum_steps,
+                            host_rows=engine.host_rows)
     module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                        token_bytes=tokenizer.token_bytes)
     callbacks = build_callbacks(cfg, plan, run_dir, engine, ckpt_dir)
     trainer = build_trainer(engine, callbacks.checkpoint_io, callbacks.all(LoaderState(loaders.train)),
                             plan, trainer_cfg, loaders.val is not None)
-    fit(trainer, module, loaders, resume_point(cfg.checkpoint, ckpt_dir, plan.gpt), callbacks)
+    fit(trainer, module, loaders, resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, engine),
+        callbacks, engine, cfg.preemption)
     newest = latest_checkpoint(ckpt_dir)
+    primary = engine.processes.primary
     if callbacks.checkpointer.preempted:
         saved = ("checkpoint committed" if callbacks.checkpointer.preemption_saved else
                  f"its checkpoint could not be written, the newest committed one is {newest}")
-        print(f"stopped by a signal at step {trainer.global_step}: {saved}; run the same command "
-              "to resume", flush=True)
+        print(f"stopped ({callbacks.stop.reason or 'another process was told to stop'}) at step "
+              f"{trainer.global_step}: {saved}; run the same command to resume", flush=True)
         return {"step": trainer.global_step, "checkpoint": newest, "preempted": True}
-    if trainer_cfg.sample_tokens > 0:
+    if trainer_cfg.sample_tokens > 0 and primary:
         print("sample:\n" + sample_text(module.model, tokenizer, trainer_cfg.sample_tokens, trainer_cfg.seed))
     return {"step": trainer.global_step, "checkpoint": newest, **engine.summary()}
