@@ -147,12 +147,6 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
     return join_tensors(skeleton, tensors)
 
 
-def read_meta(path: str) -> dict:
-    fs, root = url_to_fs(str(path))
-    with fs.open(f"{root}/meta.json", "r") as f:
-        return json.load(f)
-
-
 class StagingReader(FileSystemReader):
     """DCP's file reader over a local copy of a remote DCP directory, made on demand: DCP's
     metadata first, then only the files that hold what this process's load plan reads (on a pod,

@@ -10,17 +10,27 @@ from xtrain.data.loader import PackedLoader
 
 class StepBatches(torch.utils.data.IterableDataset):
     """Yields ``(tokens [rows, accum, T+1], loader_state_after)``: one optimizer step each.
+    ``repeat`` > 0 yields the first ``repeat`` steps over and over (overfitting, to debug).
 
     ``rows``: the rows of every packed micro-batch this process keeps. On several processes each
     one packs the whole global batch, in the same order, and keeps its own rows: the batches then
     do not depend on the process count (a one-process run trains on the same rows), and the
     loader state is the same on every process, so any one of them can checkpoint it."""
 
-    def __init__(self, loader: PackedLoader, accum: int, rows: slice = slice(None)):
+    def __init__(self, loader: PackedLoader, accum: int, repeat: int = 0, rows: slice = slice(None)):
         super().__init__()
-        self.loader, self.accum, self.rows = loader, accum, rows
+        self.loader, self.accum, self.repeat, self.rows = loader, accum, repeat, rows
 
     def __iter__(self):
+        steps = self._steps()
+        if not self.repeat:
+            yield from steps
+            return
+        first = [next(steps) for _ in range(self.repeat)]
+        while True:
+            yield from first
+
+    def _steps(self):
         micro = []
         for batch in self.loader:
             micro.append(batch[self.rows])

@@ -50,6 +50,10 @@ class Engine:
         """Keyword arguments of Lightning's Trainer that place the run on this engine."""
         raise NotImplementedError
 
+    def callbacks(self, trainer_cfg, run_dir: str) -> list:
+        """Engine-specific Lightning callbacks (e.g. the XLA recompilation guard)."""
+        return []
+
     def fetch(self, tensors) -> list[float]:
         """Device tensors to Python floats, in one device-to-host transfer."""
         return [float(t) for t in tensors]

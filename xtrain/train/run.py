@@ -2,7 +2,7 @@
 
 Each ``build_*`` step makes one part from its own config group; :func:`train` wires them. On
 several processes (hosts) every process runs all of it; process 0 alone writes metrics, logs,
-samples and checkpoint metadata (``engine.rank`` is the one source of that decision).
+samples and checkpoint metadata (``engine.processes`` is the one source of that decision).
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from xtrain.engines.base import Engine
 from xtrain.plan import RunPlan
 
 
-def build_engine(hardware, parallelism, plan: RunPlan, timeout_s: float) -> Engine:
+def build_engine(hardware, parallelism, plan: RunPlan, trainer_cfg, run_dir: str) -> Engine:
+    timeout_s = trainer_cfg.collective_timeout_s
     if hardware.engine == "xla":
         from xtrain.xla.engine import XLAEngine
 
-        return XLAEngine(hardware, parallelism, plan, timeout_s)
+        analysis = os.path.join(run_dir, "xla_compilations.log") if trainer_cfg.max_compiles else None
+        return XLAEngine(hardware, parallelism, plan, timeout_s, compile_analysis=analysis)
     from xtrain.engines.cpu import CPUEngine
 
     return CPUEngine(hardware, plan, timeout_s)
@@ -41,13 +43,10 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
     process), of which this process keeps ``host_rows``."""
     from xtrain.data.batches import EvalBatches, StepBatches
     from xtrain.data.loader import PackedLoader, list_shards
-    from xtrain.errors import DataError
 
     train_files, val_files = data.train_files, data.val_files
     if data.holdout_last_shard:  # nanochat's convention: the last shard is the validation split
-        shards = list_shards(data.train_files)
-        if len(shards) < 2:
-            raise DataError(f"{data.train_files}: holdout_last_shard needs at least 2 shards")
+        shards = list_shards(data.train_files)  # at least 2 (xtrain.inputs.check_data)
         train_files, val_files = shards[:-1], shards[-1:]
     train = PackedLoader(train_files, tokenizer, seq_len, rows, seed=trainer_cfg.seed,
                          prefetch=data.prefetch, threads=data.tokenizer_threads)
@@ -56,7 +55,8 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
         val_loader = PackedLoader(val_files, tokenizer, seq_len, rows, shuffle=False, loop=True,
                                   prefetch=2, threads=data.tokenizer_threads)
         val = EvalBatches(val_loader, trainer_cfg.eval_batches, host_rows)
-    return Loaders(train, StepBatches(train, accum, host_rows), val)
+    steps = StepBatches(train, accum, repeat=trainer_cfg.overfit_batches, rows=host_rows)
+    return Loaders(train, steps, val)
 
 
 def build_sinks(cfg, plan: RunPlan, run_dir: str, primary: bool) -> list:
@@ -78,8 +78,20 @@ def run_meta(cfg) -> dict:
     return {"config": to_plain(cfg), "python": platform.python_version(), **versions}
 
 
+def build_profiler(trainer_cfg, run_dir: str):
+    """Lightning's PyTorch profiler over three steps after two of warm-up (the first steps
+    compile), as a chrome trace in the run dir; None when not asked for."""
+    if not trainer_cfg.profile:
+        return None
+    import torch
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    return PyTorchProfiler(dirpath=run_dir, filename="profile", export_to_chrome=True,
+                           schedule=torch.profiler.schedule(wait=0, warmup=2, active=3, repeat=1))
+
+
 def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan, trainer_cfg,
-                  has_val: bool):
+                  has_val: bool, run_dir: str):
     import lightning as L
 
     compat.quiet_lightning_tpu_probe()
@@ -87,7 +99,8 @@ def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan,
     return L.Trainer(
         **engine.trainer_kwargs(checkpoint_io), max_steps=plan.max_steps, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=callbacks,
+        num_sanity_val_steps=0, callbacks=callbacks + engine.callbacks(trainer_cfg, run_dir),
+        profiler=build_profiler(trainer_cfg, run_dir), default_root_dir=run_dir,
         val_check_interval=eval_every if has_val else None,
         check_val_every_n_epoch=None, limit_val_batches=trainer_cfg.eval_batches,
     )
@@ -99,7 +112,6 @@ class Callbacks:
     checkpointer: object
     stop: object
     checkpoint_io: object
-
     dump: object = None  # test-only (xtrain/train/debug_dump.py)
 
     def all(self, loader_state) -> list:
@@ -128,15 +140,13 @@ def build_callbacks(cfg, plan: RunPlan, run_dir: str, engine: Engine, ckpt_dir: 
 def resume_point(ckpt, ckpt_dir: str, gpt, engine: Engine) -> str | None:
     """The checkpoint to start from: ``checkpoint.resume``, else the newest committed one, as
     process 0 sees it (every process must resume from the same step)."""
-    from xtrain.checkpoint.layout import latest_checkpoint
-    from xtrain.train.checkpointing import check_compatible
+    from xtrain.inputs import resume_checkpoint
 
-    resume_from = ckpt.resume or (latest_checkpoint(ckpt_dir) if engine.processes.primary else None)
-    resume_from = engine.processes.broadcast(resume_from)
-    if resume_from:
-        check_compatible(resume_from, gpt)
-        if engine.processes.primary:
-            print(f"resuming from {resume_from}")
+    primary = engine.processes.primary
+    resume_from = engine.processes.broadcast(
+        resume_checkpoint(ckpt.resume, ckpt_dir, gpt) if primary else None)
+    if resume_from and primary:
+        print(f"resuming from {resume_from}")
     return resume_from
 
 
@@ -160,7 +170,7 @@ def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, en
     except Exception as e:
         lost = engine.processes.vanished() if engine.world > 1 else None
         if lost:  # gloo's own error does not say which process is gone
-            raise PeerLost(f"process {lost}; this is rank {engine.rank} ({type(e).__name__}: "
+            raise PeerLost(f"lost {lost}; this is rank {engine.rank} ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:200]}). Run the same command to resume "
                            "from the newest committed checkpoint") from e
         raise
@@ -187,9 +197,9 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     # Lightning's INFO banners (accelerator probes, tips) would also flow through Hydra's log
     # handler twice; xtrain prints its own plan and progress.
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    # first the processes (a missing peer or launch variable fails here), then the storage
-    # checks, all before data preparation and the first compile
-    engine = build_engine(cfg.hardware, cfg.parallelism, plan, cfg.trainer.collective_timeout_s)
+    # the processes first (a missing peer or launch variable fails here), then the shared-storage
+    # check, both before data preparation and the first compile
+    engine = build_engine(cfg.hardware, cfg.parallelism, plan, cfg.trainer, run_dir)
     try:
         return train_on(engine, cfg, plan, run_dir)
     finally:
@@ -199,14 +209,14 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
 def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
     import lightning as L
 
-    from xtrain.checkpoint.layout import check_shared, check_writable, latest_checkpoint
+    from xtrain.checkpoint.layout import check_shared, latest_checkpoint
+    from xtrain.inputs import checkpoint_dir
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
     from xtrain.train.sampling import sample_text
 
     trainer_cfg = cfg.trainer
-    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
-    check_writable(ckpt_dir)
+    ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
     check_shared(ckpt_dir, engine.processes)
     tokenizer = prepare_data(cfg.data, engine)
     L.seed_everything(trainer_cfg.seed, verbose=False)
@@ -217,17 +227,16 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
                        token_bytes=tokenizer.token_bytes)
     callbacks = build_callbacks(cfg, plan, run_dir, engine, ckpt_dir)
     trainer = build_trainer(engine, callbacks.checkpoint_io, callbacks.all(LoaderState(loaders.train)),
-                            plan, trainer_cfg, loaders.val is not None)
+                            plan, trainer_cfg, loaders.val is not None, run_dir)
     fit(trainer, module, loaders, resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, engine),
         callbacks, engine, cfg.preemption)
     newest = latest_checkpoint(ckpt_dir)
-    primary = engine.processes.primary
     if callbacks.checkpointer.preempted:
         saved = ("checkpoint committed" if callbacks.checkpointer.preemption_saved else
                  f"its checkpoint could not be written, the newest committed one is {newest}")
         print(f"stopped ({callbacks.stop.reason or 'another process was told to stop'}) at step "
               f"{trainer.global_step}: {saved}; run the same command to resume", flush=True)
         return {"step": trainer.global_step, "checkpoint": newest, "preempted": True}
-    if trainer_cfg.sample_tokens > 0 and primary:
+    if trainer_cfg.sample_tokens > 0 and engine.processes.primary:
         print("sample:\n" + sample_text(module.model, tokenizer, trainer_cfg.sample_tokens, trainer_cfg.seed))
     return {"step": trainer.global_step, "checkpoint": newest, **engine.summary()}

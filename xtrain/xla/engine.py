@@ -12,11 +12,16 @@ from xtrain.parallelism import per_host_batch
 class XLAEngine(Engine):
     name = "xla"
 
-    def __init__(self, hardware, parallelism, plan, timeout_s: float):
+    def __init__(self, hardware, parallelism, plan, timeout_s: float,
+                 compile_analysis: str | None = None):
+        """``timeout_s``: of collectives across hosts; ``compile_analysis``: a file for
+        torch_xla's explanation of every compilation (the recompilation guard reads it); None:
+        not collected."""
         from xtrain.xla import runtime
         from xtrain.xla.spmd import build_mesh
 
-        runtime.start_runtime(hardware)
+        self.compile_analysis = compile_analysis
+        runtime.start_runtime(hardware, compile_analysis)
         super().__init__(plan, runtime.host_processes(timeout_s))
         self.mesh = build_mesh(plan.mesh)
         self.rules = parallelism.rules
@@ -41,6 +46,13 @@ class XLAEngine(Engine):
         self.strategy = SPMDStrategy(self.mesh, self.rules, self.processes, self.per_host,
                                      checkpoint_io=checkpoint_io)
         return {"strategy": self.strategy, "devices": 1}
+
+    def callbacks(self, trainer_cfg, run_dir: str) -> list:
+        if not trainer_cfg.max_compiles:
+            return []
+        from xtrain.xla.guard import RecompileGuard
+
+        return [RecompileGuard(trainer_cfg.max_compiles, self.compile_analysis)]
 
     def fetch(self, tensors) -> list[float]:
         return [float(t) for t in compat.tensors_to_cpu(tensors)]

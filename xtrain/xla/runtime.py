@@ -54,13 +54,17 @@ def check_runtime(hw) -> None:
         raise ConfigError("refusing to run: " + "; ".join(problems))
 
 
-def start_runtime(hw) -> None:
+def start_runtime(hw, compile_analysis: str | None = None) -> None:
     """Environment first, then SPMD mode, before any XLA tensor exists (order matters: torch_xla
-    reads PJRT_DEVICE and XLA_* once, and use_spmd() must precede the first device tensor)."""
+    reads PJRT_DEVICE and XLA_* once, and use_spmd() must precede the first device tensor).
+    ``compile_analysis``: a file where torch_xla explains every compilation."""
     global _started
     if _started:
         return
     apply_environment(hw)
+    if compile_analysis:
+        os.environ.setdefault("PT_XLA_DEBUG_LEVEL", "1")
+        os.environ.setdefault("PT_XLA_DEBUG_FILE", compile_analysis)
     if not hw.accelerator_type:
         os.environ.setdefault("PJRT_DEVICE", "CPU")  # XLA on CPU PJRT: the test/try-out path
     import torch_xla.runtime as xr
