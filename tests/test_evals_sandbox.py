@@ -134,11 +134,14 @@ def leftover_dirs() -> set[str]:
 def judge(completions: dict[str, tuple[str, str]], **overrides):
     cfg = EvalConfig(run_timeout_s=RUN_TIMEOUT, workers=2, **overrides)
     dirs_before = leftover_dirs()
+    # Earlier tests may leave long-lived helpers of this process (multiprocessing's resource
+    # tracker, an emulator): only what appears during the evaluation counts.
+    processes_before = set(sandbox_processes())
     start = time.perf_counter()
     scores, records = evaluate([PROBLEM], {PROBLEM.id: [c for c, _ in completions.values()]}, cfg)
     elapsed = time.perf_counter() - start
     return {"records": dict(zip(completions, records)), "elapsed": elapsed, "scores": scores,
-            "processes": sandbox_processes(), "new_dirs": leftover_dirs() - dirs_before}
+            "processes": sorted(set(sandbox_processes()) - processes_before), "new_dirs": leftover_dirs() - dirs_before}
 
 
 @pytest.fixture(scope="module")
