@@ -133,7 +133,7 @@ def test_sigkill_of_one_rank_is_named_and_the_newest_checkpoint_resumes(tmp_path
     code, _, err = finish_all(procs[:1], timeout=timeout + 30)[0]
     procs[1].wait()
     assert code == 3 and time.time() - killed_at < timeout, err[-3000:]
-    assert "xtrain: error: process rank 1 of 2: no heartbeat" in err
+    assert "xtrain: peer error: lost rank 1 of 2: no heartbeat" in err
     committed = [s for s, _ in committed_checkpoints(str(run / "checkpoints"))]
     assert committed and committed[-1] >= 10
     results = finish_all(xtrain_processes(run, *overrides))

@@ -93,6 +93,7 @@ def check_shared(directory: str, processes) -> None:
     fs, root = url_to_fs(directory)
     probe = f"{root.rstrip('/')}/.shared-probe-{processes.broadcast(uuid.uuid4().hex)}"
     if processes.primary:
+        fs.makedirs(root, exist_ok=True)
         fs.pipe_file(probe, b"")
     processes.barrier()
     fs.invalidate_cache()
