@@ -237,6 +237,22 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
         print(f"stopped ({callbacks.stop.reason or 'another process was told to stop'}) at step "
               f"{trainer.global_step}: {saved}; run the same command to resume", flush=True)
         return {"step": trainer.global_step, "checkpoint": newest, "preempted": True}
+    if engine.name == "cpu":  # XLA would gather every shard onto every host for it
+        print(f"param_checksum {param_checksum(module.model)}", flush=True)
     if trainer_cfg.sample_tokens > 0 and engine.processes.primary:
         print("sample:\n" + sample_text(module.model, tokenizer, trainer_cfg.sample_tokens, trainer_cfg.seed))
     return {"step": trainer.global_step, "checkpoint": newest, **engine.summary()}
+
+
+def param_checksum(model) -> str:
+    """A digest of the final parameters' bytes, printed by every process: the processes of a run
+    hold replicas, so they print the same (tests/test_launch_e2e.py compares a pod run's hosts)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.blake2b(digest_size=8)
+    for name, tensor in sorted(model.state_dict().items()):
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # bf16 too
+        digest.update(name.encode() + raw.numpy().tobytes())
+    return digest.hexdigest()
