@@ -18,9 +18,10 @@ class StopRequest:
 
     ``processes`` (xtrain/engines/processes.py): on several processes a request on any one of
     them stops all of them at the same step (a save is collective). The processes vote at every
-    step boundary without waiting for the result: it is read at the next boundary, so the vote
-    overlaps a whole step and adds no wait to it (BENCHMARKS.md, "stop agreement"); a request is
-    acted on one or two steps after it arrives.
+    step boundary without waiting for the result: it is read at the next boundary, so on a pod
+    the vote is in flight while the TPUs compute; on the CPU engine it queues behind DDP's
+    gradient all-reduce on the same gloo group (about a millisecond a step: BENCHMARKS.md, "stop
+    agreement"). A request is acted on one or two steps after it arrives.
     """
 
     def __init__(self, processes=None):
