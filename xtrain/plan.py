@@ -215,7 +215,6 @@ class RunPlan:
                          f"cost ${hours * spot:,.2f} spot / ${hours * demand:,.2f} on demand")
         return "\n".join(lines)
 
-
     def describe_hosts(self) -> str:
         """What each of several hosts (processes) loads and writes."""
         rows = self.batch.device_batch_size * self.batch.data_parallel
