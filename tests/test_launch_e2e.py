@@ -230,7 +230,7 @@ def test_secrets_reach_the_job_and_nothing_else(remote, tmp_path):
     """W&B runs (offline) with the forwarded key; the secrets are in the job's environment and in
     no file of the synced tree, the job and run dirs, the local job dir, the output or `ps`."""
     secret, key = "xtrain-secret-" + os.urandom(8).hex(), "wandb-" + os.urandom(16).hex()
-    args = TINY + ["trainer.max_steps=10", "run.name=e2e-secret", "logging.wandb=true"] + \
+    args = TINY + ["trainer.max_steps=10", "run.name=e2e-secret", "logger=[jsonl,wandb]"] + \
         remote.overrides(secrets=["XTRAIN_TEST_SECRET"],
                          env={"XTRAIN_CACHE": remote.cache, "WANDB_MODE": "offline"})
     proc = start_xtrain(*args, cwd=tmp_path, env={"XTRAIN_TEST_SECRET": secret,

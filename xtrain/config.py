@@ -20,6 +20,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from xtrain.limits import limits
 from xtrain.paths import cache_root
 
 
@@ -29,6 +30,7 @@ class Mode(str, Enum):
     train = "train"  # train (the default)
     plan = "plan"  # print the derived numbers and checks, run nothing
     compile = "compile"  # the TPU preflight: compile the step for the profile's TPU (xtrain/preflight/)
+    sample = "sample"  # generate text from a checkpoint (checkpoint.resume, else the run's newest)
 
 
 class Engine(str, Enum):
@@ -60,17 +62,6 @@ class Attention(str, Enum):
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
-
-_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
-           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
-
-
-def limits(default=MISSING, hint: str = "", **bounds):
-    """A field's default and its allowed range, e.g. ``limits(200, ge=1)``; ``hint`` is added to
-    the refusal. ``None`` (where the type allows it) always passes: it means "derive it"."""
-    assert set(bounds) <= set(_BOUNDS), bounds
-    return field(default=default, metadata={"bounds": bounds, "hint": hint})
-
 
 @dataclass
 class HardwareConfig:
@@ -200,7 +191,10 @@ class TrainerConfig:
     log_every: int = limits(10, ge=1)
     eval_every: int = limits(0, ge=0)  # 0: only at the end
     eval_batches: int = limits(8, ge=1)
-    sample_tokens: int = limits(64, ge=0)  # length of the text sample printed at the end; 0: none
+    # tokens per training sample (every sample_every steps, and at the end); 0: none
+    sample_tokens: int = limits(64, ge=0)
+    # steps between samples during training (prompts: sample.*); 0: at the end only
+    sample_every: int = limits(0, ge=0)
     seed: int = limits(42, ge=0)
     # XLA engine: stop the run when its training step has compiled more graphs than this (a
     # healthy run compiles the step once), naming the graph and torch_xla's reason; None: no
@@ -215,6 +209,11 @@ class TrainerConfig:
     # slowest host's checkpoint upload. A process that vanishes (SIGKILL) is named as soon as the
     # others notice, usually at their next collective.
     collective_timeout_s: float = limits(600.0, gt=0)
+
+
+def sample_prompts(sample) -> list[str]:
+    """The prompts a ``sample`` config asks for."""
+    return [sample.prompt] if sample.prompt is not None else list(sample.prompts)
 
 
 @dataclass
@@ -273,6 +272,14 @@ class EvalConfig:
     message_chars: int = limits(2000, ge=1)  # compiler message and test output kept per record
 
 
+class WandbMode(str, Enum):
+    """How the W&B logger reaches W&B (xtrain/observe/wandb_run.py)."""
+
+    auto = "auto"  # WANDB_MODE if set, else online with a key (WANDB_API_KEY or ~/.netrc), offline without
+    online = "online"  # refused without a key (never W&B's interactive login prompt)
+    offline = "offline"  # files under <run dir>/wandb; `wandb sync` uploads them later
+
+
 @dataclass
 class PreemptionConfig:
     """How a run learns that it must stop (SIGTERM, Ctrl-C, or a GCE notice), stopping at a step
@@ -286,10 +293,58 @@ class PreemptionConfig:
 
 
 @dataclass
-class LoggingConfig:
-    wandb: bool = False  # the key comes from WANDB_API_KEY in the environment, never from config
-    wandb_project: str = "xtrain"
-    wandb_entity: str | None = None
+class JsonlLoggerConfig:
+    """``metrics.jsonl`` in the run dir, through fsspec. Always on, chosen or not."""
+
+    _target_: str = "xtrain.observe.sinks.JsonlSink"
+
+
+@dataclass
+class WandbLoggerConfig:
+    """A W&B run, logged through Lightning's WandbLogger. The key is read from WANDB_API_KEY in
+    the environment only: configs are written into every run dir. The run id is kept in the run
+    dir (``wandb-run-id``): a resumed run continues its W&B run, a fresh run dir starts a new one."""
+
+    _target_: str = "xtrain.observe.wandb_run.wandb_logger"
+    project: str = "xtrain"
+    entity: str | None = None  # None: the key's default entity
+    group: str | None = None  # None: in a sweep (-m), the sweep's command as a name; else no group
+    tags: list[str] = field(default_factory=list)
+    mode: WandbMode = WandbMode.auto
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    """Event files in ``<run dir>/tensorboard`` (a local run dir: TensorBoard writes no gs://)."""
+
+    _target_: str = "lightning.pytorch.loggers.TensorBoardLogger"
+    name: str = ""  # subdirectory names under <run dir>/tensorboard; empty: none
+    version: str = ""
+    default_hp_metric: bool = False  # no placeholder hp_metric scalar
+
+
+@dataclass
+class LoggerConfig:
+    """The ``logger`` group: several options at once, e.g. ``logger=[jsonl,wandb,tensorboard]``;
+    an option that is not chosen stays null. Every logger writes from rank 0 only."""
+
+    jsonl: JsonlLoggerConfig | None = None
+    wandb: WandbLoggerConfig | None = None
+    tensorboard: TensorBoardLoggerConfig | None = None
+
+
+@dataclass
+class SampleConfig:
+    """Text generation: what ``mode=sample`` prints, and the prompts and settings of training's
+    samples (``trainer.sample_every``, ``trainer.sample_tokens``)."""
+
+    prompts: list[str] = field(default_factory=lambda: ["#include <", "int main("])
+    prompt: str | None = None  # one prompt instead of `prompts` (command-line friendly)
+    n: int = limits(1, ge=1)  # samples per prompt (mode=sample)
+    max_tokens: int = limits(128, ge=1)  # new tokens per sample (mode=sample)
+    temperature: float = limits(0.8, ge=0)  # 0: greedy
+    top_k: int | None = limits(50, ge=1)  # sample among the k likeliest tokens; None: all
+    seed: int = limits(42, ge=0)
 
 
 @dataclass
@@ -310,45 +365,31 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
 
 
-def out_of_range(cfg, schema=TrainConfig, prefix: str = "") -> list[str]:
-    """Every field of ``cfg`` outside the range its schema declares, as "field=value: must be
-    ...", in schema order."""
-    from dataclasses import fields, is_dataclass
-
-    problems = []
-    for f in fields(schema):
-        value = cfg.get(f.name) if hasattr(cfg, "get") else getattr(cfg, f.name, None)
-        path = f"{prefix}{f.name}"
-        if isinstance(f.type, str) and value is not None and is_dataclass(_SCHEMAS.get(f.type)):
-            problems += out_of_range(value, _SCHEMAS[f.type], path + ".")
-            continue
-        bounds = f.metadata.get("bounds") or {}
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        broken = [f"{_BOUNDS[k][0]} {b:g}" for k, b in bounds.items() if not _BOUNDS[k][1](value, b)]
-        if broken:
-            hint = f" ({f.metadata['hint']})" if f.metadata.get("hint") else ""
-            problems.append(f"{path}={value:g}: must be {' and '.join(broken)}{hint}")
-    return problems
-
-
-_SCHEMAS = {cls.__name__: cls for cls in (HardwareConfig, ModelConfig, DataConfig, ParallelismConfig,
-                                           OptimConfig, TrainerConfig, CheckpointConfig,
-                                           EvalConfig, LoggingConfig, RunConfig)}
+def hydra_subdir(mode) -> str:
+    """Where Hydra writes a job's config in its run dir: ``.hydra`` for training, ``.hydra-<mode>``
+    for the other modes, so ``mode=sample`` or ``mode=plan`` in a training run's dir leaves the
+    training's record alone."""
+    mode = getattr(mode, "value", mode)
+    return ".hydra" if mode == Mode.train.value else f".hydra-{mode}"
 
 
 def register() -> None:
     """Register the schemas and resolvers (idempotent)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-    from xtrain.naming import corpus_dir, run_name
+    from xtrain.naming import corpus_dir, run_name, sweep_name
 
     if not OmegaConf.has_resolver("xtrain_run_name"):
         OmegaConf.register_new_resolver("xtrain_run_name", run_name)
     if not OmegaConf.has_resolver("xtrain_corpus"):
         OmegaConf.register_new_resolver("xtrain_corpus", corpus_dir)
+    if not OmegaConf.has_resolver("xtrain_hydra_subdir"):  # see conf/train.yaml
+        OmegaConf.register_new_resolver("xtrain_hydra_subdir", hydra_subdir)
+    if not OmegaConf.has_resolver("xtrain_sweep_name"):
+        OmegaConf.register_new_resolver("xtrain_sweep_name", sweep_name)
     if not OmegaConf.has_resolver("xtrain_cache"):  # ${xtrain_cache:}: see xtrain.paths.cache_root
         OmegaConf.register_new_resolver("xtrain_cache", lambda: str(cache_root()))
 

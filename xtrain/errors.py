@@ -3,6 +3,8 @@ the CLI and the launchers report it, and a run that lost one of its processes.""
 
 from __future__ import annotations
 
+import sys
+
 EXIT_REFUSED = 2  # every refused input: config, data, checkpoint, environment
 EXIT_LAUNCH_FAILED = 1  # a remote launch failed (a worker's job, an unreachable host)
 EXIT_PEER_LOST = 3  # another process of a multi-process run vanished
@@ -91,8 +93,11 @@ def one_line(ex: BaseException) -> str:
 
 def refuse(ex: BaseException) -> None:
     """End the process with the one line and the exit code of ``ex``."""
-    import sys
-
     print(one_line(ex), file=sys.stderr, flush=True)
     codes = {LaunchError: EXIT_LAUNCH_FAILED, PeerLost: EXIT_PEER_LOST}
     sys.exit(next((code for kind, code in codes.items() if isinstance(ex, kind)), EXIT_REFUSED))
+
+
+def warn(message: str) -> None:
+    """A warning that does not stop the run, on stderr in the refusals' one-line form."""
+    print(f"xtrain: warning: {message}", file=sys.stderr, flush=True)

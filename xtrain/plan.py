@@ -17,7 +17,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from xtrain.config import TENSOR_AXIS, Attention, Engine, out_of_range
+from xtrain.config import TENSOR_AXIS, Attention, Engine, TrainConfig
+from xtrain.limits import out_of_range
 from xtrain.errors import ConfigError
 from xtrain.model.config import GPTConfig
 from xtrain.parallelism import batch_parallel, check_rules, mesh_shape, per_host_batch
@@ -255,7 +256,7 @@ def resolve(cfg, devices: int) -> RunPlan:
     from xtrain.hardware import check_profile
 
     model, data, hw, trainer = cfg.model, cfg.data, cfg.hardware, cfg.trainer
-    problems = out_of_range(cfg)
+    problems = out_of_range(cfg, TrainConfig)
     if problems:
         raise ConfigError("; ".join(problems))
     check_profile(hw)

@@ -1,5 +1,6 @@
 """One checkpoint written or read: tensors through torch.distributed.checkpoint (DCP), the rest
-through ``state.pt`` with references, ``meta.json``, and the commit marker last.
+through ``state.pt`` with references, ``meta.json``, every file's size and checksum in
+``manifest.json``, and the commit marker last.
 
 ``sharded`` (the XLA engine): every host snapshots and writes only its own shards, and reads
 only what its devices hold (torch_xla's SPMD planners); ``process_group`` spans the hosts (None
@@ -22,7 +23,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from xtrain import compat
+from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import COMMIT_MARKER
+from xtrain.errors import warn
 from xtrain.paths import url_to_fs
 
 # Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it each time.
@@ -118,15 +121,21 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
             fs.rm(root, recursive=True)
         fs.makedirs(root, exist_ok=True)
     _barrier(process_group)
+    written: list[str] = []  # this host's DCP files
     # the URL, not the bare root: DCP resolves its own filesystem from the protocol
-    dcp.save(tensors, storage_writer=compat.fsspec_writer(f"{path.rstrip('/')}/tensors"),
+    dcp.save(tensors, storage_writer=compat.fsspec_writer(f"{path.rstrip('/')}/tensors", written),
              planner=_planner(sharded, "save"), **_dcp_kwargs(process_group))
+    # every host records what it wrote; the first host writes the manifest (xtrain/checkpoint/manifest.py)
+    entries = manifest.gather(manifest.describe(fs, root, [f"tensors/{f}" for f in written]),
+                              process_group)
     error = None
     if rank == 0:
         try:
             fs.pipe_file(f"{root}/state.pt", rest)
             _fault_injection_pause()
             fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
+            own = ["tensors/.metadata", "state.pt", "meta.json"]  # .metadata: DCP's, by this host
+            manifest.write(fs, root, {**entries, **manifest.describe(fs, root, own)})
             fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
         except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
             error = e
@@ -182,7 +191,18 @@ class StagingReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, process_group) -> dict:
+def read_tensors(path: str, prefix: str) -> dict:
+    """Only the stored tensors whose key starts with ``prefix`` (e.g. the model's weights without
+    the optimizer state, for sampling), as new CPU tensors: {key: tensor}."""
+    fs, root = url_to_fs(str(path))
+    if not fs.exists(f"{root}/{COMMIT_MARKER}"):
+        raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
+    with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
+        return _read_tensors(fs, f"{root}/tensors", staging, None, False, None, prefix)
+
+
+def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, process_group,
+                  prefix: str = "") -> dict:
     import torch.distributed.checkpoint as dcp
     from fsspec.implementations.local import LocalFileSystem
 
@@ -191,15 +211,11 @@ def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, proc
     stored = reader.read_metadata().state_dict_metadata
     tensors = dict(targets or {})
     for key, info in stored.items():
-        if key not in tensors:
+        if key not in tensors and key.startswith(prefix):
             tensors[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
     dcp.load(tensors, storage_reader=reader, planner=_planner(sharded, "load"),
              **_dcp_kwargs(process_group))
     return tensors
-
-
-def warn(message: str) -> None:
-    print(f"xtrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _fault_injection_pause() -> None:

@@ -41,6 +41,12 @@ class Engine:
         share = self.global_rows // self.world
         return slice(self.rank * share, (self.rank + 1) * share)
 
+    @property
+    def batch_shares(self) -> int:
+        """How many processes' batches make up a step's rows, as the training step (and its
+        callbacks) see the batch: each process its own share here."""
+        return self.world
+
     def checkpoint_io(self, retries: int) -> FsspecCheckpointIO:
         return FsspecCheckpointIO(retries=retries, rank=self.rank,
                                   process_group=self.processes.checkpoint_group,
@@ -57,6 +63,12 @@ class Engine:
     def fetch(self, tensors) -> list[float]:
         """Device tensors to Python floats, in one device-to-host transfer."""
         return [float(t) for t in tensors]
+
+    def devices(self) -> list[dict]:
+        """The devices the run uses, for the reproducibility bundle."""
+        import torch
+
+        return [{"type": "cpu", "torch_threads": torch.get_num_threads()}]
 
     def counters(self) -> dict:
         """Engine counters for the metrics (e.g. XLA compilations)."""

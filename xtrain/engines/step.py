@@ -27,10 +27,11 @@ def autocast(device_type: str, precision: str):
     return nullcontext()
 
 
-def step_closure(model, tokens, backward, grad_clip: float, precision: str):
+def step_closure(model, tokens, backward, grad_clip: float, precision: str, stats: dict | None = None):
     """The closure ``optimizer.step(closure)`` runs: every micro-batch's forward and ``backward``
     (``loss.backward`` or Lightning's ``manual_backward``), then gradient clipping; it returns
-    the mean loss as a device tensor."""
+    the mean loss as a device tensor. ``stats["grad_norm"]`` receives the global gradient norm
+    before clipping, a device tensor of the same graph (read only when the run logs)."""
     accum = tokens.size(1)
 
     def closure():
@@ -42,7 +43,11 @@ def step_closure(model, tokens, backward, grad_clip: float, precision: str):
             backward(loss)
             total = total + loss.detach()
         if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        if stats is not None:
+            stats["grad_norm"] = norm
         return total
 
     return closure

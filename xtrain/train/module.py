@@ -30,7 +30,10 @@ class GPTModule(L.LightningModule):
         # bytes each target token stands for (bits-per-byte); a buffer so it moves with the model
         tb = torch.as_tensor(token_bytes if token_bytes is not None else [], dtype=torch.float32)
         self.register_buffer("token_bytes", tb, persistent=False)
-        self.last_loss = None  # device tensor; read by the metrics callback at log steps only
+        # device tensors of the last step (loss, grad_norm); the metrics callback reads them
+        # at logging steps only
+        self.last_loss = None
+        self.step_stats: dict = {}
         self._val_sums = None
 
     def configure_optimizers(self):
@@ -40,7 +43,7 @@ class GPTModule(L.LightningModule):
         tokens, _ = batch
         opt = self.optimizers()
         closure = step_closure(self.model, tokens, self.manual_backward, self.optim_cfg.grad_clip,
-                               self.precision_name)
+                               self.precision_name, stats=self.step_stats)
         loss = opt.step(closure=closure)
         opt.zero_grad(set_to_none=True)
         self.last_loss = loss

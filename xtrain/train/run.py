@@ -17,6 +17,8 @@ from xtrain.config import to_plain
 from xtrain.engines.base import Engine
 from xtrain.plan import RunPlan
 
+log = logging.getLogger(__name__)
+
 
 def build_engine(hardware, parallelism, plan: RunPlan, trainer_cfg, run_dir: str) -> Engine:
     timeout_s = trainer_cfg.collective_timeout_s
@@ -59,17 +61,17 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
     return Loaders(train, steps, val)
 
 
-def build_sinks(cfg, plan: RunPlan, run_dir: str, primary: bool) -> list:
-    """Where metrics go; nowhere on processes other than the first."""
-    from xtrain.observe.sinks import ConsoleSink, JsonlSink, WandbSink
+def build_run_log(cfg, plan: RunPlan, run_dir: str, engine: Engine, start_step: int):
+    """The run's loggers (rank 0), and its reproducibility bundle."""
+    from xtrain.observe.bundle import write_bundle
+    from xtrain.observe.loggers import build_run_log as build
 
-    if not primary:
-        return []
-    sinks = [JsonlSink(os.path.join(run_dir, "metrics.jsonl")), ConsoleSink(plan.max_steps)]
-    if cfg.logging.wandb:
-        log = cfg.logging
-        sinks.append(WandbSink(log.wandb_project, log.wandb_entity, cfg.run.name, run_dir, to_plain(cfg)))
-    return sinks
+    run_log = build(cfg.logger, run_dir, cfg.run.name, to_plain(cfg), plan.max_steps, start_step,
+                    engine.rank)
+    if engine.rank == 0:
+        write_bundle(run_dir, start_step, to_plain(cfg), {"engine": engine.name, "mesh": plan.mesh,
+                                                          "devices": engine.devices()})
+    return run_log
 
 
 def run_meta(cfg) -> dict:
@@ -110,44 +112,58 @@ def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan,
 class Callbacks:
     metrics: object
     checkpointer: object
+    sampler: object
     stop: object
     checkpoint_io: object
     dump: object = None  # test-only (xtrain/train/debug_dump.py)
 
     def all(self, loader_state) -> list:
-        return [c for c in (self.metrics, loader_state, self.checkpointer, self.dump) if c]
+        # order matters: the metrics see the step before a checkpoint or a sample at it
+        return [c for c in (self.metrics, loader_state, self.checkpointer, self.sampler, self.dump) if c]
 
 
-def build_callbacks(cfg, plan: RunPlan, run_dir: str, engine: Engine, ckpt_dir: str) -> Callbacks:
-    from xtrain.observe.metrics import MetricsLogger
+def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_log, tokenizer) -> Callbacks:
+    from xtrain.observe.metrics import MetricsLogger, PhaseTimer
+    from xtrain.observe.peak import run_peak_flops
     from xtrain.train.checkpointing import PeriodicCheckpoint
     from xtrain.train.debug_dump import debug_dump
     from xtrain.train.preemption import StopRequest
+    from xtrain.train.sampling import SampleCallback
 
-    metrics = MetricsLogger(build_sinks(cfg, plan, run_dir, engine.processes.primary),
-                            cfg.trainer.log_every, plan.batch.total_batch_size,
-                            plan.flops_per_token, cfg.hardware.peak_bf16_tflops_per_chip * 1e12,
-                            plan.devices, extra=engine.counters, fetch=engine.fetch)
+    peak, source = run_peak_flops(cfg.hardware, plan.devices) if engine.rank == 0 else (0.0, "")
+    if source:
+        log.info("MFU peak: %s", source)
+    timer, trainer_cfg = PhaseTimer(), cfg.trainer
+    metrics = MetricsLogger(run_log, trainer_cfg.log_every, plan.max_steps, plan.flops_per_token,
+                            peak, plan.devices, timer=timer,
+                            extra=engine.counters, fetch=engine.fetch, batch_shares=engine.batch_shares)
     stop, ckpt = StopRequest(engine.processes), cfg.checkpoint
     checkpoint_io = engine.checkpoint_io(ckpt.retries)
-    checkpointer = PeriodicCheckpoint(ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last,
-                                      ckpt.keep_every, stop=stop, report=metrics.write,
-                                      meta=run_meta(cfg))
-    return Callbacks(metrics, checkpointer, stop, checkpoint_io,
+    checkpointer = PeriodicCheckpoint(
+        ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last, ckpt.keep_every, stop=stop,
+        report=lambda r: run_log.record("checkpoint", r["step"], {k: v for k, v in r.items() if k != "step"}),
+        meta=run_meta(cfg), timer=timer)
+    sampler = SampleCallback(tokenizer, cfg.sample, trainer_cfg.sample_tokens, trainer_cfg.sample_every,
+                             run_log, timer, plan.gpt.sequence_len)
+    return Callbacks(metrics, checkpointer, sampler, stop, checkpoint_io,
                      debug_dump(engine.rank, engine.host_rows))
 
 
-def resume_point(ckpt, ckpt_dir: str, gpt, engine: Engine) -> str | None:
-    """The checkpoint to start from: ``checkpoint.resume``, else the newest committed one, as
-    process 0 sees it (every process must resume from the same step)."""
+def resume_point(ckpt, ckpt_dir: str, gpt, engine: Engine) -> tuple[str | None, int]:
+    """The checkpoint to start from (``checkpoint.resume``, else the newest intact committed one,
+    as process 0 sees it: every process must resume from the same step) and its step (0 for a
+    fresh run)."""
+    from xtrain.checkpoint.layout import read_meta
     from xtrain.inputs import resume_checkpoint
 
     primary = engine.processes.primary
     resume_from = engine.processes.broadcast(
         resume_checkpoint(ckpt.resume, ckpt_dir, gpt) if primary else None)
-    if resume_from and primary:
-        print(f"resuming from {resume_from}")
-    return resume_from
+    if not resume_from:
+        return None, 0
+    if primary:
+        log.info("resuming from %s", resume_from)
+    return resume_from, int(read_meta(resume_from).get("step") or 0)
 
 
 def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, engine: Engine,
@@ -178,7 +194,16 @@ def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, en
         if watcher:
             watcher.stop()
         callbacks.stop.uninstall()
-        callbacks.metrics.close()
+
+
+def write_plots(run_dir: str) -> None:
+    """The run's charts; a chart that cannot be drawn costs a warning, never the finished run."""
+    from xtrain.observe.plots import write_run_plots
+
+    try:
+        write_run_plots(run_dir)
+    except Exception as e:  # noqa: BLE001
+        log.warning("plots not written (%s: %s)", type(e).__name__, e)
 
 
 def prepare_data(data, engine: Engine):
@@ -187,16 +212,13 @@ def prepare_data(data, engine: Engine):
     from xtrain.data import prepare
 
     if engine.processes.primary:
-        tokenizer = prepare(data)
+        tokenizer = prepare(data, log=log.info)
     engine.processes.barrier()
     return tokenizer if engine.processes.primary else prepare(data, log=lambda *_: None)
 
 
 def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     """Train; returns a summary (final step, newest checkpoint, preempted or not)."""
-    # Lightning's INFO banners (accelerator probes, tips) would also flow through Hydra's log
-    # handler twice; xtrain prints its own plan and progress.
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     # the processes first (a missing peer or launch variable fails here), then the shared-storage
     # check, both before data preparation and the first compile
     engine = build_engine(cfg.hardware, cfg.parallelism, plan, cfg.trainer, run_dir)
@@ -211,13 +233,15 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
 
     from xtrain.checkpoint.layout import check_shared, latest_checkpoint
     from xtrain.inputs import checkpoint_dir
+    from xtrain.observe.wandb_run import choose_mode
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
-    from xtrain.train.sampling import sample_text
 
     trainer_cfg = cfg.trainer
     ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
     check_shared(ckpt_dir, engine.processes)
+    if cfg.logger.wandb is not None:
+        choose_mode(cfg.logger.wandb.mode)  # online without a key is refused now, not later
     tokenizer = prepare_data(cfg.data, engine)
     L.seed_everything(trainer_cfg.seed, verbose=False)
     loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
@@ -225,22 +249,29 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
                             host_rows=engine.host_rows)
     module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                        token_bytes=tokenizer.token_bytes)
-    callbacks = build_callbacks(cfg, plan, run_dir, engine, ckpt_dir)
-    trainer = build_trainer(engine, callbacks.checkpoint_io, callbacks.all(LoaderState(loaders.train)),
-                            plan, trainer_cfg, loaders.val is not None, run_dir)
-    fit(trainer, module, loaders, resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, engine),
-        callbacks, engine, cfg.preemption)
+    resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, engine)
+    run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
+    status = "failed"
+    try:
+        callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_log, tokenizer)
+        trainer = build_trainer(engine, callbacks.checkpoint_io,
+                                callbacks.all(LoaderState(loaders.train)), plan, trainer_cfg,
+                                loaders.val is not None, run_dir)
+        fit(trainer, module, loaders, resume_from, callbacks, engine, cfg.preemption)
+        status = "preempted" if callbacks.checkpointer.preempted else "success"
+    finally:
+        run_log.close(status)
+        if engine.rank == 0 and status != "failed":
+            write_plots(run_dir)
     newest = latest_checkpoint(ckpt_dir)
-    if callbacks.checkpointer.preempted:
+    if status == "preempted":
         saved = ("checkpoint committed" if callbacks.checkpointer.preemption_saved else
                  f"its checkpoint could not be written, the newest committed one is {newest}")
-        print(f"stopped ({callbacks.stop.reason or 'another process was told to stop'}) at step "
-              f"{trainer.global_step}: {saved}; run the same command to resume", flush=True)
+        log.info("stopped (%s) at step %d: %s; run the same command to resume",
+                 callbacks.stop.reason or "another process was told to stop", trainer.global_step, saved)
         return {"step": trainer.global_step, "checkpoint": newest, "preempted": True}
     if engine.name == "cpu":  # XLA would gather every shard onto every host for it
-        print(f"param_checksum {param_checksum(module.model)}", flush=True)
-    if trainer_cfg.sample_tokens > 0 and engine.processes.primary:
-        print("sample:\n" + sample_text(module.model, tokenizer, trainer_cfg.sample_tokens, trainer_cfg.seed))
+        log.info("param_checksum %s", param_checksum(module.model))
     return {"step": trainer.global_step, "checkpoint": newest, **engine.summary()}
 
 

@@ -34,6 +34,10 @@ class XLAEngine(Engine):
         uploads only the rows its devices hold: xtrain/xla/spmd.py)."""
         return super().host_rows if self.per_host else slice(0, self.global_rows)
 
+    @property
+    def batch_shares(self) -> int:
+        return 1  # the step sees the global array (per-host rows assembled by input sharding)
+
     def checkpoint_io(self, retries: int) -> FsspecCheckpointIO:
         # every host writes and reads its own shards
         return FsspecCheckpointIO(retries=retries, sharded=True, rank=self.rank,
@@ -56,6 +60,11 @@ class XLAEngine(Engine):
 
     def fetch(self, tensors) -> list[float]:
         return [float(t) for t in compat.tensors_to_cpu(tensors)]
+
+    def devices(self) -> list[dict]:
+        import torch_xla.runtime as xr
+
+        return [dict(attrs, index=i) for i, attrs in enumerate(xr.global_runtime_device_attributes())]
 
     def counters(self) -> dict:
         from xtrain.xla.spmd import counters
