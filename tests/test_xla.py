@@ -143,9 +143,10 @@ def test_bad_mesh_fails_before_compiling(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-# relative distance ||a - b|| / ||b|| per tensor, as for the CPU engine (tests/test_train.py);
-# measured after 3 steps: see the docstring below
-XLA_ACCUM_REL, XLA_ACCUM_LOSS_ATOL = 2e-4, 1e-5
+# relative distance ||a - b|| / ||b|| per tensor, as for the CPU engine (tests/test_train.py).
+# Measured after 3 steps: <= 2.6e-4, in the attention output projections (initialised to zero,
+# so their norm is still small); one micro-batch dropped per step: > 1e-2.
+XLA_ACCUM_REL, XLA_ACCUM_LOSS_ATOL = 1e-3, 1e-5
 
 
 def test_accumulation_on_the_xla_engine_updates_like_one_bigger_batch(tmp_path):
