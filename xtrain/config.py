@@ -31,6 +31,7 @@ class Mode(str, Enum):
     plan = "plan"  # print the derived numbers and checks, run nothing
     compile = "compile"  # the TPU preflight: compile the step for the profile's TPU (xtrain/preflight/)
     sample = "sample"  # generate text from a checkpoint (checkpoint.resume, else the run's newest)
+    eval = "eval"  # score a checkpoint (chosen as for sample) on the C++ benchmark (the eval group)
 
 
 class Engine(str, Enum):

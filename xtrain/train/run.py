@@ -115,14 +115,17 @@ class Callbacks:
     sampler: object
     stop: object
     checkpoint_io: object
+    cpp_eval: object | None = None  # only with eval.cpp_every > 0, on rank 0
     dump: object = None  # test-only (xtrain/train/debug_dump.py)
 
     def all(self, loader_state) -> list:
-        # order matters: the metrics see the step before a checkpoint or a sample at it
-        return [c for c in (self.metrics, loader_state, self.checkpointer, self.sampler, self.dump) if c]
+        # order matters: the metrics see the step before a checkpoint, a sample or an evaluation
+        return [c for c in (self.metrics, loader_state, self.checkpointer, self.sampler,
+                            self.cpp_eval, self.dump) if c]
 
 
-def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_log, tokenizer) -> Callbacks:
+def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: str, run_log,
+                    tokenizer) -> Callbacks:
     from xtrain.observe.metrics import MetricsLogger, PhaseTimer
     from xtrain.observe.peak import run_peak_flops
     from xtrain.train.checkpointing import PeriodicCheckpoint
@@ -145,7 +148,12 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_log, 
         meta=run_meta(cfg), timer=timer)
     sampler = SampleCallback(tokenizer, cfg.sample, trainer_cfg.sample_tokens, trainer_cfg.sample_every,
                              run_log, timer, plan.gpt.sequence_len)
-    return Callbacks(metrics, checkpointer, sampler, stop, checkpoint_io,
+    cpp_eval = None
+    if cfg.eval.cpp_every and engine.rank == 0:
+        from xtrain.train.cpp_eval import CppEvalCallback
+
+        cpp_eval = CppEvalCallback(cfg.eval, tokenizer, run_log, timer, run_dir, plan.gpt.sequence_len)
+    return Callbacks(metrics, checkpointer, sampler, stop, checkpoint_io, cpp_eval,
                      debug_dump(engine.rank, engine.host_rows))
 
 
@@ -253,7 +261,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
     run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
     status = "failed"
     try:
-        callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_log, tokenizer)
+        callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer)
         trainer = build_trainer(engine, callbacks.checkpoint_io,
                                 callbacks.all(LoaderState(loaders.train)), plan, trainer_cfg,
                                 loaders.val is not None, run_dir)
