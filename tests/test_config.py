@@ -87,7 +87,7 @@ def test_tab_completion_of_the_console_script_lists_options_and_fields():
                            env={**os.environ, "COMP_LINE": line})
         assert expected in r.stdout.split(), (line, r.stdout, r.stderr[-500:])
 @pytest.mark.parametrize("override, choices", [
-    ("mode=nope", "train, plan, compile, sample"),
+    ("mode=nope", "train, plan, compile, sample, eval"),
     ("model.attention=nope", "auto, sdpa, chunked, flash, splash"),
 ])
 def test_enum_fields_refuse_unknown_values_with_the_choices(override, choices):

@@ -113,7 +113,7 @@ def test_trace_gives_every_argument_its_sharding_and_donation(compose_config, tm
     aliases = [a["alias"] for a in traced["args"] if a["alias"] is not None]
     assert sorted(aliases) == list(range(n_state))
     shardings = {a["sharding"] for a in traced["args"]}
-    assert "{devices=[1,4,1]0,1,2,3}" in shardings  # tokens [A, B, T+1]: rows over 4 devices
+    assert "{devices=[4,1,1]0,1,2,3}" in shardings  # tokens [B, A, T+1]: rows over 4 devices
     assert "{devices=[4,1]0,1,2,3}" in shardings  # fsdp: the first dimension of the matrices
     assert plan.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
 

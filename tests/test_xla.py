@@ -204,3 +204,18 @@ def test_recompilation_guard_stops_the_run_naming_the_graph(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if '"loss"' in line]
     assert max(steps) == 5  # stopped at the step that recompiled, not at the end (10)
+
+
+def test_cpp_evaluation_leaves_the_training_steps_compile_count_unchanged(tmp_path):
+    """The evaluation generates on a CPU copy of the weights: no graph is traced on the device."""
+    from test_evals_model import EVAL, PROBLEMS
+
+    problems = tmp_path / "cpp.jsonl"
+    problems.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    overrides = common(10) + ["hardware.engine=xla", "trainer.device_batch_size=2",
+                              "eval.cpp_every=5", f"eval.cpp_file={problems}", *EVAL]
+    records = drive([{"name": "run", "dir": str(tmp_path / "run"), "overrides": overrides}], 4)
+    records = records["run"]["records"]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [5, 10]
+    # optimizer-state init and the training step; the validation graph comes after step 10's line
+    assert [r["xla_compiles"] for r in records if "loss" in r] == [2] * 10

@@ -31,6 +31,7 @@ class Mode(str, Enum):
     plan = "plan"  # print the derived numbers and checks, run nothing
     compile = "compile"  # the TPU preflight: compile the step for the profile's TPU (xtrain/preflight/)
     sample = "sample"  # generate text from a checkpoint (checkpoint.resume, else the run's newest)
+    eval = "eval"  # score a checkpoint (chosen as for sample) on the C++ benchmark (the eval group)
 
 
 class Engine(str, Enum):
@@ -74,7 +75,9 @@ class HardwareConfig:
     topology: str | None = None  # TPU compiler topology name, e.g. v6e:2x2
     # accelerator chips in the slice (v4 names count TensorCores: v4-32 = 16 chips)
     chips: int = limits(1, ge=1)
-    hosts: int = limits(1, ge=1)  # machines (one training process each)
+    # machines, one training process each: TPU VM workers (xla), or CPU processes joined over
+    # gloo (cpu); a cpu profile with hosts > 1 needs the standard launch variables (README)
+    hosts: int = limits(1, ge=1)
     chips_per_host: int = limits(1, ge=1)
     cores_per_chip: int = limits(1, ge=1)  # TensorCores per chip
     hbm_gib_per_chip: float = limits(0.0, ge=0)  # 0 means "host memory, not checked"
@@ -202,6 +205,11 @@ class TrainerConfig:
     overfit_batches: int = limits(0, ge=0)
     # write a PyTorch profiler trace (chrome format) of a few steps after warm-up into the run dir
     profile: bool = False
+    # Seconds one process waits for the others in a collective (gloo: gradients, barriers, stop
+    # votes, checkpoint saves) before failing. Must exceed the longest legitimate wait, e.g. the
+    # slowest host's checkpoint upload. A process that vanishes (SIGKILL) is named as soon as the
+    # others notice, usually at their next collective.
+    collective_timeout_s: float = limits(600.0, gt=0)
 
 
 def sample_prompts(sample) -> list[str]:
@@ -271,6 +279,18 @@ class WandbMode(str, Enum):
     auto = "auto"  # WANDB_MODE if set, else online with a key (WANDB_API_KEY or ~/.netrc), offline without
     online = "online"  # refused without a key (never W&B's interactive login prompt)
     offline = "offline"  # files under <run dir>/wandb; `wandb sync` uploads them later
+
+
+@dataclass
+class PreemptionConfig:
+    """How a run learns that it must stop (SIGTERM, Ctrl-C, or a GCE notice), stopping at a step
+    boundary with a checkpoint (xtrain/train/preemption.py, xtrain/train/notices.py)."""
+
+    # GCE metadata server to watch for preemption and maintenance notices. None: the real one
+    # (http://metadata.google.internal/computeMetadata/v1) when running on a GCE VM, nothing
+    # elsewhere (no thread, no request).
+    metadata_url: str | None = None
+    watch_notices: bool = True  # false: rely on SIGTERM alone, even on GCE
 
 
 @dataclass
@@ -344,6 +364,7 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)

@@ -57,12 +57,13 @@ def check_compatible(path: str, gpt: GPTConfig) -> None:
 
 
 def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig,
-                      verify: bool = True) -> str | None:
+                      early: bool = False) -> str | None:
     """The checkpoint a run starts from: ``checkpoint.resume`` (which must be one committed
     checkpoint whose files match its manifest), else the newest such one in ``ckpt_dir`` (newer
     corrupt ones warned about and passed over), else None; checked against the configured model.
-    ``verify=False`` skips reading the files' checksums of the newest one (the early check: the
-    run itself verifies)."""
+    Each checkpoint's checksums are read once: by the ``early`` call (:func:`check_inputs`) for
+    ``checkpoint.resume``, so a bad one is refused before any work; by the run's call for the
+    newest one."""
     if resume:
         fs, root = url_to_fs(resume)
         if not fs.exists(root):
@@ -73,10 +74,10 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig,
                     else "; an interrupted save, or not a checkpoint")
             raise CheckpointError(f"checkpoint.resume={resume}: not a committed checkpoint (no "
                                   f"{COMMIT_MARKER} marker){hint}")
-        corrupt = manifest.problems(resume)
+        corrupt = manifest.problems(resume) if early else []
         if corrupt:
             raise CheckpointError(f"checkpoint.resume={resume} is corrupt: {'; '.join(corrupt)}")
-    found = resume or (newest_intact(ckpt_dir) if verify else latest_checkpoint(ckpt_dir))
+    found = resume or (latest_checkpoint(ckpt_dir) if early else newest_intact(ckpt_dir))
     if found:
         check_compatible(found, gpt)
     return found
@@ -162,6 +163,6 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
 
 
 def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str) -> None:
-    resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, verify=False)
+    resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, early=True)
     check_writable(ckpt_dir)
     check_data(cfg.data)

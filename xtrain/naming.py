@@ -19,7 +19,8 @@ from xtrain.paths import cache_root
 NAME_NEUTRAL_KEYS = ("mode",)
 NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
                          "run.", "checkpoint.", "logger", "sample.", "hydra.", "data.prefetch",
-                         "data.tokenizer_threads", "data.remote_timeout_s")
+                         "data.tokenizer_threads", "data.remote_timeout_s",
+                         "trainer.collective_timeout_s", "preemption.")
 GROUPS_IN_NAME = ("model", "hardware", "data")
 MAX_NAME = 120  # bytes; file systems allow 255 per path component
 

@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 
 from tests.bench import (attention, checkpoint, cpp_eval, generate, launch, loader, preflight,
-                         step_time, xla_step)
+                         step_time, stop_vote, xla_step)
 
 BENCHES = {"step_time": step_time.run, "attention": attention.run, "loader": loader.run,
            "xla_step": xla_step.run, "checkpoint": checkpoint.run, "preflight": preflight.run,
-           "cpp_eval": cpp_eval.run, "launch": launch.run, "generate": generate.run}
+           "cpp_eval": cpp_eval.run, "launch": launch.run, "generate": generate.run,
+           "stop_vote": stop_vote.run}
 OUT = Path(__file__).resolve().parents[2] / "BENCHMARKS.md"
 
 

@@ -1,12 +1,88 @@
-"""The CPU engine: plain PyTorch on this machine through Lightning's Trainer."""
+"""The CPU engine: plain PyTorch through Lightning's Trainer; on several processes (hosts), Lightning's
+DDP over gloo, each process training on its own rows of every step."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.strategies import DDPStrategy
+
 from xtrain.engines.base import Engine
+from xtrain.engines.processes import Processes, join_gloo
+from xtrain.hardware import launch_environment
 
 
 class CPUEngine(Engine):
     name = "cpu"
 
+    def __init__(self, hardware, plan, timeout_s: float):
+        processes, self.address, self.port = Processes(), None, None
+        if plan.hosts > 1:  # joined before anything else, so a missing peer fails fast
+            rank, world, self.address, self.port = launch_environment(hardware)
+            processes = join_gloo(rank, world, self.address, self.port, timeout_s)
+        super().__init__(plan, processes)
+        self.timeout_s = timeout_s
+
     def trainer_kwargs(self, checkpoint_io) -> dict:
-        return {"accelerator": "cpu", "devices": 1, "plugins": [checkpoint_io]}
+        if self.world == 1:
+            return {"accelerator": "cpu", "devices": 1, "plugins": [checkpoint_io]}
+        strategy = CollectiveCheckpointDDP(
+            cluster_environment=JoinedProcesses(self.processes, self.address, self.port),
+            checkpoint_io=checkpoint_io, process_group_backend="gloo",
+            timeout=timedelta(seconds=self.timeout_s),
+            broadcast_buffers=False)  # the buffers (rotary tables, token bytes) never change
+        # one device per process, one process per "node": Lightning's global rank is then RANK
+        return {"accelerator": "cpu", "devices": 1, "num_nodes": self.world, "strategy": strategy,
+                "use_distributed_sampler": False}  # each process picks its rows itself
+
+
+class CollectiveCheckpointDDP(DDPStrategy):
+    """Lightning's DDP, except that every process takes part in saving: checkpoints are written
+    with torch.distributed.checkpoint, a collective (Lightning's DDP saves on rank 0 only)."""
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+
+class JoinedProcesses(ClusterEnvironment):
+    """Lightning's view of processes the engine has already joined (xtrain/engines/processes.py),
+    so rank and world have one source. Lightning's own environments would either spawn processes
+    (without LOCAL_RANK) or expect torchrun's variables only."""
+
+    def __init__(self, processes: Processes, address: str, port: int):
+        self.processes, self.address, self.port = processes, address, port
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return self.address
+
+    @property
+    def main_port(self) -> int:
+        return self.port
+
+    @staticmethod
+    def detect() -> bool:
+        return False
+
+    def world_size(self) -> int:
+        return self.processes.world
+
+    def set_world_size(self, size: int) -> None:
+        pass  # Lightning computes num_nodes x devices = world: the same number
+
+    def global_rank(self) -> int:
+        return self.processes.rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # node_rank x 1 + local_rank 0 = rank: the same number
+
+    def local_rank(self) -> int:
+        return 0
+
+    def node_rank(self) -> int:
+        return self.processes.rank

@@ -7,8 +7,9 @@ console display (xtrain/observe/console.py) is refreshed from these records.
 
 ``loss`` is the step's float32 loss unrounded (JSON keeps every digit, so runs compare exactly).
 ``tokens`` is counted from the batches the steps received: micro-batches x rows x sequence_len
-per step ([A, B, T+1] holds T targets per row; training rows are never padded, see
-xtrain/data/loader.py), times the processes feeding disjoint rows; checkpointed with the run.
+per step ([B, A, T+1] holds T targets per row; training rows are never padded, see
+xtrain/data/loader.py), times ``batch_shares`` (the processes whose batches make up the step:
+xtrain/engines/base.py); checkpointed with the run.
 
 A train record holds: ``loss``, ``lr`` (the matrix group's), ``grad_norm`` (before clipping),
 ``tokens``, ``tok_per_s`` and ``tok_per_s_per_chip`` (evaluation and sampling time excluded),
@@ -63,7 +64,7 @@ class MetricsLogger(L.Callback):
 
     def __init__(self, run_log: RunLog, log_every: int, max_steps: int,
                  flops_per_token: float = 0.0, peak_flops: float = 0.0, chips: int = 1,
-                 timer: PhaseTimer | None = None, extra=None, fetch=None):
+                 timer: PhaseTimer | None = None, extra=None, fetch=None, batch_shares: int = 1):
         self.run_log, self.log_every = run_log, log_every
         self.max_steps, self.flops_per_token, self.peak_flops = max_steps, flops_per_token, peak_flops
         self.chips = chips
@@ -73,6 +74,7 @@ class MetricsLogger(L.Callback):
         self.fetch = fetch or (lambda tensors: [float(t) for t in tensors])
         self._started = self._t0 = self._batch_t0 = self._eta_from = None
         self._step0 = 0
+        self.batch_shares = batch_shares
         self.tokens = 0  # consumed by the steps so far (this run and the ones it resumed)
         self._tokens0 = 0
         self._compute = 0.0
@@ -98,16 +100,19 @@ class MetricsLogger(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         now = time.perf_counter()
         self._compute += now - self._batch_t0
-        accum, rows, row_len = batch[0].shape  # host-side shape: no device read
-        self.tokens += accum * rows * (row_len - 1) * trainer.world_size
+        rows = batch[0]  # [rows, micro-batches, T+1] on this process; a host-side shape, no device read
+        self.tokens += rows.numel() // rows.shape[-1] * (rows.shape[-1] - 1) * self.batch_shares
         step = trainer.global_step
         if step % self.log_every and step not in (1, trainer.max_steps):
             return
-        if trainer.global_rank != 0:
+        # every process: under DDP each holds its own rows' loss and this is a collective; under
+        # SPMD the loss is already the global one and this does nothing
+        loss = trainer.strategy.reduce(pl_module.last_loss, reduce_op="mean")
+        if not trainer.is_global_zero:
             return
         opt = pl_module.optimizers().optimizer
         # the one device-to-host transfer of this logging interval
-        loss, lr_mult, grad_norm = self.fetch([pl_module.last_loss, opt.last_lr_multiplier(),
+        loss, lr_mult, grad_norm = self.fetch([loss, opt.last_lr_multiplier(),
                                                pl_module.step_stats["grad_norm"]])
         values = {"loss": loss, "lr": float(f"{opt.param_groups[0]['lr'] * lr_mult:.6g}"),
                   "grad_norm": round(grad_norm, 6), "tokens": self.tokens,
@@ -146,9 +151,11 @@ class MetricsLogger(L.Callback):
         self._val_t0 = time.perf_counter()
 
     def on_validation_epoch_end(self, trainer, pl_module):
-        if trainer.sanity_checking or trainer.global_rank != 0:
+        if trainer.sanity_checking:
             return
-        summary = pl_module.validation_summary()  # one transfer per evaluation
+        summary = pl_module.validation_summary()  # every process (a collective under DDP)
+        if not trainer.is_global_zero:
+            return
         seconds = time.perf_counter() - self._val_t0
         self.timer.add("eval", seconds)  # evaluation time is not training throughput
         self.run_log.record("val", trainer.global_step,

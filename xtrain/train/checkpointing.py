@@ -57,7 +57,7 @@ class PeriodicCheckpoint(L.Callback):
             self.stop.install()  # take SIGTERM back from Lightning (see StopRequest)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.stop is not None and self.stop.agreed(self.io.process_group):
+        if self.stop is not None and self.stop.agreed():
             self.preemption_saved = self.save(trainer, wait=True)  # committed before exit
             self.preempted = True
             # Lightning's stop-by-signal exception, raised now: with only should_stop set it would
@@ -67,4 +67,6 @@ class PeriodicCheckpoint(L.Callback):
             self.save(trainer)
 
     def on_train_end(self, trainer, pl_module):
+        if self.stop is not None:
+            self.stop.settle()
         self.save(trainer, wait=True)

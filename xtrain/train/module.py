@@ -1,7 +1,7 @@
 """The LightningModule: one training batch is one optimizer step.
 
-A batch is ``(tokens [A, B, T+1], loader_state)``: all ``A`` gradient-accumulation micro-batches of
-the step, fetched outside the step, plus the loader position after them (checkpointed, so resume
+A batch is ``(tokens [B, A, T+1], loader_state)``: this process's ``B`` rows of all ``A``
+gradient-accumulation micro-batches of the step, fetched outside the step, plus the loader position after them (checkpointed, so resume
 is exact even though Lightning prefetches a batch ahead). Optimisation is manual so the whole step
 (xtrain/engines/step.py) sits inside one ``optimizer.step(closure)`` call, which the XLA engine
 compiles as one graph.
@@ -66,6 +66,8 @@ class GPTModule(L.LightningModule):
         self._val_sums += torch.stack([(nats * counted).sum(), counted.sum(), nbytes.sum()])
 
     def validation_summary(self) -> dict:
-        """Host read of the validation sums; called once per evaluation."""
-        nats, count, nbytes = self._val_sums.tolist()
+        """Host read of the validation sums; called once per evaluation, on every process (each
+        holds its own rows' sums under DDP)."""
+        sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
+        nats, count, nbytes = sums.tolist()
         return {"val_loss": nats / max(count, 1), "val_bpb": nats / (math.log(2) * max(nbytes, 1))}

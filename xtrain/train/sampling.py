@@ -27,6 +27,16 @@ def host_copy(model):
     return cpu_model
 
 
+def host_copy_or_none(model, skipped: str):
+    """:func:`host_copy`, or None (with a warning naming what is ``skipped``) on a pod host,
+    which holds only its shards of the weights."""
+    try:
+        return host_copy(model)
+    except RuntimeError as e:
+        log.warning("%s skipped for the rest of the run: %s", skipped, e)
+        return None
+
+
 class SampleCallback(L.Callback):
     """``tokens`` per sample; ``every`` steps between samples (0: only at the end); the same
     seed every time, so samples of one run differ only by what the model learnt."""
@@ -44,10 +54,8 @@ class SampleCallback(L.Callback):
             was_training = model.training
             stats = {}
             prompts = self.prompts
-            try:
-                cpu_model = host_copy(model)
-            except RuntimeError as e:  # a pod: this host holds only its shards of the weights
-                log.warning("samples skipped for the rest of the run: %s", e)
+            cpu_model = host_copy_or_none(model, "samples")
+            if cpu_model is None:
                 self.tokens = 0
                 return None
             texts = generate(cpu_model, self.tokenizer, prompts, 1, max_tokens=self.tokens,
