@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from conftest import gcs_client_env, gcs_filesystem
 from tests.test_launch_e2e import ssh_processes
 from tests.sshd import (HOSTS, Remote, Sshd, gcloud, live_group, stack_venv,  # noqa: F401
                         tpu_node)
@@ -40,7 +41,7 @@ if str(LAUNCH) not in sys.path:  # until the plugin is installed with the packag
     sys.path.insert(0, str(LAUNCH))
 ZONE = "asia-northeast1-b"
 STEPS = 60  # about 0.05 s a step here: room to act between a checkpoint and the end
-EVERY = 20  # few saves: fake-gcs-server stalls once its unread stderr pipe fills (see report)
+EVERY = 20
 TINY = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trainer.log_every=1",
         "trainer.sample_tokens=0", "trainer.eval_batches=1", "optim.warmup_steps=3"]
 
@@ -62,9 +63,9 @@ def fields(fleet, tmp_path, bucket=None, **extra) -> dict:
     """Launcher fields for the fleet hosts beyond tests/sshd.py's: a TPU name instead of
     addresses, fast polling, this test's own known_hosts, the GCS emulator for the remote job."""
     env = {"XTRAIN_CACHE": fleet.cache}
-    if bucket:
-        env.update(STORAGE_EMULATOR_HOST=os.environ["STORAGE_EMULATOR_HOST"],
-                   GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    if bucket:  # the remote job reaches the emulator as this process does (tests/conftest.py)
+        env.update({k: v for k, v in gcs_client_env(os.environ["STORAGE_EMULATOR_HOST"],
+                                                    os.environ["CLOUDSDK_CONFIG"]).items() if v})
     return dict(hosts=[], zone=ZONE, venv=str(fleet.venv), known_hosts=str(tmp_path / "known_hosts"),
                 tpu_lockfile=str(tmp_path / "libtpu_lockfile"), poll_s=0.2, capacity_backoff_s=0.5,
                 ready_timeout_s=120, env=env, **extra)
@@ -136,11 +137,7 @@ def logged_step(fleet, job: str, host=HOSTS[0]) -> int:
 
 
 def committed(url: str) -> bool:
-    import gcsfs
-
-    fs = gcsfs.GCSFileSystem(token="anon")
-    fs.invalidate_cache()
-    return fs.exists(url + "/COMMITTED")
+    return gcs_filesystem(url).exists(url + "/COMMITTED")
 
 
 def preempt(gcloud, name: str, pgid: int) -> None:
@@ -285,13 +282,12 @@ def test_a_sweep_over_a_pool_requeues_the_preempted_job_and_finishes_all(
         preempted.update(job=job, run=config.run.name, step=logged_step(fleet, job))
         preempt(gcloud, "vm-a", pgid)
 
-    watcher = threading.Thread(target=preempt_vm_a, daemon=True)
-    watcher.start()
+    watched = in_background(preempt_vm_a)
     sweep = hydra_sweep_runner(calling_file=__file__, calling_module=None, task_function=None,
                                config_path=config_dir(), config_name="train",
                                overrides=overrides, temp_dir=tmp_path / "multirun")
     with sweep:  # leaving it deletes the sweep dir
-        watcher.join(5)
+        watched(timeout=5)  # its own failure (a wait timed out) is raised here
         returns = sweep.returns[0]
         dirs = [Path(r.hydra_cfg.hydra.runtime.output_dir) for r in returns]
         metrics = {d.name: read_jsonl(d / "metrics.jsonl") for d in dirs}

@@ -228,9 +228,9 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
     try:
         result = launch_job(cfg, job.hardware, job.overrides, job.run_name, job.job_dir,
                             Runner(), log, vm_check=vm.check)
-    except VmLost:
+    except (VmLost, InputError):  # a refused input is never a preemption, whatever the VM's state
         raise
-    except (LaunchError, InputError) as e:
+    except LaunchError as e:
         state = vm.state()
         if vm_health(state, vm.cfg.queued) != UP:
             raise VmLost(vm.name, state) from e
