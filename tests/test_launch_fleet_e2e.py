@@ -166,6 +166,7 @@ def ssh_streams(marker: str) -> list[int]:
             if b"tail" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
+@pytest.mark.slow  # about 70 s and 110 s here (real training over ssh, twice)
 def test_a_preempted_vm_is_recreated_and_the_rerun_resumes_to_the_same_loss(
         fleet, gcloud, gcs_bucket, tmp_path, compose_config):
     bucket, _ = gcs_bucket
@@ -261,6 +262,7 @@ def test_a_job_preempted_more_often_than_max_recreates_ends_clearly(
     assert live_group(second) == []
 
 
+@pytest.mark.slow  # about 70 s and 110 s here (real training over ssh, twice)
 def test_a_sweep_over_a_pool_requeues_the_preempted_job_and_finishes_all(
         fleet, gcloud, gcs_bucket, hydra_sweep_runner, tmp_path, monkeypatch, capsys):
     """Three jobs over two VMs through Hydra's multirun and the plugin; vm-a is preempted under
