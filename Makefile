@@ -12,9 +12,9 @@ UV     := .venv-lock/bin/uv
 
 setup: $(STAMP)
 
-# Reinstall when the dependency list or the lock changes. The `tpu` extra (jax 0.7.0, libtpu 0.0.21, flax) is
-# installed everywhere: the Pallas kernels are tested in interpret mode and the TPU compiler runs
-# on CPU.
+# Reinstall when the dependency list or the lock changes. The `tpu` extra (jax 0.7.0, libtpu
+# 0.0.21, flax) is installed everywhere: the Pallas kernels are tested in interpret mode and the
+# TPU compiler runs on CPU.
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
