@@ -90,6 +90,19 @@ class ModelConfig:
     attention: Attention = Attention.auto
     attention_block: int = 512  # block size of the chunked backend
     softcap: float = 15.0  # logits = softcap * tanh(logits / softcap)
+    # XLA engine: run the transformer blocks as one compiled layer body looped over the stacked
+    # weights (torch_xla's scan), so the compiled step holds one copy of a block instead of
+    # `depth` copies: the TPU compile is several times faster and needs several times less host
+    # RAM. Parameter names (checkpoint keys) are the same either way. None: on for TPU profiles,
+    # off elsewhere (the CPU engine never scans; true there is refused).
+    scan: bool | None = None
+    # Activation checkpointing per layer: keep only each block's input for the backward pass and
+    # recompute the block's activations there (about one extra forward). Cuts activation memory
+    # to one block's worth plus depth x a residual stream; the planner counts it. None: on when
+    # the blocks are scanned. (Unrolled, the TPU compiler rematerialises on its own to fit HBM;
+    # it cannot across the scan loop, where everything the backward needs is kept: the v6e4 d16
+    # 2048 x 8 step needs 37 GiB per chip scanned without remat, 18 GiB unrolled; BENCHMARKS.md.)
+    remat: bool | None = None
 
 
 @dataclass
@@ -156,6 +169,11 @@ class TrainerConfig:
     eval_batches: int = 8
     sample_tokens: int = 64  # length of the text sample printed at the end; 0 disables
     seed: int = 42
+    # CPU engine: torch.compile the model's forward+backward and the optimizer update (inductor;
+    # compiled code cached under <cache root>/inductor). None: on where it pays (models from
+    # width 256 and 512 tokens per sequence; xtrain/engines/cpu.py). The XLA engine always
+    # compiles the whole step.
+    compile: bool | None = None
 
 
 @dataclass
@@ -166,6 +184,26 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
     resume: str | None = None  # explicit checkpoint dir to start from; None: newest in `dir`
     retries: int = 5  # upload attempts after a storage error (backoff 1, 2, 4, ... s); then warn
+
+
+@dataclass
+class CompileCacheConfig:
+    """torch_xla's persistent compilation cache (xtrain/xla/compile_cache.py): a relaunched or
+    resumed run loads its compiled step instead of compiling it again."""
+
+    enabled: bool | None = None  # None: on for TPU profiles, off for XLA on CPU
+    # None: <cache root>/xla_compile. A gs:// URL is mirrored: pulled into the local cache before
+    # the first compile, new entries pushed after the first step and at the end of the run.
+    dir: str | None = None
+
+
+@dataclass
+class PreflightConfig:
+    """``mode=compile`` (xtrain/preflight/)."""
+
+    # Refuse to start a TPU compile whose expected host RAM (from earlier compiles' reports)
+    # exceeds this machine's available memory (RAM + swap); false: try anyway.
+    check_host_ram: bool = True
 
 
 @dataclass
@@ -191,13 +229,16 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compile_cache: CompileCacheConfig = field(default_factory=CompileCacheConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
 _NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
                           "mode", "run.", "checkpoint.", "logging.", "hydra.", "data.prefetch",
-                          "data.tokenizer_threads")
+                          "data.tokenizer_threads", "compile_cache.", "preflight.", "model.scan",
+                          "model.remat")
 
 
 def run_name() -> str:

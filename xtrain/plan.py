@@ -14,7 +14,7 @@ query, which doubles attention FLOPs and inflates MFU at long context.)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from xtrain.config import DATA_AXIS, MESH_AXES, TENSOR_AXIS, Attention
 from xtrain.errors import ConfigError
@@ -97,6 +97,9 @@ def memory_per_chip(gpt: GPTConfig, specs: dict, mesh: dict, device_batch: int, 
       a * n_head * T / tp per token per layer (chunked: one block, a * n_head * block; flash and
       splash: none); plus the logits, 8 B * V / tp per token (float32 logits and their gradient;
       the softcap fuses into them).
+    - with activation checkpointing (``remat``), only each block's input is saved, the float32
+      residual stream, 4 B * d per token per layer; one block's activations (the per-layer
+      figure above) are alive at a time, while that block's backward recomputes them.
     Not counted: XLA's temporaries, fragmentation, and its rematerialisation (which can lower the
     real peak). Compiling for the target (mode=compile) gives the compiler's own figure;
     BENCHMARKS.md compares the two.
@@ -116,9 +119,40 @@ def memory_per_chip(gpt: GPTConfig, specs: dict, mesh: dict, device_batch: int, 
         per_layer += a * H * T / tp
     elif gpt.attention == Attention.chunked:
         per_layer += a * H * min(gpt.attention_block, T) / tp
-    per_token = gpt.n_layer * per_layer + 8 * gpt.vocab_size / tp
+    logits = 8 * gpt.vocab_size / tp
+    if gpt.remat:
+        per_token = gpt.n_layer * 4 * d + per_layer + logits
+    else:
+        per_token = gpt.n_layer * per_layer + logits
     activations = device_batch * T * per_token
     return MemoryPlan(weights, weights, optimizer, activations, hbm_gib * GIB)
+
+
+def memory_levers(gpt: GPTConfig, specs: dict, mesh: dict, device_batch: int, precision: str,
+                  hbm_gib: float, on_tpu: bool) -> list[tuple[str, float]]:
+    """The config changes that lower this step's per-chip memory, as (override, new total
+    bytes), best first; only levers that apply and help (e.g. no "shard with fsdp" when the
+    weights are already sharded, no remat when it is on)."""
+    from xtrain.config import FSDP_AXIS
+    from xtrain.parallelism import check_rules
+
+    def total(g=gpt, sp=specs, me=mesh, batch=device_batch):
+        return memory_per_chip(g, sp, me, batch, precision, hbm_gib).total
+
+    now, out = total(), []
+    if not gpt.remat:
+        out.append(("model.remat=true", total(g=replace(gpt, remat=True))))
+    if on_tpu and gpt.attention in (Attention.sdpa, Attention.chunked):
+        out.append(("model.attention=flash", total(g=replace(gpt, attention=Attention.flash.value))))
+    if device_batch > 1:
+        out.append((f"trainer.device_batch_size={device_batch // 2} (gradient accumulation keeps "
+                    "the total batch)", total(batch=device_batch // 2)))
+    chips = math.prod(mesh.values())
+    if chips > 1 and mesh.get(FSDP_AXIS, 1) == 1:
+        fsdp = {a: 1 for a in MESH_AXES} | {FSDP_AXIS: chips}
+        out.append(("parallelism=fsdp", total(sp=check_rules([[".*", [FSDP_AXIS, None]]], fsdp,
+                                                              gpt.param_shapes()), me=fsdp)))
+    return sorted(((k, v) for k, v in out if v < now * 0.99), key=lambda kv: kv[1])
 
 
 @dataclass
@@ -177,6 +211,12 @@ class RunPlan:
     memory: MemoryPlan
     step_seconds: float  # at the profile's expected MFU; 0 when the peak is unknown
     hourly_usd: tuple[float, float]  # (spot, on demand) for the whole slice
+    levers: list = None  # (override, memory/chip after it) that would lower memory; best first
+
+    def describe_levers(self) -> str:
+        hbm = self.memory.hbm
+        return "; ".join(f"{k} -> {v / GIB:.2f} GiB" + (" (fits)" if not hbm or v <= hbm else "")
+                         for k, v in self.levers or []) or "no config lever lowers it"
 
     @property
     def params(self) -> dict[str, int]:
@@ -231,6 +271,13 @@ def resolve(cfg, devices: int) -> RunPlan:
         model.sequence_len = data.sequence_len or hw.sequence_len
     on_tpu = hw.engine == "xla" and bool(hw.accelerator_type)
     model.attention = choose_attention(model.attention, hw.engine, on_tpu, model.sequence_len)
+    if model.scan is None:
+        model.scan = on_tpu
+    if model.remat is None:
+        model.remat = bool(model.scan)
+    if model.scan and hw.engine != "xla":
+        raise ConfigError("model.scan=true needs the XLA engine (hardware.engine=xla): the CPU "
+                          "engine runs the blocks in a loop")
     gpt = GPTConfig.from_model(model)
     if trainer.device_batch_size is None:
         trainer.device_batch_size = default_device_batch(hw.device_tokens, model.sequence_len)
@@ -248,15 +295,16 @@ def resolve(cfg, devices: int) -> RunPlan:
     trainer.max_steps = steps
     memory = memory_per_chip(gpt, specs, mesh, trainer.device_batch_size, hw.precision,
                              hw.hbm_gib_per_chip)
+    levers = memory_levers(gpt, specs, mesh, trainer.device_batch_size, hw.precision,
+                           hw.hbm_gib_per_chip, on_tpu)
     fpt = flops_per_token(gpt)
     peak = hw.peak_bf16_tflops_per_chip * 1e12 * hw.chips
     step_s = fpt * batch.total_batch_size / (peak * hw.expected_mfu) if peak else 0.0
     return RunPlan(devices, mesh, gpt, fpt, batch, steps, memory, step_s,
-                   (hw.hourly_usd_spot, hw.hourly_usd_on_demand))
+                   (hw.hourly_usd_spot, hw.hourly_usd_on_demand), levers)
 
 
 def check_fits(plan: RunPlan) -> None:
     if not plan.memory.fits:
-        raise ConfigError(f"does not fit: {plan.memory.describe()}. Lower trainer.device_batch_size "
-                          "(gradient accumulation keeps the total batch), shard with "
-                          "parallelism=fsdp, or use flash attention")
+        raise ConfigError(f"does not fit: {plan.memory.describe()}. Levers that help, by the "
+                          f"planner: {plan.describe_levers()}")

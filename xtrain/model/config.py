@@ -50,6 +50,8 @@ class GPTConfig:
     attention: str  # a resolved backend: sdpa | chunked | flash | splash
     attention_block: int
     softcap: float
+    scan: bool = False  # the XLA engine runs the blocks with torch_xla's scan (see ModelConfig)
+    remat: bool = False  # activation checkpointing per block
 
     @classmethod
     def from_model(cls, model, attention: str | None = None) -> GPTConfig:
@@ -77,7 +79,8 @@ class GPTConfig:
                    vocab_size=model.vocab_size, sequence_len=model.sequence_len,
                    windows=parse_window_pattern(model.window_pattern, model.depth, window_len),
                    attention=str(getattr(backend, "value", backend)),
-                   attention_block=model.attention_block, softcap=model.softcap)
+                   attention_block=model.attention_block, softcap=model.softcap,
+                   scan=bool(model.get("scan")), remat=bool(model.get("remat")))
 
     @property
     def head_dim(self) -> int:
