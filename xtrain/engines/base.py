@@ -30,6 +30,10 @@ class Engine:
         """Keyword arguments of Lightning's Trainer that place the run on this engine."""
         raise NotImplementedError
 
+    def callbacks(self) -> list:
+        """Lightning callbacks the engine needs in the Trainer (e.g. compiling the step)."""
+        return []
+
     def fetch(self, tensors) -> list[float]:
         """Device tensors to Python floats, in one device-to-host transfer."""
         return [float(t) for t in tensors]

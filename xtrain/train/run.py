@@ -16,14 +16,15 @@ from xtrain.engines.base import Engine
 from xtrain.plan import RunPlan
 
 
-def build_engine(hardware, parallelism, plan: RunPlan) -> Engine:
+def build_engine(hardware, parallelism, plan: RunPlan, compile_cache=None,
+                 compile_step: bool | None = None) -> Engine:
     if hardware.engine == "xla":
         from xtrain.xla.engine import XLAEngine
 
-        return XLAEngine(hardware, parallelism, plan)
-    from xtrain.engines.cpu import CPUEngine
+        return XLAEngine(hardware, parallelism, plan, compile_cache)
+    from xtrain.engines.cpu import CPUEngine, compile_pays
 
-    return CPUEngine(plan)
+    return CPUEngine(plan, compile_pays(plan) if compile_step is None else compile_step)
 
 
 @dataclass
@@ -160,7 +161,8 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     check_writable(ckpt_dir)  # before data preparation and the first compile
     tokenizer = prepare(cfg.data)
-    engine = build_engine(cfg.hardware, cfg.parallelism, plan)
+    engine = build_engine(cfg.hardware, cfg.parallelism, plan, cfg.compile_cache,
+                          trainer_cfg.compile)
     L.seed_everything(trainer_cfg.seed, verbose=False)
     loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
                             rows=engine.rows_per_host, accum=plan.batch.grad_accum_steps,
@@ -168,7 +170,8 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                        token_bytes=tokenizer.token_bytes)
     callbacks = build_callbacks(cfg, plan, run_dir, engine, ckpt_dir)
-    trainer = build_trainer(engine, callbacks.checkpoint_io, callbacks.all(LoaderState(loaders.train)),
+    trainer = build_trainer(engine, callbacks.checkpoint_io,
+                            callbacks.all(LoaderState(loaders.train)) + engine.callbacks(),
                             plan, trainer_cfg, loaders.val is not None)
     fit(trainer, module, loaders, resume_point(cfg.checkpoint, ckpt_dir, plan.gpt), callbacks)
     newest = latest_checkpoint(ckpt_dir)

@@ -10,12 +10,12 @@ from xtrain.engines.base import Engine
 class XLAEngine(Engine):
     name = "xla"
 
-    def __init__(self, hardware, parallelism, plan):
+    def __init__(self, hardware, parallelism, plan, compile_cache=None):
         super().__init__(plan)
         from xtrain.xla.runtime import start_runtime
         from xtrain.xla.spmd import build_mesh
 
-        start_runtime(hardware)
+        self.compile_cache = start_runtime(hardware, compile_cache)
         import torch_xla.runtime as xr
 
         self.rank, self.world = xr.process_index(), xr.process_count()
@@ -35,6 +35,13 @@ class XLAEngine(Engine):
 
         self.strategy = SPMDStrategy(self.mesh, self.rules, checkpoint_io=checkpoint_io)
         return {"strategy": self.strategy, "devices": 1}
+
+    def callbacks(self) -> list:
+        if self.compile_cache is None:
+            return []
+        from xtrain.xla.lightning import CompileCacheSync
+
+        return [CompileCacheSync(self.compile_cache, self.rank)]
 
     def fetch(self, tensors) -> list[float]:
         return [float(t) for t in compat.tensors_to_cpu(tensors)]

@@ -11,6 +11,7 @@ from xtrain.errors import ConfigError
 from xtrain.hardware import REQUIRED_PINS
 
 _started = False
+_cache = None
 
 
 def apply_environment(hw) -> dict[str, str]:
@@ -53,17 +54,23 @@ def check_runtime(hw) -> None:
         raise ConfigError("refusing to run: " + "; ".join(problems))
 
 
-def start_runtime(hw) -> None:
-    """Environment first, then SPMD mode, before any XLA tensor exists (order matters: torch_xla
-    reads PJRT_DEVICE and XLA_* once, and use_spmd() must precede the first device tensor)."""
-    global _started
+def start_runtime(hw, compile_cache=None):
+    """Environment first, then the persistent compile cache, then SPMD mode, before any XLA
+    tensor exists (order matters: torch_xla reads PJRT_DEVICE, XLA_* and the cache's location
+    once, and use_spmd() must precede the first device tensor). Returns the compile cache
+    (xtrain/xla/compile_cache.py), or None."""
+    global _started, _cache
     if _started:
-        return
+        return _cache
     apply_environment(hw)
     if not hw.accelerator_type:
         os.environ.setdefault("PJRT_DEVICE", "CPU")  # XLA on CPU PJRT: the test/try-out path
     import torch_xla.runtime as xr
 
+    if compile_cache is not None:
+        from xtrain.xla.compile_cache import start_cache
+
+        _cache = start_cache(compile_cache, hw)
     xr.use_spmd()
     check_runtime(hw)
     if xr.process_count() > 1:
@@ -74,3 +81,4 @@ def start_runtime(hw) -> None:
         if not dist.is_initialized():
             dist.init_process_group("gloo", init_method="xla://")
     _started = True
+    return _cache
