@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev,tpu]"
+	# an editable install hides the hydra_plugins namespace from Hydra's plugin scan: put launch/
+	# on the venv's path instead (a wheel install carries the plugin itself)
+	echo "$(CURDIR)/launch" > $$($(PY) -c 'import site; print(site.getsitepackages()[0])')/xtrain-launch-plugins.pth
 	touch $(STAMP)
 
 train: $(STAMP)

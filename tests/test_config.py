@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,9 +41,11 @@ def test_default_is_the_embedded_cpu_run(compose_config):
 
 
 def test_run_name_keeps_groups_and_identity_overrides(compose_config):
-    cfg = compose_config(["model=d2", "optim.matrix_lr=0.01", "trainer.max_steps=7"])
-    # max_steps does not change what is trained (resume keeps working); the LR does.
+    cfg = compose_config(["model=d2", "optim.matrix_lr=0.01", "trainer.max_steps=7", "mode=plan"])
+    # max_steps and mode do not change what is trained (resume keeps working); the LR does.
     assert cfg.run.name == "d2-cpu-cpp_local-optim.matrix_lr_0.01"
+    # a model field does, even though its name starts like "mode"
+    assert compose_config(["model.sequence_len=64"]).run.name == "d4-cpu-cpp_local-model.sequence_len_64"
 
 
 def test_overrides_reach_the_fields(compose_config):
@@ -53,24 +56,6 @@ def test_overrides_reach_the_fields(compose_config):
 def _cli(*args, timeout=60):
     return subprocess.run([sys.executable, "-m", "xtrain", *args], capture_output=True, text=True,
                           timeout=timeout)
-
-
-def test_unknown_group_option_lists_choices():
-    r = _cli("hardware=v9x")
-    assert r.returncode != 0
-    assert "Could not find 'hardware/v9x'" in r.stderr and "Available options in 'hardware'" in r.stderr
-    assert "\tcpu" in r.stderr
-
-
-def test_unknown_field_is_named():
-    r = _cli("optim.lrr=1")
-    assert r.returncode != 0 and "Key 'lrr' not in 'OptimConfig'" in r.stderr
-    assert "full_key: optim.lrr" in r.stderr
-
-
-def test_wrong_type_names_the_field():
-    r = _cli("trainer.max_steps=abc")
-    assert r.returncode != 0 and "full_key: trainer.max_steps" in r.stderr
 
 
 def test_help_lists_groups_and_cfg_job_prints_config():
@@ -92,18 +77,12 @@ def test_cli_help_does_not_import_torch():
     assert r.returncode == 0, r.stderr
 
 
-def test_config_errors_before_work(tmp_path):
-    r = _cli("model.head_dim=48", f"hydra.run.dir={tmp_path}")
-    assert r.returncode == 2
-    assert "model.head_dim=48 does not divide the width 256" in r.stderr
 
 
-@pytest.mark.parametrize("override, choices", [
-    ("mode=nope", "train, plan, compile"),
-    ("model.attention=nope", "auto, sdpa, chunked, flash, splash"),
-])
-def test_enum_fields_refuse_unknown_values_with_the_choices(override, choices):
-    r = _cli(override)
-    assert r.returncode != 0
-    assert f"Invalid value 'nope', expected one of [{choices}]" in r.stderr
-    assert f"full_key: {override.split('=')[0]}" in r.stderr
+def test_tab_completion_of_the_console_script_lists_options_and_fields():
+    """The README's completion command: Hydra completes the installed `xtrain` script."""
+    script = Path(sys.executable).with_name("xtrain")
+    for line, expected in (("xtrain hardware=v6", "hardware=v6e4"), ("xtrain optim.mat", "optim.matrix_lr=")):
+        r = subprocess.run([str(script), "-sc", "query=bash"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COMP_LINE": line})
+        assert expected in r.stdout.split(), (line, r.stdout, r.stderr[-500:])

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -308,3 +311,37 @@ def test_last_shard_held_out_for_validation(corpus, compose_config):
     train_shards = {u[0] for u in loaders.train.units}
     val_shards = {u[0] for u in loaders.val.loader.units}
     assert len(train_shards) == 2 and val_shards == {str(root / "train" / "shard_2.parquet")}
+
+
+def _tree(root):
+    return {str(p): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def test_two_vocabulary_sizes_of_the_default_data_live_side_by_side(compose_config):
+    small, large = (compose_config([f"data.vocab_size={v}"]).data for v in (512, 600))
+    assert small.build_dir != large.build_dir
+    prepare(small)
+    before = _tree(small.build_dir)
+    built = []
+    prepare(large, log=built.append)
+    assert built and large.build_dir in built[0]
+    assert _tree(small.build_dir) == before  # the other vocabulary's corpus and tokenizer untouched
+    again = []
+    prepare(small, log=again.append)
+    assert again == []  # reused, not rebuilt
+
+
+BUILD = ("import sys\nfrom omegaconf import OmegaConf\nfrom xtrain.data import prepare\n"
+         "data = OmegaConf.create(dict(build_sources=['/usr/include/c++'], build_dir=sys.argv[1], "
+         "vocab_size=640, chunk_tokens=256, tokenizer=sys.argv[1] + '/tokenizer', tokenizer_threads=2))\n"
+         "prepare(data, log=lambda m: print('BUILT', m, flush=True))\n")
+
+
+def test_concurrent_builds_of_one_corpus_build_it_once_and_never_read_it_half_made(tmp_path):
+    out = str(tmp_path / "corpus")
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD, out], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]  # the waiting one loaded a complete tokenizer
+    assert sum(o.count("BUILT") for o in outputs) == 1
+    assert not list(tmp_path.glob("corpus.building-*")) and (tmp_path / "corpus" / "manifest.json").exists()

@@ -78,7 +78,8 @@ HAND_MEMORY = {
 
 @pytest.mark.parametrize("name", sorted(HAND_MEMORY))
 def test_memory_estimate_matches_hand_computation(name, compose_config):
-    _, plan = _plan(compose_config, *REAL_RUNS[name])
+    # as the real runs trained: without activation checkpointing (its account: tests/test_scan.py)
+    _, plan = _plan(compose_config, *REAL_RUNS[name], "model.remat=false")
     assert plan.memory.total == HAND_MEMORY[name]
     assert plan.memory.fits  # all three run on real TPUs today
     assert plan.attention == ("sdpa" if name == "v5e8-1024" else "flash")
@@ -195,3 +196,51 @@ def test_profile_environment_is_exported_and_user_values_win(compose_config, mon
     applied = apply_environment(hw)
     assert os.environ["PJRT_DEVICE"] == "TPU" and applied == {"PJRT_DEVICE": "TPU"}
     assert os.environ["XLA_NO_SPECIAL_SCALARS"] == "0"
+
+
+def test_the_headline_command_plans_the_real_run(compose_config):
+    """TPU profiles train 524,288-token steps for 20 tokens per parameter unless told otherwise."""
+    cfg = compose_config(["hardware=v6e4", "model=d16", "data=cpp16k"])
+    plan = resolve(cfg, 4)
+    assert plan.batch.total_batch_size == 524_288
+    assert (plan.batch.device_batch_size, plan.batch.sequence_len, plan.batch.grad_accum_steps) == (1, 16384, 8)
+    assert plan.max_steps == 12_800  # ceil(20 x 335,544,320 / 524,288)
+    assert "steps: 12,800 x 524,288 tokens" in plan.describe()
+    assert "(20.00 tokens/param)" in plan.describe()
+    cpu = resolve(compose_config([]), 1)  # the CPU default stays a few-minute job
+    assert (cpu.max_steps, cpu.batch.total_batch_size) == (200, 2048)
+
+
+PRESETS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_experiment_preset_composes_and_plans(preset, compose_config):
+    cfg = compose_config([f"+experiment={preset}"])
+    plan = resolve(cfg, cfg.hardware.chips)
+    assert plan.batch.total_batch_size == 524_288 and plan.batch.grad_accum_steps == 8
+    assert plan.max_steps == 50_000  # the presets reproduce runs of 50,000 steps
+    check_fits(plan, cfg)
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(config_dir()) / "debug").glob("*.yaml")))
+def test_every_debug_preset_composes_and_plans(preset, compose_config):
+    cfg = compose_config([f"+debug={preset}"])
+    plan = resolve(cfg, 1)
+    assert plan.max_steps <= 100 and cfg.trainer.max_compiles == 1
+
+
+def test_does_not_fit_names_only_levers_that_help(compose_config):
+    cfg = compose_config(["hardware=v6e4", "model=d16", "data=base_data_v3", "model.attention=sdpa",
+                          "trainer.device_batch_size=16", "model.remat=false"])
+    plan = resolve(cfg, 4)
+    with pytest.raises(ConfigError) as refused:
+        check_fits(plan, cfg)
+    message = str(refused.value)
+    # halving the batch to 8 removes 8 x 2048 tokens of activations (24 GiB of 48): planner arithmetic
+    assert "trainer.device_batch_size=8 -> 28.25 GiB;" in message
+    assert "model.attention=flash -> 36.25 GiB (still too much)" in message
+    cfg = compose_config(["hardware=v5e8", "model=d26", "data=cpp16k"])  # batch 1, flash already
+    with pytest.raises(ConfigError) as refused:
+        check_fits(resolve(cfg, 8), cfg)
+    assert "device_batch_size" not in str(refused.value) and "model.attention" not in str(refused.value)

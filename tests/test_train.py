@@ -53,12 +53,18 @@ def test_batch_that_does_not_divide_is_refused_with_arithmetic(tmp_path):
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
+def _xtrain(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "xtrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "WANDB_MODE": "offline"})
+
+
+SMALL = ["model=d2", "model.sequence_len=32", "trainer.device_batch_size=2", "trainer.sample_tokens=0",
+         "trainer.eval_batches=1", "trainer.log_every=1"]
+
+
 def test_multirun_gives_one_dir_per_job(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "xtrain", "-m", "model=d2", "optim.matrix_lr=0.01,0.02",
-         "trainer.max_steps=2", "model.sequence_len=32", "trainer.device_batch_size=2",
-         "trainer.sample_tokens=0", "trainer.eval_batches=1", f"hydra.sweep.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "offline"})
+    r = _xtrain("-m", *SMALL, "optim.matrix_lr=0.01,0.02", "trainer.max_steps=2",
+                f"hydra.sweep.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-3000:]
     jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert len(jobs) == 2 and all(j.startswith("d2-cpu-cpp_local-") for j in jobs)
@@ -66,3 +72,32 @@ def test_multirun_gives_one_dir_per_job(tmp_path):
     for job in jobs:
         assert (tmp_path / job / "metrics.jsonl").exists()
         assert (tmp_path / job / ".hydra" / "config.yaml").exists()
+
+
+def test_sweeping_a_name_neutral_key_still_gives_each_job_its_own_run(tmp_path):
+    r = _xtrain("-m", *SMALL, "trainer.max_steps=3,6", f"hydra.sweep.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming" not in r.stdout
+    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(jobs) == 2
+    last_steps = sorted(max(rec["step"] for rec in read_jsonl(job / "metrics.jsonl") if "loss" in rec)
+                        for job in jobs)
+    assert last_steps == [3, 6]
+
+
+def test_a_run_with_many_long_overrides_gets_a_short_deterministic_name(tmp_path):
+    overrides = [f"optim.{k}={v}" for k, v in (
+        ("matrix_lr", 0.0123456789), ("embedding_lr", 0.1234567), ("unembedding_lr", 0.00412345),
+        ("weight_decay", 0.0001234), ("adam_beta1", 0.8123456), ("adam_beta2", 0.9512345),
+        ("muon_momentum", 0.9412345), ("grad_clip", 0.9876543), ("warmdown_ratio", 0.1234567),
+        ("final_lr_frac", 0.0123456), ("warmup_steps", 1), ("adam_eps", 1.234e-9))]
+    runs = tmp_path / "outputs"
+    for _ in range(2):  # the same command twice: the same (shortened) name, so it resumes
+        r = subprocess.run([sys.executable, "-m", "xtrain", *SMALL, "trainer.max_steps=2", *overrides],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    (run_dir,) = list(runs.iterdir())
+    assert len(run_dir.name) <= 120 and run_dir.name.startswith("d2-cpu-cpp_local-model.sequence_len_32-optim.")
+    assert "resuming from" in r.stdout
+    kept = (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert all(o.split("=")[0] in kept for o in overrides)  # the full list, unshortened

@@ -142,3 +142,37 @@ def test_bad_mesh_fails_before_compiling(tmp_path):
     assert r.returncode == 2
     assert "mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but the hardware has 4" in r.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+RECOMPILE_DRIVER = r"""
+import sys
+import torch
+from tests.conftest import compose_cfg
+from xtrain.data import batches
+from xtrain.modes import run
+
+steps = batches.StepBatches._steps
+
+def shape_change_at_step_5(self):  # the test's fault: one row fewer from step 5 on
+    for i, (tokens, state) in enumerate(steps(self)):
+        yield (tokens[:, 1:] if i >= 4 else tokens), state
+
+batches.StepBatches._steps = shape_change_at_step_5
+cfg = compose_cfg(sys.argv[2:], output_dir=sys.argv[1])
+run(cfg, sys.argv[1])
+"""
+
+
+def test_recompilation_guard_stops_the_run_naming_the_graph(tmp_path):
+    overrides = common(10) + ["hardware.engine=xla", "trainer.device_batch_size=2",
+                              "trainer.max_compiles=1"]
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    r = subprocess.run([sys.executable, "-c", RECOMPILE_DRIVER, str(tmp_path), *overrides], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    assert ("RecompileError: trainer.max_compiles=1: the training step compiled graph 2 at step 5: "
+            "xtrain_train_step") in r.stderr
+    assert "(torch_xla: torch_xla.compile)" in r.stderr
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert max(steps) == 5  # stopped at the step that recompiled, not at the end (10)

@@ -1,31 +1,30 @@
 """``python -m xtrain``: the Hydra app. Composes the config groups, then hands the job to its mode
-(xtrain/modes.py). Refused input (xtrain/errors.py) ends with one line on stderr and exit code 2.
+(xtrain/modes.py).
 
-Heavy libraries (torch, lightning, torch_xla) are imported only once a mode needs them, so
-``--help``, ``--cfg job``, tab completion and ``mode=plan`` stay fast.
+Refused input, whether Hydra's (an unknown option, key or choice, a wrong type) or xtrain's
+(xtrain/errors.py: a value out of range, a missing path), ends with one line on stderr and exit
+code 2 (EXIT_REFUSED); a failed remote launch with one line and exit code 1;
+``HYDRA_FULL_ERROR=1`` shows the traceback instead. With ``hydra/launcher=tpu_vm|tpu_pod`` a
+single run is launched on the workers (xtrain/launcher/), never trained here. Heavy libraries
+(torch, lightning, torch_xla) are imported only once a mode needs them, so ``--help``, ``--cfg
+job``, tab completion, ``mode=plan`` and every refusal stay fast.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from xtrain import compat
 from xtrain.config import register
-from xtrain.errors import EXIT_REFUSED, InputError
+from xtrain.errors import is_refusal, refuse
+from xtrain.paths import config_dir
 
 
-def config_dir() -> str:
-    """Installed wheels carry the configs as xtrain/conf; a source checkout has them at ../conf."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "conf", here.parent / "conf"):
-        if (candidate / "train.yaml").exists():
-            return str(candidate)
-    raise FileNotFoundError(f"xtrain configs not found next to {here}")
-
-
+compat.report_refusals(is_refusal, refuse)
 register()
 
 
@@ -33,13 +32,16 @@ register()
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from xtrain.launcher import is_remote, launch_from_hydra
     from xtrain.modes import run
 
-    try:
-        summary = run(cfg, HydraConfig.get().runtime.output_dir)
-    except InputError as e:  # bad input: a one-line reason, not a traceback
-        print(f"xtrain: {e.kind} error: {e}", file=sys.stderr)
-        sys.exit(EXIT_REFUSED)
+    hc = HydraConfig.get()
+    try:  # hydra/launcher=tpu_vm|tpu_pod: Hydra calls a launcher only with -m, so route it here
+        summary = launch_from_hydra(cfg) if is_remote(hc.launcher) else run(cfg, hc.runtime.output_dir)
+    except Exception as ex:  # noqa: BLE001  (refusals end here, in one line; the rest is raised)
+        if not is_refusal(ex) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        refuse(ex)
     if summary and summary.get("preempted"):
         sys.exit(143)  # 128 + SIGTERM: not finished; re-running the command resumes
 

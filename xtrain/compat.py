@@ -12,7 +12,8 @@ import warnings
 from importlib import metadata
 
 # package -> version every private use below was checked against
-VERIFIED = {"torch": "2.9.1", "torch_xla": "2.9.0", "lightning": "2.6.6", "jax": "0.7.0"}
+VERIFIED = {"torch": "2.9.1", "torch_xla": "2.9.0", "lightning": "2.6.6", "jax": "0.7.0",
+            "hydra-core": "1.3.8"}
 
 
 def installed_versions(packages) -> dict[str, str | None]:
@@ -183,6 +184,37 @@ def quiet_lightning_tpu_probe() -> None:
 
         is_available._xtrain = True
         XLAAccelerator.is_available = staticmethod(is_available)
+
+
+# --- Hydra ------------------------------------------------------------------------------------
+
+
+def report_refusals(is_refusal, refuse) -> None:
+    """[hydra-core] Hydra composes the config inside ``run_and_report``, which prints a multi-line
+    report and exits 1 for any error. Replace it so that refused input (``is_refusal``) goes to
+    ``refuse`` (one line, xtrain's exit code); other exceptions keep Hydra's report, and
+    ``HYDRA_FULL_ERROR=1`` still raises with the full traceback. Process-wide and idempotent."""
+    import hydra._internal.utils as hydra_utils
+
+    original = getattr(hydra_utils.run_and_report, "_xtrain_original", hydra_utils.run_and_report)
+
+    def run_and_report(func):
+        try:
+            return func()
+        except Exception as ex:  # noqa: BLE001  (Hydra's contract: report any error)
+            if not is_refusal(ex) or hydra_utils._is_env_set("HYDRA_FULL_ERROR"):
+                return original(_raise(ex))
+            refuse(ex)
+
+    run_and_report._xtrain_original = original
+    hydra_utils.run_and_report = run_and_report
+
+
+def _raise(ex):
+    def again():
+        raise ex
+
+    return again
 
 
 # --- jax (the TPU compiler child) ------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Typed schemas for every config group, registered in Hydra's ConfigStore.
 
-Each group under ``conf/`` validates against one dataclass here, so a misspelt key or a wrong type
-fails at composition time with the field's full name (``optim.lrr``, ``trainer.max_steps``).
-Fields are documented once, here. Values left as ``None`` are derived in :mod:`xtrain.plan` from
-the rest of the config and printed before a run starts.
+Each group under ``conf/`` validates against one dataclass here, so a misspelt key, a wrong type
+or an unknown choice fails at composition time with the field's full name (``optim.lrr``,
+``trainer.max_steps``). Fields are documented once, here, with their allowed range
+(:func:`limits`; :func:`out_of_range` checks them before anything else runs). Values left as
+``None`` are derived in :mod:`xtrain.plan` from the rest of the config and printed before a run
+starts.
 
 This module must stay cheap to import (no torch): ``--help``, ``--cfg job`` and ``mode=plan``
 use it.
@@ -29,6 +31,20 @@ class Mode(str, Enum):
     compile = "compile"  # the TPU preflight: compile the step for the profile's TPU (xtrain/preflight/)
 
 
+class Engine(str, Enum):
+    """How a step runs (xtrain/engines/)."""
+
+    cpu = "cpu"  # plain PyTorch through Lightning's Trainer
+    xla = "xla"  # torch_xla SPMD (TPU, or CPU PJRT with CPU_NUM_DEVICES virtual devices)
+
+
+class Precision(str, Enum):
+    """Compute dtype of the matmuls; weights and optimizer state stay float32."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 class Attention(str, Enum):
     """Attention backends (xtrain/model/attention.py); ``auto`` is resolved by the planner."""
 
@@ -45,28 +61,42 @@ DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
 
+_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def limits(default=MISSING, hint: str = "", **bounds):
+    """A field's default and its allowed range, e.g. ``limits(200, ge=1)``; ``hint`` is added to
+    the refusal. ``None`` (where the type allows it) always passes: it means "derive it"."""
+    assert set(bounds) <= set(_BOUNDS), bounds
+    return field(default=default, metadata={"bounds": bounds, "hint": hint})
+
 
 @dataclass
 class HardwareConfig:
     """Facts about one machine or TPU slice; the only place such facts live."""
 
     name: str = MISSING
-    engine: str = "cpu"  # cpu: plain PyTorch (Lightning CPU/DDP-gloo); xla: torch_xla SPMD
+    engine: Engine = Engine.cpu
     accelerator_type: str | None = None  # gcloud --accelerator-type, e.g. v6e-4, v4-32
     runtime_version: str | None = None  # gcloud --version used to create the VM
     topology: str | None = None  # TPU compiler topology name, e.g. v6e:2x2
-    chips: int = 1  # accelerator chips in the slice (v4 names count TensorCores: v4-32 = 16 chips)
-    hosts: int = 1
-    chips_per_host: int = 1
-    cores_per_chip: int = 1  # TensorCores per chip
-    hbm_gib_per_chip: float = 0.0  # 0 means "host memory, not checked"
-    peak_bf16_tflops_per_chip: float = 0.0  # 0 means unknown: MFU is not reported
-    hourly_usd_spot: float = 0.0  # whole slice, per hour
-    hourly_usd_on_demand: float = 0.0
-    expected_mfu: float = 0.3  # assumed by the planner for step time, wall time and cost
-    precision: str = "float32"  # compute dtype of matmuls: float32 | bfloat16
-    sequence_len: int = 256  # default model.sequence_len when neither data nor model sets it
-    device_tokens: int = 2048  # default tokens per device per micro-batch (batch = this / seq)
+    # accelerator chips in the slice (v4 names count TensorCores: v4-32 = 16 chips)
+    chips: int = limits(1, ge=1)
+    hosts: int = limits(1, ge=1)  # machines (one training process each)
+    chips_per_host: int = limits(1, ge=1)
+    cores_per_chip: int = limits(1, ge=1)  # TensorCores per chip
+    hbm_gib_per_chip: float = limits(0.0, ge=0)  # 0 means "host memory, not checked"
+    peak_bf16_tflops_per_chip: float = limits(0.0, ge=0)  # 0 means unknown: MFU is not reported
+    hourly_usd_spot: float = limits(0.0, ge=0)  # whole slice, per hour
+    hourly_usd_on_demand: float = limits(0.0, ge=0)
+    # assumed by the planner for step time, wall time and cost
+    expected_mfu: float = limits(0.3, gt=0, le=1)
+    precision: Precision = Precision.float32
+    # default model.sequence_len when neither data nor model sets it
+    sequence_len: int = limits(256, ge=1)
+    # default tokens per device per micro-batch (device batch = this / sequence length)
+    device_tokens: int = limits(2048, ge=1)
     python: str = "3.11"
     pins: dict[str, str] = field(default_factory=dict)  # package -> exact version on the VM
     env: dict[str, str] = field(default_factory=dict)  # set before torch_xla initialises
@@ -76,20 +106,21 @@ class HardwareConfig:
 class ModelConfig:
     """A nanochat-style GPT; ``depth`` is the one size dial (width = depth * aspect_ratio)."""
 
-    depth: int = MISSING
-    aspect_ratio: int = 64
-    head_dim: int = 128
-    n_kv_head: int | None = None  # None: equal to n_head (no GQA); must divide n_head
-    vocab_size: int | None = None  # None: the data's tokenizer size
-    sequence_len: int | None = None  # None: the data's, else the hardware profile's
+    depth: int = limits(MISSING, ge=1)
+    aspect_ratio: int = limits(64, ge=1)
+    head_dim: int = limits(128, ge=2)
+    # None: equal to n_head (no GQA); must divide n_head
+    n_kv_head: int | None = limits(None, ge=1)
+    vocab_size: int | None = limits(None, ge=1)  # None: the data's tokenizer size
+    sequence_len: int | None = limits(None, ge=1)  # None: the data's, else the hardware profile's
     # Per-layer attention pattern, tiled over layers; the last layer is always full-context.
     # Letters (nanochat's): S = sliding window of `window_len`, L = full causal context.
     # Or G = global / L = local: a pattern containing G is read that way.
     window_pattern: str = "L"
-    window_len: int | None = None  # None: sequence_len // 2
+    window_len: int | None = limits(None, ge=1)  # None: sequence_len // 2
     attention: Attention = Attention.auto
-    attention_block: int = 512  # block size of the chunked backend
-    softcap: float = 15.0  # logits = softcap * tanh(logits / softcap)
+    attention_block: int = limits(512, ge=1)  # block size of the chunked backend
+    softcap: float = limits(15.0, gt=0)  # logits = softcap * tanh(logits / softcap)
     # XLA engine: run the transformer blocks as one compiled layer body looped over the stacked
     # weights (torch_xla's scan), so the compiled step holds one copy of a block instead of
     # `depth` copies: the TPU compile is several times faster and needs several times less host
@@ -114,19 +145,25 @@ class DataConfig:
     val_files: str | None = None  # None: no validation (unless holdout_last_shard)
     holdout_last_shard: bool = False  # nanochat's convention: the last train shard is validation
     tokenizer: str = MISSING  # directory: tokenizer.json (HF) or tokenizer.pkl (tiktoken)
-    vocab_size: int = MISSING  # the tokenizer's size, known without reading it (for planning)
-    sequence_len: int | None = None  # the sequence length this data implies, if any
-    # Build-on-first-use (the embedded default): source trees and a cache dir. Empty: no build.
+    # the tokenizer's size, known without reading it (for planning)
+    vocab_size: int = limits(MISSING, ge=1)
+    sequence_len: int | None = limits(None, ge=1)  # the sequence length this data implies, if any
+    # Build-on-first-use (the embedded default): source trees and the directory the corpus and
+    # tokenizer are built into (${xtrain_corpus:...} keys it by what it is built from). Empty
+    # sources: nothing is built.
     build_sources: list[str] = field(default_factory=list)
     build_dir: str | None = None
-    chunk_tokens: int = 2048  # token budget per chunk when building
-    tokenizer_threads: int = 2
-    prefetch: int = 4  # batches prepared ahead of the training step
+    chunk_tokens: int = limits(2048, ge=1)  # token budget per chunk when building
+    tokenizer_threads: int = limits(2, ge=1)
+    prefetch: int = limits(4, ge=1)  # batches prepared ahead of the training step
+    # seconds a remote (gs://) data or checkpoint location may take to answer the first listing
+    remote_timeout_s: float = limits(20.0, gt=0)
 
 
 @dataclass
 class ParallelismConfig:
-    """Mesh axes (MESH_AXES) over all devices; -1 means "the remaining devices"."""
+    """Mesh axes (MESH_AXES) over all devices; -1 means "the remaining devices". The cpu engine
+    replicates every parameter: only the data axis applies to it."""
 
     name: str = MISSING
     data: int = -1
@@ -142,33 +179,48 @@ class ParallelismConfig:
 class OptimConfig:
     """Muon for transformer matrices, AdamW for embeddings and head (nanochat's recipe)."""
 
-    matrix_lr: float = 0.02  # Muon
-    embedding_lr: float = 0.2  # AdamW, token embedding
-    unembedding_lr: float = 0.004  # AdamW, lm_head
+    matrix_lr: float = limits(0.02, ge=0)  # Muon
+    embedding_lr: float = limits(0.2, ge=0)  # AdamW, token embedding
+    unembedding_lr: float = limits(0.004, ge=0)  # AdamW, lm_head
     scale_adam_lr_by_width: bool = True  # nanochat: AdamW lrs scale as (width / 768) ** -0.5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-10
-    muon_momentum: float = 0.95
-    muon_ns_steps: int = 5  # Newton-Schulz iterations
-    grad_clip: float = 1.0  # max global grad norm; 0 disables
-    warmup_steps: int = 0
-    warmdown_ratio: float = 0.2  # fraction of max_steps spent decaying linearly
-    final_lr_frac: float = 0.0  # lr multiplier reached at the last step
+    weight_decay: float = limits(0.0, ge=0)
+    adam_beta1: float = limits(0.8, ge=0, lt=1)
+    adam_beta2: float = limits(0.95, ge=0, lt=1)
+    adam_eps: float = limits(1e-10, gt=0)
+    muon_momentum: float = limits(0.95, ge=0, lt=1)
+    muon_ns_steps: int = limits(5, ge=1)  # Newton-Schulz iterations
+    grad_clip: float = limits(1.0, ge=0)  # max global grad norm; 0 disables
+    warmup_steps: int = limits(0, ge=0)
+    warmdown_ratio: float = limits(0.2, ge=0, le=1)  # fraction of max_steps decaying linearly
+    final_lr_frac: float = limits(0.0, ge=0, le=1)  # lr multiplier reached at the last step
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int | None = 200  # None: from target_tokens_per_param
-    target_tokens_per_param: float | None = None  # Chinchilla-style budget, e.g. 20
-    device_batch_size: int | None = None  # sequences per device per micro-batch; None: derived
-    total_batch_size: int | None = None  # tokens per optimizer step; None: no accumulation
-    log_every: int = 10
-    eval_every: int = 0  # 0: only at the end
-    eval_batches: int = 8
-    sample_tokens: int = 64  # length of the text sample printed at the end; 0 disables
-    seed: int = 42
+    """How long and how a run trains. TPU profiles bring conf/trainer/tpu.yaml: 524,288 tokens
+    per step and a token budget of 20 tokens per parameter (Chinchilla's ratio, nanochat's
+    default), so the number of steps follows from the model's size."""
+
+    max_steps: int | None = limits(200, ge=1)  # None: from target_tokens_per_param
+    # tokens per parameter the run trains on, when max_steps is None
+    target_tokens_per_param: float | None = limits(None, gt=0)
+    # sequences per device per micro-batch; None: the hardware profile's device_tokens / seq
+    device_batch_size: int | None = limits(None, ge=1)
+    # tokens per optimizer step (gradient accumulation makes up the rest); None: no accumulation
+    total_batch_size: int | None = limits(None, ge=1)
+    log_every: int = limits(10, ge=1)
+    eval_every: int = limits(0, ge=0)  # 0: only at the end
+    eval_batches: int = limits(8, ge=1)
+    sample_tokens: int = limits(64, ge=0)  # length of the text sample printed at the end; 0: none
+    seed: int = limits(42, ge=0)
+    # XLA engine: stop the run when its training step has compiled more graphs than this (a
+    # healthy run compiles the step once), naming the graph and torch_xla's reason; None: no
+    # limit. The debug presets set 1.
+    max_compiles: int | None = limits(None, ge=1)
+    # > 0: train on the first N optimizer steps' batches over and over (debug: overfit a batch)
+    overfit_batches: int = limits(0, ge=0)
+    # write a PyTorch profiler trace (chrome format) of a few steps after warm-up into the run dir
+    profile: bool = False
     # CPU engine: torch.compile the model's forward+backward and the optimizer update (inductor;
     # compiled code cached under <cache root>/inductor). None: on where it pays (models from
     # width 256 and 512 tokens per sequence; xtrain/engines/cpu.py). The XLA engine always
@@ -179,11 +231,57 @@ class TrainerConfig:
 @dataclass
 class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints; may be gs://bucket/prefix
-    every: int = 0  # steps between checkpoints; 0: only the final one (and on preemption)
-    keep_last: int = 2  # newest committed checkpoints kept
-    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
+    every: int = limits(0, ge=0)  # steps between checkpoints; 0: only the final one (and on stop)
+    # newest committed checkpoints kept (the newest is never deleted)
+    keep_last: int = limits(2, ge=1, hint="to keep every checkpoint, set checkpoint.keep_every=1")
+    # also keep every checkpoint whose step is a multiple of this; 0: none; 1: all
+    keep_every: int = limits(0, ge=0)
     resume: str | None = None  # explicit checkpoint dir to start from; None: newest in `dir`
-    retries: int = 5  # upload attempts after a storage error (backoff 1, 2, 4, ... s); then warn
+    # upload attempts after a storage error (backoff 1, 2, 4, ... s); then warn
+    retries: int = limits(5, ge=0)
+
+
+class Sandbox(str, Enum):
+    """How the C++ evaluation isolates each program (xtrain/evals/sandbox.py)."""
+
+    auto = "auto"  # bubblewrap when installed, else resource limits only (with a warning)
+    bwrap = "bwrap"  # require bubblewrap (namespaces: no network, read-only system, private /tmp)
+    rlimits = "rlimits"  # resource limits only, for machines without user namespaces
+
+
+@dataclass
+class EvalConfig:
+    """How a model is judged on C++ problems (xtrain/evals/): sampling, the sandbox's limits, the
+    compiler."""
+
+    # Benchmark file, JSONL (format in xtrain/evals/__init__.py); a local path or any fsspec URL
+    # (gs://...). None: the benchmark shipped in the package (xtrain/evals/cpp_problems.jsonl).
+    cpp_file: str | None = None
+    # evaluate every this many optimizer steps during training (rank 0); 0: never mid-run
+    cpp_every: int = limits(0, ge=0)
+    n: int = limits(1, ge=1)  # completions sampled per problem (pass@k needs n >= k)
+    k: list[int] = field(default_factory=lambda: [1])  # pass@k reported for each of these k
+    # 0: greedy decoding (then n must be 1: greedy samples are identical)
+    temperature: float = limits(0.0, ge=0)
+    top_k: int | None = limits(None, ge=1)  # sample among the top_k most likely tokens; None: all
+    max_tokens: int = limits(384, ge=1)  # new tokens per completion before the stop rule cuts it
+    # Raw text that ends a completion (the tokenizer's document separator as decoded text).
+    eof_markers: list[str] = field(default_factory=lambda: ["<|bos|>", "<|endoftext|>"])
+    gxx: str = "g++"  # compiler executable (name on PATH or absolute path)
+    std: str = "c++17"  # -std= value; C++17 or newer
+    flags: list[str] = field(default_factory=lambda: ["-O1", "-pipe"])  # extra g++ flags
+    compile_timeout_s: float = limits(30.0, gt=0)  # wall-clock limit of one compile
+    # wall-clock limit of one test run (CPU time gets the same + 1 s)
+    run_timeout_s: float = limits(5.0, gt=0)
+    compile_memory_mb: int = limits(2048, ge=1)  # address-space limit of the compiler processes
+    run_memory_mb: int = limits(512, ge=1)  # address-space limit of the test program
+    # largest file a program (or the compiler, x64) may write; caps output
+    max_file_kb: int = limits(1024, ge=1)
+    max_processes: int = limits(32, ge=1)  # processes the sandbox's user may have (fork bombs)
+    max_open_files: int = limits(64, ge=1)  # open file descriptors per process
+    workers: int = limits(0, ge=0)  # compiles/runs at once; 0: one per CPU core this process may use
+    sandbox: Sandbox = Sandbox.auto
+    message_chars: int = limits(2000, ge=1)  # compiler message and test output kept per record
 
 
 @dataclass
@@ -215,7 +313,7 @@ class LoggingConfig:
 
 @dataclass
 class RunConfig:
-    name: str = MISSING  # default derived from the chosen groups and overrides
+    name: str = MISSING  # default derived from the chosen groups and overrides (xtrain/naming.py)
 
 
 @dataclass
@@ -229,44 +327,49 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     compile_cache: CompileCacheConfig = field(default_factory=CompileCacheConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
-_NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
-                          "mode", "run.", "checkpoint.", "logging.", "hydra.", "data.prefetch",
-                          "data.tokenizer_threads", "compile_cache.", "preflight.", "model.scan",
-                          "model.remat")
+def out_of_range(cfg, schema=TrainConfig, prefix: str = "") -> list[str]:
+    """Every field of ``cfg`` outside the range its schema declares, as "field=value: must be
+    ...", in schema order."""
+    from dataclasses import fields, is_dataclass
 
-
-def run_name() -> str:
-    """``<model>-<hardware>-<data>`` plus the identity-changing overrides, e.g. ``d16-v6e4-cpp16k``.
-
-    Deterministic (no timestamp), so re-running a command lands in the same directory and resumes.
-    Sweep jobs differ in their overrides and therefore get distinct names.
-    """
-    from hydra.core.hydra_config import HydraConfig
-
-    hc = HydraConfig.get()
-    choices = hc.runtime.choices
-    parts = [choices.get("model"), choices.get("hardware"), choices.get("data")]
-    groups = {"model", "hardware", "data"}
-    extra = []
-    for override in hc.overrides.task:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key in groups or key.startswith(_NAME_NEUTRAL_PREFIXES):
+    problems = []
+    for f in fields(schema):
+        value = cfg.get(f.name) if hasattr(cfg, "get") else getattr(cfg, f.name, None)
+        path = f"{prefix}{f.name}"
+        if isinstance(f.type, str) and value is not None and is_dataclass(_SCHEMAS.get(f.type)):
+            problems += out_of_range(value, _SCHEMAS[f.type], path + ".")
             continue
-        extra.append(override.replace("/", "_").replace("=", "_"))
-    return "-".join(str(p) for p in parts + sorted(extra) if p)
+        bounds = f.metadata.get("bounds") or {}
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        broken = [f"{_BOUNDS[k][0]} {b:g}" for k, b in bounds.items() if not _BOUNDS[k][1](value, b)]
+        if broken:
+            hint = f" ({f.metadata['hint']})" if f.metadata.get("hint") else ""
+            problems.append(f"{path}={value:g}: must be {' and '.join(broken)}{hint}")
+    return problems
+
+
+_SCHEMAS = {cls.__name__: cls for cls in (HardwareConfig, ModelConfig, DataConfig, ParallelismConfig,
+                                           OptimConfig, TrainerConfig, CheckpointConfig,
+                                           EvalConfig, CompileCacheConfig, PreflightConfig,
+                                           LoggingConfig, RunConfig)}
 
 
 def register() -> None:
     """Register the schemas and resolvers (idempotent)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    from xtrain.naming import corpus_dir, run_name
+
     if not OmegaConf.has_resolver("xtrain_run_name"):
         OmegaConf.register_new_resolver("xtrain_run_name", run_name)
+    if not OmegaConf.has_resolver("xtrain_corpus"):
+        OmegaConf.register_new_resolver("xtrain_corpus", corpus_dir)
     if not OmegaConf.has_resolver("xtrain_cache"):  # ${xtrain_cache:}: see xtrain.paths.cache_root
         OmegaConf.register_new_resolver("xtrain_cache", lambda: str(cache_root()))
 

@@ -1,8 +1,10 @@
-"""Refused input: one exception family, one exit code (the CLI prints one line, no traceback)."""
+"""Refused input: one exception family, one exit code, one line on stderr (no traceback); and how
+the CLI and the launchers report it."""
 
 from __future__ import annotations
 
 EXIT_REFUSED = 2  # every refused input: config, data, checkpoint, environment
+EXIT_LAUNCH_FAILED = 1  # a remote launch failed (a worker's job, an unreachable host)
 
 
 class InputError(ValueError):
@@ -21,3 +23,64 @@ class DataError(InputError):
     """Bad or missing data; the message names the path."""
 
     kind = "data"
+
+
+class CheckpointError(InputError):
+    """A checkpoint to resume from is missing, incomplete or of another model; names the path."""
+
+    kind = "checkpoint"
+
+
+class EnvironmentMismatch(InputError):
+    """This machine cannot run the config (e.g. a TPU profile where no TPU is attached)."""
+
+    kind = "environment"
+
+
+class RecompileError(InputError):
+    """An XLA run compiled more graphs than trainer.max_compiles allows (a shape or constant that
+    changes between steps); names the graph and torch_xla's reason."""
+
+    kind = "recompile"
+
+
+class LaunchError(RuntimeError):
+    """A remote step of a launch failed (a worker's job, an unreachable host); names the worker."""
+
+    kind = "launch"
+
+
+def is_refusal(ex: BaseException) -> bool:
+    """Refused input (exit 2), a failed remote launch (exit 1), or Hydra's composition errors."""
+    from hydra.errors import CompactHydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(ex, (InputError, LaunchError, CompactHydraException, OmegaConfBaseException))
+
+
+def one_line(ex: BaseException) -> str:
+    """The refusal as one line: xtrain's message, or Hydra's and OmegaConf's multi-line reports
+    folded (the field's full key first; a list of available options joined, without the
+    ``_``-prefixed bases and Hydra's search path)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(ex, (InputError, LaunchError)):
+        return f"xtrain: {ex.kind} error: {ex}"
+    cause = ex.__cause__ if isinstance(ex.__cause__, OmegaConfBaseException) else ex
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        return f"xtrain: config error: {cause.full_key}: {str(cause).splitlines()[0]}"
+    lines = str(ex).split("Config search path:")[0].splitlines()
+    text = [line.strip().rstrip(":") for line in lines
+            if line.strip() and not line.startswith(("\t", "See https://"))]
+    if getattr(ex, "override", None):  # an override Hydra's grammar cannot parse
+        text.insert(0, f"cannot parse override {ex.override!r}")
+    items = [line.strip() for line in lines if line.startswith("\t") and not line.strip().startswith("_")]
+    return "xtrain: config error: " + "; ".join(text) + (": " + ", ".join(items) if items else "")
+
+
+def refuse(ex: BaseException) -> None:
+    """End the process with the one line and the exit code of ``ex``."""
+    import sys
+
+    print(one_line(ex), file=sys.stderr, flush=True)
+    sys.exit(EXIT_LAUNCH_FAILED if isinstance(ex, LaunchError) else EXIT_REFUSED)

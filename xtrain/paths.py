@@ -13,6 +13,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("XTRAIN_CACHE") or Path.home() / ".cache" / "xtrain")
 
 
+def config_dir() -> str:
+    """Installed wheels carry the configs as xtrain/conf; a source checkout has them at ../conf."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "train.yaml").exists():
+            return str(candidate)
+    raise FileNotFoundError(f"xtrain configs not found next to {here}")
+
+
 def url_to_fs(url: str):
     """(filesystem, path without protocol) for a local path or any fsspec URL; ``~`` expanded."""
     import fsspec

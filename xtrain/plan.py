@@ -14,9 +14,10 @@ query, which doubles attention FLOPs and inflates MFU at long context.)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass
 
-from xtrain.config import DATA_AXIS, MESH_AXES, TENSOR_AXIS, Attention
+from xtrain.config import TENSOR_AXIS, Attention, Engine, out_of_range
 from xtrain.errors import ConfigError
 from xtrain.model.config import GPTConfig
 from xtrain.units import GIB
@@ -128,33 +129,6 @@ def memory_per_chip(gpt: GPTConfig, specs: dict, mesh: dict, device_batch: int, 
     return MemoryPlan(weights, weights, optimizer, activations, hbm_gib * GIB)
 
 
-def memory_levers(gpt: GPTConfig, specs: dict, mesh: dict, device_batch: int, precision: str,
-                  hbm_gib: float, on_tpu: bool) -> list[tuple[str, float]]:
-    """The config changes that lower this step's per-chip memory, as (override, new total
-    bytes), best first; only levers that apply and help (e.g. no "shard with fsdp" when the
-    weights are already sharded, no remat when it is on)."""
-    from xtrain.config import FSDP_AXIS
-    from xtrain.parallelism import check_rules
-
-    def total(g=gpt, sp=specs, me=mesh, batch=device_batch):
-        return memory_per_chip(g, sp, me, batch, precision, hbm_gib).total
-
-    now, out = total(), []
-    if not gpt.remat:
-        out.append(("model.remat=true", total(g=replace(gpt, remat=True))))
-    if on_tpu and gpt.attention in (Attention.sdpa, Attention.chunked):
-        out.append(("model.attention=flash", total(g=replace(gpt, attention=Attention.flash.value))))
-    if device_batch > 1:
-        out.append((f"trainer.device_batch_size={device_batch // 2} (gradient accumulation keeps "
-                    "the total batch)", total(batch=device_batch // 2)))
-    chips = math.prod(mesh.values())
-    if chips > 1 and mesh.get(FSDP_AXIS, 1) == 1:
-        fsdp = {a: 1 for a in MESH_AXES} | {FSDP_AXIS: chips}
-        out.append(("parallelism=fsdp", total(sp=check_rules([[".*", [FSDP_AXIS, None]]], fsdp,
-                                                              gpt.param_shapes()), me=fsdp)))
-    return sorted(((k, v) for k, v in out if v < now * 0.99), key=lambda kv: kv[1])
-
-
 @dataclass
 class BatchPlan:
     device_batch_size: int  # sequences per device per micro-batch
@@ -211,12 +185,6 @@ class RunPlan:
     memory: MemoryPlan
     step_seconds: float  # at the profile's expected MFU; 0 when the peak is unknown
     hourly_usd: tuple[float, float]  # (spot, on demand) for the whole slice
-    levers: list = None  # (override, memory/chip after it) that would lower memory; best first
-
-    def describe_levers(self) -> str:
-        hbm = self.memory.hbm
-        return "; ".join(f"{k} -> {v / GIB:.2f} GiB" + (" (fits)" if not hbm or v <= hbm else "")
-                         for k, v in self.levers or []) or "no config lever lowers it"
 
     @property
     def params(self) -> dict[str, int]:
@@ -261,7 +229,11 @@ def resolve(cfg, devices: int) -> RunPlan:
     from xtrain.parallelism import batch_parallel, check_rules, mesh_shape
 
     model, data, hw, trainer = cfg.model, cfg.data, cfg.hardware, cfg.trainer
+    problems = out_of_range(cfg)
+    if problems:
+        raise ConfigError("; ".join(problems))
     check_profile(hw)
+    check_engine_can_honour(cfg.parallelism, hw.engine)
     if model.vocab_size is None:
         model.vocab_size = data.vocab_size
     elif model.vocab_size != data.vocab_size:
@@ -281,13 +253,8 @@ def resolve(cfg, devices: int) -> RunPlan:
     gpt = GPTConfig.from_model(model)
     if trainer.device_batch_size is None:
         trainer.device_batch_size = default_device_batch(hw.device_tokens, model.sequence_len)
-    if trainer.log_every < 1:
-        raise ConfigError(f"trainer.log_every={trainer.log_every}: must be >= 1")
-    if hw.engine == "xla":
-        mesh = mesh_shape(cfg.parallelism, devices)
-        specs = check_rules(cfg.parallelism.rules, mesh, gpt.param_shapes())
-    else:  # the cpu engine replicates every parameter
-        mesh, specs = {axis: 1 for axis in MESH_AXES} | {DATA_AXIS: devices}, {}
+    mesh = mesh_shape(cfg.parallelism, devices)
+    specs = check_rules(cfg.parallelism.rules, mesh, gpt.param_shapes())
     batch = batch_plan(trainer.device_batch_size, model.sequence_len, batch_parallel(mesh),
                        trainer.total_batch_size)
     steps = max_steps(trainer.max_steps, trainer.target_tokens_per_param,
@@ -295,16 +262,60 @@ def resolve(cfg, devices: int) -> RunPlan:
     trainer.max_steps = steps
     memory = memory_per_chip(gpt, specs, mesh, trainer.device_batch_size, hw.precision,
                              hw.hbm_gib_per_chip)
-    levers = memory_levers(gpt, specs, mesh, trainer.device_batch_size, hw.precision,
-                           hw.hbm_gib_per_chip, on_tpu)
     fpt = flops_per_token(gpt)
     peak = hw.peak_bf16_tflops_per_chip * 1e12 * hw.chips
     step_s = fpt * batch.total_batch_size / (peak * hw.expected_mfu) if peak else 0.0
     return RunPlan(devices, mesh, gpt, fpt, batch, steps, memory, step_s,
-                   (hw.hourly_usd_spot, hw.hourly_usd_on_demand), levers)
+                   (hw.hourly_usd_spot, hw.hourly_usd_on_demand))
 
 
-def check_fits(plan: RunPlan) -> None:
-    if not plan.memory.fits:
-        raise ConfigError(f"does not fit: {plan.memory.describe()}. Levers that help, by the "
-                          f"planner: {plan.describe_levers()}")
+def check_engine_can_honour(par, engine: str) -> None:
+    """The cpu engine replicates every parameter: fsdp and tensor axes, and sharding rules, need
+    the xla engine (they would otherwise be ignored while still naming the run)."""
+    if engine == Engine.cpu and (par.fsdp != 1 or par.tensor != 1 or par.rules):
+        raise ConfigError(f"parallelism={par.name} shards parameters (fsdp={par.fsdp}, "
+                          f"tensor={par.tensor}, {len(par.rules)} rules): the cpu engine replicates "
+                          "every parameter; use parallelism=dp, or hardware.engine=xla")
+
+
+def memory_levers(cfg, plan: RunPlan) -> list[tuple[str, float]]:
+    """(override, GiB per chip with it) for each change that would lower this run's memory, as
+    the planner estimates it: a smaller device batch (gradient accumulation keeps the total),
+    FSDP sharding, flash attention on TPU, per-layer activation checkpointing."""
+    from omegaconf import OmegaConf
+
+    from xtrain.paths import config_dir
+
+    levers: dict[str, dict] = {}
+    batch = plan.batch.device_batch_size
+    if batch > 1:
+        levers[f"trainer.device_batch_size={batch // 2}"] = {"trainer": {"device_batch_size": batch // 2}}
+        levers["trainer.device_batch_size=1"] = {"trainer": {"device_batch_size": 1}}
+    if plan.mesh.get("fsdp", 1) == 1 and plan.devices > 1 and cfg.hardware.engine == Engine.xla:
+        fsdp = OmegaConf.load(os.path.join(config_dir(), "parallelism", "fsdp.yaml"))
+        levers["parallelism=fsdp"] = {"parallelism": fsdp}
+    if plan.attention == Attention.sdpa and cfg.hardware.accelerator_type:
+        levers["model.attention=flash"] = {"model": {"attention": "flash"}}
+    if "remat" in cfg.model and not cfg.model.remat:
+        levers["model.remat=true"] = {"model": {"remat": True}}
+    found = []
+    for override, delta in levers.items():
+        trial = OmegaConf.merge(cfg, delta)
+        try:
+            memory = resolve(trial, plan.devices).memory
+        except ConfigError:
+            continue  # the lever does not apply here (e.g. a batch that no longer divides)
+        if memory.total < plan.memory.total:
+            found.append((override, memory.total / GIB))
+    return found
+
+
+def check_fits(plan: RunPlan, cfg=None) -> None:
+    if plan.memory.fits:
+        return
+    levers = memory_levers(cfg, plan) if cfg is not None else []
+    hbm = plan.memory.hbm / GIB
+    helps = [f"{o} -> {gib:.2f} GiB{'' if gib <= hbm else ' (still too much)'}" for o, gib in levers]
+    advice = ("levers, estimated: " + "; ".join(helps)) if helps else (
+        "no setting of this profile lowers it: a larger slice (more chips) or a smaller model")
+    raise ConfigError(f"does not fit: {plan.memory.describe()}; {advice}")

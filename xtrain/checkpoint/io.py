@@ -124,12 +124,6 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
     return join_tensors(skeleton, tensors)
 
 
-def read_meta(path: str) -> dict:
-    fs, root = url_to_fs(str(path))
-    with fs.open(f"{root}/meta.json", "r") as f:
-        return json.load(f)
-
-
 def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, process_group) -> dict:
     import torch.distributed.checkpoint as dcp
     from fsspec.implementations.local import LocalFileSystem

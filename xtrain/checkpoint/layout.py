@@ -3,6 +3,7 @@ of committed checkpoints, retention, and the up-front check that a directory is 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -46,6 +47,13 @@ def latest_checkpoint(directory: str) -> str | None:
 def is_committed(path: str) -> bool:
     fs, root = url_to_fs(path)
     return fs.exists(f"{root}/{COMMIT_MARKER}")
+
+
+def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json (the run's resolved config, versions, step)."""
+    fs, root = url_to_fs(str(path))
+    with fs.open(f"{root}/meta.json", "r") as f:
+        return json.load(f)
 
 
 def stale_checkpoints(steps: list[int], keep_last: int, keep_every: int) -> list[int]:

@@ -9,13 +9,23 @@ from xtrain.data.loader import PackedLoader
 
 
 class StepBatches(torch.utils.data.IterableDataset):
-    """Yields ``(tokens [accum, rows, T+1], loader_state_after)``: one optimizer step each."""
+    """Yields ``(tokens [accum, rows, T+1], loader_state_after)``: one optimizer step each.
+    ``repeat`` > 0 yields the first ``repeat`` steps over and over (overfitting, to debug)."""
 
-    def __init__(self, loader: PackedLoader, accum: int):
+    def __init__(self, loader: PackedLoader, accum: int, repeat: int = 0):
         super().__init__()
-        self.loader, self.accum = loader, accum
+        self.loader, self.accum, self.repeat = loader, accum, repeat
 
     def __iter__(self):
+        steps = self._steps()
+        if not self.repeat:
+            yield from steps
+            return
+        first = [next(steps) for _ in range(self.repeat)]
+        while True:
+            yield from first
+
+    def _steps(self):
         micro = []
         for batch in self.loader:
             micro.append(batch)

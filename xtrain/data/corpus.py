@@ -10,16 +10,20 @@ presence marks a complete build).
 from __future__ import annotations
 
 import bisect
+import fcntl
 import hashlib
 import json
+import os
 import random
 import re
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import fsspec
 
 from xtrain.errors import DataError
-from xtrain.paths import as_url, url_to_fs
+from xtrain.paths import as_url, is_local, url_to_fs
 
 CPP_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc", ".ipp", ".inl")
 BUILDER_VERSION = 2  # 2: row groups of 1024 rows (larger tokenizer batches)
@@ -192,11 +196,32 @@ def ensure_built(spec: BuildSpec, log=print) -> dict:
     manifest = read_manifest(spec.out_dir)
     if manifest and manifest.get("build_key") == key:
         return manifest
-    log(f"building C++ corpus from {len(files)} files under {spec.sources} -> {spec.out_dir}")
-    return build(spec, [url for url, _ in files], key)
+    if not is_local(spec.out_dir):  # object stores: written in place, the manifest last
+        log(f"building C++ corpus from {len(files)} files under {spec.sources} -> {spec.out_dir}")
+        return build(spec, [url for url, _ in files], key, spec.out_dir)
+    out = Path(os.path.expanduser(spec.out_dir))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others wait, then reuse
+        manifest = read_manifest(str(out))
+        if manifest and manifest.get("build_key") == key:
+            return manifest
+        log(f"building C++ corpus from {len(files)} files under {spec.sources} -> {out}")
+        staging = Path(f"{out}.building-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        manifest = build(spec, [url for url, _ in files], key, str(staging))
+        # build, then rename: a reader never sees a half-made corpus
+        if out.exists():
+            stale = Path(f"{out}.stale-{os.getpid()}")
+            out.rename(stale)
+            staging.rename(out)
+            shutil.rmtree(stale)
+        else:
+            staging.rename(out)
+        return manifest
 
 
-def build(spec: BuildSpec, urls: list[str], key: str) -> dict:
+def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -232,10 +257,10 @@ def build(spec: BuildSpec, urls: list[str], key: str) -> dict:
             splits["val" if url in val_files else "train"].append(chunk)
     rng.shuffle(splits["train"])
 
-    fs, root = url_to_fs(spec.out_dir)
+    fs, root = url_to_fs(out_dir)
     if fs.exists(root):
         fs.rm(root, recursive=True)  # a stale or partial build: its manifest is gone or wrong
-    save_hf(tok, token_bytes, f"{spec.out_dir}/tokenizer")
+    save_hf(tok, token_bytes, f"{out_dir}/tokenizer")
     counts = {}
     for split, rows in splits.items():
         fs.makedirs(f"{root}/{split}", exist_ok=True)

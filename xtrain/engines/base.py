@@ -30,8 +30,9 @@ class Engine:
         """Keyword arguments of Lightning's Trainer that place the run on this engine."""
         raise NotImplementedError
 
-    def callbacks(self) -> list:
-        """Lightning callbacks the engine needs in the Trainer (e.g. compiling the step)."""
+    def callbacks(self, trainer_cfg, run_dir: str) -> list:
+        """Engine-specific Lightning callbacks (e.g. the XLA recompilation guard,
+        compiling the CPU step)."""
         return []
 
     def fetch(self, tensors) -> list[float]:

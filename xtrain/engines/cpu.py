@@ -77,7 +77,7 @@ class CPUEngine(Engine):
     def trainer_kwargs(self, checkpoint_io) -> dict:
         return {"accelerator": "cpu", "devices": 1, "plugins": [checkpoint_io]}
 
-    def callbacks(self) -> list:
+    def callbacks(self, trainer_cfg, run_dir: str) -> list:
         return [TorchCompile()] if self.compile_step else []
 
     def counters(self) -> dict:

@@ -147,7 +147,11 @@ def preflight(cfg, plan) -> dict:
     print(describe(report), flush=True)
     problem = verdict(report)
     if problem and problem.startswith("does not fit"):
-        problem += f". Levers that help, by the planner: {plan.describe_levers()}"
+        from xtrain.plan import memory_levers
+
+        levers = memory_levers(cfg, plan)
+        problem += ". Levers, by the planner: " + ("; ".join(
+            f"{o} -> {gib:.2f} GiB" for o, gib in levers) or "none of this profile's settings")
     if problem:
         raise PreflightError(problem)
     return report

@@ -1,5 +1,5 @@
-"""Training-time checkpoint policy: when to save (every N steps, at the end, on a stop request),
-what to prune after each commit, and whether a checkpoint fits the configured model."""
+"""Training-time checkpoint policy: when to save (every N steps, at the end, on a stop request)
+and what to prune after each commit. Which checkpoint a run starts from: xtrain/inputs.py."""
 
 from __future__ import annotations
 
@@ -7,10 +7,7 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
-from xtrain.checkpoint.io import read_meta
 from xtrain.checkpoint.layout import stale_checkpoints, step_dir, step_dirs
-from xtrain.errors import ConfigError
-from xtrain.model.config import GPTConfig
 from xtrain.train.preemption import StopRequest
 
 
@@ -67,14 +64,3 @@ class PeriodicCheckpoint(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.save(trainer, wait=True)
-
-
-def check_compatible(path: str, gpt: GPTConfig) -> None:
-    """Refuse a checkpoint whose model differs in shape from the configured one."""
-    from omegaconf import OmegaConf
-
-    saved_model = OmegaConf.create(read_meta(path).get("config", {})["model"])
-    diff = gpt.differences(GPTConfig.from_model(saved_model))
-    if diff:
-        raise ConfigError(f"checkpoint {path} holds a different model ({', '.join(diff)}); "
-                          "start a new run (run.name=...) or restore the model config")

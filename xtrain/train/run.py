@@ -16,14 +16,17 @@ from xtrain.engines.base import Engine
 from xtrain.plan import RunPlan
 
 
-def build_engine(hardware, parallelism, plan: RunPlan, compile_cache=None,
-                 compile_step: bool | None = None) -> Engine:
+def build_engine(cfg, plan: RunPlan, run_dir: str) -> Engine:
+    hardware, trainer_cfg = cfg.hardware, cfg.trainer
     if hardware.engine == "xla":
         from xtrain.xla.engine import XLAEngine
 
-        return XLAEngine(hardware, parallelism, plan, compile_cache)
+        analysis = os.path.join(run_dir, "xla_compilations.log") if trainer_cfg.max_compiles else None
+        return XLAEngine(hardware, cfg.parallelism, plan, compile_analysis=analysis,
+                         compile_cache=cfg.compile_cache)
     from xtrain.engines.cpu import CPUEngine, compile_pays
 
+    compile_step = trainer_cfg.compile
     return CPUEngine(plan, compile_pays(plan) if compile_step is None else compile_step)
 
 
@@ -38,13 +41,10 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
                   rank: int = 0, world: int = 1) -> Loaders:
     from xtrain.data.batches import EvalBatches, StepBatches
     from xtrain.data.loader import PackedLoader, list_shards
-    from xtrain.errors import DataError
 
     train_files, val_files = data.train_files, data.val_files
     if data.holdout_last_shard:  # nanochat's convention: the last shard is the validation split
-        shards = list_shards(data.train_files)
-        if len(shards) < 2:
-            raise DataError(f"{data.train_files}: holdout_last_shard needs at least 2 shards")
+        shards = list_shards(data.train_files)  # at least 2 (xtrain.inputs.check_data)
         train_files, val_files = shards[:-1], shards[-1:]
     train = PackedLoader(train_files, tokenizer, seq_len, rows, seed=trainer_cfg.seed, rank=rank,
                          world=world, prefetch=data.prefetch, threads=data.tokenizer_threads)
@@ -53,7 +53,7 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
         val_loader = PackedLoader(val_files, tokenizer, seq_len, rows, shuffle=False, loop=True,
                                   rank=rank, world=world, prefetch=2, threads=data.tokenizer_threads)
         val = EvalBatches(val_loader, trainer_cfg.eval_batches)
-    return Loaders(train, StepBatches(train, accum), val)
+    return Loaders(train, StepBatches(train, accum, repeat=trainer_cfg.overfit_batches), val)
 
 
 def build_sinks(cfg, plan: RunPlan, run_dir: str) -> list:
@@ -72,8 +72,20 @@ def run_meta(cfg) -> dict:
     return {"config": to_plain(cfg), "python": platform.python_version(), **versions}
 
 
+def build_profiler(trainer_cfg, run_dir: str):
+    """Lightning's PyTorch profiler over three steps after two of warm-up (the first steps
+    compile), as a chrome trace in the run dir; None when not asked for."""
+    if not trainer_cfg.profile:
+        return None
+    import torch
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    return PyTorchProfiler(dirpath=run_dir, filename="profile", export_to_chrome=True,
+                           schedule=torch.profiler.schedule(wait=0, warmup=2, active=3, repeat=1))
+
+
 def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan, trainer_cfg,
-                  has_val: bool):
+                  has_val: bool, run_dir: str):
     import lightning as L
 
     compat.quiet_lightning_tpu_probe()
@@ -81,7 +93,8 @@ def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan,
     return L.Trainer(
         **engine.trainer_kwargs(checkpoint_io), max_steps=plan.max_steps, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=callbacks,
+        num_sanity_val_steps=0, callbacks=callbacks + engine.callbacks(trainer_cfg, run_dir),
+        profiler=build_profiler(trainer_cfg, run_dir), default_root_dir=run_dir,
         val_check_interval=eval_every if has_val else None,
         check_val_every_n_epoch=None, limit_val_batches=trainer_cfg.eval_batches,
     )
@@ -117,12 +130,10 @@ def build_callbacks(cfg, plan: RunPlan, run_dir: str, engine: Engine, ckpt_dir: 
 
 def resume_point(ckpt, ckpt_dir: str, gpt) -> str | None:
     """The checkpoint to start from: ``checkpoint.resume``, else the newest committed one."""
-    from xtrain.checkpoint.layout import latest_checkpoint
-    from xtrain.train.checkpointing import check_compatible
+    from xtrain.inputs import resume_checkpoint
 
-    resume_from = ckpt.resume or latest_checkpoint(ckpt_dir)
+    resume_from = resume_checkpoint(ckpt.resume, ckpt_dir, gpt)
     if resume_from:
-        check_compatible(resume_from, gpt)
         print(f"resuming from {resume_from}")
     return resume_from
 
@@ -148,8 +159,9 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     """Train; returns a summary (final step, newest checkpoint, preempted or not)."""
     import lightning as L
 
-    from xtrain.checkpoint.layout import check_writable, latest_checkpoint
+    from xtrain.checkpoint.layout import latest_checkpoint
     from xtrain.data import prepare
+    from xtrain.inputs import checkpoint_dir
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
     from xtrain.train.sampling import sample_text
@@ -158,11 +170,9 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     # handler twice; xtrain prints its own plan and progress.
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     trainer_cfg = cfg.trainer
-    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
-    check_writable(ckpt_dir)  # before data preparation and the first compile
+    ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
     tokenizer = prepare(cfg.data)
-    engine = build_engine(cfg.hardware, cfg.parallelism, plan, cfg.compile_cache,
-                          trainer_cfg.compile)
+    engine = build_engine(cfg, plan, run_dir)
     L.seed_everything(trainer_cfg.seed, verbose=False)
     loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
                             rows=engine.rows_per_host, accum=plan.batch.grad_accum_steps,
@@ -170,9 +180,8 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                        token_bytes=tokenizer.token_bytes)
     callbacks = build_callbacks(cfg, plan, run_dir, engine, ckpt_dir)
-    trainer = build_trainer(engine, callbacks.checkpoint_io,
-                            callbacks.all(LoaderState(loaders.train)) + engine.callbacks(),
-                            plan, trainer_cfg, loaders.val is not None)
+    trainer = build_trainer(engine, callbacks.checkpoint_io, callbacks.all(LoaderState(loaders.train)),
+                            plan, trainer_cfg, loaders.val is not None, run_dir)
     fit(trainer, module, loaders, resume_point(cfg.checkpoint, ckpt_dir, plan.gpt), callbacks)
     newest = latest_checkpoint(ckpt_dir)
     if callbacks.checkpointer.preempted:

@@ -10,12 +10,17 @@ from xtrain.engines.base import Engine
 class XLAEngine(Engine):
     name = "xla"
 
-    def __init__(self, hardware, parallelism, plan, compile_cache=None):
+    def __init__(self, hardware, parallelism, plan, compile_analysis: str | None = None,
+                 compile_cache=None):
+        """``compile_analysis``: a file for torch_xla's explanation of every compilation (the
+        recompilation guard reads it); None: not collected. ``compile_cache``: the
+        CompileCacheConfig (xtrain/xla/compile_cache.py)."""
         super().__init__(plan)
         from xtrain.xla.runtime import start_runtime
         from xtrain.xla.spmd import build_mesh
 
-        self.compile_cache = start_runtime(hardware, compile_cache)
+        self.compile_analysis = compile_analysis
+        self.compile_cache = start_runtime(hardware, compile_analysis, compile_cache)
         import torch_xla.runtime as xr
 
         self.rank, self.world = xr.process_index(), xr.process_count()
@@ -36,12 +41,17 @@ class XLAEngine(Engine):
         self.strategy = SPMDStrategy(self.mesh, self.rules, checkpoint_io=checkpoint_io)
         return {"strategy": self.strategy, "devices": 1}
 
-    def callbacks(self) -> list:
-        if self.compile_cache is None:
-            return []
-        from xtrain.xla.lightning import CompileCacheSync
+    def callbacks(self, trainer_cfg, run_dir: str) -> list:
+        out = []
+        if self.compile_cache is not None:
+            from xtrain.xla.lightning import CompileCacheSync
 
-        return [CompileCacheSync(self.compile_cache, self.rank)]
+            out.append(CompileCacheSync(self.compile_cache, self.rank))
+        if trainer_cfg.max_compiles:
+            from xtrain.xla.guard import RecompileGuard
+
+            out.append(RecompileGuard(trainer_cfg.max_compiles, self.compile_analysis))
+        return out
 
     def fetch(self, tensors) -> list[float]:
         return [float(t) for t in compat.tensors_to_cpu(tensors)]

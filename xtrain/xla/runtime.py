@@ -54,15 +54,19 @@ def check_runtime(hw) -> None:
         raise ConfigError("refusing to run: " + "; ".join(problems))
 
 
-def start_runtime(hw, compile_cache=None):
+def start_runtime(hw, compile_analysis: str | None = None, compile_cache=None):
     """Environment first, then the persistent compile cache, then SPMD mode, before any XLA
     tensor exists (order matters: torch_xla reads PJRT_DEVICE, XLA_* and the cache's location
-    once, and use_spmd() must precede the first device tensor). Returns the compile cache
+    once, and use_spmd() must precede the first device tensor). ``compile_analysis``: a file where
+    torch_xla explains every compilation. Returns the compile cache
     (xtrain/xla/compile_cache.py), or None."""
     global _started, _cache
     if _started:
         return _cache
     apply_environment(hw)
+    if compile_analysis:
+        os.environ.setdefault("PT_XLA_DEBUG_LEVEL", "1")
+        os.environ.setdefault("PT_XLA_DEBUG_FILE", compile_analysis)
     if not hw.accelerator_type:
         os.environ.setdefault("PJRT_DEVICE", "CPU")  # XLA on CPU PJRT: the test/try-out path
     import torch_xla.runtime as xr

@@ -1,0 +1,151 @@
+"""Scores (pass@k by hand), the eval config's checks, records on GCS and the generation
+interface the training loop plugs into."""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+import pytest
+
+from xtrain.errors import ConfigError
+from xtrain.evals import (EvalConfig, ProblemFileError, evaluate, generate_and_evaluate,
+                          pass_at_k, prepare, write_records)
+from xtrain.evals.config import check
+from xtrain.evals.harness import score
+from xtrain.evals.problems import Problem
+
+ADD = Problem(id="add", difficulty="easy", prompt="// Return a + b.\nint add(int a, int b) {\n",
+              reference="  return a + b;\n}\n",
+              tests="#include <cstdio>\nint main() {\n  if (add(2, 3) != 5) {\n"
+                    "    std::puts(\"add(2, 3) != 5\");\n    return 1;\n  }\n  return 0;\n}\n")
+NEG = Problem(id="neg", difficulty="hard", prompt="int neg(int a) {\n",
+              reference="  return -a;\n}\n", tests="int main() { return neg(4) == -4 ? 0 : 1; }\n")
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (5, 2, 1, 0.4),
+    (5, 2, 2, 1 - 3 / 10),  # 1 - C(3,2)/C(5,2)
+    (5, 2, 3, 1 - 1 / 10),  # 1 - C(3,3)/C(5,3)
+    (5, 2, 4, 1.0),  # fewer than k failures: some k-subset always passes
+    (10, 0, 5, 0.0),
+    (10, 3, 3, 1 - 35 / 120),  # 1 - C(7,3)/C(10,3)
+    (1, 1, 1, 1.0),
+])
+def test_pass_at_k_matches_hand_computed_values(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def record(pid, difficulty, outcome):
+    return {"id": pid, "difficulty": difficulty, "outcome": outcome,
+            "compiled": outcome != "compile_error"}
+
+
+def test_scores_overall_and_per_difficulty():
+    records = [record("a", "easy", "passed"), record("a", "easy", "wrong_answer"),
+               record("a", "easy", "compile_error")] + [record("b", "hard", "compile_error")] * 3
+    scores = score(records, [1, 2])
+    assert scores == pytest.approx({
+        "cpp_compile_rate": 2 / 6, "cpp_pass_rate": 1 / 6,
+        "cpp_pass@1": (1 / 3 + 0) / 2, "cpp_pass@2": (2 / 3 + 0) / 2,  # a: 1 - C(2,2)/C(3,2)
+        "cpp_compile_rate/easy": 2 / 3, "cpp_pass_rate/easy": 1 / 3,
+        "cpp_pass@1/easy": 1 / 3, "cpp_pass@2/easy": 2 / 3,
+        "cpp_compile_rate/hard": 0.0, "cpp_pass_rate/hard": 0.0,
+        "cpp_pass@1/hard": 0.0, "cpp_pass@2/hard": 0.0,
+    })  # no medium problem: no medium keys
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"n": 2, "k": [1, 3], "temperature": 0.8}, r"eval.k=\[1, 3\]: each k must be in 1..eval.n=2"),
+    ({"n": 4}, "greedy decoding gives n identical samples"),
+    ({"std": "c++14"}, r"eval.std='c\+\+14': expected c\+\+17 or newer"),
+    ({"sandbox": "docker"}, "eval.sandbox='docker'"),
+    ({"run_timeout_s": 0}, "eval.run_timeout_s=0: must be > 0"),
+    ({"workers": -1}, "eval.workers=-1: must be >= 0"),
+])
+def test_config_check_names_the_field(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        check(EvalConfig(**changes))
+
+
+def test_newer_standards_are_accepted():
+    for std in ("c++17", "c++20", "gnu++23", "c++2b"):
+        check(EvalConfig(std=std))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"gxx": "no-such-g++"}, "eval.gxx='no-such-g\\+\\+': compiler not found"),
+    ({"flags": ["-fno-such-flag"]}, "an empty C\\+\\+ program does not compile and run"),
+    ({"std": "c++26"}, "an empty C\\+\\+ program does not compile and run"),  # g++ 12 lacks it
+])
+def test_a_broken_toolchain_is_one_clear_error(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(**changes))
+
+
+def test_prepare_checks_config_file_and_toolchain_up_front(tmp_path):
+    assert len(prepare(EvalConfig())) >= 40
+    with pytest.raises(ProblemFileError, match="does not exist"):
+        prepare(EvalConfig(cpp_file=str(tmp_path / "absent.jsonl")))
+    with pytest.raises(ConfigError, match="an empty C\\+\\+ program does not compile"):
+        prepare(EvalConfig(flags=["-fno-such-flag"]))
+
+
+def test_generate_interface_cuts_continuations_and_writes_records(gcs_bucket):
+    calls = []
+
+    def generate(prompts: list[str], n: int) -> list[list[str]]:
+        """Stands in for the model's sampler (the training code adapts it to this shape)."""
+        calls.append((prompts, n))
+        return [["  return a + b;\n}\n\nint main() { return 7; }\n",  # runs on past the function
+                 "  return a - b;\n}\n<|bos|>#include <x>\n"],  # wrong, then the next document
+                ["  return -a;\n<|endoftext|>}\n",  # the marker cuts before the brace
+                 "  return 0 - a;\n}"]]
+
+    url = f"{gcs_bucket[0]}/runs/r1/evals/cpp_step100.jsonl"
+    cfg = EvalConfig(n=2, k=[1, 2], temperature=0.7)
+    scores, records = generate_and_evaluate(generate, [ADD, NEG], cfg, url)
+    assert calls == [([ADD.prompt, NEG.prompt], 2)]
+    assert [r["code"] for r in records] == ["  return a + b;\n}\n", "  return a - b;\n}\n",
+                                            "  return -a;\n", "  return 0 - a;\n}\n"]
+    assert [r["outcome"] for r in records] == ["passed", "wrong_answer", "compile_error", "passed"]
+    assert "add(2, 3) != 5" in records[1]["test_output"]
+    assert "error:" in records[2]["compiler_message"]
+    assert records[2]["run_s"] is None and records[0]["run_s"] > 0
+    assert [r["exit_code"] for r in records] == [0, 1, None, 0]
+    assert scores["cpp_pass_rate"] == 0.5 and scores["cpp_compile_rate"] == 0.75
+    assert scores["cpp_pass@2"] == 1.0 and scores["cpp_pass@1/hard"] == 0.5
+    assert scores["cpp_eval_seconds"] > 0 and scores["cpp_generate_seconds"] >= 0
+    with fsspec.open(url, "r") as f:
+        written = [json.loads(line) for line in f]
+    assert written == records
+
+
+def test_generate_with_the_wrong_shape_is_refused():
+    with pytest.raises(ValueError, match="expected 1 per prompt"):
+        generate_and_evaluate(lambda prompts, n: [[]], [ADD], EvalConfig())
+
+
+def test_missing_completions_are_refused():
+    with pytest.raises(ValueError, match="no completions for problem\\(s\\) neg"):
+        evaluate([ADD, NEG], {"add": [ADD.reference]}, EvalConfig())
+
+
+def test_write_records_creates_local_parents(tmp_path):
+    path = tmp_path / "run" / "evals" / "cpp.jsonl"
+    write_records([{"id": "a"}, {"id": "b"}], str(path))
+    assert path.read_text() == '{"id": "a"}\n{"id": "b"}\n'
+
+
+def test_eval_config_is_a_structured_config():
+    """The lead registers EvalConfig as the `eval` group: it must compose and type-check."""
+    from omegaconf import OmegaConf, ValidationError
+
+    cfg = OmegaConf.merge(OmegaConf.structured(EvalConfig),
+                          OmegaConf.from_dotlist(["n=5", "k=[1,5]", "temperature=0.8"]))
+    check(cfg)
+    assert isinstance(OmegaConf.to_object(cfg), EvalConfig)
+    with pytest.raises(ValidationError):
+        OmegaConf.merge(OmegaConf.structured(EvalConfig), {"run_timeout_s": "soon"})
+    with pytest.raises(ConfigError, match="eval.k=\\[1, 6\\]"):
+        check(OmegaConf.merge(cfg, {"k": [1, 6]}))

@@ -1,0 +1,290 @@
+"""The C++ sandbox against hostile programs: each is scored as the right kind of failure, within
+its time limit, leaving no process, no temp dir and no file outside its dir behind.
+
+All programs run through the real harness, g++ and bubblewrap (nothing mocked). The machine's
+facts behind the design are in xtrain/evals/sandbox.py: tests run as root, so the sandbox must
+drop to its own uids and namespaces.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from xtrain.errors import ConfigError
+from xtrain.evals import EvalConfig, evaluate
+from xtrain.evals import sandbox as sandbox_module
+from xtrain.evals.problems import Problem
+from xtrain.evals.sandbox import Sandbox, uid_range
+
+RUN_TIMEOUT = 2.0
+# Every header a hostile completion below needs (a completion cannot add includes: it starts
+# inside the function body).
+PROMPT = """#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <cstdio>
+#include <cstdlib>
+
+// Return 42.
+int answer() {
+"""
+TESTS = """int main() {
+  int a = answer();
+  std::printf("answer %d\\n", a);
+  return a == 42 ? 0 : 1;
+}
+"""
+PROBLEM = Problem(id="hostile", difficulty="easy", prompt=PROMPT, reference="  return 42;\n}\n",
+                  tests=TESTS)
+
+
+def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
+    """kind -> (completion of PROMPT, the outcome it must get)."""
+    return {
+        "reference": ("  return 42;\n}\n", "passed"),
+        "syntax_error": ("  return 42\n}\n", "compile_error"),
+        "wrong_answer": ("  return 41;\n}\n", "wrong_answer"),
+        # exit(0) before the tests finish must not count as passing
+        "early_exit": ("  std::exit(0);\n}\n", "wrong_answer"),
+        "infinite_loop": ("  volatile unsigned long spin = 0;\n  for (;;) spin = spin + 1;\n}\n",
+                          "timeout"),
+        "sleep_forever": ("  for (;;) pause();\n}\n", "timeout"),
+        "fork_bomb": ("  for (;;) fork();\n}\n", "timeout"),
+        # bounded twins of the fork bomb and of a descriptor leak: harmless without the limits,
+        # so breaking a limit shows up here as a pass instead of harming the machine
+        "fork_64": ("  int made = 0;\n  for (int i = 0; i < 64; ++i) {\n    pid_t p = fork();\n"
+                    "    if (p == 0) {\n      pause();\n      _exit(0);\n    }\n"
+                    "    made += p > 0;\n  }\n  return made == 64 ? 42 : 41;\n}\n",
+                    "wrong_answer"),
+        "open_1000_files": ("  for (int i = 0; i < 1000; ++i)\n"
+                            "    if (std::fopen(\"/dev/null\", \"r\") == nullptr) return 41;\n"
+                            "  return 42;\n}\n", "wrong_answer"),
+        # 64 GiB in 1 GiB pieces, untouched: the kernel's overcommit heuristic refuses a single
+        # 64 GiB request by itself, but grants these; only the sandbox's memory limit stops them.
+        "allocate_64_gib": ("  for (int i = 0; i < 64; ++i) {\n"
+                            "    void* volatile p = std::malloc(std::size_t(1) << 30);\n"
+                            "    if (p == nullptr) std::abort();\n  }\n  return 42;\n}\n",
+                            "runtime_error"),
+        "huge_output": ("  for (;;) std::fputs(\"spam spam spam spam spam spam spam\\n\", stdout);"
+                        "\n}\n", "runtime_error"),
+        "network": ("  int s = socket(AF_INET, SOCK_STREAM, 0);\n  sockaddr_in a{};\n"
+                    "  a.sin_family = AF_INET;\n"
+                    f"  a.sin_port = htons({port});\n"
+                    "  inet_pton(AF_INET, \"127.0.0.1\", &a.sin_addr);\n"
+                    "  if (connect(s, (sockaddr*)&a, sizeof a) != 0) return 41;\n"
+                    "  send(s, \"leak\", 4, 0);\n  return 42;\n}\n", "wrong_answer"),
+        "write_outside": (f"  FILE* f = std::fopen(\"{outside}\", \"w\");\n  if (!f) return 41;\n"
+                          "  std::fputs(\"escaped\", f);\n  std::fclose(f);\n  return 42;\n}\n",
+                          "wrong_answer"),
+        # the compiler is attacked too: an endless include, and one that would copy a secret
+        # into the compiler message (the compiler runs in the sandbox as well)
+        "include_dev_zero": ("#include \"/dev/zero\"\n}\n", "compile_error"),
+        "include_secret": ("#include \"/etc/shadow\"\n}\n", "compile_error"),
+        # A daemon that leaves the process group: the program itself passes, the daemon must
+        # still be gone afterwards.
+        "escaping_daemon": ("  if (fork() == 0) {\n    setsid();\n"
+                            "    if (fork() == 0) for (;;) pause();\n    _exit(0);\n  }\n"
+                            "  return 42;\n}\n", "passed"),
+    }
+
+
+def sandbox_processes() -> list[str]:
+    """Live processes of a sandbox uid, or descendants of this test process: none may outlive
+    an evaluation. Zombies (state Z) are left out: nothing runs in them, and this machine's
+    init collects orphans' exit status only every few seconds."""
+    uids, parent, found = set(uid_range()), {}, []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry.name}/stat").read_text()
+            owner = entry.stat().st_uid
+        except OSError:
+            continue  # exited while scanning
+        state, ppid = text.rsplit(")", 1)[1].split()[:2]
+        if state == "Z":
+            continue
+        parent[int(entry.name)] = int(ppid)
+        if owner in uids:
+            found.append(f"{entry.name} (uid {owner}): {text[:80]}")
+    for pid in parent:
+        ancestor = parent.get(pid)
+        while ancestor and ancestor != os.getpid():
+            ancestor = parent.get(ancestor)
+        if ancestor == os.getpid():
+            found.append(f"{pid}: child of the test process")
+    return found
+
+
+def leftover_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("xtrain-cpp-*")}
+
+
+def judge(completions: dict[str, tuple[str, str]], **overrides):
+    cfg = EvalConfig(run_timeout_s=RUN_TIMEOUT, workers=2, **overrides)
+    dirs_before = leftover_dirs()
+    # Earlier tests may leave long-lived helpers of this process (multiprocessing's resource
+    # tracker, an emulator): only what appears during the evaluation counts.
+    processes_before = set(sandbox_processes())
+    start = time.perf_counter()
+    scores, records = evaluate([PROBLEM], {PROBLEM.id: [c for c, _ in completions.values()]}, cfg)
+    elapsed = time.perf_counter() - start
+    return {"records": dict(zip(completions, records)), "elapsed": elapsed, "scores": scores,
+            "processes": sorted(set(sandbox_processes()) - processes_before), "new_dirs": leftover_dirs() - dirs_before}
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    """Every hostile program judged once under bubblewrap (the default sandbox), with a
+    listening loopback socket and a world-writable dir outside the sandbox as bait."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    bait_dir = Path(tempfile.mkdtemp(prefix="xtrain-test-bait-"))
+    bait_dir.chmod(0o777)  # writable by any uid: only the sandbox stands in the way
+    outside = bait_dir / f"escaped-{secrets.token_hex(4)}"
+    programs = hostile_programs(listener.getsockname()[1], str(outside))
+    try:
+        result = judge(programs, sandbox="bwrap")
+        try:
+            connection, _ = listener.accept()
+            result["received"] = connection.recv(100) or b"(connected)"
+        except BlockingIOError:
+            result["received"] = b""
+        result["outside_exists"] = outside.exists()
+        yield programs, result
+    finally:
+        listener.close()
+        shutil.rmtree(bait_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", list(hostile_programs(0, "/x")))
+def test_hostile_program_scored_as_its_failure_within_limits(hostile, kind):
+    programs, result = hostile
+    record = result["records"][kind]
+    assert record["outcome"] == programs[kind][1], record
+    signals = {"allocate_64_gib": 128 + signal.SIGABRT, "huge_output": 128 + signal.SIGXFSZ}
+    if kind in signals:  # died of the limit meant for it
+        assert record["exit_code"] == signals[kind], record
+    if record["run_s"] is not None:
+        assert record["run_s"] < RUN_TIMEOUT + 1.5, record  # killed on time, not waited out
+    assert record["compile_s"] < 30
+
+
+def test_hostile_batch_leaves_nothing_behind(hostile):
+    _, result = hostile
+    assert result["processes"] == []
+    assert result["new_dirs"] == set()
+    assert result["elapsed"] < 30  # three 2 s timeouts and sixteen compiles on two workers
+
+
+def test_network_connection_reaches_nothing(hostile):
+    _, result = hostile
+    assert result["received"] == b""
+    assert "answer 41" in result["records"]["network"]["test_output"]  # connect() failed
+
+
+def test_compiler_cannot_read_secrets(hostile):
+    _, result = hostile
+    message = result["records"]["include_secret"]["compiler_message"]
+    assert "/etc/shadow: No such file or directory" in message and "root:" not in message
+
+
+def test_write_outside_its_dir_does_not_appear(hostile):
+    _, result = hostile
+    assert not result["outside_exists"]
+    assert "answer 41" in result["records"]["write_outside"]["test_output"]  # fopen() failed
+
+
+def test_fallback_without_bubblewrap_still_contains_programs(capfd, monkeypatch):
+    """eval.sandbox=rlimits (machines without namespaces): resource limits, the process group
+    kill, a private uid and its sweep still hold; the warning names what is missing."""
+    monkeypatch.setattr(sandbox_module, "_warned", [])
+    root_only = Path(tempfile.mkdtemp(prefix="xtrain-test-rootonly-"))
+    root_only.chmod(0o755)  # root may write here, the sandbox uid may not
+    programs = {k: v for k, v in hostile_programs(0, str(root_only / "escaped")).items()
+                if k in ("infinite_loop", "fork_bomb", "allocate_64_gib", "huge_output",
+                         "escaping_daemon", "write_outside", "reference")}
+    try:
+        result = judge(programs, sandbox="rlimits")
+        assert not (root_only / "escaped").exists()
+    finally:
+        shutil.rmtree(root_only)
+    for kind, (_, expected) in programs.items():
+        record = result["records"][kind]
+        assert record["outcome"] == expected, record
+        if record["run_s"] is not None:
+            assert record["run_s"] < RUN_TIMEOUT + 1.5, record
+    assert result["processes"] == []
+    assert result["new_dirs"] == set()
+    warning = capfd.readouterr().err
+    assert "C++ eval sandbox without bubblewrap" in warning
+    assert "no read-only filesystem view" in warning and "no PID namespace" in warning
+
+
+def _path_without_bwrap(tmp_path) -> str:
+    """A PATH holding every tool the sandbox uses except bwrap (a machine without bubblewrap)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("prlimit", "unshare", "kill", "true", "g++"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    bin_dir.chmod(0o755)
+    return str(bin_dir)
+
+
+def test_required_bubblewrap_missing_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", _path_without_bwrap(tmp_path))
+    with pytest.raises(ConfigError, match="eval.sandbox=bwrap: bwrap not found"):
+        Sandbox(EvalConfig(sandbox="bwrap"), 1)
+
+
+def test_auto_without_bubblewrap_falls_back_and_says_why(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("PATH", _path_without_bwrap(tmp_path))
+    monkeypatch.setattr(sandbox_module, "_warned", [])
+    box = Sandbox(EvalConfig(sandbox="auto"), 1)
+    box.close()
+    assert box.mode == "rlimits"
+    assert "bwrap not found (apt-get install bubblewrap)" in capfd.readouterr().err
+
+
+def test_uid_slots_are_private_and_released():
+    """Two sandboxes (two evaluations at once) never share a uid; closing releases them."""
+    if os.geteuid() != 0:
+        pytest.skip("uid slots are only claimed when xtrain runs as root")
+    first, second = Sandbox(EvalConfig(), 2), Sandbox(EvalConfig(), 2)
+    try:
+        assert len(set(first._free) | set(second._free)) == 4
+        assert set(first._free) <= set(uid_range())
+    finally:
+        first.close()
+        second.close()
+    third = Sandbox(EvalConfig(), 2)
+    third.close()
+    assert set(third._free) == set(first._free)  # the top of the range again, once released
+
+
+def test_session_dir_is_private_to_its_uid():
+    box = Sandbox(EvalConfig(), 1)
+    try:
+        with box.session() as session:
+            mode = stat.S_IMODE(session.box.stat().st_mode)
+            root_mode = stat.S_IMODE(session.root.stat().st_mode)
+            owner = session.box.stat().st_uid
+            path = session.root
+        assert mode == 0o700 and root_mode == 0o711
+        assert owner == (session.uid if os.geteuid() == 0 else os.getuid())
+        assert not path.exists()
+    finally:
+        box.close()

@@ -1,0 +1,46 @@
+"""The stop rule: a raw continuation is cut where the prompt's function ends."""
+
+from __future__ import annotations
+
+from xtrain.evals.stop import cut, prompt_depth
+
+PROMPT = "#include <string>\n\n// Return a string.\nstd::string f(int n) {\n"
+
+
+def test_cuts_after_the_closing_brace_of_the_function():
+    raw = "  if (n > 0) {\n    return \"pos\";\n  }\n  return \"neg\";\n}\n\nint main() { f(1); }\n"
+    assert cut(PROMPT, raw) == "  if (n > 0) {\n    return \"pos\";\n  }\n  return \"neg\";\n}\n"
+
+
+def test_braces_in_literals_and_comments_do_not_count():
+    raw = ('  // a } in a comment\n  /* and } { here */\n  std::string s = "}}\\"}";\n'
+           "  char c = '}';\n  char q = '\\'';\n  auto r = R\"x(a\"})x\";\n"
+           "  int big = 1'000; if (big) { big = 2'0; }  // digit separators, not char literals\n"
+           "  return s + c + q + r;\n}\nint next() { return 0; }\n")
+    body = raw[:raw.index("}\nint next")] + "}\n"
+    assert cut(PROMPT, raw) == body
+
+
+def test_eof_marker_ends_the_completion_first():
+    raw = "  return \"x\";\n<|bos|>// next document\n}\n"
+    assert cut(PROMPT, raw, ["<|endoftext|>", "<|bos|>"]) == "  return \"x\";\n"
+
+
+def test_marker_after_the_function_is_cut_by_the_brace():
+    assert cut(PROMPT, "  return {};\n}\n<|bos|>junk", ["<|bos|>"]) == "  return {};\n}\n"
+
+
+def test_no_closing_brace_keeps_everything():
+    assert cut(PROMPT, "  return \"x\";\n  // ran out of tokens") == \
+        "  return \"x\";\n  // ran out of tokens"
+
+
+def test_helper_types_in_the_prompt_are_skipped():
+    prompt = "struct P { int x; };\nstatic int g() { return 1; }\nint f(P p) {\n"
+    assert prompt_depth(prompt) == 1
+    assert cut(prompt, "  return p.x + g();\n}\nint h() {}\n") == "  return p.x + g();\n}\n"
+
+
+def test_a_prompt_outside_any_function_has_depth_zero():
+    assert prompt_depth("#include <vector>\nint f();\n") == 0
+    assert prompt_depth("// { in a comment\nint f() {\n") == 1

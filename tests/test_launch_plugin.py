@@ -1,0 +1,181 @@
+"""The launchers' local half, without SSH: the Hydra plugin, targets from gcloud, the code file
+list, the environment's requirements and check, the remote command. gcloud is the stand-in from
+tests/sshd.py (a real gcloud cannot reach Google Cloud here); everything else is real."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.sshd import gcloud, git_tree, tpu_node  # noqa: F401  (gcloud is a fixture)
+from xtrain.errors import ConfigError
+from xtrain.launcher.config import LauncherConfig
+from xtrain.launcher.envcheck import problems
+from xtrain.launcher.gcloud import Gcloud
+from xtrain.launcher.runner import Runner
+from xtrain.launcher.sync import code_files, filter_rules
+from xtrain.launcher.targets import resolve_targets
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "launch"
+
+
+def cli_env(**extra) -> dict:
+    """`python -m xtrain` of this checkout with the plugin importable (packaging installs it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(LAUNCH)]), **extra)
+    env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+def launcher(**fields):
+    return OmegaConf.structured(LauncherConfig(**fields))
+
+
+def hardware(compose_config, name: str, *overrides):
+    return compose_config([f"hardware={name}", *overrides]).hardware
+
+
+def test_plugin_is_listed_and_composes(tmp_path):
+    info = subprocess.run([sys.executable, "-m", "xtrain", "--info", "plugins"], env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert "XtrainLauncher" in info.stdout.split("Launcher:")[1].split("Sweeper:")[0]
+    cfg = subprocess.run([sys.executable, "-m", "xtrain", "--cfg", "hydra", "hydra/launcher=tpu_pod",
+                          "hydra.launcher.hosts=[10.0.0.1,10.0.0.2]", "hydra.launcher.stop_grace_s=5"],
+                         env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert cfg.returncode == 0, cfg.stderr
+    node = OmegaConf.create(cfg.stdout.split("# @package")[0] if "# @package" in cfg.stdout
+                            else cfg.stdout).hydra.launcher
+    assert node.kind == "pod" and list(node.hosts) == ["10.0.0.1", "10.0.0.2"]
+    assert node.stop_grace_s == 5 and node._target_.endswith("XtrainLauncher")
+    from xtrain.launcher import is_remote
+
+    assert is_remote(node)
+    assert not is_remote(OmegaConf.create({"_target_": "hydra._internal.core_plugins.basic_launcher"
+                                                       ".BasicLauncher"}))
+
+
+def test_a_misspelt_launcher_field_is_refused():
+    r = subprocess.run([sys.executable, "-m", "xtrain", "--cfg", "hydra", "hydra/launcher=tpu_vm",
+                        "hydra.launcher.zonee=x"], env=cli_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "zonee" in r.stderr
+
+
+def test_targets_from_gcloud_describe(gcloud, compose_config):
+    gcloud.add(tpu_node("pod", "us-central2-b", "v4-32",
+                        [(f"10.0.0.{i}", f"34.1.1.{i}") for i in range(4)]))
+    hw = hardware(compose_config, "v4_32")
+    external = resolve_targets(launcher(kind="pod", tpu="pod", zone="us-central2-b"), hw,
+                               Gcloud(Runner()))
+    assert [t.host for t in external] == [f"34.1.1.{i}" for i in range(4)]
+    assert [t.internal for t in external] == [f"10.0.0.{i}" for i in range(4)]  # MASTER_ADDR
+    internal = resolve_targets(launcher(kind="pod", tpu="pod", zone="us-central2-b",
+                                        address="internal", project="p1"), hw, Gcloud(Runner()))
+    assert [t.host for t in internal] == [f"10.0.0.{i}" for i in range(4)]
+    assert gcloud.calls()[-1] == ["compute", "tpus", "tpu-vm", "describe", "pod",
+                                  "--zone=us-central2-b", "--project=p1", "--format=json"]
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("unknown", "NOT_FOUND: Resource 'projects/xtrain-test/locations/asia-northeast1-b/nodes/nope'"),
+    ("count", "TPU two has 2 host(s), hardware=v6e4 expects 1"),
+    ("preempted", "TPU gone is PREEMPTED, not READY"),
+    ("type", "TPU small is a v6e-1, hardware=v6e4 is a v6e-4"),
+])
+def test_bad_tpu_targets_are_refused_with_the_reason(gcloud, compose_config, case, expected):
+    zone = "asia-northeast1-b"
+    gcloud.add(tpu_node("two", zone, "v6e-4", [("10.0.0.2", "34.0.0.2"), ("10.0.0.3", "34.0.0.3")]))
+    gcloud.add(tpu_node("gone", zone, "v6e-4", [("10.0.0.2", "34.0.0.2")], state="PREEMPTED"))
+    gcloud.add(tpu_node("small", zone, "v6e-1", [("10.0.0.2", "34.0.0.2")]))
+    name = {"unknown": "nope", "count": "two", "preempted": "gone", "type": "small"}[case]
+    with pytest.raises(ConfigError) as e:
+        resolve_targets(launcher(tpu=name, zone=zone), hardware(compose_config, "v6e4"),
+                        Gcloud(Runner()))
+    assert expected in str(e.value)
+
+
+def test_gcloud_creates_and_deletes_a_vm_of_the_profile(gcloud, compose_config):
+    """The spot fleet's building blocks: create a VM of the profile's type and runtime, delete it."""
+    cloud = Gcloud(Runner())
+    hw = hardware(compose_config, "v6e4")
+    cloud.create("fresh", "asia-northeast1-b", hw)
+    assert gcloud.calls()[-1] == ["compute", "tpus", "tpu-vm", "create", "fresh",
+                                  "--zone=asia-northeast1-b", "--accelerator-type=v6e-4",
+                                  "--version=v2-alpha-tpuv6e", "--spot"]
+    node = cloud.describe("fresh", "asia-northeast1-b")
+    assert (node["state"], node["acceleratorType"]) == ("READY", "v6e-4")
+    cloud.delete("fresh", "asia-northeast1-b")
+    assert gcloud.calls()[-1][3:] == ["delete", "fresh", "--zone=asia-northeast1-b", "--quiet"]
+    with pytest.raises(ConfigError, match="NOT_FOUND"):
+        cloud.describe("fresh", "asia-northeast1-b")
+
+
+def test_a_pod_profile_needs_tpu_pod(compose_config):
+    with pytest.raises(ConfigError, match="spans 4 hosts.*hydra/launcher=tpu_pod"):
+        resolve_targets(launcher(hosts=["a", "b", "c", "d"]), hardware(compose_config, "v4_32"),
+                        None)
+    with pytest.raises(ConfigError, match="has 3 host.*expects 4"):
+        resolve_targets(launcher(kind="pod", hosts=["a", "b", "c"]),
+                        hardware(compose_config, "v4_32"), None)
+    with pytest.raises(ConfigError, match="tpu=NAME"):
+        resolve_targets(launcher(), hardware(compose_config, "v6e4"), None)
+
+
+def test_code_files_are_tracked_and_untracked_not_ignored_minus_secrets_and_data(tmp_path):
+    root = git_tree(tmp_path / "repo")
+    files = code_files(root, Runner())
+    assert files == [".gitignore", "new_untracked.py", "pkg/mod.py"]
+    assert code_files(root, Runner(), exclude=["new_*"]) == [".gitignore", "pkg/mod.py"]
+    rules = filter_rules(files)
+    assert "+ /pkg/\n" in rules and "+ /pkg/mod.py\n" in rules and rules.endswith("- *\n")
+
+
+def test_a_big_file_is_refused_before_anything_is_copied(tmp_path):
+    root = git_tree(tmp_path / "repo")
+    (root / "weights.bin").write_bytes(b"\0" * (3 * 2**20))
+    with pytest.raises(ConfigError, match=r"weights.bin is 3 MB .*max_file_mb=2"):
+        code_files(root, Runner(), max_file_mb=2)
+
+
+def test_requirements_are_the_dependencies_with_the_profile_pins(compose_config):
+    from xtrain.launcher.env import requirements
+
+    reqs = requirements(ROOT, hardware(compose_config, "v6e4").pins)
+    assert "torch==2.9.1" in reqs and "libtpu==0.0.21" in reqs and "jax==0.7.0" in reqs
+    assert not any(r.startswith("torch_xla==2.9.0;") for r in reqs)  # the pin replaced it
+    assert any(r.startswith("hydra-core") for r in reqs)  # an unpinned dependency stays
+    assert requirements(ROOT, {}) == __import__("tomllib").load(
+        open(ROOT / "pyproject.toml", "rb"))["project"]["dependencies"]
+
+
+def test_envcheck_names_what_does_not_match():
+    import omegaconf
+
+    assert problems([f"omegaconf=={omegaconf.__version__}", "pytest>=1",
+                     "torch_xla==0.0.1; sys_platform == 'nonexistent'"]) == []
+    found = problems(["omegaconf==0.0.1", "xtrain-no-such-package==1.0"])
+    assert found[0] == f"omegaconf {omegaconf.__version__} is installed, wanted ==0.0.1"
+    assert found[1].startswith("xtrain-no-such-package is not installed")
+
+
+def test_remote_command_runs_the_jobs_own_overrides_with_a_fixed_name_and_dir():
+    from types import SimpleNamespace
+
+    from xtrain.launcher.launch import job_name, remote_command
+
+    w = SimpleNamespace(venv="/r/venv", root="/r")
+    cmd = remote_command(w, ["model=d2", "run.name=old", "data.build_sources=[a,b]"], "d2-x,[y]",
+                         job_name("d2-x,[y]"))
+    assert cmd[:4] == ["/r/venv/bin/python", "-u", "-m", "xtrain"]
+    assert cmd[4:6] == ["model=d2", "data.build_sources=[a,b]"]  # no run.name=old, no launcher
+    assert cmd[6] == "run.name='d2-x,[y]'"
+    assert cmd[7] == f"hydra.run.dir=/r/runs/{job_name('d2-x,[y]')}"
+    assert job_name("d16-v6e4-cpp16k") == "d16-v6e4-cpp16k"
+    # names that are not plain paths get a hash, so two of them never share a job directory
+    assert job_name("d2-x,[y]").startswith("d2-x_y-") and job_name("d2-x,[y]") != job_name("d2-x[y]")

@@ -1,0 +1,168 @@
+"""Every bad input is refused quickly, in one line, with the documented exit code, and touches no
+file it did not mean to: config values, data, checkpoints, meshes, sharding rules, environment.
+
+Each case is a real ``python -m xtrain`` process. The "world" around it (a corpus in the cache, a
+run with a committed checkpoint, a half-written checkpoint, ...) is hashed before and after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from xtrain.errors import EXIT_REFUSED
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trainer.sample_tokens=0",
+        "trainer.eval_batches=1", "trainer.log_every=1"]
+LIMIT_S = 2.0
+
+CASES = [  # (id, overrides, extra environment, what the one line must say)
+    # Hydra composition: unknown options, keys, types, choices
+    ("unknown-option", ["hardware=v9x"], {}, "Available options in 'hardware': cpu, v4_32"),
+    ("unknown-model", ["model=d3"], {}, "Could not find 'model/d3'"),
+    ("unknown-key", ["optim.lrr=1"], {}, "optim.lrr: Key 'lrr' not in 'OptimConfig'"),
+    ("wrong-type", ["trainer.max_steps=abc"], {}, "trainer.max_steps: Value 'abc'"),
+    ("bad-override", ["trainer.max_steps=[1"], {}, "cannot parse override 'trainer.max_steps=[1'"),
+    ("unknown-mode", ["mode=nope"], {}, "mode: Invalid value 'nope'"),
+    ("unknown-attention", ["model.attention=nope"], {}, "model.attention: Invalid value 'nope'"),
+    ("unknown-engine", ["hardware.engine=gpu"], {}, "hardware.engine: Invalid value 'gpu'"),
+    ("unknown-precision", ["hardware.precision=fp8"], {}, "hardware.precision: Invalid value 'fp8'"),
+    ("unknown-experiment", ["+experiment=nope"], {}, "Available options in 'experiment': v5e8_d16_1024"),
+    ("experiment-without-plus", ["experiment=v6e4_d16_16k"], {}, "use +experiment=v6e4_d16_16k"),
+    # ranges declared beside each field (xtrain/config.py)
+    ("device-batch-0", ["trainer.device_batch_size=0"], {}, "trainer.device_batch_size=0: must be >= 1"),
+    ("device-batch-neg", ["trainer.device_batch_size=-1"], {}, "trainer.device_batch_size=-1: must be >= 1"),
+    ("max-steps-0", ["trainer.max_steps=0"], {}, "trainer.max_steps=0: must be >= 1"),
+    ("total-batch", ["trainer.total_batch_size=3000"], {}, "trainer.total_batch_size=3,000 is not a multiple"),
+    ("log-every-0", ["trainer.log_every=0"], {}, "trainer.log_every=0: must be >= 1"),
+    ("eval-every-neg", ["trainer.eval_every=-1"], {}, "trainer.eval_every=-1: must be >= 0"),
+    ("eval-batches-0", ["trainer.eval_batches=0"], {}, "trainer.eval_batches=0: must be >= 1"),
+    ("matrix-lr-neg", ["optim.matrix_lr=-1"], {}, "optim.matrix_lr=-1: must be >= 0"),
+    ("embedding-lr-neg", ["optim.embedding_lr=-0.1"], {}, "optim.embedding_lr=-0.1: must be >= 0"),
+    ("beta1", ["optim.adam_beta1=1.5"], {}, "optim.adam_beta1=1.5: must be < 1"),
+    ("eps-0", ["optim.adam_eps=0"], {}, "optim.adam_eps=0: must be > 0"),
+    ("warmdown", ["optim.warmdown_ratio=1.5"], {}, "optim.warmdown_ratio=1.5: must be <= 1"),
+    ("final-lr", ["optim.final_lr_frac=2"], {}, "optim.final_lr_frac=2: must be <= 1"),
+    ("grad-clip", ["optim.grad_clip=-1"], {}, "optim.grad_clip=-1: must be >= 0"),
+    ("ns-steps", ["optim.muon_ns_steps=0"], {}, "optim.muon_ns_steps=0: must be >= 1"),
+    ("keep-last-0", ["checkpoint.keep_last=0"], {}, "checkpoint.keep_last=0: must be >= 1 (to keep every"),
+    ("keep-last-neg", ["checkpoint.keep_last=-1"], {}, "checkpoint.keep_last=-1: must be >= 1"),
+    ("every-neg", ["checkpoint.every=-1"], {}, "checkpoint.every=-1: must be >= 0"),
+    ("retries-neg", ["checkpoint.retries=-1"], {}, "checkpoint.retries=-1: must be >= 0"),
+    ("depth-0", ["model.depth=0"], {}, "model.depth=0: must be >= 1"),
+    ("head-dim", ["model.head_dim=48"], {}, "model.head_dim=48 does not divide the width 128"),
+    ("kv-heads", ["model.n_kv_head=3"], {}, "model.n_kv_head=3 must divide n_head=4"),
+    ("window-pattern", ["model.window_pattern=SQL"], {}, "model.window_pattern='SQL'"),
+    ("seq-0", ["model.sequence_len=0"], {}, "model.sequence_len=0: must be >= 1"),
+    ("softcap-0", ["model.softcap=0"], {}, "model.softcap=0: must be > 0"),
+    ("vocab-disagrees", ["model.vocab_size=5000"], {}, "model.vocab_size=5000 disagrees with the tokenizer"),
+    ("prefetch-0", ["data.prefetch=0"], {}, "data.prefetch=0: must be >= 1"),
+    ("data-vocab-0", ["data.vocab_size=0"], {}, "data.vocab_size=0: must be >= 1"),
+    # meshes, sharding rules and engines
+    ("cpu-engine-fsdp", ["parallelism=fsdp_tp"], {}, "the cpu engine replicates every parameter"),
+    ("mesh-size", ["hardware.engine=xla", "parallelism.data=3"], {"CPU_NUM_DEVICES": "4"},
+     "mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but the hardware has 4"),
+    ("two-free-axes", ["hardware.engine=xla", "parallelism.fsdp=-1"], {"CPU_NUM_DEVICES": "4"},
+     "at most one -1"),
+    ("unknown-axis", ["hardware.engine=xla", "+parallelism.rules=[[wte,[pipeline,null]]]"],
+     {"CPU_NUM_DEVICES": "4"}, "uses mesh axis 'pipeline'"),
+    ("bad-regex", ["hardware.engine=xla", "parallelism=fsdp", "parallelism.rules=[['(',[fsdp,null]]]"],
+     {"CPU_NUM_DEVICES": "4"}, "bad regex"),
+    ("spec-rank", ["hardware.engine=xla", "parallelism=fsdp", "parallelism.rules=[[wte,[fsdp]]]"],
+     {"CPU_NUM_DEVICES": "4"}, "has 1 entries, the parameter has 2 dims"),
+    ("devices-not-a-number", ["hardware.engine=xla"], {"CPU_NUM_DEVICES": "abc"}, "CPU_NUM_DEVICES='abc'"),
+    # hardware profiles and this machine
+    ("tpu-here", ["hardware=v6e4", "trainer.max_steps=1"], {}, "this machine has no TPU chip"),
+    ("chips", ["hardware=v4_32", "hardware.chips=32"], {}, "v4-32 has 16 chips"),
+    ("topology", ["hardware=v6e4", "hardware.topology=null"], {}, "is missing hardware.topology"),
+    # data
+    ("no-shards-dir", ["data.build_sources=[]", "data.train_files={missing}", "data.tokenizer={tokenizer}"],
+     {}, "{missing}: no such directory"),
+    ("empty-shards", ["data.build_sources=[]", "data.train_files={empty}", "data.tokenizer={tokenizer}"],
+     {}, "{empty}: no parquet shards found"),
+    ("holdout-one-shard", ["data.build_sources=[]", "data.train_files={one_shard}",
+                           "data.tokenizer={tokenizer}", "data.holdout_last_shard=true", "data.val_files=null"],
+     {}, "holdout_last_shard needs at least 2 shards, found 1"),
+    ("no-tokenizer", ["data.build_sources=[]", "data.tokenizer={missing}"], {},
+     "data.tokenizer={missing}: no such directory"),
+    ("half-tokenizer", ["data.build_sources=[]", "data.tokenizer={half_tokenizer}"], {},
+     "needs tokenizer.json (or tokenizer.pkl) and token_bytes.pt"),
+    ("no-sources", ["data.build_sources=[{missing}]"], {}, "no C/C++ sources found"),
+    ("unreachable-bucket", ["data=cpp16k", "data.remote_timeout_s=0.5"],
+     {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}, "gs://nanochat-training-data-2026: no answer within 0.5 s"),
+    # checkpoints
+    ("resume-missing", ["checkpoint.resume={missing}"], {}, "checkpoint.resume={missing}: no such directory"),
+    ("resume-empty", ["checkpoint.resume={empty}"], {}, "not a committed checkpoint"),
+    ("resume-uncommitted", ["checkpoint.resume={uncommitted}"], {}, "not a committed checkpoint (no COMMITTED"),
+    ("resume-run-dir", ["checkpoint.resume={checkpoints}"], {}, "it holds checkpoints: point at one"),
+    ("resume-other-model", ["model=d4", "checkpoint.resume={committed}"], {},
+     "holds a different model (n_layer 2 -> 4"),
+    ("checkpoint-dir-blocked", ["checkpoint.dir={a_file}/ckpt"], {}, "checkpoint.dir {a_file}/ckpt is not writable"),
+]
+
+
+def tree_digest(*roots: Path) -> dict[str, str]:
+    out = {}
+    for root in roots:
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                out[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, xtrain_cache):
+    """A corpus in the cache and a finished d2 run with a committed checkpoint, plus the odd
+    paths the cases point at."""
+    base = tmp_path_factory.mktemp("world")
+    run = base / "run"
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "trainer.max_steps=2",
+                        f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    checkpoints = run / "checkpoints"
+    committed = sorted(checkpoints.glob("step_*"))[-1]
+    uncommitted = base / "uncommitted"
+    shutil.copytree(committed, uncommitted)
+    (uncommitted / "COMMITTED").unlink()
+    corpus = next(p for p in (Path(xtrain_cache) / "corpus").glob("cpp_local-*") if p.is_dir())
+    one_shard = base / "one_shard"
+    one_shard.mkdir()
+    shutil.copy(sorted((corpus / "train").glob("*.parquet"))[0], one_shard)
+    half_tokenizer = base / "half_tokenizer"
+    half_tokenizer.mkdir()
+    shutil.copy(corpus / "tokenizer" / "tokenizer.json", half_tokenizer)
+    (base / "empty").mkdir()
+    (base / "a_file").write_text("")
+    paths = dict(missing=base / "missing", empty=base / "empty", a_file=base / "a_file",
+                 checkpoints=checkpoints, committed=committed, uncommitted=uncommitted,
+                 tokenizer=corpus / "tokenizer", one_shard=one_shard, half_tokenizer=half_tokenizer)
+    return {"base": base, "corpus": corpus, **{k: str(v) for k, v in paths.items()}}
+
+
+@pytest.mark.parametrize("case, overrides, env, expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_fast_in_one_line(case, overrides, env, expected, world, tmp_path):
+    overrides = [o.format(**world) for o in overrides]
+    before = tree_digest(world["base"], world["corpus"])
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, *overrides, f"hydra.run.dir={tmp_path}/run"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PJRT_DEVICE": "CPU", **env})
+    seconds = time.perf_counter() - t0
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("xtrain: "), r.stderr[-3000:]
+    assert expected.format(**world) in lines[0]
+    assert seconds < LIMIT_S, f"refused after {seconds:.2f} s"
+    assert tree_digest(world["base"], world["corpus"]) == before  # nothing it did not mean to touch
+
+
+def test_the_documented_exit_code_is_in_the_readme():
+    assert f"exit code {EXIT_REFUSED}" in (ROOT / "README.md").read_text()

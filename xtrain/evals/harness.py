@@ -1,0 +1,220 @@
+"""Compile and test completions of C++ problems in the sandbox; score them.
+
+:func:`evaluate` judges given completions; :func:`generate_and_evaluate` first asks a
+``generate(prompts, n) -> [[raw continuation] * n] * len(prompts)`` callable (the training code
+adapts the model's decoding to it: this module imports no torch), cuts each continuation with the
+stop rule and then judges. Programs compile and run in parallel, one sandbox slot per worker
+thread (the threads only wait on child processes).
+
+Outcomes: compile_error, timeout (wall clock, or CPU seconds), runtime_error (a signal or an
+exit code other than 0 and 1), wrong_answer (exit code 1, or exit 0 before the tests finished),
+passed. Records (one JSON object per sample): id, difficulty, sample (index), code (the
+completion after the stop rule), compiled, outcome, compiler_message and test_output (capped at
+``eval.message_chars``), exit_code (128 + signal for a signal), compile_s, run_s (None when not
+run). The tests' ``main`` is renamed and called from a harness ``main`` that prints a random
+marker after it returns 0: a completion that calls ``exit(0)`` does not pass. The scores assume a
+model that does not deliberately game the tests; the sandbox protects the machine, not the score.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import secrets
+import shutil
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import fsspec
+
+from xtrain.errors import ConfigError
+from xtrain.evals import stop
+from xtrain.evals.config import EvalConfig, check
+from xtrain.evals.problems import DIFFICULTIES, Problem, load_problems
+from xtrain.evals.sandbox import Result, Sandbox, Session, limits_for
+
+OUTCOMES = ("compile_error", "timeout", "runtime_error", "wrong_answer", "passed")
+Generate = Callable[[list[str], int], list[list[str]]]
+
+_FOOTER = """
+#undef main
+#include <cstdio>
+int main() {{
+  int rc = xtrain_tests_main();
+  if (rc == 0) std::printf("\\n{marker}\\n");
+  return rc;
+}}
+"""
+
+
+def program(problem: Problem, completion: str, marker: str) -> str:
+    """The file compiled for one sample: prompt, completion, tests (their ``main`` renamed),
+    then a ``main`` that prints ``marker`` once the tests return 0."""
+    return (problem.prompt + completion + "\n#define main xtrain_tests_main\n" + problem.tests
+            + _FOOTER.format(marker=marker))
+
+
+def prepare(cfg: EvalConfig) -> list[Problem]:
+    """Check everything an evaluation needs before training starts (the config, the benchmark
+    file, the compiler inside the sandbox) and return the problems."""
+    check(cfg)
+    problems = load_problems(cfg.cpp_file)
+    sandbox = Sandbox(cfg, 1)
+    try:
+        _check_toolchain(sandbox, _find_gxx(cfg), cfg)
+    finally:
+        sandbox.close()
+    return problems
+
+
+def generate_and_evaluate(generate: Generate, problems: Sequence[Problem], cfg: EvalConfig,
+                          records_path: str | None = None) -> tuple[dict, list[dict]]:
+    """Sample ``cfg.n`` continuations per prompt, cut them with the stop rule, judge them."""
+    check(cfg)
+    start = time.perf_counter()
+    raw = generate([p.prompt for p in problems], cfg.n)
+    if len(raw) != len(problems) or any(len(r) != cfg.n for r in raw):
+        raise ValueError(f"generate returned {[len(r) for r in raw]} continuations for "
+                         f"{len(problems)} prompts; expected {cfg.n} per prompt")
+    generate_s = time.perf_counter() - start
+    completions = {p.id: [stop.cut(p.prompt, text, cfg.eof_markers) for text in texts]
+                   for p, texts in zip(problems, raw)}
+    scores, records = evaluate(problems, completions, cfg, records_path)
+    scores["cpp_generate_seconds"] = generate_s
+    return scores, records
+
+
+def evaluate(problems: Sequence[Problem], completions: Mapping[str, Sequence[str]],
+             cfg: EvalConfig, records_path: str | None = None) -> tuple[dict, list[dict]]:
+    """Compile and test every completion (already cut); return the scores and one record per
+    sample, also written as JSONL to ``records_path`` (any fsspec URL) when given."""
+    check(cfg)
+    missing = [p.id for p in problems if not completions.get(p.id)]
+    if missing:
+        raise ValueError(f"no completions for problem(s) {', '.join(missing[:5])}")
+    gxx = _find_gxx(cfg)
+    jobs = [(p, i, c) for p in problems for i, c in enumerate(completions[p.id])]
+    workers = min(cfg.workers or len(os.sched_getaffinity(0)), len(jobs))
+    marker = f"xtrain-tests-passed-{secrets.token_hex(8)}"  # unguessable by the program
+    start = time.perf_counter()
+    sandbox = Sandbox(cfg, workers)
+    try:
+        _check_toolchain(sandbox, gxx, cfg)
+        with ThreadPoolExecutor(workers, thread_name_prefix="cpp-eval") as pool:
+            records = list(pool.map(lambda job: _judge(sandbox, gxx, cfg, marker, *job), jobs))
+    finally:
+        sandbox.close()
+    scores = score(records, cfg.k)
+    scores["cpp_eval_seconds"] = time.perf_counter() - start
+    if records_path:
+        write_records(records, records_path)
+    return scores, records
+
+
+def _find_gxx(cfg: EvalConfig) -> str:
+    gxx = shutil.which(cfg.gxx)
+    if gxx is None:
+        raise ConfigError(f"eval.gxx={cfg.gxx!r}: compiler not found on PATH")
+    return gxx
+
+
+def _compile(session: Session, gxx: str, cfg: EvalConfig) -> Result:
+    # -fmax-errors bounds the message a broken completion produces (template errors run long).
+    argv = [gxx, f"-std={cfg.std}", *cfg.flags, "-fmax-errors=10", "-o", "prog", "main.cpp"]
+    return session.run(argv, limits_for(cfg, compile=True))
+
+
+def _check_toolchain(sandbox: Sandbox, gxx: str, cfg: EvalConfig) -> None:
+    """Compile and run an empty program once, so a bad compiler, flag or standard is one clear
+    error instead of every sample scored as a compile error."""
+    with sandbox.session() as session:
+        session.write("main.cpp", "int main() { return 0; }\n")
+        built = _compile(session, gxx, cfg)
+        ran = session.run(["./prog"], limits_for(cfg, compile=False)) if built.returncode == 0 \
+            else None
+    if built.returncode != 0 or ran is None or ran.returncode != 0:
+        message = (built.stderr or (ran.stderr if ran else "")).strip().splitlines()[:1]
+        raise ConfigError(f"eval.gxx/std/flags: an empty C++ program does not compile and run "
+                          f"in the sandbox ({sandbox.mode}): {message or built.returncode}")
+
+
+def _judge(sandbox: Sandbox, gxx: str, cfg: EvalConfig, marker: str, problem: Problem,
+           sample: int, completion: str) -> dict:
+    record = {"id": problem.id, "difficulty": problem.difficulty, "sample": sample,
+              "code": completion, "compiled": False, "outcome": "compile_error",
+              "compiler_message": "", "test_output": "", "exit_code": None, "compile_s": None,
+              "run_s": None}
+    with sandbox.session() as session:
+        session.write("main.cpp", program(problem, completion, marker))
+        built = _compile(session, gxx, cfg)
+        record["compile_s"] = round(built.seconds, 3)
+        message = built.stderr + (f"\ncompile timed out after {cfg.compile_timeout_s:g} s"
+                                  if built.timed_out else "")
+        record["compiler_message"] = message.strip()[:cfg.message_chars]
+        if built.returncode != 0 or built.timed_out:
+            return record
+        record["compiled"] = True
+        ran = session.run(["./prog"], limits_for(cfg, compile=False))
+    record["run_s"] = round(ran.seconds, 3)
+    record["exit_code"] = ran.returncode
+    record["outcome"] = outcome(ran, marker)
+    output = ran.stdout.replace(marker, "").strip() + "\n" + ran.stderr.strip()
+    record["test_output"] = output.strip()[:cfg.message_chars]
+    return record
+
+
+def outcome(ran: Result, marker: str) -> str:
+    """What a test run's exit says (compile errors are decided before a run)."""
+    if ran.timed_out or ran.returncode == 128 + signal.SIGXCPU:
+        return "timeout"
+    if ran.returncode == 0 and ran.stdout.rstrip().endswith(marker):
+        return "passed"
+    if ran.returncode in (0, 1):  # a failed check, or an exit before the tests finished
+        return "wrong_answer"
+    return "runtime_error"
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` passed (Chen et al. 2021, "Evaluating
+    Large Language Models Trained on Code"): 1 - C(n-c, k) / C(n, k), as a stable product."""
+    if n - c < k:
+        return 1.0
+    product = 1.0
+    for i in range(n - c + 1, n + 1):
+        product *= 1.0 - k / i
+    return 1.0 - product
+
+
+def score(records: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
+    """cpp_compile_rate, cpp_pass_rate (fractions of samples) and cpp_pass@k (mean over
+    problems), overall and per difficulty (``cpp_pass_rate/easy``, ...)."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[""].append(r)
+        groups["/" + r["difficulty"]].append(r)
+    scores: dict[str, float] = {}
+    for suffix in ["", *(f"/{d}" for d in DIFFICULTIES)]:
+        group = groups.get(suffix)
+        if not group:
+            continue
+        scores["cpp_compile_rate" + suffix] = sum(r["compiled"] for r in group) / len(group)
+        scores["cpp_pass_rate" + suffix] = sum(r["outcome"] == "passed" for r in group) / len(group)
+        by_problem: dict[str, list[bool]] = defaultdict(list)
+        for r in group:
+            by_problem[r["id"]].append(r["outcome"] == "passed")
+        for k in ks:
+            estimates = [pass_at_k(len(p), sum(p), k) for p in by_problem.values()]
+            scores[f"cpp_pass@{k}" + suffix] = sum(estimates) / len(estimates)
+    return scores
+
+
+def write_records(records: Sequence[dict], path: str) -> None:
+    """One JSON object per sample, to a local path or any fsspec URL (parents created)."""
+    fs, target = fsspec.core.url_to_fs(path)
+    fs.makedirs(posixpath.dirname(target), exist_ok=True)
+    with fs.open(target, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)

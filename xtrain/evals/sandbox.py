@@ -1,0 +1,331 @@
+"""A sandbox for compiling and running untrusted C++ (whatever a model writes).
+
+Each program gets a :class:`Session`: a fresh temp dir, removed afterwards. Compiler and program
+both run inside it (the compiler too: ``#include "/etc/..."`` would otherwise copy a file into the
+compiler message). Every command runs
+
+- as a private unprivileged uid when xtrain runs as root (root ignores RLIMIT_NPROC and may write
+  anywhere). Each parallel slot claims its own uid with a lock file under the temp dir, so two
+  slots (or two xtrain processes) never share a process count, and after a session every process
+  of that uid is killed: even one that left its process group is gone;
+- under resource limits set by util-linux ``prlimit`` before exec (CPU seconds, address space,
+  file size, process count, open files, no core files): a program, not a ``preexec_fn``, because
+  the harness forks from several threads;
+- in its own process group, SIGKILLed as a whole when the wall-clock limit passes;
+- with stdout and stderr sent to files in the session dir, so RLIMIT_FSIZE caps them and a
+  program printing forever dies of SIGXFSZ instead of filling a pipe or the disk;
+- inside bubblewrap (``bwrap``, Debian package ``bubblewrap``), the well-kept tool Flatpak uses:
+  new user, PID, network, IPC and UTS namespaces (no network at all, not even loopback), a
+  read-only view of /usr only (no /root, /home, /work, /etc secrets), a private /tmp, the session
+  dir as the only writable path, killed with its parent.
+
+Fallback (``eval.sandbox=rlimits``, or ``auto`` when bwrap is missing or cannot create
+namespaces): everything above except the bubblewrap layer, plus ``unshare --user --net`` when the
+kernel allows it. The program then sees the real filesystem with its uid's rights (world-writable
+dirs such as /tmp are writable) and shares the PID namespace; a one-line warning says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from xtrain.errors import ConfigError
+from xtrain.evals.config import EvalConfig
+
+_UID_LOCKS = Path(tempfile.gettempdir()) / "xtrain-sandbox-uids"
+_UID_CANDIDATES = 4096  # uids tried below the top of this namespace's uid range
+_warned: list[list[str]] = []
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float  # killed (whole process group) after this many seconds
+    cpu_s: int  # SIGXCPU after this many CPU seconds per process
+    memory_mb: int  # address space per process
+    file_kb: int  # largest file any process may write (stdout and stderr included)
+    processes: int  # processes of the sandbox uid at once
+    open_files: int
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int  # 128 + signal number when a signal ended it (as a shell reports it)
+    timed_out: bool  # the wall-clock limit passed and the process group was killed
+    stdout: str  # all of it: RLIMIT_FSIZE bounds it to Limits.file_kb
+    stderr: str
+    seconds: float
+
+
+def limits_for(cfg: EvalConfig, compile: bool) -> Limits:
+    """The limits of a compile or of a test run, from the eval config."""
+    wall = cfg.compile_timeout_s if compile else cfg.run_timeout_s
+    return Limits(wall_s=wall, cpu_s=math.ceil(wall) + 1,
+                  memory_mb=cfg.compile_memory_mb if compile else cfg.run_memory_mb,
+                  file_kb=cfg.max_file_kb * (64 if compile else 1),  # the binary is a file too
+                  processes=cfg.max_processes, open_files=cfg.max_open_files)
+
+
+class Sandbox:
+    """Chooses the isolation once (bubblewrap or the fallback), claims ``slots`` uids when root,
+    and hands out sessions; :meth:`close` releases the uids."""
+
+    def __init__(self, cfg: EvalConfig, slots: int):
+        self.cfg = cfg
+        self._uid_locks: list[int] = []
+        self._free: list[int | None] = [None] * slots
+        self._lock = threading.Condition()
+        self.missing: list[str] = []  # protections the fallback lacks (empty under bwrap)
+        self.mode = "bwrap"  # until the probe says otherwise
+        try:
+            if os.geteuid() == 0:
+                self._free = self._claim_uids(slots)
+            self.mode = self._choose_mode()
+        except BaseException:
+            self.close()
+            raise
+        if self.missing and self.missing not in _warned:  # once per process, not per eval
+            _warned.append(self.missing)
+            print(f"xtrain: warning: C++ eval sandbox without bubblewrap: "
+                  f"{'; '.join(self.missing)}", file=sys.stderr, flush=True)
+
+    def _claim_uids(self, count: int) -> list[int | None]:
+        """``count`` uids of :func:`uid_range` no other sandbox holds, each locked (a lock file)
+        for this sandbox's lifetime."""
+        _UID_LOCKS.mkdir(mode=0o755, exist_ok=True)
+        if _UID_LOCKS.is_symlink() or _UID_LOCKS.stat().st_uid != 0:  # /tmp is world-writable
+            raise RuntimeError(f"C++ sandbox: {_UID_LOCKS} is not a directory owned by root")
+        uids = []
+        for uid in reversed(uid_range()):
+            fd = os.open(_UID_LOCKS / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._uid_locks.append(fd)
+            uids.append(uid)
+            if len(uids) == count:
+                return uids
+        raise RuntimeError(f"C++ sandbox: all {_UID_CANDIDATES} sandbox uids are in use")
+
+    def _choose_mode(self) -> str:
+        if self.cfg.sandbox in ("auto", "bwrap"):
+            bwrap = shutil.which("bwrap")
+            self._bwrap = [] if bwrap is None else self._bwrap_argv(bwrap)
+            problem = "bwrap not found (apt-get install bubblewrap)" if bwrap is None else \
+                self._probe_bwrap()
+            if problem is None:
+                return "bwrap"
+            if self.cfg.sandbox == "bwrap":
+                raise ConfigError(f"eval.sandbox=bwrap: {problem}")
+            self.missing.append(problem)
+        self._unshare = ["unshare", "--user", "--net", "--"]
+        if self._probe(self._unshare + ["/usr/bin/true"]) is not None:
+            self._unshare = []
+            self.missing.append("no network isolation (unshare --user --net not permitted)")
+        self.missing.append("no read-only filesystem view (the program may write wherever its "
+                            "uid may) and no PID namespace")
+        return "rlimits"
+
+    def _probe_bwrap(self) -> str | None:
+        with tempfile.TemporaryDirectory(prefix="xtrain-cpp-probe-") as box:
+            os.chmod(box, 0o755)
+            return self._probe(self._inside(Path(box)) + ["/usr/bin/true"])
+
+    def _probe(self, argv: list[str]) -> str | None:
+        """None when ``argv`` runs as a sandboxed command would, else its error."""
+        uid = next((u for u in self._free if u is not None), None)
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=30,
+                                  **_as_user(uid))
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"{argv[0]} failed: {e}"
+        if done.returncode != 0:
+            return f"{argv[0]} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
+        return None
+
+    def _bwrap_argv(self, bwrap: str) -> list[str]:
+        """bubblewrap's arguments shared by every session: namespaces, a read-only /usr (and
+        the toolchain's prefix if elsewhere), a private /tmp; no /root, /home, /work or /etc."""
+        argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+                "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/box",
+                "--setenv", "LANG", "C.UTF-8", "--ro-bind", "/usr", "/usr"]
+        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+            if os.path.islink(top):  # merged /usr (Debian 12): these are symlinks into /usr
+                argv += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                argv += ["--ro-bind", top, top]
+        for path in ("/etc/ld.so.cache", "/etc/alternatives"):
+            argv += ["--ro-bind-try", path, path]
+        gxx = shutil.which(self.cfg.gxx)
+        prefix = Path(os.path.realpath(gxx)).parent.parent if gxx else None
+        if prefix and not str(prefix).startswith("/usr"):  # a toolchain installed elsewhere
+            argv += ["--ro-bind", str(prefix), str(prefix)]
+        return argv + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+
+    def _inside(self, box: Path) -> list[str]:
+        """The command prefix that puts a program inside the sandbox, working in ``box``."""
+        if self.mode == "bwrap":
+            return self._bwrap + ["--bind", str(box), "/box", "--chdir", "/box", "--"]
+        return self._unshare
+
+    @contextlib.contextmanager
+    def session(self):
+        """A fresh temp dir and a uid slot for one program; both cleaned up on exit."""
+        with self._lock:
+            while not self._free:
+                self._lock.wait()
+            uid = self._free.pop()
+        root = None
+        try:
+            root = Path(tempfile.mkdtemp(prefix="xtrain-cpp-"))
+            os.chmod(root, 0o711)  # the sandbox uid may reach box/, not list or read the logs
+            box = root / "box"
+            box.mkdir(mode=0o700)
+            if uid is not None:
+                os.chown(box, uid, uid)
+            yield Session(self, root, box, uid)
+        finally:
+            try:
+                if uid is not None:
+                    _kill_all_of(uid)
+                if root is not None:
+                    shutil.rmtree(root, ignore_errors=True)
+            finally:
+                with self._lock:
+                    self._free.append(uid)
+                    self._lock.notify()
+
+    def close(self) -> None:
+        for fd in self._uid_locks:
+            os.close(fd)
+        self._uid_locks.clear()
+
+
+class Session:
+    """One program's temp dir: write files into it, run commands in it."""
+
+    def __init__(self, sandbox: Sandbox, root: Path, box: Path, uid: int | None):
+        self.sandbox, self.root, self.box, self.uid = sandbox, root, box, uid
+
+    def write(self, name: str, text: str) -> None:
+        (self.box / name).write_text(text)
+
+    def run(self, argv: list[str], limits: Limits) -> Result:
+        """Run ``argv`` under ``limits``, working in the session dir (use relative paths)."""
+        argv = (_prlimit(limits, self._process_limit(limits)) + self.sandbox._inside(self.box)
+                + argv)
+        out_path, err_path = self.root / "stdout", self.root / "stderr"
+        start = time.perf_counter()
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    cwd=self.box, env=_minimal_env(), start_new_session=True,
+                                    **_as_user(self.uid))
+            try:
+                proc.wait(timeout=limits.wall_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, 9)  # the group: prlimit/bwrap and what they started
+                proc.wait()
+        seconds = time.perf_counter() - start
+        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        return Result(code, timed_out, _read(out_path), _read(err_path), seconds)
+
+    def _process_limit(self, limits: Limits) -> int:
+        # A private uid counts only this session's processes. Without root the uid is shared
+        # with everything else the account runs, so the limit is on top of those.
+        return limits.processes if self.uid is not None else limits.processes + _count_own()
+
+
+def _prlimit(limits: Limits, processes: int) -> list[str]:
+    # CPU: soft limit sends SIGXCPU (reported as a timeout), the hard one a second later SIGKILL.
+    return ["prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
+            f"--as={limits.memory_mb << 20}", f"--fsize={limits.file_kb << 10}",
+            f"--nproc={processes}", f"--nofile={limits.open_files}", "--core=0", "--"]
+
+
+def _as_user(uid: int | None) -> dict:
+    """Popen arguments that drop root to ``uid`` (same-numbered group, no supplementary
+    groups); done by subprocess between fork and exec, safe from threads."""
+    return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+
+
+def _minimal_env() -> dict[str, str]:
+    # Nothing of this process's environment (tokens, keys) reaches the sandbox.
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def _kill_all_of(uid: int) -> None:
+    """SIGKILL every process of ``uid`` (kill(-1) from that uid reaches exactly its own) and wait
+    until they are gone: dying takes a while for dozens of busy processes on two cores, and the
+    slot's next program must not find its process count used up."""
+    # kill(-1) from root would kill every process on the machine: only ever as a sandbox uid
+    # (subprocess exits before exec when the switch to `uid` fails).
+    if not isinstance(uid, int) or uid <= 0:
+        raise ValueError(f"refusing to kill all processes of uid {uid!r}")
+    deadline = time.monotonic() + 10
+    while _processes_of(uid):  # usually none: bubblewrap's PID namespace died with the program
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"C++ sandbox: processes of uid {uid} survive SIGKILL for 10 s")
+        # procps kill: `kill -9 -1` is its documented "kill all processes you can kill" (it
+        # rejects `--` before -1). user= is spelled out here, not taken from _as_user: this
+        # call must never run as root.
+        subprocess.run(["kill", "-9", "-1"], env=_minimal_env(), capture_output=True,
+                       check=False, user=uid, group=uid, extra_groups=[])
+        time.sleep(0.01)
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Live processes of ``uid``. Zombies do not count: nothing runs in them, and collecting
+    their exit status is up to their parent or init (which may take a few seconds)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # exited while scanning
+                if entry.stat().st_uid == uid and not _is_zombie(entry.name):
+                    pids.append(int(entry.name))
+    return pids
+
+
+def _is_zombie(pid: str) -> bool:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _count_own() -> int:
+    return len(_processes_of(os.getuid()))
+
+
+def uid_range() -> range:
+    """The uids sandboxed programs run as when xtrain runs as root: the top of the uid range
+    this process may switch to (below 2^31, as some tools read uids as signed; not 65534/65535,
+    nobody and (uint16)-1), far above any account."""
+    top = min(2**31 - 1, _top_of_uid_map()) - 2
+    return range(top - _UID_CANDIDATES + 1, top + 1)
+
+
+def _top_of_uid_map() -> int:
+    """The highest uid this process can switch to (its user namespace's mapped range)."""
+    top = 65533
+    with contextlib.suppress(OSError), open("/proc/self/uid_map") as f:
+        for line in f:
+            inside, _, length = (int(x) for x in line.split())
+            top = max(top, inside + length - 1)
+    return top

@@ -1,0 +1,146 @@
+"""Checks of what a run reads and writes, before data preparation, the model build or a compile:
+the machine (a TPU profile needs that TPU), the checkpoint to resume from (committed, same model),
+the checkpoint directory (writable), the tokenizer and the data shards. Each refusal names the
+path and what is wrong with it. Remote (gs://) locations are asked within
+``data.remote_timeout_s`` and named when they do not answer. Torch-free: a refusal comes within
+about a second of the start.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_checkpoints,
+                                      latest_checkpoint, read_meta)
+from xtrain.errors import CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError
+from xtrain.hardware import tpu_chips_on_this_host
+from xtrain.model.config import GPTConfig
+from xtrain.paths import is_local, url_to_fs
+
+
+def checkpoint_dir(cfg, run_dir: str) -> str:
+    return cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+
+
+def check_host(hw) -> None:
+    """A TPU profile trains only where that TPU is attached (no silent CPU run, and no minutes
+    of libtpu asking a metadata server that is not there)."""
+    if not hw.accelerator_type:
+        return
+    found = tpu_chips_on_this_host()
+    if found == 0:
+        raise EnvironmentMismatch(
+            f"hardware={hw.name} trains on a {hw.accelerator_type} TPU, and this machine has no TPU "
+            "chip on its PCI bus: run it on the TPU VM (hydra/launcher=tpu_vm or tpu_pod), or use "
+            "mode=plan / mode=compile here")
+    if found != hw.chips_per_host:
+        raise EnvironmentMismatch(
+            f"hardware={hw.name} expects {hw.chips_per_host} TPU chips per host, this machine has "
+            f"{found}: pick the profile of this VM")
+
+
+def check_compatible(path: str, gpt: GPTConfig) -> None:
+    """Refuse a checkpoint whose model differs in shape from the configured one."""
+    from omegaconf import OmegaConf
+
+    try:
+        saved_model = OmegaConf.create(read_meta(path)["config"]["model"])
+    except (OSError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
+    diff = gpt.differences(GPTConfig.from_model(saved_model))
+    if diff:
+        raise ConfigError(f"checkpoint {path} holds a different model ({', '.join(diff)}); "
+                          "start a new run (run.name=...) or restore the model config")
+
+
+def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig) -> str | None:
+    """The checkpoint a run starts from: ``checkpoint.resume`` (which must be one committed
+    checkpoint), else the newest committed one in ``ckpt_dir``, else None; checked against the
+    configured model."""
+    if resume:
+        fs, root = url_to_fs(resume)
+        if not fs.exists(root):
+            raise CheckpointError(f"checkpoint.resume={resume}: no such directory")
+        if not fs.exists(f"{root}/{COMMIT_MARKER}"):
+            inside = committed_checkpoints(resume)
+            hint = (f"; it holds checkpoints: point at one of them, e.g. {inside[-1][1]}" if inside
+                    else "; an interrupted save, or not a checkpoint")
+            raise CheckpointError(f"checkpoint.resume={resume}: not a committed checkpoint (no "
+                                  f"{COMMIT_MARKER} marker){hint}")
+    found = resume or latest_checkpoint(ckpt_dir)
+    if found:
+        check_compatible(found, gpt)
+    return found
+
+
+def check_tokenizer(directory: str) -> None:
+    fs, root = url_to_fs(directory)
+    if not fs.exists(root):
+        raise DataError(f"data.tokenizer={directory}: no such directory")
+    names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
+    if "token_bytes.pt" not in names or not names & {"tokenizer.json", "tokenizer.pkl"}:
+        raise DataError(f"data.tokenizer={directory}: needs tokenizer.json (or tokenizer.pkl) and "
+                        f"token_bytes.pt, found {sorted(names) or 'nothing'}")
+
+
+def check_data(data) -> None:
+    """The tokenizer and the shards, unless the corpus is built on first use (then its sources)."""
+    from xtrain.data.corpus import find_sources
+    from xtrain.data.loader import list_shards
+
+    if data.build_sources:
+        if not find_sources(list(data.build_sources)):
+            raise DataError(f"data.build_sources={list(data.build_sources)}: no C/C++ sources found "
+                            "(install g++ for /usr/include/c++, or name a directory of C++ code)")
+        return  # the tokenizer and shards are built (or reused) from them
+    check_tokenizer(data.tokenizer)
+    shards = list_shards(data.train_files)
+    if data.holdout_last_shard and len(shards) < 2:
+        raise DataError(f"data.train_files={data.train_files}: holdout_last_shard needs at least "
+                        f"2 shards, found {len(shards)}")
+    if data.val_files:
+        list_shards(data.val_files)
+
+
+def within(seconds: float, what: str, check) -> None:
+    """Run ``check`` and refuse when it does not answer in time (a remote store that hangs or
+    retries for minutes); its own refusals pass through."""
+    outcome: dict = {}
+
+    def target():
+        try:
+            check()
+        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread)
+            outcome["error"] = e
+
+    worker = threading.Thread(target=target, daemon=True, name="xtrain-input-check")
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise DataError(f"{what}: no answer within {seconds:g} s (network, or credentials: "
+                        "gcloud auth application-default login); data.remote_timeout_s sets the wait")
+    error = outcome.get("error")
+    if isinstance(error, InputError):
+        raise error
+    if error is not None:
+        raise DataError(f"{what}: {type(error).__name__}: {error}") from error
+
+
+def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
+    """Everything a training run reads and writes, in the order a run needs it."""
+    check_host(cfg.hardware)
+    data, ckpt_dir = cfg.data, checkpoint_dir(cfg, run_dir)
+    remote = [u for u in (data.train_files, data.tokenizer, ckpt_dir, cfg.checkpoint.resume)
+              if u and not is_local(u)]
+    what = ", ".join(sorted({"/".join(u.split("/")[:3]) for u in remote})) or "local paths"
+    if remote:
+        within(data.remote_timeout_s, what, lambda: _check_paths(cfg, gpt, ckpt_dir))
+    else:
+        _check_paths(cfg, gpt, ckpt_dir)
+
+
+def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str) -> None:
+    resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt)
+    check_writable(ckpt_dir)
+    check_data(cfg.data)

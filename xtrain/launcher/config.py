@@ -1,0 +1,64 @@
+"""The launcher's schema: every field of ``hydra/launcher=tpu_vm|tpu_pod``, documented once here.
+
+The Hydra plugin (``launch/hydra_plugins/xtrain_launchers/``) subclasses it only to add Hydra's
+``_target_`` and the ``kind``; override any field as ``hydra.launcher.<field>=...``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LauncherConfig:
+    # vm (hydra/launcher=tpu_vm: one host) | pod (tpu_pod: every worker of a slice)
+    kind: str = "vm"
+
+    # Targets: a TPU VM resolved by `gcloud compute tpus tpu-vm describe`, or explicit hosts.
+    tpu: str | None = None  # TPU VM name
+    zone: str | None = None  # its zone, e.g. asia-northeast1-b (required with tpu)
+    project: str | None = None  # gcloud project; None: gcloud's configured default
+    # the address ssh uses: external (accessConfig.externalIp) | internal (ipAddress, in the VPC)
+    address: str = "external"
+    hosts: list[str] = field(default_factory=list)  # explicit worker addresses, worker 0 first
+
+    # SSH (OpenSSH; launch/README.md says why not a Python SSH library)
+    user: str | None = None  # remote user; None: the local user name (the one gcloud uses)
+    port: int = 22
+    identity_file: str = "~/.ssh/google_compute_engine"  # the key gcloud pushes to TPU VMs
+    # xtrain's own known_hosts: a new host is accepted on first contact, a changed key refused
+    known_hosts: str = "~/.config/xtrain/known_hosts"
+    rekey: bool = False  # accept a changed host key (a recreated VM): its old entry is removed
+    connect_timeout_s: int = 20
+    retries: int = 4  # further attempts after a connection failure (refused, timed out, reset)
+    backoff_s: float = 2.0  # wait before the first retry, doubled for each further one
+    keepalive_s: int = 15  # ServerAliveInterval; 4 unanswered keepalives drop the connection
+    multiplex: bool = True  # one ssh connection per host, reused by a launch's calls
+
+    # Remote layout and Python environment
+    # per-worker root holding code/, venv/, jobs/, runs/; '{host}' becomes the worker's address
+    remote_dir: str = "~/xtrain"
+    venv: str | None = None  # the environment jobs run in; None: <remote_dir>/venv
+    base_python: str | None = None  # creates the venv; None: python<hardware.python>
+    # make the venv match the profile's pins + xtrain's dependencies (pip, skipped when its
+    # stamp matches); false: an environment managed by hand, only verified
+    install: bool = True
+    pip_args: list[str] = field(default_factory=list)  # extra `pip install` arguments
+    # extra environment of the job; it lands in the job's run script, so never put secrets here
+    env: dict[str, str] = field(default_factory=dict)
+    # variable names forwarded from the local environment like WANDB_API_KEY and HF_TOKEN
+    secrets: list[str] = field(default_factory=list)
+
+    # Code sync
+    source: str | None = None  # the git checkout to sync; None: the one xtrain runs from
+    exclude: list[str] = field(default_factory=list)  # more glob patterns never synced
+    max_file_mb: float = 20.0  # a bigger file is refused: data does not belong in the code
+
+    # Job control
+    coordinator_port: int = 29500  # MASTER_PORT; MASTER_ADDR is worker 0's internal address
+    # SIGTERM, then SIGKILL after this long (kill -9 can leave the TPU runtime broken)
+    stop_grace_s: float = 60.0
+    # libtpu's lock (TPU profiles only): removed before a start when no process holds it
+    tpu_lockfile: str = "/tmp/libtpu_lockfile"
+    # stop this job on its workers (SIGTERM: it checkpoints and exits 143) instead of running it
+    stop: bool = False

@@ -1,0 +1,167 @@
+"""One job on one worker: start it detached, follow its log, poll it, stop it.
+
+The job runs in its own session (``setsid``), its output going to a log file and its exit code to
+a file, so an SSH drop does not touch it and a later launch finds it again:
+
+    <remote_dir>/jobs/<job>/ run.sh  pid  attempt  starts  log  exit  reported
+
+``pid`` is the session (and process-group) leader, so a stop signals every process of the job.
+``reported`` is written once a launcher has seen the end: a job that ended unwatched (the local
+side was gone) is reported by the next launch instead of being started again.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from xtrain.launcher.runner import LaunchError
+
+q = shlex.quote
+
+# Whether process group $1 has a live member. Not `kill -0`: that also counts zombies, which
+# stay forever where PID 1 does not reap them (some containers).
+GROUP_ALIVE_SH = r"""
+group_alive() { ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {f=1} END {exit !f}'; }
+"""
+
+# Prints "<state> <exit code or -> <reported 0|1> <attempt or -> <log bytes>" for job dir $1.
+# state: none (never started), running, exited, lost (gone without an exit code: killed or the
+# VM restarted).
+STATE_SH = GROUP_ALIVE_SH + r"""
+job_state() {
+  pid=$(cat "$1/pid" 2>/dev/null)
+  if [ -z "$pid" ]; then s=none
+  elif [ -f "$1/exit" ]; then s=exited
+  elif group_alive "$pid"; then s=running
+  else s=lost; fi
+  printf '%s %s %s %s %s\n' "$s" "$(cat "$1/exit" 2>/dev/null || echo -)" \
+    "$([ -f "$1/reported" ] && echo 1 || echo 0)" "$(cat "$1/attempt" 2>/dev/null || echo -)" \
+    "$(stat -c %s "$1/log" 2>/dev/null || echo 0)"
+}
+"""
+
+# SIGTERM to the job's process group (xtrain checkpoints at the next step boundary and exits 143),
+# SIGKILL after the grace period, then wait until the group is gone. Expects $pid and $grace.
+STOP_SH = GROUP_ALIVE_SH + r"""
+if group_alive "$pid"; then
+  kill -TERM -- "-$pid" 2>/dev/null
+  ticks=$(( grace * 5 ))
+  while group_alive "$pid"; do
+    if [ "$ticks" -eq 0 ]; then kill -KILL -- "-$pid" 2>/dev/null; echo killed; fi
+    sleep 0.2; ticks=$(( ticks - 1 ))
+  done
+fi
+"""
+
+# The job's wrapper: records its pid, loads the secrets (then deletes them), and stays alive to
+# write the exit code; signals go to the whole group, so the trap only keeps this shell waiting.
+RUN_SH = """# xtrain job {job}, attempt {attempt} (written by xtrain/launcher/job.py)
+J={jobdir}
+echo $$ > "$J/pid"
+if [ -f "$J/secrets" ]; then set -a; . "$J/secrets"; set +a; rm -f "$J/secrets"; fi
+{exports}
+cd {cwd} || exit 97
+trap true TERM INT HUP
+{command} &
+child=$!
+while :; do wait $child; rc=$?; kill -0 $child 2>/dev/null || break; done
+echo $rc > "$J/exit.tmp" && mv "$J/exit.tmp" "$J/exit"
+"""
+
+
+@dataclass(frozen=True)
+class JobState:
+    state: str  # none | running | exited | lost
+    exit_code: int | None
+    reported: bool
+    attempt: str | None
+    log_bytes: int
+
+    @classmethod
+    def parse(cls, line: str) -> "JobState":
+        state, code, reported, attempt, size = line.split()
+        return cls(state, None if code == "-" else int(code), reported == "1",
+                   None if attempt == "-" else attempt, int(size))
+
+    @property
+    def unreported_end(self) -> bool:
+        return self.state == "exited" and not self.reported
+
+
+class RemoteJob:
+    def __init__(self, worker, job_id: str):
+        self.worker, self.job_id = worker, job_id
+        self.dir = f"{worker.root}/jobs/{job_id}"
+
+    def state(self) -> JobState:
+        r = self.worker.run(STATE_SH + f"job_state {q(self.dir)}\n", "poll")
+        return JobState.parse(r.stdout.strip().splitlines()[-1])
+
+    def start(self, command: list[str], cwd: str, env: dict[str, str], secrets: dict[str, str],
+              attempt: str, grace_s: float, tpu_lockfile: str | None) -> int:
+        """Clean up what an earlier run of this job left, then start it detached; returns its pid.
+        Secrets travel inside this script, on ssh's stdin, into a 0600 file the job deletes."""
+        d = q(self.dir)
+        run_sh = RUN_SH.format(job=self.job_id, attempt=attempt, jobdir=d, cwd=q(cwd),
+                               exports="\n".join(f"export {k}={q(str(v))}" for k, v in env.items()),
+                               command=" ".join(q(a) for a in command))
+        script = "\n".join([
+            f"mkdir -p {d}", f"pid=$(cat {d}/pid 2>/dev/null); grace={int(grace_s)}",
+            'if [ -n "$pid" ]; then', STOP_SH, "fi",
+            _clear_lock_sh(tpu_lockfile) if tpu_lockfile else "",
+            f"rm -f {d}/exit {d}/reported {d}/pid {d}/secrets",
+            f"echo {q(attempt)} > {d}/attempt", f'echo "{attempt} $(date +%s.%N)" >> {d}/starts',
+            f"(umask 077; cat > {d}/secrets) <<'{_eof(secrets)}'", *_env_lines(secrets), _eof(secrets),
+            f"cat > {d}/run.sh <<'XTRAIN_RUN_SH_END'", run_sh.rstrip("\n"), "XTRAIN_RUN_SH_END",
+            f"setsid bash {d}/run.sh > {d}/log 2>&1 < /dev/null &",
+            f"for i in $(seq 200); do [ -s {d}/pid ] && break; sleep 0.05; done",
+            f"[ -s {d}/pid ] || {{ echo 'the job did not start' >&2; exit 4; }}",
+            f"echo started $(cat {d}/pid)"])
+        r = self.worker.run(script, "start")
+        if not r.ok:
+            raise LaunchError(f"worker {self.worker.index} ({self.worker.host}): could not start "
+                              f"the job: {r.stdout.strip()} {r.stderr.strip()}".strip())
+        return int(r.stdout.split()[-1])
+
+    def follow(self, offset: int):
+        """Stream the log from byte ``offset`` until the job's wrapper exits (tail --pid)."""
+        d = q(self.dir)
+        return self.worker.ssh.stream(
+            self.worker.host,
+            f'exec tail -c +{offset + 1} -s 0.2 --pid="$(cat {d}/pid)" -F {d}/log', "follow")
+
+    def stop(self, grace_s: float) -> bool:
+        """SIGTERM, then SIGKILL after ``grace_s``; True when it had to be killed."""
+        d = q(self.dir)
+        r = self.worker.run(f"pid=$(cat {d}/pid 2>/dev/null) || exit 0; grace={int(grace_s)}\n"
+                            + STOP_SH, "stop", timeout=grace_s + 120)
+        return "killed" in r.stdout
+
+    def acknowledge(self) -> None:
+        """Mark the end as seen, so the next launch starts afresh instead of reporting it."""
+        self.worker.run(f"touch {q(self.dir)}/reported\n", "acknowledge")
+
+
+def _env_lines(values: dict[str, str]) -> list[str]:
+    return [f"{k}={q(v)}" for k, v in values.items()]
+
+
+def _eof(values: dict[str, str]) -> str:
+    """A here-document delimiter that no secret line can end early."""
+    token = "XTRAIN_SECRETS_END"
+    while any(token in line for line in _env_lines(values)):
+        token += "_"
+    return token
+
+
+def _clear_lock_sh(lockfile: str) -> str:
+    """libtpu's lock file outlives a killed run and makes the next one fail: remove it when no
+    process holds it open; refuse when one does (another program is using the TPU)."""
+    lock = q(lockfile)
+    return (f'if [ -e {lock} ]; then\n'
+            f'  holder=$(find /proc/[0-9]*/fd -lname {lock} 2>/dev/null | head -n 1 | cut -d/ -f3)\n'
+            f'  if [ -z "$holder" ]; then rm -f {lock}; else\n'
+            f'    echo "the TPU is in use: process $holder holds {lockfile}:" '
+            f'"$(tr "\\0" " " < /proc/$holder/cmdline)"; exit 3; fi\n'
+            'fi')

@@ -1,0 +1,282 @@
+"""One job on its workers, end to end.
+
+1. Local checks, then the targets (explicit hosts or gcloud), then one probe per worker: every
+   refusal (a missing key, a host count that is not the profile's, a changed host key, a busy
+   worker) comes before anything is copied.
+2. If the job is already there (running, or ended unwatched), reattach. Otherwise, on every worker
+   in parallel: sync the code, make the environment match, then start the job detached, with the
+   worker index and the coordinator in its environment and the secrets over stdin.
+3. Follow every worker's log; when one fails, stop the others and report the first failure with
+   the tail of its log; a dropped stream is reattached; at the end, return the final metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import re
+import secrets as random_tokens
+import shlex
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from xtrain.launcher import secrets as job_secrets
+from xtrain.launcher.env import EnvSpec, ensure_env, requirements
+from xtrain.launcher.gcloud import Gcloud
+from xtrain.launcher.job import JobState, RemoteJob
+from xtrain.launcher.logs import LogStream, log_path, tail_lines
+from xtrain.launcher.runner import LaunchError, Runner
+from xtrain.launcher.ssh import Ssh
+from xtrain.launcher.sync import code_files, source_root, sync
+from xtrain.launcher.targets import resolve_targets
+from xtrain.launcher.worker import Worker
+
+PREEMPTED = 143  # xtrain's exit code after a SIGTERM checkpoint (128 + SIGTERM)
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Runner | None = None,
+               log=say) -> dict:
+    """Run ``python -m xtrain <overrides>`` on the workers ``cfg`` names; returns the final metrics
+    (and ``preempted``/``stopped`` when the job did not finish). Raises ConfigError for bad input,
+    LaunchError when a worker fails or cannot be reached."""
+    t0 = time.perf_counter()
+    runner = runner or Runner()
+    ssh = Ssh(cfg, runner, log)
+    ssh.check_local()
+    secret_values = job_secrets.collect(cfg.secrets)
+    root = source_root(cfg.source)
+    files = code_files(root, runner, cfg.exclude, cfg.max_file_mb)
+    spec = EnvSpec(cfg.base_python or f"python{hardware.python}",
+                   tuple(requirements(root, hardware.pins)), tuple(cfg.pip_args), cfg.install)
+    workers = [Worker(t, ssh, cfg.remote_dir, cfg.venv)
+               for t in resolve_targets(cfg, hardware, Gcloud(runner))]
+    job_id = job_name(run_name)
+    probes = parallel(lambda w: w.probe(job_id), workers)
+    jobs = [RemoteJob(w, job_id) for w in workers]
+    os.makedirs(job_dir, exist_ok=True)
+    if cfg.stop:
+        return stop_job(jobs, probes, cfg.stop_grace_s, log)
+    busy = [f"{w}: {b}" for w, p in zip(workers, probes) for b in p.busy]
+    if busy:
+        raise LaunchError("another xtrain job is running there: " + "; ".join(busy) +
+                          " (stop it with its own command plus hydra.launcher.stop=true)")
+    if any(p.job.state == "running" or p.job.unreported_end for p in probes):
+        attempt = next(p.job.attempt for p in probes if p.job.attempt)
+        log(f"launch: job {job_id} (attempt {attempt}) is already on the workers: reattaching")
+        offsets = [resume_offset(job_dir, w.index, attempt, p.job.log_bytes)
+                   for w, p in zip(workers, probes)]
+    else:
+        done = parallel(lambda w: prepare(w, root, files, spec, probes[w.index].stamp), workers)
+        for w, (sent, env_state) in zip(workers, done):
+            log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
+        attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log)
+        log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
+            f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
+        offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
+    with open(os.path.join(job_dir, "launch.json"), "w") as f:
+        json.dump({"job": job_id, "attempt": attempt, "hosts": [w.host for w in workers],
+                   "remote_job_dir": jobs[0].dir, "remote_run_dir": run_dir(workers[0], job_id)},
+                  f, indent=1)
+    states = follow(jobs, job_dir, offsets, cfg, log)
+    return result(workers[0], job_id, job_dir, states, log)
+
+
+def job_name(run_name: str) -> str:
+    """A directory name for the run (its remote job and run dirs), stable across launches."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", run_name).strip("._") or "job"
+    if safe != run_name or len(safe) > 80:
+        safe = f"{safe[:80]}-{hashlib.sha256(run_name.encode()).hexdigest()[:8]}"  # stay distinct
+    return safe
+
+
+def parallel(fn, items):
+    """``fn`` over ``items`` in threads (one per worker); the first error, in worker order, wins."""
+    with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
+        futures = [pool.submit(fn, item) for item in items]
+    return [f.result() for f in futures]
+
+
+def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, log) -> str:
+    """Start a new attempt of the job on every worker; returns its id. If one worker cannot
+    start, those that did are stopped (a pod's workers would wait for the missing one) and
+    marked seen, so the next launch starts afresh; the error is raised."""
+    attempt = time.strftime("%Y%m%d-%H%M%S-") + random_tokens.token_hex(3)
+    workers = [j.worker for j in jobs]
+    commands = [remote_command(w, overrides, run_name, jobs[0].job_id) for w in workers]
+    log("launch: starting on every worker; worker 0 runs: " + shlex.join(commands[0]))
+    lockfile = cfg.tpu_lockfile if hardware.accelerator_type else None
+
+    def start(job):
+        try:
+            return job.start(commands[job.worker.index], job.worker.code,
+                             job_env(cfg, job.worker, workers), secret_values, attempt,
+                             cfg.stop_grace_s, lockfile)
+        except (LaunchError, OSError) as e:
+            return e
+
+    outcomes = parallel(start, jobs)
+    errors = [e for e in outcomes if isinstance(e, Exception)]
+    if errors:
+        started = [j for j, o in zip(jobs, outcomes) if not isinstance(o, Exception)]
+        parallel(lambda j: (j.stop(cfg.stop_grace_s), j.acknowledge()), started)
+        raise errors[0]
+    return attempt
+
+
+def prepare(worker, root, files, spec, stamp) -> tuple[list[str], str]:
+    sent = sync(worker.ssh, worker.host, root, files, worker.code)
+    return sent, ensure_env(worker, spec, stamp)
+
+
+def run_dir(worker, job_id: str) -> str:
+    return f"{worker.root}/runs/{job_id}"
+
+
+def remote_command(worker, overrides, run_name: str, job_id: str) -> list[str]:
+    """The job's own overrides (no Hydra or launcher settings: the worker runs it in place), with
+    the run name and run dir fixed, so every worker and every relaunch agree on them."""
+    kept = [o for o in overrides
+            if not o.lstrip("+~").startswith(("hydra.", "hydra/", "run.name="))]
+    return [f"{worker.venv}/bin/python", "-u", "-m", "xtrain", *kept,
+            f"run.name={_hydra_str(run_name)}", f"hydra.run.dir={_hydra_str(run_dir(worker, job_id))}"]
+
+
+def _hydra_str(value: str) -> str:
+    """A value in Hydra's override grammar, quoted when it holds more than a plain path (a run
+    name may hold , [ ] or =)."""
+    if re.fullmatch(r"[A-Za-z0-9_./-]+", value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def job_env(cfg, worker, workers) -> dict[str, str]:
+    """torch.distributed's standard variables (worker 0 coordinates) plus xtrain's own."""
+    return {"XTRAIN_WORKER": str(worker.index), "RANK": str(worker.index),
+            "WORLD_SIZE": str(len(workers)), "MASTER_ADDR": workers[0].internal,
+            "MASTER_PORT": str(cfg.coordinator_port), "PYTHONUNBUFFERED": "1",
+            "PYTHONPYCACHEPREFIX": worker.root + "/pycache",
+            **{str(k): str(v) for k, v in cfg.env.items()}}
+
+
+def resume_offset(job_dir: str, index: int, attempt: str, remote_bytes: int) -> int:
+    """Bytes of the worker's log already in the local copy, when that copy is of this attempt;
+    otherwise the local copy is started again (a new attempt, or a copy from another attempt)."""
+    path, marker = log_path(job_dir, index), log_path(job_dir, index) + ".attempt"
+    have = os.path.getsize(path) if os.path.exists(path) else 0
+    same = os.path.exists(marker) and open(marker).read().strip() == attempt
+    if same and have <= remote_bytes:
+        return have
+    open(path, "wb").close()
+    with open(marker, "w") as f:
+        f.write(attempt + "\n")
+    return 0
+
+
+def follow(jobs, job_dir, offsets, cfg, log) -> list[JobState]:
+    """Stream every worker's log until every job ended; on the first failure stop the others.
+    Returns the final states; raises LaunchError with the first failure's log tail."""
+    ended: queue.Queue = queue.Queue()
+    streams = {}
+
+    def open_stream(i, offset):
+        streams[i] = LogStream(jobs[i], log_path(job_dir, i), offset, ended, log)
+        streams[i].start()
+
+    for job, offset in zip(jobs, offsets):
+        open_stream(job.worker.index, offset)
+    final: dict[int, JobState] = {}
+    first_failure = None
+    cuts = dict.fromkeys(streams, 0)
+    try:
+        while len(final) < len(jobs):
+            i = ended.get()
+            if i in final:
+                continue
+            try:
+                state = jobs[i].state()
+            except LaunchError as e:
+                raise LaunchError(f"{e}; the job may still be running there: run the same "
+                                  "command to reattach") from e
+            if state.state == "running":  # the connection dropped, not the job
+                cuts[i] += 1
+                if cuts[i] > cfg.retries + 3:
+                    raise LaunchError(f"{jobs[i].worker}: its log stream keeps dropping; the job "
+                                      "continues there: run the same command to reattach")
+                log(f"launch: {jobs[i].worker}: log stream cut; the job is still running, "
+                    "reattaching")
+                time.sleep(min(cfg.backoff_s, 2.0))
+                open_stream(i, streams[i].offset)
+                continue
+            final[i] = state
+            if failed(state) and first_failure is None:
+                first_failure = i
+                others = [j for j in jobs if j.worker.index not in final]
+                if others:
+                    log(f"launch: {jobs[i].worker} failed ({describe(state)}); stopping the others")
+                    parallel(lambda j: j.stop(cfg.stop_grace_s), others)
+    except KeyboardInterrupt:
+        log("launch: interrupted; the job continues on the workers (run the same command to "
+            "reattach, add hydra.launcher.stop=true to stop it)")
+        raise
+    finally:
+        for s in streams.values():
+            s.close()
+    parallel(lambda j: j.acknowledge(), jobs)
+    if first_failure is not None:
+        worker = jobs[first_failure].worker
+        raise LaunchError(f"{worker} failed ({describe(final[first_failure])}); the last lines of "
+                          f"its log ({log_path(job_dir, first_failure)}):\n"
+                          + tail_lines(log_path(job_dir, first_failure)))
+    return [final[j.worker.index] for j in jobs]
+
+
+def failed(state: JobState) -> bool:
+    return state.state == "lost" or state.exit_code not in (0, PREEMPTED)
+
+
+def describe(state: JobState) -> str:
+    if state.state == "lost":
+        return "ended without an exit code: killed, or the VM restarted"
+    if state.state == "none":
+        return "never started there"
+    return f"exit code {state.exit_code}"
+
+
+def result(worker0, job_id: str, job_dir: str, states, log) -> dict:
+    """Final metrics: every metrics.jsonl row of rank 0 folded, later values winning."""
+    r = worker0.run(f"cat {shlex.quote(run_dir(worker0, job_id))}/metrics.jsonl 2>/dev/null\n",
+                    "metrics")
+    with open(os.path.join(job_dir, "metrics.jsonl"), "w") as f:
+        f.write(r.stdout)
+    final: dict = {}
+    for line in r.stdout.splitlines():
+        final.update(json.loads(line))
+    final["remote_run_dir"] = run_dir(worker0, job_id)
+    if any(s.exit_code == PREEMPTED for s in states):
+        final["preempted"] = True
+        log("launch: the job stopped at a signal (exit 143) after its checkpoint; run the same "
+            "command to resume")
+    with open(os.path.join(job_dir, "result.json"), "w") as f:
+        json.dump(final, f, indent=1)
+    shown = ", ".join(f"{k} {final[k]}" for k in ("step", "loss", "val_loss") if k in final)
+    log(f"launch: job {job_id} ended on every worker: {shown or 'no metrics'}")
+    return final
+
+
+def stop_job(jobs, probes, grace_s: float, log) -> dict:
+    """``hydra.launcher.stop=true``: SIGTERM the job where it runs (SIGKILL after the grace)."""
+    running = [j for j, p in zip(jobs, probes) if p.job.state == "running"]
+    if not running:
+        log(f"launch: job {jobs[0].job_id} is not running on any worker")
+        return {"stopped": False}
+    killed = parallel(lambda j: j.stop(grace_s), running)
+    parallel(lambda j: j.acknowledge(), running)  # the next launch starts (and resumes) afresh
+    log(f"launch: stopped job {jobs[0].job_id} on {len(running)} worker(s)"
+        + (" (killed after the grace period)" if any(killed) else ""))
+    return {"stopped": True}

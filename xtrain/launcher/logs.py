@@ -1,0 +1,55 @@
+"""Workers' logs on the local side: each worker's remote log streamed into
+``<job dir>/worker-<i>.log`` and onto the console, every line prefixed with the worker index."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+_print_lock = threading.Lock()
+
+
+def log_path(job_dir: str, index: int) -> str:
+    return os.path.join(job_dir, f"worker-{index}.log")
+
+
+def tail_lines(path: str, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+class LogStream(threading.Thread):
+    """Follows one job's log from byte ``offset``; puts the worker index on ``ended`` when the
+    stream stops (the job ended, or the connection dropped: the launcher polls to tell which)."""
+
+    def __init__(self, job, path: str, offset: int, ended: queue.Queue, echo=print):
+        super().__init__(daemon=True, name=f"xtrain-log-{job.worker.index}")
+        self.job, self.path, self.offset, self.ended, self.echo = job, path, offset, ended, echo
+        self.index = job.worker.index
+        self.proc = None
+
+    def run(self) -> None:
+        try:
+            self.proc = self.job.follow(self.offset)
+            with open(self.path, "ab") as f:
+                for line in iter(self.proc.stdout.readline, b""):
+                    f.write(line)
+                    f.flush()
+                    self.offset += len(line)
+                    text = line.decode(errors="replace").rstrip("\n")
+                    with _print_lock:
+                        self.echo(f"[w{self.index}] {text}")
+            self.proc.wait()
+        finally:
+            self.ended.put(self.index)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()

@@ -1,0 +1,139 @@
+"""OpenSSH, configured once for every remote call of a launch.
+
+Host keys live in a known_hosts file xtrain owns: a new host is accepted on first contact
+(``StrictHostKeyChecking=accept-new``), a changed key is refused with the address and the opt-in
+``hydra.launcher.rekey=true`` (never ``StrictHostKeyChecking=no``, which MaxText's and Levanter's
+launch scripts use). No agent forwarding. Keepalives notice a dead link; connection failures
+(refused, timed out, reset) are retried with exponential backoff, because a freshly created or
+restarted TPU VM refuses connections for a while. One connection per host is reused
+(ControlMaster): a relaunch makes about five calls per worker.
+
+Scripts run as ``bash -s`` with the script on stdin, so nothing of them (secrets in particular)
+appears on a command line that ``ps`` shows, locally or remotely.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import os
+import shlex
+import tempfile
+import time
+
+from xtrain.errors import ConfigError
+from xtrain.launcher.runner import LaunchError, Result
+
+# ssh's own messages (stderr) for a connection that could not be made or was cut: worth a retry.
+CONNECTION_FAILURES = ("connection refused", "timed out", "no route to host", "network is unreachable",
+                       "connection reset", "connection closed", "kex_exchange_identification",
+                       "broken pipe", "connection unexpectedly closed", "could not resolve hostname",
+                       "temporary failure in name resolution")
+HOST_KEY_CHANGED = "REMOTE HOST IDENTIFICATION HAS CHANGED"
+
+
+class Ssh:
+    def __init__(self, cfg, runner, log=print):
+        self.cfg, self.runner, self.log = cfg, runner, log
+        self.user = cfg.user or getpass.getuser()
+        self.identity = os.path.expanduser(cfg.identity_file)
+        self.known_hosts = os.path.expanduser(cfg.known_hosts)
+        self._rekeyed: set[str] = set()
+
+    def check_local(self) -> None:
+        """Refuse a missing key before any connection; create xtrain's known_hosts directory."""
+        if not os.path.isfile(self.identity):
+            raise ConfigError(f"hydra.launcher.identity_file={self.cfg.identity_file}: no such file "
+                              "(gcloud creates ~/.ssh/google_compute_engine on its first "
+                              "`gcloud compute tpus tpu-vm ssh`)")
+        os.makedirs(os.path.dirname(self.known_hosts) or ".", mode=0o700, exist_ok=True)
+
+    def options(self) -> list[str]:
+        cfg = self.cfg
+        opts = {
+            "BatchMode": "yes",  # never prompt: a launch runs unattended
+            "IdentitiesOnly": "yes",
+            "StrictHostKeyChecking": "accept-new",
+            "UserKnownHostsFile": self.known_hosts,
+            "HashKnownHosts": "no",  # xtrain's file stays readable: which address has which key
+            "ConnectTimeout": str(cfg.connect_timeout_s),
+            "ServerAliveInterval": str(cfg.keepalive_s),
+            "ServerAliveCountMax": "4",
+            "ForwardAgent": "no",
+            "ForwardX11": "no",
+            "LogLevel": "ERROR",  # keeps "Permanently added ..." out of job output; errors still show
+        }
+        if cfg.multiplex:
+            # %C hashes host, port and user; the directory adds the key and known_hosts, so a
+            # connection verified against one trust store is never reused for another. Short,
+            # because socket paths are limited to about 100 characters.
+            trust = hashlib.sha256(f"{self.identity}\0{self.known_hosts}".encode()).hexdigest()
+            control_dir = os.path.join(tempfile.gettempdir(), f"xtrain-ssh-{os.getuid()}", trust[:10])
+            os.makedirs(control_dir, mode=0o700, exist_ok=True)
+            opts.update(ControlMaster="auto", ControlPath=os.path.join(control_dir, "%C"),
+                        ControlPersist="120")
+        return ["-i", self.identity, "-p", str(cfg.port)] + [f"-o{k}={v}" for k, v in opts.items()]
+
+    def destination(self, host: str) -> str:
+        return f"{self.user}@{host}"
+
+    def rsh(self) -> str:
+        """The ssh command for ``rsync -e``."""
+        return shlex.join(["ssh", *self.options()])
+
+    def run(self, host: str, script: str, label: str, timeout: float | None = 300) -> Result:
+        """Run a bash script on ``host`` (retried on connection failures); returns its result,
+        whatever its exit code."""
+        argv = ["ssh", *self.options(), self.destination(host), "bash -s"]
+        return self.retrying(host, lambda: self.runner.run(argv, input=script, timeout=timeout,
+                                                           label=label))
+
+    def stream(self, host: str, command: str, label: str):
+        """A long-running remote command (no secrets in it) whose output is read as it comes."""
+        return self.runner.stream(["ssh", *self.options(), self.destination(host), command], label)
+
+    def retrying(self, host: str, attempt) -> Result:
+        """Call ``attempt()`` (an ssh or rsync invocation) until it reaches the host."""
+        tries = self.cfg.retries + 1
+        for i in range(tries):
+            result = attempt()
+            reason = self.connection_failure(host, result)
+            if reason == "rekeyed":  # the old key is gone: the same call records the new one
+                result = attempt()
+                reason = self.connection_failure(host, result)
+            if reason is None:
+                return result
+            if i + 1 < tries:
+                wait = self.cfg.backoff_s * 2 ** i
+                self.log(f"launch: {host}: {reason}; retrying in {wait:g} s")
+                time.sleep(wait)
+        raise LaunchError(f"{host}:{self.cfg.port} unreachable after {tries} attempts: {reason}")
+
+    def connection_failure(self, host: str, result: Result) -> str | None:
+        """None when the remote side ran (any exit code); otherwise why the connection failed.
+        A changed host key or a refused login raise: retrying cannot fix them."""
+        err = result.stderr
+        if HOST_KEY_CHANGED in err or "Host key verification failed" in err:
+            return self._host_key_changed(host)
+        if "Permission denied" in err and result.returncode == 255:
+            raise ConfigError(f"{self.destination(host)}: login refused for key {self.identity} "
+                              "(hydra.launcher.user / identity_file; gcloud pushes its key on the "
+                              "first `gcloud compute tpus tpu-vm ssh`)")
+        lowered = err.lower()
+        if result.returncode in (255, 12, -1) and any(s in lowered for s in CONNECTION_FAILURES):
+            return err.strip().splitlines()[-1] if err.strip() else f"exit {result.returncode}"
+        if result.returncode == 255:
+            raise LaunchError(f"{host}: ssh failed: {err.strip() or 'exit 255'}")
+        return None
+
+    def _host_key_changed(self, host: str) -> str:
+        entry = host if self.cfg.port == 22 else f"[{host}]:{self.cfg.port}"
+        if not self.cfg.rekey or host in self._rekeyed:
+            raise ConfigError(
+                f"{entry}: host key changed since it was recorded in {self.known_hosts} (a "
+                "recreated VM, or someone in between); refused. If the VM was recreated, accept "
+                "its new key with hydra.launcher.rekey=true")
+        self._rekeyed.add(host)
+        self.runner.run(["ssh-keygen", "-R", entry, "-f", self.known_hosts], label="rekey")
+        self.log(f"launch: {entry}: host key changed; old key removed (hydra.launcher.rekey=true)")
+        return "rekeyed"

@@ -1,0 +1,86 @@
+"""Code sync: the checkout's git-tracked and untracked-not-ignored files, mirrored to a worker by
+rsync over ssh. Incremental (rsync skips files whose size and mtime match), and exact: a file
+deleted locally is deleted on the worker, so a removed module cannot linger there.
+
+Never synced, whatever git says: .git, virtual environments, run outputs, caches, dotenv and key
+files, and data formats (``ALWAYS_EXCLUDED``); a file over ``max_file_mb`` is refused before
+anything is copied, because data does not belong in the code tree.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import tempfile
+from pathlib import Path
+
+from xtrain.errors import ConfigError
+from xtrain.launcher.runner import LaunchError
+
+# Matched against every component of a file's path (and so against whole directories).
+ALWAYS_EXCLUDED = (
+    ".git", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache", ".cache",
+    "node_modules", "outputs", "multirun", "wandb",
+    ".env", ".env.*", "*.pem", "*.key", "*.p12", "id_rsa*", "id_ecdsa*", "id_ed25519*", ".netrc",
+    "credentials*.json", "*service*account*.json",
+    "*.parquet", "*.arrow", "*.pt", "*.ckpt", "*.safetensors", "*.npy", "*.npz",
+)
+
+
+def source_root(source: str | None) -> Path:
+    """The checkout to sync: ``source``, else the one this xtrain is imported from."""
+    root = Path(source).expanduser() if source else Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        raise ConfigError(f"{root} is not a git checkout: the launcher syncs a checkout's files "
+                          "(set hydra.launcher.source=PATH)")
+    return root.resolve()
+
+
+def code_files(root: Path, runner, exclude=(), max_file_mb: float = 20.0) -> list[str]:
+    """Relative paths to sync: tracked plus untracked-not-ignored, minus the exclusions."""
+    r = runner.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                    "--exclude-standard"], label="git ls-files")
+    if not r.ok:
+        raise ConfigError(f"git ls-files failed in {root}: {r.stderr.strip()}")
+    patterns = ALWAYS_EXCLUDED + tuple(exclude)
+    files = []
+    for rel in sorted(set(filter(None, r.stdout.split("\0")))):
+        path = root / rel
+        if not os.path.isfile(path) or excluded(rel, patterns):  # deleted but still in the index
+            continue
+        mb = path.stat().st_size / 2**20
+        if mb > max_file_mb:
+            raise ConfigError(f"{rel} is {mb:.0f} MB (hydra.launcher.max_file_mb={max_file_mb:g}): "
+                              "data does not belong in the synced code; git-ignore it or add it "
+                              "to hydra.launcher.exclude")
+        files.append(rel)
+    return files
+
+
+def excluded(rel: str, patterns) -> bool:
+    return any(fnmatch.fnmatch(part, p) for part in Path(rel).parts for p in patterns)
+
+
+def filter_rules(files: list[str]) -> str:
+    """rsync filter rules that admit exactly ``files`` (and their directories). With
+    --delete-excluded, anything else on the worker is deleted, except bytecode caches.
+    rsync checks rules in order per file, so a tree of 10,000 files costs about a second."""
+    dirs = sorted({str(p) for f in files for p in Path(f).parents if str(p) != "."})
+    rules = ["P __pycache__/"] + [f"+ /{d}/" for d in dirs] + [f"+ /{f}" for f in files] + ["- *"]
+    return "\n".join(rules) + "\n"
+
+
+def sync(ssh, host: str, root: Path, files: list[str], dest: str) -> list[str]:
+    """Mirror ``files`` of ``root`` into ``dest`` on ``host``; returns the files rsync sent."""
+    with tempfile.NamedTemporaryFile("w", suffix=".rsync-filter") as rules:
+        rules.write(filter_rules(files))
+        rules.flush()
+        argv = ["rsync", "-rlpt", "--delete", "--delete-excluded", "--itemize-changes",
+                f"--filter=merge {rules.name}", "-e", ssh.rsh(), f"{root}/",
+                f"{ssh.destination(host)}:{dest}/"]
+        result = ssh.retrying(host, lambda: ssh.runner.run(argv, timeout=1800, label="sync"))
+    if not result.ok:
+        raise LaunchError(f"{host}: rsync failed (exit {result.returncode}): "
+                          f"{result.stderr.strip()[-500:]}")
+    # --itemize-changes: "<f+++++++++ path" for a file sent, "*deleting path" for a removal
+    return [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("<f")]

@@ -1,0 +1,66 @@
+"""Which machines a job runs on: explicit ``hosts`` or a TPU VM's workers from gcloud, checked
+against the hardware profile before anything is copied."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xtrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Target:
+    index: int  # worker index (0 coordinates: MASTER_ADDR, rank 0)
+    host: str  # the address ssh connects to
+    internal: str  # the address other workers reach it on
+
+
+def resolve_targets(cfg, hardware, gcloud) -> list[Target]:
+    """The job's workers, in worker order; refuses a launcher/profile mismatch first."""
+    if cfg.kind not in ("vm", "pod"):
+        raise ConfigError(f"hydra.launcher.kind={cfg.kind!r}: expected vm or pod")
+    if cfg.kind == "vm" and hardware.hosts > 1:
+        raise ConfigError(f"hardware={hardware.name} spans {hardware.hosts} hosts (a pod): use "
+                          "hydra/launcher=tpu_pod, which runs the job on every worker")
+    if bool(cfg.hosts) == bool(cfg.tpu):
+        raise ConfigError("hydra.launcher: give either tpu (with zone) or hosts, not both"
+                          if cfg.hosts else "hydra.launcher.tpu=NAME (with zone) or "
+                          "hydra.launcher.hosts=[ADDRESS, ...] is required")
+    if cfg.hosts:
+        targets = [Target(i, h, h) for i, h in enumerate(cfg.hosts)]
+        where = "hydra.launcher.hosts"
+    else:
+        if not cfg.zone:
+            raise ConfigError(f"hydra.launcher.tpu={cfg.tpu} needs hydra.launcher.zone")
+        node = gcloud.describe(cfg.tpu, cfg.zone, cfg.project)
+        targets = node_targets(node, cfg.address, hardware)
+        where = f"TPU {cfg.tpu}"
+    if len(targets) != hardware.hosts:
+        raise ConfigError(f"{where} has {len(targets)} host(s), hardware={hardware.name} expects "
+                          f"{hardware.hosts}")
+    return targets
+
+
+def node_targets(node: dict, address: str, hardware) -> list[Target]:
+    """Workers of a described TPU node; refuses a VM that is not READY or not the profile's type."""
+    name = node.get("name", "?").rsplit("/", 1)[-1]
+    state = node.get("state", "UNKNOWN")
+    if state != "READY":
+        raise ConfigError(f"TPU {name} is {state}, not READY (a preempted spot VM must be deleted "
+                          "and recreated)")
+    kind = node.get("acceleratorType", "").rsplit("/", 1)[-1]
+    if hardware.accelerator_type and kind != hardware.accelerator_type:
+        raise ConfigError(f"TPU {name} is a {kind}, hardware={hardware.name} is a "
+                          f"{hardware.accelerator_type}")
+    if address not in ("external", "internal"):
+        raise ConfigError(f"hydra.launcher.address={address!r}: expected external or internal")
+    targets = []
+    for i, endpoint in enumerate(node.get("networkEndpoints", [])):
+        internal = endpoint.get("ipAddress")
+        external = endpoint.get("accessConfig", {}).get("externalIp")
+        host = internal if address == "internal" else external
+        if not host:
+            raise ConfigError(f"TPU {name} worker {i} has no {address} address (created with "
+                              "--internal-ips? use hydra.launcher.address=internal from the VPC)")
+        targets.append(Target(i, host, internal or host))
+    return targets

@@ -1,0 +1,79 @@
+"""One machine of a launch: its addresses, its directories, and the probe that learns in a
+single call what is there (home, tools, the environment's stamp, this job's state, other jobs)."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from xtrain.launcher.env import STAMP
+from xtrain.launcher.job import STATE_SH, JobState
+from xtrain.launcher.runner import LaunchError
+
+q = shlex.quote
+TOOLS = ("bash", "rsync", "setsid", "tail", "find", "ps", "awk")
+
+
+@dataclass
+class Probe:
+    stamp: str | None
+    job: JobState
+    busy: list[str] = field(default_factory=list)  # other jobs running there: "name pid"
+
+
+class Worker:
+    def __init__(self, target, ssh, remote_dir: str, venv: str | None):
+        self.index, self.host, self.internal = target.index, target.host, target.internal
+        self.ssh = ssh
+        self._root = remote_dir.replace("{host}", target.host)
+        if venv and not venv.startswith(("/", "~")):
+            venv = f"{self._root}/{venv}"
+        self._venv = venv or f"{self._root}/venv"
+        self.root = self.venv = self.code = None  # absolute, known after probe()
+
+    def __repr__(self) -> str:
+        return f"worker {self.index} ({self.host})"
+
+    def run(self, script: str, label: str, timeout: float | None = 300):
+        return self.ssh.run(self.host, script, label, timeout)
+
+    def python_env(self) -> str:
+        """Keeps bytecode out of the synced tree (rsync would delete it at every sync)."""
+        return f"PYTHONPYCACHEPREFIX={q(self.root + '/pycache')}"
+
+    def probe(self, job_id: str) -> Probe:
+        script = "\n".join([
+            STATE_SH,
+            f"root={_shell_path(self._root)}; venv={_shell_path(self._venv)}",
+            'mkdir -p "$root/code" "$root/jobs" "$root/runs" && cd "$root" && echo "root=$(pwd)"',
+            'echo "venv=$venv"',
+            *(f'command -v {t} >/dev/null || echo "missing={t}"' for t in TOOLS),
+            f'[ -f "$venv/{STAMP}" ] && echo "stamp=$(cat "$venv/{STAMP}")"',
+            f'echo "job=$(job_state "$root/jobs/{job_id}")"',
+            'for d in "$root"/jobs/*/; do n=$(basename "$d")',
+            f'  [ "$n" = {q(job_id)} ] && continue',
+            '  set -- $(job_state "$d"); [ "$1" = running ] && echo "busy=$n pid $(cat "$d/pid")"',
+            "done", "exit 0", ""])
+        r = self.run(script, "probe", timeout=120)
+        values: dict[str, list[str]] = {}
+        for line in r.stdout.splitlines():
+            key, _, value = line.partition("=")
+            values.setdefault(key, []).append(value)
+        if not r.ok or "root" not in values:
+            raise LaunchError(f"{self}: cannot use {self._root}: {r.stderr.strip() or r.stdout.strip()}")
+        if "missing" in values:
+            raise LaunchError(f"{self}: missing {', '.join(values['missing'])} (the launcher needs "
+                              f"{', '.join(TOOLS)} on every worker)")
+        self.root, self.venv = values["root"][0], values["venv"][0]
+        self.code = self.root + "/code"
+        return Probe(values.get("stamp", [None])[0], JobState.parse(values["job"][0]),
+                     values.get("busy", []))
+
+
+def _shell_path(path: str) -> str:
+    """A remote path for a shell script: ``~`` is the remote user's home, the rest is quoted."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + q(path[2:])
+    return q(path)

@@ -1,0 +1,65 @@
+"""Names that identify a run and its derived caches, from the config alone.
+
+A run's name is ``<model>-<hardware>-<data>`` plus the overrides that change what is trained
+(``d2-cpu-cpp_local-optim.matrix_lr_0.01``). It is deterministic (no timestamp): re-running a
+command lands in the same directory and resumes. Overrides that do not change what is trained
+(``trainer.max_steps``, logging, checkpoint placement, ...) keep the name, so extending a run
+resumes it; but in a sweep every job's name carries all of its overrides, so jobs that differ
+only in such a key still get directories of their own. A name too long for a file name keeps a
+readable prefix and a hash of the whole (the full override list is in ``.hydra/overrides.yaml``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from xtrain.paths import cache_root
+
+# Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
+NAME_NEUTRAL_KEYS = ("mode",)
+NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
+                         "run.", "checkpoint.", "logging.", "hydra.", "data.prefetch",
+                         "data.tokenizer_threads", "data.remote_timeout_s",
+                         # how the same training is compiled and run (same losses, same keys)
+                         "compile_cache.", "preflight.", "model.scan", "model.remat",
+                         "trainer.compile")
+GROUPS_IN_NAME = ("model", "hardware", "data")
+MAX_NAME = 120  # bytes; file systems allow 255 per path component
+
+
+def shorten(name: str, limit: int = MAX_NAME) -> str:
+    """``name`` itself when short enough, else a readable prefix and a hash of the whole."""
+    if len(name.encode()) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    return name.encode()[:limit - 13].decode(errors="ignore").rstrip("-_.") + "-" + digest
+
+
+def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
+    parts = [choices.get(group) for group in GROUPS_IN_NAME]
+    extra = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        neutral = key in NAME_NEUTRAL_KEYS or key.startswith(NAME_NEUTRAL_PREFIXES)
+        if key in GROUPS_IN_NAME or key.startswith("hydra.") or (neutral and not sweep):
+            continue
+        extra.append(override.lstrip("+~").replace("/", "_").replace("=", "_"))
+    return shorten("-".join(str(p) for p in parts + sorted(extra) if p))
+
+
+def run_name() -> str:
+    """The ``${xtrain_run_name:}`` resolver: the name of the job Hydra is composing."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    return compose_name(dict(hc.runtime.choices), list(hc.overrides.task),
+                        sweep=hc.mode == RunMode.MULTIRUN)
+
+
+def corpus_dir(name: str, vocab_size: int, chunk_tokens: int, sources) -> str:
+    """The ``${xtrain_corpus:...}`` resolver: where a corpus built from ``sources`` with this
+    vocabulary and chunking lives, so configs that differ in any of them never share (or
+    overwrite) a corpus or tokenizer."""
+    key = hashlib.sha256(repr(sorted(map(str, sources))).encode()).hexdigest()[:8]
+    return str(cache_root() / "corpus" / f"{name}-v{vocab_size}-c{chunk_tokens}-{key}")
