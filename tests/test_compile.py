@@ -29,6 +29,7 @@ def _records(run_dir):
     return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.slow  # over a minute on 2 cores: several cold inductor compiles
 def test_compile_gives_the_eager_losses_and_never_recompiles(tmp_path):
     """20 steps with validation every 10 and a checkpoint every 7: the losses of compile on and
     off agree to 1e-4, and after the first validation no graph is ever compiled again."""
@@ -52,12 +53,19 @@ def test_compile_gives_the_eager_losses_and_never_recompiles(tmp_path):
     assert "val loss" in out
 
 
+@pytest.mark.slow  # over a minute on 2 cores: several cold inductor compiles
 def test_sigterm_resume_with_compile_is_exact(tmp_path):
+    """Not bitwise, unlike the eager CPU engine: two identical compiled runs already differ in
+    the 7th digit before any preemption (measured: steps 5, 15 and 17 of an uninterrupted
+    stretch differ by 1e-6 absolute), so the resumed run must match to that noise, far below
+    what a lost optimizer state or data position would change (1e-2 and more)."""
     straight, resumed, _ = preempt_and_resume(tmp_path, extra=["trainer.compile=true"])
     assert sorted(resumed) == list(range(1, 41))
-    assert all(resumed[s] == straight[s] for s in range(1, 41))
+    worst = max(abs(resumed[s] - straight[s]) / straight[s] for s in range(1, 41))
+    assert worst <= 1e-5, worst
 
 
+@pytest.mark.slow  # over a minute on 2 cores: several cold inductor compiles
 def test_compiled_code_is_cached_under_the_xtrain_cache(tmp_path):
     cache = tmp_path / "cache"
     env = {"XTRAIN_CACHE": str(cache)}

@@ -18,6 +18,7 @@ def _losses(records):
     return [r["loss"] for r in records if "loss" in r]
 
 
+@pytest.mark.slow  # about a minute each: four 20-step XLA runs on 4 virtual devices
 @pytest.mark.parametrize("parallelism, rows", [("fsdp", 2), ("fsdp_tp", 4)])
 def test_scan_and_remat_give_the_unrolled_losses_on_4_devices(parallelism, rows, tmp_path):
     pytest.importorskip("torch_xla")
