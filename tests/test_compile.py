@@ -79,7 +79,7 @@ def test_compiled_code_is_cached_under_the_xtrain_cache(tmp_path):
 
 
 def test_compile_defaults_to_on_where_it_pays(compose_config):
-    from xtrain.engines.cpu import compile_pays
+    from xtrain.engines.torch_compile import compile_pays
     from xtrain.plan import resolve
 
     assert not compile_pays(resolve(compose_config([]), 1))  # make train: d4 at 256 tokens

@@ -86,3 +86,12 @@ def test_tab_completion_of_the_console_script_lists_options_and_fields():
         r = subprocess.run([str(script), "-sc", "query=bash"], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "COMP_LINE": line})
         assert expected in r.stdout.split(), (line, r.stdout, r.stderr[-500:])
+@pytest.mark.parametrize("override, choices", [
+    ("mode=nope", "train, plan, compile, sample, eval"),
+    ("model.attention=nope", "auto, sdpa, chunked, flash, splash"),
+])
+def test_enum_fields_refuse_unknown_values_with_the_choices(override, choices):
+    r = _cli(override)
+    assert r.returncode == 2
+    key = override.split("=")[0]
+    assert r.stderr == f"xtrain: config error: {key}: Invalid value 'nope', expected one of [{choices}]\n"

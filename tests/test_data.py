@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
+
+from conftest import gcs_filesystem
 
 from xtrain.data import prepare
 from xtrain.errors import DataError
@@ -164,7 +167,7 @@ def test_resume_at_step_k_is_bitwise_identical(corpus, k):
 def test_gs_path_gives_the_same_batches_as_local(corpus, gcs_bucket):
     root, _, tok = corpus
     bucket, _ = gcs_bucket
-    fs = fsspec.filesystem("gs", token="anon")
+    fs = gcs_filesystem(bucket)
     for shard in sorted((root / "train").iterdir()):
         fs.put_file(str(shard), f"{bucket}/data/train/{shard.name}")
     local = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=2), 8)
@@ -264,21 +267,67 @@ def test_other_hf_tokenizers_stay_on_hf(tmp_path):
     assert tok.kind == "hf" and tok.encode("int x;") == hf.encode("int x;").ids
 
 
-def test_nanochat_tiktoken_directory_loads(tmp_path):
-    tiktoken = pytest.importorskip("tiktoken")
-    import pickle
-
+def _nanochat_dir(path, payload) -> str:
+    """A nanochat tokenizer directory whose tokenizer.pkl is ``payload`` (bytes)."""
     import torch
 
+    (path / "tokenizer.pkl").write_bytes(payload)
+    torch.save(torch.tensor([1] * 256 + [0], dtype=torch.int32), path / "token_bytes.pt")
+    return str(path)
+
+
+def _byte_encoding():
+    tiktoken = pytest.importorskip("tiktoken")
     ranks = {bytes([i]): i for i in range(256)}
-    enc = tiktoken.Encoding("t", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
-                            special_tokens={BOS: 256})
-    with open(tmp_path / "tokenizer.pkl", "wb") as f:
-        pickle.dump(enc, f)
-    torch.save(torch.tensor([1] * 256 + [0], dtype=torch.int32), tmp_path / "token_bytes.pt")
-    tok = load_tokenizer(str(tmp_path))
+    return tiktoken.Encoding("t", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={BOS: 256})
+
+
+@pytest.mark.parametrize("protocol", [2, pickle.DEFAULT_PROTOCOL])
+def test_nanochat_tiktoken_directory_loads(tmp_path, protocol):
+    tok = load_tokenizer(_nanochat_dir(tmp_path, pickle.dumps(_byte_encoding(), protocol=protocol)))
     assert tok.kind == "tiktoken" and tok.bos_id == 256 and tok.vocab_size == 257
     assert tok.decode(tok.encode("abc")) == "abc"
+
+
+class _Payload:
+    """What a hostile tokenizer.pkl holds: unpickling it calls os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_tokenizer_pickle_carrying_code_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "ran"
+    assert pickle.loads(pickle.dumps(_Payload(marker))) == 0 and marker.exists()  # it does run
+    marker.unlink()
+    state = _byte_encoding().__getstate__()
+    state["special_tokens"] = {BOS: _Payload(marker)}
+    hostile = {"alone": pickle.dumps(_Payload(marker)),
+               # inside an Encoding's state, where tiktoken's __setstate__ would receive it
+               "inside": _pickled_encoding(state)}
+    for name, payload in hostile.items():
+        directory = tmp_path / name
+        directory.mkdir()
+        with pytest.raises(DataError, match=r"tokenizer.pkl: refused.*(posix|os)\.system"):
+            load_tokenizer(_nanochat_dir(directory, payload))
+        assert not marker.exists(), name
+
+
+def _pickled_encoding(state) -> bytes:
+    """A pickle of tiktoken.core.Encoding holding ``state``, as ``pickle.dump(encoding)`` writes."""
+    enc = _byte_encoding()
+    enc.__getstate__ = lambda: state  # pickle asks the instance for its state
+    return pickle.dumps(enc)
+
+
+def test_a_tokenizer_pickle_naming_a_registered_encoding_is_refused(tmp_path):
+    # tiktoken pickles its registered encodings by name, and unpickles them by downloading
+    payload = _pickled_encoding("cl100k_base")
+    with pytest.raises(DataError, match="not a tiktoken Encoding's"):
+        load_tokenizer(_nanochat_dir(tmp_path, payload))
 
 
 def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, compose_config):

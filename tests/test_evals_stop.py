@@ -44,3 +44,12 @@ def test_helper_types_in_the_prompt_are_skipped():
 def test_a_prompt_outside_any_function_has_depth_zero():
     assert prompt_depth("#include <vector>\nint f();\n") == 0
     assert prompt_depth("// { in a comment\nint f() {\n") == 1
+
+
+def test_generation_ends_once_the_function_is_closed_or_a_marker_appears():
+    from xtrain.evals.stop import ended
+
+    assert not ended(PROMPT, "  if (n) {\n    return \"}\";\n  }\n")  # inner block, literal
+    assert ended(PROMPT, "  if (n) {\n    return \"}\";\n  }\n  return \"\";\n}")
+    assert ended(PROMPT, "  return \"x\";\n<|bos|>", ["<|bos|>"])
+    assert not ended(PROMPT, "  return \"x\";\n<|bos", ["<|bos|>"])

@@ -26,7 +26,7 @@ LIMIT_S = 2.0
 
 CASES = [  # (id, overrides, extra environment, what the one line must say)
     # Hydra composition: unknown options, keys, types, choices
-    ("unknown-option", ["hardware=v9x"], {}, "Available options in 'hardware': cpu, v4_32"),
+    ("unknown-option", ["hardware=v9x"], {}, "Available options in 'hardware': cpu, cpu2, v4_32"),
     ("unknown-model", ["model=d3"], {}, "Could not find 'model/d3'"),
     ("unknown-key", ["optim.lrr=1"], {}, "optim.lrr: Key 'lrr' not in 'OptimConfig'"),
     ("wrong-type", ["trainer.max_steps=abc"], {}, "trainer.max_steps: Value 'abc'"),

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -112,7 +113,7 @@ def test_trace_gives_every_argument_its_sharding_and_donation(compose_config, tm
     aliases = [a["alias"] for a in traced["args"] if a["alias"] is not None]
     assert sorted(aliases) == list(range(n_state))
     shardings = {a["sharding"] for a in traced["args"]}
-    assert "{devices=[1,4,1]0,1,2,3}" in shardings  # tokens [A, B, T+1]: rows over 4 devices
+    assert "{devices=[4,1,1]0,1,2,3}" in shardings  # tokens [B, A, T+1]: rows over 4 devices
     assert "{devices=[4,1]0,1,2,3}" in shardings  # fsdp: the first dimension of the matrices
     assert plan.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
 
@@ -213,24 +214,40 @@ def test_compile_mode_refuses_a_profile_without_a_tpu(compose_config):
         run(compose_config(["mode=compile"]), "unused")
 
 
-@pytest.mark.slow
-def test_an_incompatible_jax_libtpu_pair_is_reported_with_the_compilers_reason(v6e4_16k, tmp_path_factory):
-    """jax 0.7.1 writes Mosaic IR v8, libtpu 0.0.21 reads <= 7: a broken pin, caught with
-    no TPU. Needs a second environment (created here, ~700 MB from the package registry, or
-    reused from $XTRAIN_JAX071_VENV)."""
-    venv = os.environ.get("XTRAIN_JAX071_VENV") or str(tmp_path_factory.mktemp("jax071"))
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
-        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-        subprocess.run([python, "-m", "pip", "install", "-q", "jax==0.7.1", "jaxlib==0.7.1",
-                        "libtpu==0.0.21"], check=True, timeout=1800)
-    cfg, plan = v6e4_16k
-    (req, *_) = kernel_requests(cfg.hardware, plan.gpt, 1)
-    req["shape"][2] = 2048
-    mismatched = compile_kernel(req, python=python)
+MOSAIC = Path(__file__).resolve().parent / "fixtures" / "mosaic"
+RECORD_MOSAIC = """Re-record (a second environment with jax 0.7.1, no libtpu needed):
+  python3.11 -m venv /tmp/jax071 && /tmp/jax071/bin/pip install jax==0.7.1 jaxlib==0.7.1
+  python -m tests.test_tpu_compile /tmp/jax071/bin/python"""
+
+
+def test_an_incompatible_jax_libtpu_pair_is_reported_with_the_compilers_reason():
+    """jax 0.7.1 writes Mosaic IR v8, libtpu 0.0.21 reads <= 7: a broken pin, caught with no TPU
+    and no second environment. tests/fixtures/mosaic/flash_jax071.mlir is the flash kernel
+    (forward and backward) as jax 0.7.1 lowered it for the TPU (see RECORD_MOSAIC); the pinned
+    libtpu compiles it exactly as a kernel the pinned jax lowers in the same child."""
+    pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
+    recorded = json.loads((MOSAIC / "flash_jax071.json").read_text())
+    assert recorded["lowered_by"] == {"jax": "0.7.1", "jaxlib": "0.7.1"}
+    request = recorded["request"]
+    mismatched = compile_kernel({**request, "lowered": str(MOSAIC / "flash_jax071.mlir")})
     assert mismatched["ok"] is False
+    assert "Failed to deserialize the Mosaic module" in mismatched["error"], mismatched
     assert "Unsupported version: expected <= 7 but got 8" in mismatched["error"], mismatched
-    assert compile_kernel(req)["ok"]  # the pinned pair compiles the same request
+    pinned = compile_kernel(request)  # the same request, lowered by the pinned jax
+    assert pinned["ok"] and pinned["jax"] == "0.7.0", pinned
+
+
+def record_mosaic_fixture(python: str) -> None:
+    """Lower the fixture's request with ``python`` (an environment with jax 0.7.1)."""
+    from xtrain.preflight.runner import lower_kernel
+
+    request = {"topology": {"platform": "tpu", "topology_name": "v6e:2x2"}, "kernel": "flash",
+               "window": None, "shape": [1, 8, 512, 128]}
+    result = lower_kernel(request, str(MOSAIC / "flash_jax071.mlir"), python=python)
+    assert result["ok"], result
+    lowered_by = {"jax": result["jax"], "jaxlib": result["jaxlib"]}
+    (MOSAIC / "flash_jax071.json").write_text(
+        json.dumps({"request": request, "lowered_by": lowered_by, "how": RECORD_MOSAIC}, indent=2) + "\n")
 
 
 def test_the_compilers_out_of_memory_numbers_are_read():
@@ -267,3 +284,7 @@ def test_cache_key_follows_step_shaping_code_only(compose_config, tmp_path):
         assert cache_key(cfg, plan, copy) != before, shaping
         edited.write_text(original)
     assert cache_key(cfg, plan, copy) == before
+
+
+if __name__ == "__main__":
+    record_mosaic_fixture(sys.argv[1])

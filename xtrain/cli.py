@@ -46,5 +46,16 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(143)  # 128 + SIGTERM: not finished; re-running the command resumes
 
 
+def secondary_process_overrides(env=os.environ) -> list[str]:
+    """Hydra overrides for a process other than the first of a multi-process run (RANK > 0, as
+    torchrun and xtrain's launchers set it): it writes no Hydra files into the run directory the
+    processes may share (no .hydra/ copy of the config, no log file; it logs to stdout). What a
+    run writes is process 0's job; the overrides do not change the run's name."""
+    if env.get("RANK", "0") in ("", "0"):
+        return []
+    return ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
 def main() -> None:
+    sys.argv += secondary_process_overrides()
     _main()

@@ -43,14 +43,25 @@ def warn_unverified() -> None:
 # --- torch -----------------------------------------------------------------------------------
 
 
-def fsspec_writer(path: str):
+def fsspec_writer(path: str, written: list | None = None):
     """[torch] DCP's fsspec writer lives in a private module (torch 2.9). per_thread_copy_ahead=0:
     snapshots are already in host memory, and DCP's overlapping device-to-host loader breaks once
     torchax is imported (torch_xla's mark_sharding imports it when flax is installed): torchax
-    registers a "jax" device module without current_stream(), which that loader calls."""
+    registers a "jax" device module without current_stream(), which that loader calls.
+
+    ``written`` receives the paths (relative to ``path``) of the files this process wrote: the
+    results of ``StorageWriter.write_data`` name them in ``storage_data.relative_path``
+    (``_StorageInfo``, a private class)."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return FsspecWriter(path, per_thread_copy_ahead=0)
+    class RecordingWriter(FsspecWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            if written is not None:
+                written.extend(sorted({r.storage_data.relative_path for r in future.wait()}))
+            return future
+
+    return RecordingWriter(path, per_thread_copy_ahead=0)
 
 
 def dynamo_graph_count() -> int:
@@ -85,6 +96,33 @@ def sharded_cpu_state_dict(tensors: dict) -> dict:
     from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
     return _sharded_cpu_state_dict(tensors)
+
+
+def full_cpu_tensors(tensors: dict) -> dict:
+    """[torch_xla] SPMD tensors as whole CPU tensors, assembled on the host from this host's shards
+    (:func:`sharded_cpu_state_dict`): ``.cpu()`` on a sharded tensor compiles a gather graph per
+    tensor instead. Raises when this host does not hold every part of a tensor (a pod)."""
+    import torch
+
+    out = {}
+    for name, value in sharded_cpu_state_dict(tensors).items():
+        if isinstance(value, torch.Tensor):  # replicated: already whole
+            out[name] = value
+            continue
+        whole = torch.empty(value.global_shape, dtype=value.shards[0].data.dtype)
+        covered = torch.zeros(value.global_shape, dtype=torch.bool)
+        for shard in value.shards:  # indices: a list of slices, or Ellipsis when replicated
+            if shard.indices is Ellipsis:
+                where, data = ..., shard.data
+            else:  # a shard of an uneven split is padded at its end
+                where = tuple(shard.indices)
+                data = shard.data[tuple(slice(0, s.stop - s.start) for s in shard.indices)]
+            whole[where] = data
+            covered[where] = True
+        if not bool(covered.all()):
+            raise RuntimeError(f"{name}: this host holds only part of it (multi-host)")
+        out[name] = whole
+    return out
 
 
 def tpu_chips_on_pci() -> int:

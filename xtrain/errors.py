@@ -1,10 +1,13 @@
 """Refused input: one exception family, one exit code, one line on stderr (no traceback); and how
-the CLI and the launchers report it."""
+the CLI and the launchers report it, and a run that lost one of its processes."""
 
 from __future__ import annotations
 
+import sys
+
 EXIT_REFUSED = 2  # every refused input: config, data, checkpoint, environment
 EXIT_LAUNCH_FAILED = 1  # a remote launch failed (a worker's job, an unreachable host)
+EXIT_PEER_LOST = 3  # another process of a multi-process run vanished
 
 
 class InputError(ValueError):
@@ -50,12 +53,22 @@ class LaunchError(RuntimeError):
     kind = "launch"
 
 
+class PeerLost(RuntimeError):
+    """Another process of the run vanished (killed, crashed, its host gone) and the collectives
+    cannot go on; the message names it. Re-running the command resumes from the newest
+    committed checkpoint."""
+
+    kind = "peer"
+
+
 def is_refusal(ex: BaseException) -> bool:
-    """Refused input (exit 2), a failed remote launch (exit 1), or Hydra's composition errors."""
+    """Refused input (exit 2), a failed remote launch (exit 1), a lost process (exit 3), or
+    Hydra's composition errors."""
     from hydra.errors import CompactHydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return isinstance(ex, (InputError, LaunchError, CompactHydraException, OmegaConfBaseException))
+    return isinstance(ex, (InputError, LaunchError, PeerLost, CompactHydraException,
+                           OmegaConfBaseException))
 
 
 def one_line(ex: BaseException) -> str:
@@ -64,7 +77,7 @@ def one_line(ex: BaseException) -> str:
     ``_``-prefixed bases and Hydra's search path)."""
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(ex, (InputError, LaunchError)):
+    if isinstance(ex, (InputError, LaunchError, PeerLost)):
         return f"xtrain: {ex.kind} error: {ex}"
     cause = ex.__cause__ if isinstance(ex.__cause__, OmegaConfBaseException) else ex
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
@@ -80,7 +93,11 @@ def one_line(ex: BaseException) -> str:
 
 def refuse(ex: BaseException) -> None:
     """End the process with the one line and the exit code of ``ex``."""
-    import sys
-
     print(one_line(ex), file=sys.stderr, flush=True)
-    sys.exit(EXIT_LAUNCH_FAILED if isinstance(ex, LaunchError) else EXIT_REFUSED)
+    codes = {LaunchError: EXIT_LAUNCH_FAILED, PeerLost: EXIT_PEER_LOST}
+    sys.exit(next((code for kind, code in codes.items() if isinstance(ex, kind)), EXIT_REFUSED))
+
+
+def warn(message: str) -> None:
+    """A warning that does not stop the run, on stderr in the refusals' one-line form."""
+    print(f"xtrain: warning: {message}", file=sys.stderr, flush=True)

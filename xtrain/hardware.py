@@ -55,7 +55,7 @@ def check_profile(hw) -> None:
 
 
 def run_devices(hw) -> int:
-    """Devices the run spans: TPU chips, XLA-on-CPU virtual devices, or CPU hosts."""
+    """Devices the run spans: TPU chips, XLA-on-CPU virtual devices, or CPU processes (DDP)."""
     if hw.engine == "xla" and not hw.accelerator_type:
         value = os.environ.get("CPU_NUM_DEVICES", "1")
         if not value.isdigit() or int(value) < 1:
@@ -64,7 +64,49 @@ def run_devices(hw) -> int:
         return int(value)
     if hw.engine == "xla":
         return hw.chips
-    return hw.hosts
+    return cpu_processes(hw)
+
+
+def cpu_processes(hw, env=os.environ) -> int:
+    """The CPU engine's process count: WORLD_SIZE when a launcher set it (torchrun, xtrain's SSH
+    launcher, or by hand), else the profile's hosts. A multi-host profile that disagrees with
+    WORLD_SIZE is refused."""
+    if "WORLD_SIZE" not in env:
+        return hw.hosts
+    world = _env_int(env, "WORLD_SIZE", minimum=1)
+    if hw.hosts > 1 and world != hw.hosts:
+        raise ConfigError(f"WORLD_SIZE={world} but hardware={hw.name} has {hw.hosts} hosts: start "
+                          f"{hw.hosts} processes, or pick a profile with hosts: {world}")
+    return world
+
+
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+def launch_environment(hw, env=os.environ) -> tuple[int, int, str, int]:
+    """(rank, world, address, port) of this process in a multi-process CPU run, from the standard
+    variables torchrun sets (and torch's env:// rendezvous reads); refuses a missing or bad one."""
+    world = cpu_processes(hw, env)
+    missing = [v for v in LAUNCH_VARIABLES if not env.get(v)]
+    if missing:
+        raise ConfigError(
+            f"hardware={hw.name} runs {world} processes; {', '.join(missing)} not set: start each "
+            f"process with MASTER_ADDR, MASTER_PORT, WORLD_SIZE={world} and RANK=0..{world - 1}, or "
+            f"`torchrun --standalone --nproc-per-node {world} -m xtrain ...` on one machine")
+    rank = _env_int(env, "RANK", minimum=0)
+    if rank >= world:
+        raise ConfigError(f"RANK={rank} is not below WORLD_SIZE={world}")
+    return rank, world, env["MASTER_ADDR"], _env_int(env, "MASTER_PORT", minimum=1)
+
+
+def _env_int(env, name: str, minimum: int) -> int:
+    try:
+        value = int(env[name])
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(f"{name}={env[name]!r}: expected an integer >= {minimum}")
+    return value
 
 
 GOOGLE_PCI_VENDOR = "0x1ae0"

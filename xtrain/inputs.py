@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import threading
 
+from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_checkpoints,
                                       latest_checkpoint, read_meta)
-from xtrain.errors import CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError
+from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
+                           warn)
 from xtrain.hardware import tpu_chips_on_this_host
 from xtrain.model.config import GPTConfig
 from xtrain.paths import is_local, url_to_fs
@@ -54,10 +56,14 @@ def check_compatible(path: str, gpt: GPTConfig) -> None:
                           "start a new run (run.name=...) or restore the model config")
 
 
-def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig) -> str | None:
+def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig,
+                      early: bool = False) -> str | None:
     """The checkpoint a run starts from: ``checkpoint.resume`` (which must be one committed
-    checkpoint), else the newest committed one in ``ckpt_dir``, else None; checked against the
-    configured model."""
+    checkpoint whose files match its manifest), else the newest such one in ``ckpt_dir`` (newer
+    corrupt ones warned about and passed over), else None; checked against the configured model.
+    Each checkpoint's checksums are read once: by the ``early`` call (:func:`check_inputs`) for
+    ``checkpoint.resume``, so a bad one is refused before any work; by the run's call for the
+    newest one."""
     if resume:
         fs, root = url_to_fs(resume)
         if not fs.exists(root):
@@ -68,10 +74,26 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig) -> str 
                     else "; an interrupted save, or not a checkpoint")
             raise CheckpointError(f"checkpoint.resume={resume}: not a committed checkpoint (no "
                                   f"{COMMIT_MARKER} marker){hint}")
-    found = resume or latest_checkpoint(ckpt_dir)
+        corrupt = manifest.problems(resume) if early else []
+        if corrupt:
+            raise CheckpointError(f"checkpoint.resume={resume} is corrupt: {'; '.join(corrupt)}")
+    found = resume or (latest_checkpoint(ckpt_dir) if early else newest_intact(ckpt_dir))
     if found:
         check_compatible(found, gpt)
     return found
+
+
+def newest_intact(directory: str) -> str | None:
+    """The newest committed checkpoint in ``directory`` whose files still match its manifest. A
+    newer committed one that does not (truncated, altered: the storage broke after the commit) is
+    named in a warning and passed over, left in place for inspection."""
+    for _, path in reversed(committed_checkpoints(directory)):
+        found = manifest.problems(path)
+        if not found:
+            return path
+        warn(f"checkpoint {path} is corrupt ({'; '.join(found)}): not resuming from it, "
+             "trying the previous committed one")
+    return None
 
 
 def check_tokenizer(directory: str) -> None:
@@ -141,6 +163,6 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
 
 
 def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str) -> None:
-    resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt)
+    resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, early=True)
     check_writable(ckpt_dir)
     check_data(cfg.data)

@@ -1,34 +1,47 @@
 """What ``python -m xtrain`` does with a composed config: resolve and check it (printing the plan),
 then run its ``mode``. Heavy libraries are imported only by the modes that need them, so
-``mode=plan`` stays fast and torch-free."""
+``mode=plan`` stays fast and torch-free. Messages go through Python logging
+(xtrain/observe/console.py); training and sampling also keep them in ``<run dir>/console.log``."""
 
 from __future__ import annotations
 
-from xtrain.config import Mode
+import logging
+
+from xtrain.config import Mode, sample_prompts
 from xtrain.hardware import run_devices
 from xtrain.inputs import check_inputs
+from xtrain.observe.console import ConsoleLog
 from xtrain.plan import RunPlan, check_fits, resolve
+
+log = logging.getLogger(__name__)
 
 
 def plan_run(cfg, where: str) -> RunPlan:
     """Resolve and check the config, and print the plan (also before a remote launch)."""
     plan = resolve(cfg, run_devices(cfg.hardware))
-    print(f"run {cfg.run.name} -> {where}\n{plan.describe()}", flush=True)
+    log.info("run %s -> %s\n%s", cfg.run.name, where, plan.describe())
     return plan
 
 
 def run(cfg, run_dir: str) -> dict | None:
     """Resolve, check, print the plan, then dispatch on ``cfg.mode``."""
-    plan = plan_run(cfg, run_dir)
-    if cfg.mode == Mode.compile:
-        return compile_for_tpu(cfg, plan)
-    if cfg.mode == Mode.plan:
-        return show_plan(cfg, plan)
-    check_fits(plan, cfg)
-    check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
-    from xtrain.train.run import train
+    keeps_log = cfg.mode in (Mode.train, Mode.sample, Mode.eval)
+    with ConsoleLog(run_dir if keeps_log else None):
+        # the checkpoint's config decides the model, not this one
+        if cfg.mode == Mode.sample:
+            return sample(cfg, run_dir)
+        if cfg.mode == Mode.eval:
+            return evaluate(cfg, run_dir)
+        plan = plan_run(cfg, run_dir)
+        if cfg.mode == Mode.compile:
+            return compile_for_tpu(cfg, plan)
+        if cfg.mode == Mode.plan:
+            return show_plan(cfg, plan)
+        check_fits(plan, cfg)
+        check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
+        from xtrain.train.run import train
 
-    return train(cfg, plan, run_dir)
+        return train(cfg, plan, run_dir)
 
 
 def compile_for_tpu(cfg, plan: RunPlan) -> None:
@@ -44,7 +57,94 @@ def show_plan(cfg, plan: RunPlan) -> None:
         from xtrain.preflight.report import describe
 
         report = cached_report(cfg, plan)
-        print(describe(report) if report else "TPU compiler: not run yet for this config (mode=compile)")
+        log.info(describe(report) if report else "TPU compiler: not run yet for this config (mode=compile)")
     check_fits(plan, cfg)
     hbm = cfg.hardware.hbm_gib_per_chip
-    print("plan: fits" + (f" in {hbm:g} GiB HBM per chip" if hbm else ""))
+    log.info("plan: fits" + (f" in {hbm:g} GiB HBM per chip" if hbm else ""))
+
+
+def checkpoint_to_read(cfg, run_dir: str) -> str:
+    """``checkpoint.resume``, else the newest committed checkpoint of the run; refused (with the
+    path) when there is none or it is not committed."""
+    from xtrain.checkpoint.layout import COMMIT_MARKER, is_committed, latest_checkpoint
+    from xtrain.errors import InputError
+
+    if cfg.checkpoint.resume:
+        path = cfg.checkpoint.resume
+        if not is_committed(path):
+            raise InputError(f"checkpoint.resume={path}: not a committed checkpoint (no "
+                             f"{path.rstrip('/')}/{COMMIT_MARKER})")
+        return path
+    directory = cfg.checkpoint.dir or f"{run_dir.rstrip('/')}/checkpoints"
+    path = latest_checkpoint(directory)
+    if path is None:
+        raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} (train "
+                         "this run first, or set checkpoint.resume=PATH)")
+    return path
+
+
+def checkpoint_inputs(cfg, run_dir: str):
+    """The checkpoint to read (refused before anything is built), its saved config (which
+    decides the model and tokenizer, not this run's), its tokenizer and its step."""
+    from omegaconf import OmegaConf
+
+    from xtrain.checkpoint.layout import read_meta
+    from xtrain.data import prepare
+
+    path = checkpoint_to_read(cfg, run_dir)
+    meta = read_meta(path)
+    saved = OmegaConf.create(meta["config"])
+    return path, saved, prepare(saved.data, log=log.info), int(meta.get("step") or 0)
+
+
+def checkpoint_model(path: str, saved):
+    """The GPT of a checkpoint on the CPU: its saved model config, its weights read without the
+    optimizer state."""
+    from xtrain.checkpoint.io import read_tensors
+    from xtrain.model.config import GPTConfig
+    from xtrain.model.gpt import GPT
+
+    model = GPT(GPTConfig.from_model(saved.model))
+    prefix = "/state_dict/model."
+    weights = read_tensors(path, prefix)
+    model.load_state_dict({k[len(prefix):]: v for k, v in weights.items()})
+    return model
+
+
+def sample(cfg, run_dir: str) -> dict:
+    """Print completions of ``sample.prompt(s)`` from a checkpoint."""
+    from xtrain.model.generate import check_prompts_fit, generate
+
+    path, saved, tokenizer, _ = checkpoint_inputs(cfg, run_dir)
+    s, stats = cfg.sample, {}
+    prompts = sample_prompts(s)
+    check_prompts_fit(tokenizer, prompts, s.max_tokens, saved.model.sequence_len, "sample.max_tokens")
+    model = checkpoint_model(path, saved)
+    log.info("sampling %s: %d x %d tokens per prompt, temperature %g, top_k %s, seed %d",
+             path, s.n, s.max_tokens, s.temperature, s.top_k, s.seed)
+    texts = generate(model, tokenizer, prompts, s.n, max_tokens=s.max_tokens,
+                     temperature=s.temperature, top_k=s.top_k, seed=s.seed, stats=stats)
+    for prompt, completions in zip(prompts, texts):
+        for i, text in enumerate(completions):
+            log.info("--- prompt %r, sample %d\n%s%s", prompt, i + 1, prompt, text)
+    tok_per_s = stats["tokens"] / max(stats["seconds"], 1e-9)
+    log.info("%d tokens in %.2f s: %.1f tok/s (KV cache, CPU)", stats["tokens"], stats["seconds"], tok_per_s)
+    return {"checkpoint": path, "texts": texts, "tok_per_s": tok_per_s}
+
+
+def evaluate(cfg, run_dir: str) -> dict:
+    """Score a checkpoint on the C++ benchmark (``eval`` config); print the scores and write one
+    record per sample to ``<run dir>/cpp_eval/step_N.jsonl``."""
+    from xtrain.evals import prepare
+    from xtrain.evals.completions import check_fit, evaluate_model, records_path
+
+    path, saved, tokenizer, step = checkpoint_inputs(cfg, run_dir)
+    problems = prepare(cfg.eval)  # the config, the benchmark file and the compiler, checked
+    check_fit(tokenizer, problems, cfg.eval, saved.model.sequence_len)
+    model = checkpoint_model(path, saved)
+    records = records_path(run_dir, step)
+    log.info("evaluating %s on %d C++ problems x %d samples", path, len(problems), cfg.eval.n)
+    scores = evaluate_model(model, tokenizer, problems, cfg.eval, records)
+    log.info("C++ scores at step %d:\n%s\nrecords: %s", step,
+             "\n".join(f"  {k}: {v:.4g}" for k, v in scores.items()), records)
+    return {"checkpoint": path, "step": step, "scores": scores, "records": records}

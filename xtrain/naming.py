@@ -18,8 +18,9 @@ from xtrain.paths import cache_root
 # Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
 NAME_NEUTRAL_KEYS = ("mode",)
 NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
-                         "run.", "checkpoint.", "logging.", "hydra.", "data.prefetch",
+                         "run.", "checkpoint.", "logger", "sample.", "hydra.", "data.prefetch",
                          "data.tokenizer_threads", "data.remote_timeout_s",
+                         "trainer.collective_timeout_s", "preemption.",
                          # how the same training is compiled and run (same losses, same keys)
                          "compile_cache.", "preflight.", "model.scan", "model.remat",
                          "trainer.compile")
@@ -36,14 +37,16 @@ def shorten(name: str, limit: int = MAX_NAME) -> str:
 
 
 def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
-    parts = [choices.get(group) for group in GROUPS_IN_NAME]
-    extra = []
+    given, extra = {}, []
     for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
+        key, _, value = override.partition("=")
+        key = key.lstrip("+~")
         neutral = key in NAME_NEUTRAL_KEYS or key.startswith(NAME_NEUTRAL_PREFIXES)
-        if key in GROUPS_IN_NAME or key.startswith("hydra.") or (neutral and not sweep):
-            continue
-        extra.append(override.lstrip("+~").replace("/", "_").replace("=", "_"))
+        if key in GROUPS_IN_NAME:
+            given[key] = value  # as written: a sweep's command keeps its list (model=d12,d16)
+        elif not (key.startswith("hydra.") or (neutral and not sweep)):
+            extra.append(override.lstrip("+~").replace("/", "_").replace("=", "_"))
+    parts = [given.get(group, choices.get(group)) for group in GROUPS_IN_NAME]
     return shorten("-".join(str(p) for p in parts + sorted(extra) if p))
 
 
@@ -55,6 +58,22 @@ def run_name() -> str:
     hc = HydraConfig.get()
     return compose_name(dict(hc.runtime.choices), list(hc.overrides.task),
                         sweep=hc.mode == RunMode.MULTIRUN)
+
+
+def sweep_name() -> str | None:
+    """The ``${xtrain_sweep_name:}`` resolver: in a sweep (``-m``), the sweep's own command named
+    like a run with its swept values as written (``d2-cpu-cpp_local-optim.matrix_lr_0.01,0.02``),
+    the same for every job, so it groups them (W&B's group). None outside a sweep."""
+    import sys
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    command = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+    return compose_name(dict(hc.runtime.choices), command, sweep=False)
 
 
 def corpus_dir(name: str, vocab_size: int, chunk_tokens: int, sources) -> str:

@@ -36,6 +36,13 @@ def batch_parallel(mesh: dict[str, int]) -> int:
     return math.prod(mesh[a] for a in BATCH_AXES)
 
 
+def per_host_batch(mesh: dict[str, int]) -> bool:
+    """Whether each host can feed only its own rows: the batch must be split over every device
+    (torch_xla's per-host input sharding, xtrain/xla/spmd.py), i.e. not replicated over a tensor
+    axis. Otherwise every host feeds the global batch and uploads only what its devices hold."""
+    return batch_parallel(mesh) == math.prod(mesh.values())
+
+
 def spec_for(name: str, rules) -> tuple | None:
     """The partition spec of the first rule whose pattern is found in ``name`` (None: replicated)."""
     for pattern, spec in rules:

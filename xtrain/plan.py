@@ -17,9 +17,11 @@ import math
 import os
 from dataclasses import dataclass
 
-from xtrain.config import TENSOR_AXIS, Attention, Engine, out_of_range
+from xtrain.config import TENSOR_AXIS, Attention, Engine, TrainConfig
+from xtrain.limits import out_of_range
 from xtrain.errors import ConfigError
 from xtrain.model.config import GPTConfig
+from xtrain.parallelism import batch_parallel, check_rules, mesh_shape, per_host_batch
 from xtrain.units import GIB
 
 
@@ -176,7 +178,9 @@ def max_steps(explicit: int | None, tokens_per_param: float | None, params: int,
 class RunPlan:
     """What a run derives from its config; printed before training and checked."""
 
-    devices: int  # all devices of the run (chips, virtual CPU devices, or CPU hosts)
+    devices: int  # all devices of the run (chips, virtual CPU devices, or CPU processes)
+    hosts: int  # processes, one per host (a TPU slice's workers, or the CPU engine's processes)
+    engine: str  # hardware.engine
     mesh: dict
     gpt: GPTConfig  # the model's shape, attention backend resolved
     flops_per_token: float
@@ -210,11 +214,42 @@ class RunPlan:
             f"tokens ({self.total_tokens / p['total']:.2f} tokens/param)",
             self.memory.describe(),
         ]
+        if self.hosts > 1:
+            lines.append(self.describe_hosts())
         if self.step_seconds:
             hours = self.step_seconds * self.max_steps / 3600
             spot, demand = self.hourly_usd
             lines.append(f"time: {self.step_seconds:.3f} s/step, {hours:.2f} h in all at the assumed MFU; "
                          f"cost ${hours * spot:,.2f} spot / ${hours * demand:,.2f} on demand")
+        return "\n".join(lines)
+
+    def describe_hosts(self) -> str:
+        """What each of several hosts (processes) loads and writes."""
+        rows = self.batch.device_batch_size * self.batch.data_parallel
+        share, who = rows // self.hosts, "process" if self.engine == "cpu" else "host"
+        lines = [f"{who}{'es' if who == 'process' else 's'}: {self.hosts}, one process each ({self.devices // self.hosts} "
+                 f"device{'s' if self.devices // self.hosts > 1 else ''} per {who}); {who} h:"]
+        if self.engine == "cpu":
+            lines.append(f"  loads: rows {share}h..{share}h+{share - 1} of each micro-batch's {rows} "
+                         "(every process packs the same global batch and keeps its own rows); "
+                         "trains a full replica, gradients averaged over gloo (DDP)")
+            lines.append("  writes: a share of each checkpoint's tensors (DCP spreads the replicated "
+                         "tensors over the processes)")
+            lines.append("  reads on resume: every tensor (each process holds a full replica)")
+        else:
+            if per_host_batch(self.mesh):
+                lines.append(f"  loads: rows {share}h..{share}h+{share - 1} of each micro-batch's "
+                             f"{rows} (every host packs the same global batch and keeps its own "
+                             "rows; torch_xla's per-host input sharding assembles the global array)")
+            else:
+                lines.append(f"  loads: all {rows} rows of each micro-batch (the batch is replicated "
+                             "over the tensor axis, which per-host input sharding cannot express) "
+                             "and uploads only the rows its devices hold")
+            lines.append("  writes: its own shards of each checkpoint (DCP, torch_xla's SPMD planner)")
+            lines.append("  reads on resume: the checkpoint's metadata and only the files holding "
+                         "its shards")
+        lines.append(f"  {who} 0 alone also writes metrics.jsonl, logs, samples and the checkpoint's "
+                     "state.pt, meta.json and COMMITTED")
         return "\n".join(lines)
 
 
@@ -226,10 +261,9 @@ def resolve(cfg, devices: int) -> RunPlan:
     tokens per device divided by the sequence length. ``devices`` counts every device of the run.
     """
     from xtrain.hardware import check_profile
-    from xtrain.parallelism import batch_parallel, check_rules, mesh_shape
 
     model, data, hw, trainer = cfg.model, cfg.data, cfg.hardware, cfg.trainer
-    problems = out_of_range(cfg)
+    problems = out_of_range(cfg, TrainConfig)
     if problems:
         raise ConfigError("; ".join(problems))
     check_profile(hw)
@@ -265,7 +299,9 @@ def resolve(cfg, devices: int) -> RunPlan:
     fpt = flops_per_token(gpt)
     peak = hw.peak_bf16_tflops_per_chip * 1e12 * hw.chips
     step_s = fpt * batch.total_batch_size / (peak * hw.expected_mfu) if peak else 0.0
-    return RunPlan(devices, mesh, gpt, fpt, batch, steps, memory, step_s,
+    # one process per host: the CPU engine's devices are its processes; XLA on CPU is one process
+    hosts = devices if hw.engine == "cpu" else (hw.hosts if hw.accelerator_type else 1)
+    return RunPlan(devices, hosts, hw.engine, mesh, gpt, fpt, batch, steps, memory, step_s,
                    (hw.hourly_usd_spot, hw.hourly_usd_on_demand))
 
 

@@ -12,14 +12,14 @@ import platform
 import sys
 from pathlib import Path
 
-from tests.bench import (attention, checkpoint, compile_time, cpp_eval, cpu_peer, launch, loader,
-                         preflight, step_time, xla_step)
+from tests.bench import (attention, checkpoint, compile_time, cpp_eval, cpu_peer, generate, launch,
+                         loader, preflight, step_time, stop_vote, xla_step)
 from tests.bench.targets import MISSED
 
 BENCHES = {"step_time": step_time.run, "attention": attention.run, "loader": loader.run,
-           "xla_step": xla_step.run, "checkpoint": checkpoint.run,
-           "preflight": preflight.run, "cpp_eval": cpp_eval.run, "launch": launch.run,
-           "compile": compile_time.run, "cpu_peer": cpu_peer.run}
+           "xla_step": xla_step.run, "checkpoint": checkpoint.run, "preflight": preflight.run,
+           "cpp_eval": cpp_eval.run, "launch": launch.run, "generate": generate.run,
+           "stop_vote": stop_vote.run, "compile": compile_time.run, "cpu_peer": cpu_peer.run}
 OUT = Path(__file__).resolve().parents[2] / "BENCHMARKS.md"
 
 

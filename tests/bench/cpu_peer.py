@@ -77,7 +77,7 @@ def xtrain_step(cfg, plan, batches, compile_step: bool) -> dict:
     quiet_lightning_tpu_probe()
     module = GPTModule(plan.gpt, cfg.optim, STEPS)
     probe = Probe()
-    engine = CPUEngine(plan, compile_step)
+    engine = CPUEngine(cfg.hardware, plan, cfg.trainer.collective_timeout_s, compile_step)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False,
                         enable_model_summary=False, callbacks=[probe, *engine.callbacks()],

@@ -17,6 +17,7 @@ CONFIGS = [  # the known-good real runs, then one that cannot fit
     ["hardware=v6e4", "model=d16", "data=cpp16k"],  # seq 16384, batch 1, flash attention
     # sliding windows on 3 of 4 layers: splash kernels inside the step
     ["hardware=v6e4", "model=d16", "data=base_data_v3", "model.window_pattern=SSSL"],
+    ["hardware=v4_32", "model=d16"],  # a 4-host pod: the step over 16 chips of v4:2x2x4
 ]
 TOLERANCE = 0.25
 

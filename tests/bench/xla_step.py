@@ -19,7 +19,7 @@ from tests.conftest import compose_cfg
 from xtrain.model.config import GPTConfig
 from xtrain.plan import resolve
 from xtrain.xla.runtime import start_runtime
-from xtrain.xla.spmd import build_mesh, shard_parameters, shard_batch, mark
+from xtrain.xla.spmd import batch_to_device, build_mesh, shard_parameters, mark
 from xtrain.xla.lightning import SPMDStrategy
 from xtrain.train.module import GPTModule
 from xtrain.optim import build_optimizer
@@ -35,7 +35,7 @@ start_runtime(cfg.hardware)
 mesh = build_mesh(plan.mesh)
 gc = GPTConfig.from_model(cfg.model, "sdpa")
 torch.manual_seed(0)
-host_batch = torch.randint(0, 4096, (1, 8, cfg.model.sequence_len + 1), dtype=torch.int32)
+host_batch = torch.randint(0, 4096, (8, 1, cfg.model.sequence_len + 1), dtype=torch.int32)
 
 def bare():
     torch.manual_seed(0)
@@ -51,7 +51,7 @@ def bare():
     torch_xla.sync()
 
     def closure():
-        x, y = tokens[0, :, :-1].long(), tokens[0, :, 1:].long()
+        x, y = tokens[:, 0, :-1].long(), tokens[:, 0, 1:].long()
         loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -61,7 +61,7 @@ def bare():
     for i in range(WARM + STEPS):
         if i == WARM:
             xm.wait_device_ops(); t0 = time.perf_counter()
-        tokens = shard_batch(host_batch.to(torch_xla.device()), mesh)
+        tokens = batch_to_device(host_batch, mesh, per_host=True)
         step()
         opt.zero_grad(set_to_none=True)
     xm.wait_device_ops()

@@ -1,17 +1,20 @@
 """Checkpoint storage through fsspec (local paths or gs://): layout, commit, discovery, IO.
 
-Layout: ``<dir>/step_000100/{tensors/, state.pt, meta.json, COMMITTED}``. ``tensors/`` is a
+Layout: ``<dir>/step_000100/{tensors/, state.pt, meta.json, manifest.json, COMMITTED}``. ``tensors/`` is a
 torch.distributed.checkpoint (DCP) directory holding every tensor of the checkpoint (model,
 optimizer state); ``state.pt`` holds the rest (loop counters, loader position, ...) with each
 tensor replaced by a reference into ``tensors/``. Under the XLA engine each host writes only its
 own shards (torch_xla's SPMD planners) and loads only what its devices hold; the CPU engine
 writes the same layout. ``COMMITTED`` is written last, after every other byte is durable: a
-checkpoint without it is incomplete (a crash mid-save) and is never chosen for resume. Object
+checkpoint without it is incomplete (a crash mid-save) and is never chosen for resume.
+``manifest.json`` records every file's size and CRC32C at save time: a committed checkpoint
+whose files no longer match (truncated, altered) is found before loading. Object
 stores have no atomic directory rename, so the marker (as Orbax's ``commit_success.txt``) is the
 commit on every filesystem. Loading is a trust boundary: ``torch.load(weights_only=True)``, DCP
 tensor data and JSON metadata, never pickle.
 
 Modules: :mod:`.layout` (paths, discovery, retention), :mod:`.io` (one save or load of one
-checkpoint), :mod:`.async_io` (Lightning's CheckpointIO: background uploads with retries). When
+checkpoint), :mod:`.manifest` (sizes and checksums: record, verify), :mod:`.async_io`
+(Lightning's CheckpointIO: background uploads with retries). When
 to save and what to do on a signal is training policy (xtrain/train/).
 """

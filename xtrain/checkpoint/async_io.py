@@ -27,13 +27,15 @@ class FsspecCheckpointIO(CheckpointIO):
     one save is in flight, so the extra host memory is bounded by one snapshot (this host's share
     of the weights and optimizer state). ``wait()`` blocks until the save committed (the final
     and the preemption saves use it). ``sharded``, ``rank``, ``process_group``: see
-    :mod:`xtrain.checkpoint.io`.
+    :mod:`xtrain.checkpoint.io`. ``peer_lost``: on several processes, a function naming a process
+    that vanished (or None); a save is collective, so it is not retried once a peer is gone.
     """
 
     def __init__(self, retries: int = 5, backoff_s: float = 1.0, sharded: bool = False,
-                 rank: int = 0, process_group=None):
+                 rank: int = 0, process_group=None, peer_lost=None):
         self.retries, self.backoff_s = retries, backoff_s
         self.sharded, self.rank, self.process_group = sharded, rank, process_group
+        self.peer_lost = peer_lost
         self.on_commit = None  # called from the upload thread with {"path", "ckpt_s", ...}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="xtrain-ckpt")
         self._inflight = None
@@ -62,6 +64,11 @@ class FsspecCheckpointIO(CheckpointIO):
                 # DCP wraps them in CheckpointException, a BaseException
                 if attempt == self.retries:
                     ckpt_io.warn(f"giving up on checkpoint {path} after {attempt + 1} attempts ({e}); "
+                                 "the previous checkpoint stays the newest")
+                    return None
+                lost = self.peer_lost() if self.process_group is not None and self.peer_lost else None
+                if lost:
+                    ckpt_io.warn(f"giving up on checkpoint {path}: a process vanished ({lost}); "
                                  "the previous checkpoint stays the newest")
                     return None
                 ckpt_io.warn(f"checkpoint upload to {path} failed ({type(e).__name__}: {e}); "

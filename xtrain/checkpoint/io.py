@@ -1,10 +1,12 @@
 """One checkpoint written or read: tensors through torch.distributed.checkpoint (DCP), the rest
-through ``state.pt`` with references, ``meta.json``, and the commit marker last.
+through ``state.pt`` with references, ``meta.json``, every file's size and checksum in
+``manifest.json``, and the commit marker last.
 
 ``sharded`` (the XLA engine): every host snapshots and writes only its own shards, and reads
 only what its devices hold (torch_xla's SPMD planners); ``process_group`` spans the hosts (None
 on one host). The first host (``rank`` 0) writes ``state.pt``, ``meta.json`` and, once DCP
-reports every host done, the marker.
+reports every host done, the marker. On remote storage each host copies only the DCP files that
+hold what it loads, plus DCP's metadata (:class:`StagingReader`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import time
 import warnings
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from xtrain import compat
+from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import COMMIT_MARKER
+from xtrain.errors import warn
 from xtrain.paths import url_to_fs
 
 # Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it each time.
@@ -88,6 +93,22 @@ def _barrier(process_group) -> None:
         dist.barrier(group=process_group)
 
 
+def _agree(error: Exception | None, process_group) -> None:
+    """Raise on every process when any one failed, so all of them retry a save together (a
+    lone retry would wait at the first barrier for processes that moved on)."""
+    failed = error is not None
+    if process_group is not None:
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(failed)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+        failed = bool(flag.item())
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError("another process failed to commit this checkpoint")
+
+
 def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = False,
           rank: int = 0, process_group=None) -> None:
     """Write one checkpoint and commit it (raises on any storage error; nothing is committed
@@ -100,14 +121,25 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
             fs.rm(root, recursive=True)
         fs.makedirs(root, exist_ok=True)
     _barrier(process_group)
+    written: list[str] = []  # this host's DCP files
     # the URL, not the bare root: DCP resolves its own filesystem from the protocol
-    dcp.save(tensors, storage_writer=compat.fsspec_writer(f"{path.rstrip('/')}/tensors"),
+    dcp.save(tensors, storage_writer=compat.fsspec_writer(f"{path.rstrip('/')}/tensors", written),
              planner=_planner(sharded, "save"), **_dcp_kwargs(process_group))
+    # every host records what it wrote; the first host writes the manifest (xtrain/checkpoint/manifest.py)
+    entries = manifest.gather(manifest.describe(fs, root, [f"tensors/{f}" for f in written]),
+                              process_group)
+    error = None
     if rank == 0:
-        fs.pipe_file(f"{root}/state.pt", rest)
-        _fault_injection_pause()
-        fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
-        fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
+        try:
+            fs.pipe_file(f"{root}/state.pt", rest)
+            _fault_injection_pause()
+            fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
+            own = ["tensors/.metadata", "state.pt", "meta.json"]  # .metadata: DCP's, by this host
+            manifest.write(fs, root, {**entries, **manifest.describe(fs, root, own)})
+            fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
+        except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
+            error = e
+    _agree(error, process_group)
 
 
 def read(path: str, targets: dict | None = None, *, sharded: bool = False, process_group=None):
@@ -124,30 +156,66 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
     return join_tensors(skeleton, tensors)
 
 
-def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, process_group) -> dict:
+class StagingReader(FileSystemReader):
+    """DCP's file reader over a local copy of a remote DCP directory, made on demand: DCP's
+    metadata first, then only the files that hold what this process's load plan reads (on a pod,
+    a host's own shards), never every host's files.
+
+    Why copies: DCP's FsspecReader reads through file objects, which hung on gcsfs's prefetching
+    reads here (fsspec 2026.9, gcsfs 2026.10, GCS emulator); whole-file copies do not.
+    """
+
+    def __init__(self, fs, remote_dir: str, staging: str):
+        super().__init__(staging)
+        self.remote_fs, self.remote_dir, self.staging = fs, remote_dir.rstrip("/"), staging
+        self.copied: list[str] = []  # file names, in the order they were copied
+        self._where: dict = {}
+
+    def _copy(self, name: str) -> None:
+        if name not in self.copied:
+            self.remote_fs.get_file(f"{self.remote_dir}/{name}", os.path.join(self.staging, name))
+            self.copied.append(name)
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")  # DCP's metadata file: .metadata, or __<rank>.metadata
+        self._copy(".metadata" if rank is None else f"__{rank}.metadata")
+        return super().read_metadata(*args, **kwargs)
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self._where = metadata.storage_data  # storage index -> (file, offset, length)
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def read_data(self, plan, planner):
+        for name in sorted({self._where[item.storage_index].relative_path for item in plan.items}):
+            self._copy(name)
+        return super().read_data(plan, planner)
+
+
+def read_tensors(path: str, prefix: str) -> dict:
+    """Only the stored tensors whose key starts with ``prefix`` (e.g. the model's weights without
+    the optimizer state, for sampling), as new CPU tensors: {key: tensor}."""
+    fs, root = url_to_fs(str(path))
+    if not fs.exists(f"{root}/{COMMIT_MARKER}"):
+        raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
+    with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
+        return _read_tensors(fs, f"{root}/tensors", staging, None, False, None, prefix)
+
+
+def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, process_group,
+                  prefix: str = "") -> dict:
     import torch.distributed.checkpoint as dcp
     from fsspec.implementations.local import LocalFileSystem
 
-    if not isinstance(fs, LocalFileSystem):
-        # DCP's FsspecReader reads through file objects, which hung on gcsfs's prefetching
-        # reads here (fsspec 2026.9, gcsfs 2026.10, GCS emulator): copy whole files instead.
-        # Each host copies every host's files; the planner then reads only its shards.
-        for remote in fs.ls(directory, detail=False):
-            fs.get_file(remote, os.path.join(staging, remote.rstrip("/").rsplit("/", 1)[-1]))
-        directory = staging
-    reader = dcp.FileSystemReader(directory)
+    local = isinstance(fs, LocalFileSystem)
+    reader = FileSystemReader(directory) if local else StagingReader(fs, directory, staging)
     stored = reader.read_metadata().state_dict_metadata
     tensors = dict(targets or {})
     for key, info in stored.items():
-        if key not in tensors:
+        if key not in tensors and key.startswith(prefix):
             tensors[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
     dcp.load(tensors, storage_reader=reader, planner=_planner(sharded, "load"),
              **_dcp_kwargs(process_group))
     return tensors
-
-
-def warn(message: str) -> None:
-    print(f"xtrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _fault_injection_pause() -> None:

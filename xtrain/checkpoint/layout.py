@@ -7,6 +7,7 @@ import json
 import os
 import re
 import socket
+import uuid
 
 from xtrain.errors import ConfigError
 from xtrain.paths import url_to_fs
@@ -80,3 +81,27 @@ def check_writable(directory: str) -> None:
         fs.rm(probe)
     except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
         raise ConfigError(f"checkpoint.dir {directory} is not writable ({type(e).__name__}: {e})") from e
+
+
+def check_shared(directory: str, processes) -> None:
+    """On several processes (``processes``: xtrain/engines/processes.py), refuse before training a
+    checkpoint directory they do not all see: each writes its own files of every checkpoint
+    there and process 0 commits them, so a local path on several hosts would leave every
+    checkpoint incomplete."""
+    if processes.world == 1:
+        return
+    fs, root = url_to_fs(directory)
+    probe = f"{root.rstrip('/')}/.shared-probe-{processes.broadcast(uuid.uuid4().hex)}"
+    if processes.primary:
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(probe, b"")
+    processes.barrier()
+    fs.invalidate_cache()
+    unseen = processes.vote(not fs.exists(probe))()
+    processes.barrier()  # every process has looked before the probe goes
+    if processes.primary:
+        fs.rm(probe)
+    if unseen:
+        raise ConfigError(f"checkpoint.dir {directory} is not shared by the run's {processes.world} "
+                          "processes (some do not see process 0's files): use storage every host "
+                          "reaches, e.g. gs://bucket/...")

@@ -9,12 +9,17 @@ from xtrain.data.loader import PackedLoader
 
 
 class StepBatches(torch.utils.data.IterableDataset):
-    """Yields ``(tokens [accum, rows, T+1], loader_state_after)``: one optimizer step each.
-    ``repeat`` > 0 yields the first ``repeat`` steps over and over (overfitting, to debug)."""
+    """Yields ``(tokens [rows, accum, T+1], loader_state_after)``: one optimizer step each.
+    ``repeat`` > 0 yields the first ``repeat`` steps over and over (overfitting, to debug).
 
-    def __init__(self, loader: PackedLoader, accum: int, repeat: int = 0):
+    ``rows``: the rows of every packed micro-batch this process keeps. On several processes each
+    one packs the whole global batch, in the same order, and keeps its own rows: the batches then
+    do not depend on the process count (a one-process run trains on the same rows), and the
+    loader state is the same on every process, so any one of them can checkpoint it."""
+
+    def __init__(self, loader: PackedLoader, accum: int, repeat: int = 0, rows: slice = slice(None)):
         super().__init__()
-        self.loader, self.accum, self.repeat = loader, accum, repeat
+        self.loader, self.accum, self.repeat, self.rows = loader, accum, repeat, rows
 
     def __iter__(self):
         steps = self._steps()
@@ -28,18 +33,19 @@ class StepBatches(torch.utils.data.IterableDataset):
     def _steps(self):
         micro = []
         for batch in self.loader:
-            micro.append(batch)
+            micro.append(batch[self.rows])
             if len(micro) == self.accum:
-                yield torch.from_numpy(np.stack(micro)), self.loader.state_dict()
+                yield torch.from_numpy(np.stack(micro, axis=1)), self.loader.state_dict()
                 micro = []
 
 
 class EvalBatches(torch.utils.data.IterableDataset):
-    """The same first ``limit`` batches of a non-shuffled loader at every evaluation."""
+    """The same first ``limit`` batches of a non-shuffled loader at every evaluation; ``rows`` as
+    in :class:`StepBatches`."""
 
-    def __init__(self, loader: PackedLoader, limit: int):
+    def __init__(self, loader: PackedLoader, limit: int, rows: slice = slice(None)):
         super().__init__()
-        self.loader, self.limit = loader, limit
+        self.loader, self.limit, self.rows = loader, limit, rows
         self.start = loader.state_dict()
 
     def __iter__(self):
@@ -47,4 +53,4 @@ class EvalBatches(torch.utils.data.IterableDataset):
         for i, batch in enumerate(self.loader):
             if i == self.limit:
                 return
-            yield torch.from_numpy(batch)
+            yield torch.from_numpy(np.ascontiguousarray(batch[self.rows]))

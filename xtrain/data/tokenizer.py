@@ -125,11 +125,68 @@ def save_hf(tok, token_bytes: np.ndarray, directory: str) -> None:
         torch.save(torch.from_numpy(token_bytes), f)
 
 
-def load_tokenizer(directory: str, threads: int = 2) -> Tokenizer:
-    """``tokenizer.json`` (HF) if present, else nanochat's ``tokenizer.pkl`` (tiktoken).
+class _EncodingState:
+    """Stands in for ``tiktoken.core.Encoding`` while unpickling: receives the state the pickle
+    holds (plain data) instead of letting tiktoken's ``__setstate__`` act on it."""
 
-    The pickle is a trust boundary (unpickling runs code): load only directories you own.
-    """
+    def __setstate__(self, state):
+        self.state = state
+
+
+def _latin1_encode(text, encoding="latin1"):
+    """Pickle protocols 2 and 3 store bytes as ``_codecs.encode(str, 'latin1')``; nothing else."""
+    if encoding != "latin1" or not isinstance(text, str):
+        raise pickle.UnpicklingError(f"_codecs.encode({type(text).__name__}, {encoding!r})")
+    return text.encode("latin1")
+
+
+class _TiktokenUnpickler(pickle.Unpickler):
+    """Resolves only the names a pickled tiktoken Encoding refers to, to inert stand-ins: an
+    unpickler that imports what the file names runs whatever code the file's author chose
+    (``os.system`` through ``__reduce__``), and a tokenizer may come from any URL."""
+
+    ALLOWED = {("tiktoken.core", "Encoding"): _EncodingState, ("_codecs", "encode"): _latin1_encode}
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refers to {module}.{name}")
+        return self.ALLOWED[(module, name)]
+
+
+ENCODING_STATE = {"name": str, "pat_str": str, "mergeable_ranks": dict, "special_tokens": dict}
+
+
+def _is_encoding_state(state) -> bool:
+    """What ``Encoding.__getstate__`` returns for an unregistered encoding: names, the regex and
+    the two token tables (bytes -> id, str -> id), nothing else."""
+    if not (isinstance(state, dict) and state.keys() == ENCODING_STATE.keys()
+            and all(isinstance(state[k], t) for k, t in ENCODING_STATE.items())):
+        return False
+    ranks, specials = state["mergeable_ranks"].items(), state["special_tokens"].items()
+    return (all(isinstance(k, bytes) and type(v) is int for k, v in ranks)
+            and all(isinstance(k, str) and type(v) is int for k, v in specials))
+
+
+def load_tiktoken_pickle(file, where: str):
+    """A ``tiktoken.Encoding`` from nanochat's ``tokenizer.pkl`` (``pickle.dump(encoding)``),
+    built from the pickle's data alone; any other content is refused with a DataError."""
+    import tiktoken
+
+    try:
+        obj = _TiktokenUnpickler(file).load()
+    except Exception as e:  # noqa: BLE001  (a malformed pickle raises many types)
+        raise DataError(f"{where}: refused, not a pickled tiktoken Encoding ({e}); only "
+                        "tiktoken.core.Encoding is accepted: unpickling others can run code") from e
+    # a registered encoding is pickled by name, and tiktoken would download it: refused too
+    if not (isinstance(obj, _EncodingState) and _is_encoding_state(getattr(obj, "state", None))):
+        raise DataError(f"{where}: refused, its content is not a tiktoken Encoding's "
+                        f"{{{', '.join(ENCODING_STATE)}}}")
+    return tiktoken.Encoding(**obj.state)
+
+
+def load_tokenizer(directory: str, threads: int = 2) -> Tokenizer:
+    """``tokenizer.json`` (HF) if present, else nanochat's ``tokenizer.pkl`` (tiktoken, read by
+    :func:`load_tiktoken_pickle`: data only, never code)."""
     import torch
 
     fs, root = url_to_fs(directory)
@@ -150,6 +207,6 @@ def load_tokenizer(directory: str, threads: int = 2) -> Tokenizer:
         return Tokenizer(HFTokenizer.from_str(text), "hf", token_bytes, threads)
     if fs.exists(f"{root}/tokenizer.pkl"):
         with fs.open(f"{root}/tokenizer.pkl", "rb") as f:
-            enc = pickle.load(f)
+            enc = load_tiktoken_pickle(f, f"{directory}/tokenizer.pkl")
         return Tokenizer(enc, "tiktoken", token_bytes, threads)
     raise DataError(f"{directory}: neither tokenizer.json nor tokenizer.pkl found")

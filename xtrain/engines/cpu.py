@@ -1,81 +1,44 @@
-"""The CPU engine: plain PyTorch on this machine through Lightning's Trainer, optionally with the
-model's forward+backward and the optimizer update compiled by ``torch.compile`` (inductor).
-
-Why compile on CPU: outside the matrix multiplies a step is chains of small elementwise ops
-(rotary, relu^2, RMSNorm, the softcap and loss, the Muon update), each a separate pass over
-memory in eager mode; inductor fuses them into a few loops. Compiled code is cached in
-``<cache root>/inductor`` (inductor's FX-graph and AOTAutograd caches), so a relaunched run
-skips most of the first-step compile.
-"""
+"""The CPU engine: plain PyTorch through Lightning's Trainer; on several processes (hosts), Lightning's
+DDP over gloo, each process training on its own rows of every step; with ``trainer.compile``, the
+step compiled by torch.compile (xtrain/engines/torch_compile.py)."""
 
 from __future__ import annotations
 
-import os
-import time
+from datetime import timedelta
 
-import lightning as L
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.strategies import DDPStrategy
 
 from xtrain import compat
 from xtrain.engines.base import Engine
-from xtrain.paths import cache_root
-
-
-def use_inductor_cache() -> str:
-    """Point inductor's on-disk caches at xtrain's cache root (an explicit
-    TORCHINDUCTOR_CACHE_DIR wins); inductor reads the variable whenever it looks for the cache."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-
-
-def compile_fn():
-    import torch
-
-    return torch.compile
-
-
-class TorchCompile(L.Callback):
-    """Compiles the model's forward (the loss and, through AOTAutograd, its backward) and the
-    optimizer update when training starts, after a checkpoint was restored (so the compiled
-    update sees the restored state tensors); the model runs eagerly again when training ends
-    (end-of-run sampling calls it at every length). Prints the first step's time, compile
-    included."""
-
-    def __init__(self):
-        self.t0 = None
-        self.first_step_s = None
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        cache = use_inductor_cache()
-        compile_ = compile_fn()
-        model = pl_module.model
-        model.forward = compile_(model.forward)  # instance attribute: keys and modules unchanged
-        for opt in trainer.optimizers:
-            opt.compile_update(compile_)
-        print(f"torch.compile: model forward+backward and optimizer update (cache {cache})", flush=True)
-
-    def on_train_batch_start(self, trainer, *args) -> None:
-        if self.first_step_s is None:
-            self.t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if self.first_step_s is None:
-            self.first_step_s = time.perf_counter() - self.t0
-            print(f"torch.compile: first step {self.first_step_s:.1f} s (compiling included)", flush=True)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        pl_module.model.__dict__.pop("forward", None)  # back to the class's (eager) forward
-        for opt in trainer.optimizers:
-            opt.__dict__.pop("update", None)
+from xtrain.engines.processes import Processes, join_gloo
+from xtrain.engines.torch_compile import TorchCompile
+from xtrain.hardware import launch_environment
 
 
 class CPUEngine(Engine):
     name = "cpu"
 
-    def __init__(self, plan, compile_step: bool = False):
-        super().__init__(plan)
+    def __init__(self, hardware, plan, timeout_s: float, compile_step: bool = False):
+        processes, self.address, self.port = Processes(), None, None
+        if plan.hosts > 1:  # joined before anything else, so a missing peer fails fast
+            rank, world, self.address, self.port = launch_environment(hardware)
+            processes = join_gloo(rank, world, self.address, self.port, timeout_s)
+        super().__init__(plan, processes)
+        self.timeout_s = timeout_s
         self.compile_step = compile_step
 
     def trainer_kwargs(self, checkpoint_io) -> dict:
-        return {"accelerator": "cpu", "devices": 1, "plugins": [checkpoint_io]}
+        if self.world == 1:
+            return {"accelerator": "cpu", "devices": 1, "plugins": [checkpoint_io]}
+        strategy = CollectiveCheckpointDDP(
+            cluster_environment=JoinedProcesses(self.processes, self.address, self.port),
+            checkpoint_io=checkpoint_io, process_group_backend="gloo",
+            timeout=timedelta(seconds=self.timeout_s),
+            broadcast_buffers=False)  # the buffers (rotary tables, token bytes) never change
+        # one device per process, one process per "node": Lightning's global rank is then RANK
+        return {"accelerator": "cpu", "devices": 1, "num_nodes": self.world, "strategy": strategy,
+                "use_distributed_sampler": False}  # each process picks its rows itself
 
     def callbacks(self, trainer_cfg, run_dir: str) -> list:
         return [TorchCompile()] if self.compile_step else []
@@ -84,7 +47,52 @@ class CPUEngine(Engine):
         return {"torch_compiles": compat.dynamo_graph_count()} if self.compile_step else {}
 
 
-def compile_pays(plan) -> bool:
-    """Whether ``trainer.compile`` defaults to on: where the fused elementwise work outweighs
-    the first step's compile (measured in BENCHMARKS.md, cpu_peer)."""
-    return plan.gpt.n_embd >= 256 and plan.gpt.sequence_len >= 512
+class CollectiveCheckpointDDP(DDPStrategy):
+    """Lightning's DDP, except that every process takes part in saving: checkpoints are written
+    with torch.distributed.checkpoint, a collective (Lightning's DDP saves on rank 0 only)."""
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+
+class JoinedProcesses(ClusterEnvironment):
+    """Lightning's view of processes the engine has already joined (xtrain/engines/processes.py),
+    so rank and world have one source. Lightning's own environments would either spawn processes
+    (without LOCAL_RANK) or expect torchrun's variables only."""
+
+    def __init__(self, processes: Processes, address: str, port: int):
+        self.processes, self.address, self.port = processes, address, port
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return self.address
+
+    @property
+    def main_port(self) -> int:
+        return self.port
+
+    @staticmethod
+    def detect() -> bool:
+        return False
+
+    def world_size(self) -> int:
+        return self.processes.world
+
+    def set_world_size(self, size: int) -> None:
+        pass  # Lightning computes num_nodes x devices = world: the same number
+
+    def global_rank(self) -> int:
+        return self.processes.rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # node_rank x 1 + local_rank 0 = rank: the same number
+
+    def local_rank(self) -> int:
+        return 0
+
+    def node_rank(self) -> int:
+        return self.processes.rank

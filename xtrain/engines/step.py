@@ -1,8 +1,9 @@
 """One optimizer step's body, in torch only: what training runs and the TPU preflight traces.
 
-A step takes ``tokens [A, B, T+1]``: all ``A`` gradient-accumulation micro-batches, fetched
-outside the step, so the XLA engine compiles the whole step (every micro-batch's forward and
-backward, clipping, the optimizer update) as one graph.
+A step takes ``tokens [B, A, T+1]``: ``B`` rows of all ``A`` gradient-accumulation micro-batches,
+fetched outside the step, so the XLA engine compiles the whole step (every micro-batch's forward
+and backward, clipping, the optimizer update) as one graph. Rows come first because torch_xla's
+per-host input sharding splits dim 0 (xtrain/xla/spmd.py).
 """
 
 from __future__ import annotations
@@ -26,22 +27,27 @@ def autocast(device_type: str, precision: str):
     return nullcontext()
 
 
-def step_closure(model, tokens, backward, grad_clip: float, precision: str):
+def step_closure(model, tokens, backward, grad_clip: float, precision: str, stats: dict | None = None):
     """The closure ``optimizer.step(closure)`` runs: every micro-batch's forward and ``backward``
     (``loss.backward`` or Lightning's ``manual_backward``), then gradient clipping; it returns
-    the mean loss as a device tensor."""
-    accum = tokens.size(0)
+    the mean loss as a device tensor. ``stats["grad_norm"]`` receives the global gradient norm
+    before clipping, a device tensor of the same graph (read only when the run logs)."""
+    accum = tokens.size(1)
 
     def closure():
         total = torch.zeros((), device=tokens.device)
-        for micro in tokens.unbind(0):
+        for micro in tokens.unbind(1):
             x, y = split_inputs_targets(micro)
             with autocast(tokens.device.type, precision):
                 loss = model(x, y) / accum
             backward(loss)
             total = total + loss.detach()
         if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        if stats is not None:
+            stats["grad_norm"] = norm
         return total
 
     return closure

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 
-from xtrain.config import EvalConfig, Sandbox, out_of_range
+from xtrain.config import EvalConfig, Sandbox
+from xtrain.limits import out_of_range
 from xtrain.errors import ConfigError
 
 # g++ spellings of C++17 and newer (the benchmark's references use C++17 library features).

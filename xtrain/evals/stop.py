@@ -92,3 +92,10 @@ def cut(prompt: str, raw: str, eof_markers: list[str] | tuple[str, ...] = ()) ->
     if end is None:
         return raw
     return raw[:end - len(prompt)] + "\n"
+
+
+def ended(prompt: str, raw: str, eof_markers: list[str] | tuple[str, ...] = ()) -> bool:
+    """Whether ``raw`` already holds everything :func:`cut` keeps (generation can stop)."""
+    if any(marker in raw for marker in eof_markers):
+        return True
+    return scan(prompt + raw, stop_from=len(prompt))[1] is not None

@@ -18,11 +18,13 @@ def launch_from_hydra(cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
 
     from xtrain.modes import plan_run
+    from xtrain.observe.console import ConsoleLog
     from xtrain.plan import check_fits
 
     hc = HydraConfig.get()
     where = hc.launcher.tpu or ", ".join(hc.launcher.hosts)
-    plan = plan_run(cfg, f"{hc.launcher.kind} {where}")
+    with ConsoleLog(None):
+        plan = plan_run(cfg, f"{hc.launcher.kind} {where}")
     if cfg.mode == Mode.train:
         check_fits(plan, cfg)
     return launch_job(hc.launcher, cfg.hardware, list(hc.overrides.task), cfg.run.name,

@@ -77,6 +77,13 @@ def sdpa_attention(q, k, v, window: int | None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def cached_attention(q, k, v, window: int | None, q_start: int):
+    """Generation with a KV cache: queries at positions ``q_start ..`` over every cached key
+    ``0 .. q_start + T_q - 1`` (the same mask as training's causal and windowed attention)."""
+    mask = allowed_mask(q.size(-2), k.size(-2), window, q_start=q_start, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.size(1) != q.size(1))
+
+
 def _repeat_kv(x, n_head: int):
     """[B, Hkv, T, D] -> [B, n_head, T, D]; autograd sums the gradient back over each group."""
     groups = n_head // x.size(1)

@@ -5,7 +5,8 @@ head, logit softcap, no biases, optional GQA and per-layer sliding windows. Dept
 dial: width = depth * aspect_ratio, heads = width / head_dim.
 
 The shape lives in :class:`xtrain.model.config.GPTConfig` (torch-free). The model knows nothing
-about sharding or devices: the engines place and shard it.
+about sharding or devices: the engines place and shard it. Generation, with a KV cache, is in
+xtrain/model/generate.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from xtrain.model.attention import attend
+from xtrain.model.attention import attend, cached_attention
 from xtrain.model.config import GPTConfig
 from xtrain.model.loss import softcap, softcap_cross_entropy
 
@@ -51,7 +52,9 @@ class CausalSelfAttention(nn.Module):
         self.c_v = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cache=None):
+        """``cache``: this layer's keys and values of earlier positions (generation); the new
+        ones are appended to it."""
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -59,7 +62,12 @@ class CausalSelfAttention(nn.Module):
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # QK-norm
         # torch_xla's autocast runs rms_norm in float32: attend in the projections' dtype
         q, k = q.to(v.dtype), k.to(v.dtype)
-        y = attend(q, k, v, self.window, self.backend, self.block, self.partition_spec)
+        if cache is not None:
+            start = cache.length
+            k, v = cache.extend(k, v)
+            y = cached_attention(q, k, v, self.window, start)
+        else:
+            y = attend(q, k, v, self.window, self.backend, self.block, self.partition_spec)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -79,8 +87,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, window)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(norm(x), cos, sin)
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.attn(norm(x), cos, sin, cache)
         return x + self.mlp(norm(x))
 
 
@@ -114,10 +122,18 @@ class GPT(nn.Module):
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, kv_cache=None):
+        """Logits [B, T, V], or the mean loss given ``targets``. With ``kv_cache``
+        (xtrain/model/generate.py) ``idx`` continues the cached positions."""
         T = idx.size(1)
-        cos, sin = self.cos[:, :, :T], self.sin[:, :, :T]
-        x = self.run_blocks(norm(self.wte(idx)), cos, sin)
+        start = kv_cache.length if kv_cache is not None else 0
+        cos, sin = self.cos[:, :, start:start + T], self.sin[:, :, start:start + T]
+        x = norm(self.wte(idx))
+        if kv_cache is None:
+            x = self.run_blocks(x, cos, sin)
+        else:  # generation: block by block with its cache (never scanned nor rematerialised)
+            for block, layer_cache in zip(self.blocks, kv_cache.layers):
+                x = block(x, cos, sin, layer_cache)
         logits = self.lm_head(norm(x))
         if targets is None:
             return softcap(logits.float(), self.config.softcap)
@@ -138,17 +154,3 @@ class GPT(nn.Module):
         """(matrices for Muon, embedding, head) — the split nanochat's optimiser uses."""
         matrices = [p for p in self.blocks.parameters()]
         return matrices, [self.wte.weight], [self.lm_head.weight]
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, generator=None):
-        """Sample continuations of ``idx`` [B, T0] (no KV cache: for short end-of-run samples)."""
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.sequence_len:]
-            logits = self(context)[:, -1, :]
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx

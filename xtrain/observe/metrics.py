@@ -1,66 +1,157 @@
-"""Per-step metrics, computed at logging steps and handed to every sink (xtrain/observe/sinks.py).
+"""Training metrics, computed at logging steps and handed to the run's sinks (:class:`RunLog`).
 
-Values are read from the device only every ``log_every`` steps (and at evaluations), so logging
-adds no host sync to the other steps. Lightning's progress bar is disabled for the same reason.
+Device values (loss, gradient norm, the learning-rate multiplier) are read in one transfer per
+logging interval (``engine.fetch``) and at evaluations, never at other steps, so logging adds no
+host sync to the XLA engine's steps. Lightning's progress bar stays off for the same reason; the
+console display (xtrain/observe/console.py) is refreshed from these records.
+
+``loss`` is the step's float32 loss unrounded (JSON keeps every digit, so runs compare exactly).
+``tokens`` is counted from the batches the steps received: micro-batches x rows x sequence_len
+per step ([B, A, T+1] holds T targets per row; training rows are never padded, see
+xtrain/data/loader.py), times ``batch_shares`` (the processes whose batches make up the step:
+xtrain/engines/base.py); checkpointed with the run.
+
+A train record holds: ``loss``, ``lr`` (the matrix group's), ``grad_norm`` (before clipping),
+``tokens``, ``tok_per_s`` and ``tok_per_s_per_chip`` (evaluation and sampling time excluded),
+``mfu`` (FLOPs per token as in xtrain/plan.py, against the peak the run was given), the mean
+step time ``step_s`` split into ``compute_s`` (the step as the host sees it: on the XLA engine
+tracing and dispatch, and waiting for the device where it must), ``checkpoint_s`` (the blocking
+part of saves) and ``data_s`` (the rest: waiting for the next batch and loop overhead), and
+``elapsed_s``/``eta_s``. Validation records hold ``val_loss``, ``val_bpb`` and ``eval_s``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 
 import lightning as L
 
-from xtrain.observe.sinks import Sink
+from xtrain.observe.sinks import RunLog
+
+
+class PhaseTimer:
+    """Seconds spent in named phases (checkpoint, eval, sample) since the last ``take``."""
+
+    def __init__(self):
+        self._seconds = defaultdict(float)
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def measure(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._seconds[phase] += time.perf_counter() - t0
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[phase] += seconds
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            out, self._seconds = dict(self._seconds), defaultdict(float)
+        return out
 
 
 class MetricsLogger(L.Callback):
-    def __init__(self, sinks: list[Sink], log_every: int, tokens_per_step: int,
+    """``peak_flops``: the whole run's peak FLOP/s (0: no MFU); ``chips``: devices of the run."""
+
+    def __init__(self, run_log: RunLog, log_every: int, max_steps: int,
                  flops_per_token: float = 0.0, peak_flops: float = 0.0, chips: int = 1,
-                 extra=None, fetch=None):
-        self.sinks, self.log_every, self.tokens_per_step = sinks, log_every, tokens_per_step
-        self.flops_per_token, self.peak_flops, self.chips = flops_per_token, peak_flops, chips
-        self.extra = extra or (lambda: {})  # engine-specific counters (e.g. XLA compiles)
+                 timer: PhaseTimer | None = None, extra=None, fetch=None, batch_shares: int = 1):
+        self.run_log, self.log_every = run_log, log_every
+        self.max_steps, self.flops_per_token, self.peak_flops = max_steps, flops_per_token, peak_flops
+        self.chips = chips
+        self.timer = timer or PhaseTimer()
+        self.extra = extra or (lambda: {})  # engine counters (XLA compiles, host syncs)
         # device tensors -> Python floats in one transfer (the engine knows how)
         self.fetch = fetch or (lambda tensors: [float(t) for t in tensors])
-        self._t0 = None
+        self._started = self._t0 = self._batch_t0 = self._eta_from = None
         self._step0 = 0
+        self.batch_shares = batch_shares
+        self.tokens = 0  # consumed by the steps so far (this run and the ones it resumed)
+        self._tokens0 = 0
+        self._compute = 0.0
 
-    def write(self, record: dict) -> None:
-        """Hand one record to every sink; thread-safe (checkpoint uploads report from their thread)."""
-        for sink in self.sinks:
-            sink.write(record)
+    def state_dict(self) -> dict:
+        return {"tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens = state["tokens"]
 
     def on_train_start(self, trainer, pl_module):
-        self._t0, self._step0 = time.perf_counter(), trainer.global_step
+        self._started = self._t0 = time.perf_counter()
+        self._step0, self._tokens0 = trainer.global_step, self.tokens
+        self.timer.take()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._batch_t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        now = time.perf_counter()
+        self._compute += now - self._batch_t0
+        rows = batch[0]  # [rows, micro-batches, T+1] on this process; a host-side shape, no device read
+        self.tokens += rows.numel() // rows.shape[-1] * (rows.shape[-1] - 1) * self.batch_shares
         step = trainer.global_step
         if step % self.log_every and step not in (1, trainer.max_steps):
             return
-        if trainer.global_rank != 0:
+        # every process: under DDP each holds its own rows' loss and this is a collective; under
+        # SPMD the loss is already the global one and this does nothing
+        loss = trainer.strategy.reduce(pl_module.last_loss, reduce_op="mean")
+        if not trainer.is_global_zero:
             return
-        now = time.perf_counter()
         opt = pl_module.optimizers().optimizer
         # the one device-to-host transfer of this logging interval
-        loss, lr_mult = self.fetch([pl_module.last_loss, opt.last_lr_multiplier()])
-        tok_per_s = (step - self._step0) * self.tokens_per_step / max(now - self._t0, 1e-9)
-        self._t0, self._step0 = now, step
-        lr = float(f"{opt.param_groups[0]['lr'] * lr_mult:.6g}")
-        record = {"step": step, "loss": round(loss, 6), "lr": lr,
-                  "tokens": step * self.tokens_per_step, "tok_per_s": round(tok_per_s, 1),
-                  "tok_per_s_per_chip": round(tok_per_s / self.chips, 1)}
+        loss, lr_mult, grad_norm = self.fetch([loss, opt.last_lr_multiplier(),
+                                               pl_module.step_stats["grad_norm"]])
+        values = {"loss": loss, "lr": float(f"{opt.param_groups[0]['lr'] * lr_mult:.6g}"),
+                  "grad_norm": round(grad_norm, 6), "tokens": self.tokens,
+                  **self._rates(step, now), **self.extra()}
+        self.run_log.record("train", step, values)
+
+    def _rates(self, step: int, now: float) -> dict:
+        """Throughput, MFU and the step-time split over the interval since the last log."""
+        steps = max(step - self._step0, 1)
+        phases = self.timer.take()
+        wall = now - self._t0
+        training = max(wall - phases.get("eval", 0.0) - phases.get("sample", 0.0), 1e-9)
+        tok_per_s = (self.tokens - self._tokens0) / training
+        step_s, compute_s = training / steps, self._compute / steps
+        checkpoint_s = phases.get("checkpoint", 0.0) / steps
+        out = {"tok_per_s": round(tok_per_s, 1), "tok_per_s_per_chip": round(tok_per_s / self.chips, 1)}
         if self.peak_flops and self.flops_per_token:
-            record["mfu"] = round(tok_per_s * self.flops_per_token / (self.peak_flops * self.chips), 5)
-        record.update(self.extra())
-        self.write(record)
+            out["mfu"] = round(tok_per_s * self.flops_per_token / self.peak_flops, 5)
+        out.update(step_s=round(step_s, 5), compute_s=round(compute_s, 5),
+                   checkpoint_s=round(checkpoint_s, 5),
+                   data_s=round(max(step_s - compute_s - checkpoint_s, 0.0), 5))
+        # the ETA averages over every step since the first log (compilation excluded) and
+        # includes the evaluations and checkpoints still to come
+        if self._eta_from is None:
+            self._eta_from, eta = (now, step), None
+        else:
+            t_from, s_from = self._eta_from
+            eta = (now - t_from) / max(step - s_from, 1) * (self.max_steps - step)
+        out["elapsed_s"] = round(now - self._started, 1)
+        if eta is not None:
+            out["eta_s"] = round(eta, 1)
+        self._t0, self._step0, self._tokens0, self._compute = now, step, self.tokens, 0.0
+        return out
+
+    def on_validation_start(self, trainer, pl_module):
+        self._val_t0 = time.perf_counter()
 
     def on_validation_epoch_end(self, trainer, pl_module):
-        if trainer.sanity_checking or trainer.global_rank != 0:
+        if trainer.sanity_checking:
             return
-        summary = pl_module.validation_summary()
-        self.write({"step": trainer.global_step, **{k: round(v, 6) for k, v in summary.items()}})
-        self._t0 = time.perf_counter()  # do not charge evaluation time to training throughput
-
-    def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+        summary = pl_module.validation_summary()  # every process (a collective under DDP)
+        if not trainer.is_global_zero:
+            return
+        seconds = time.perf_counter() - self._val_t0
+        self.timer.add("eval", seconds)  # evaluation time is not training throughput
+        self.run_log.record("val", trainer.global_step,
+                            {**{k: round(v, 6) for k, v in summary.items()}, "eval_s": round(seconds, 3)})

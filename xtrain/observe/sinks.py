@@ -1,81 +1,138 @@
-"""Where metric records go, behind one interface: a record is a flat dict with a ``step``.
+"""Where records go, behind one interface (:class:`Sink`): ``metrics.jsonl`` (:class:`JsonlSink`),
+any Lightning logger (:class:`LightningSink`: W&B, TensorBoard) and the console
+(xtrain/observe/console.py). :class:`RunLog` hands each record to all of them.
 
-Every sink is written from rank 0 only (the metrics callback decides), from the training thread
-and from the checkpoint upload thread, so ``write`` must be thread-safe.
+A record is a flat dict with ``step``, ``kind`` (train, val, eval, checkpoint, sample) and
+``time`` (Unix seconds). Records are written from rank 0 only, from the training thread and from
+the checkpoint upload thread, so writes are serialised by a lock.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 
 from xtrain.paths import is_local, url_to_fs
+
+KINDS = ("train", "val", "eval", "checkpoint", "sample")
 
 
 class Sink:
     def write(self, record: dict) -> None:
         raise NotImplementedError
 
+    def close(self, status: str = "success") -> None:
+        """``status``: success, preempted or failed."""
+
+
+class RunLog:
+    """Every sink of a run behind one call. ``record(kind, step, values)`` is the one path for
+    training metrics, validation, evaluation scores (e.g. ``cpp_pass_rate``), checkpoint timings
+    and samples."""
+
+    def __init__(self, sinks: list[Sink]):
+        self.sinks = sinks
+        self._lock = threading.Lock()
+
+    def record(self, kind: str, step: int, values: dict) -> dict:
+        if kind not in KINDS:
+            raise ValueError(f"record kind {kind!r}: expected one of {KINDS}")
+        record = {"step": int(step), "kind": kind, **values, "time": round(time.time(), 3)}
+        with self._lock:
+            for sink in self.sinks:
+                sink.write(record)
+        return record
+
+    def close(self, status: str = "success") -> None:
+        with self._lock:
+            for sink in self.sinks:
+                sink.close(status)
+
+
+class AppendFile:
+    """A text file appended to through fsspec (local paths and gs://). Object stores cannot
+    append: a remote file is rewritten whole (continuing an existing one, e.g. on resume), at
+    most every ``remote_flush_s`` seconds and at ``close``, so uploads stay bounded on long runs."""
+
+    def __init__(self, path: str, remote_flush_s: float = 30.0):
+        self.path = path
+        self._fs, self._root = url_to_fs(path)
+        self._fs.makedirs(self._root.rsplit("/", 1)[0], exist_ok=True)
+        self._local = is_local(path)
+        self._lines: list[str] = []
+        self.remote_flush_s, self._flushed_at = remote_flush_s, 0.0
+        self._lock = threading.Lock()
+        if not self._local and self._fs.exists(self._root):
+            self._lines = self._fs.cat_file(self._root).decode().splitlines(keepends=True)
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            if self._local:
+                with self._fs.open(self._root, "a") as f:
+                    f.write(text)
+                return
+            self._lines.append(text)
+            if time.monotonic() - self._flushed_at >= self.remote_flush_s:
+                self._upload()
+
+    def _upload(self) -> None:
+        self._fs.pipe_file(self._root, "".join(self._lines).encode())
+        self._flushed_at = time.monotonic()
+
     def close(self) -> None:
-        pass
+        with self._lock:
+            if not self._local:
+                self._upload()
 
 
 class JsonlSink(Sink):
-    """``metrics.jsonl``: one JSON object per record, through fsspec. Object stores cannot append,
-    so a remote file is rewritten whole on every write (records are small and logged every
-    ``log_every`` steps); a local file is appended to."""
+    """``metrics.jsonl``: one JSON object per record (the run's own record of its metrics)."""
 
-    def __init__(self, path: str):
-        self.path = path
-        self._lock = threading.Lock()
-        self._fs, self._root = url_to_fs(path)
-        self._fs.makedirs(self._root.rsplit("/", 1)[0], exist_ok=True)
-        self._lines: list[str] | None = None
-        if not is_local(path):  # continue an existing file (a resumed run)
-            self._lines = (self._fs.cat_file(self._root).decode().splitlines(keepends=True)
-                           if self._fs.exists(self._root) else [])
+    def __init__(self, run_dir: str, filename: str = "metrics.jsonl"):
+        self.file = AppendFile(f"{run_dir.rstrip('/')}/{filename}")
+        self.path = self.file.path
 
     def write(self, record: dict) -> None:
-        line = json.dumps(record) + "\n"
-        with self._lock:
-            if self._lines is None:
-                with open(self._root, "a") as f:
-                    f.write(line)
-            else:
-                self._lines.append(line)
-                self._fs.pipe_file(self._root, "".join(self._lines).encode())
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self, status: str = "success") -> None:
+        self.file.close()
 
 
-class ConsoleSink(Sink):
-    """One line per training record and per evaluation."""
+class LightningSink(Sink):
+    """A Lightning logger (``lightning.pytorch.loggers``): numbers through ``log_metrics`` at the
+    record's step, samples as text (a W&B table, TensorBoard text). The record's ``kind`` and
+    ``time`` stay out (both loggers keep their own wall-clock time)."""
 
-    def __init__(self, max_steps: int):
-        self.max_steps = max_steps
+    def __init__(self, logger):
+        self.logger = logger
 
     def write(self, record: dict) -> None:
         step = record["step"]
-        if "loss" in record:
-            mfu = f" | mfu {record['mfu']:.1%}" if "mfu" in record else ""
-            print(f"step {step:6d}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                  f"{record['tok_per_s']:,.0f} tok/s" + mfu, flush=True)
-        elif "val_loss" in record:
-            print(f"step {step:6d} | val loss {record['val_loss']:.4f} | val bpb {record['val_bpb']:.4f}",
-                  flush=True)
+        numbers = {k: v for k, v in record.items() if k not in ("step", "time")
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers:
+            self.logger.log_metrics(numbers, step=step)
+        if record.get("samples"):
+            self._log_samples(step, record["samples"])
 
+    def _log_samples(self, step: int, samples: list[dict]) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
-class WandbSink(Sink):
-    """A W&B run. The key comes from WANDB_API_KEY in the environment; configs never hold it, so
-    no secret reaches the uploaded config."""
+        if isinstance(self.logger, WandbLogger):
+            self.logger.log_text(key="samples", columns=["step", "prompt", "text"],
+                                 data=[[step, s["prompt"], s["text"]] for s in samples], step=step)
+        elif isinstance(self.logger, TensorBoardLogger):
+            for i, s in enumerate(samples):  # TensorBoard renders text as markdown
+                self.logger.experiment.add_text(f"samples/{i}", f"```\n{s['prompt']}{s['text']}\n```", step)
 
-    def __init__(self, project: str, entity: str | None, name: str, run_dir: str, config: dict):
-        import wandb
+    def close(self, status: str = "success") -> None:
+        from lightning.pytorch.loggers import WandbLogger
 
-        safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:128]
-        self.run = wandb.init(project=project, entity=entity, name=name, id=safe_id, resume="allow",
-                              dir=run_dir, config=config)
-
-    def write(self, record: dict) -> None:
-        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-
-    def close(self) -> None:
-        self.run.finish()
+        self.logger.finalize("success" if status == "success" else "failed")
+        if isinstance(self.logger, WandbLogger):
+            run = self.logger.experiment
+            if status == "preempted":
+                run.mark_preempting()  # W&B shows it as preempted, to be resumed
+            run.finish(exit_code=0 if status == "success" else 143 if status == "preempted" else 1)

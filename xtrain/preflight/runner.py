@@ -32,6 +32,12 @@ def compile_kernel(request: dict, python: str = sys.executable, timeout: int = 6
     return _run_compile_child("kernel", request, python, timeout)
 
 
+def lower_kernel(request: dict, out: str, python: str = sys.executable, timeout: int = 600) -> dict:
+    """Only lower a kernel request to StableHLO text in ``out``, with ``python``'s jax (no
+    libtpu needed): records another jax version's kernel payload (tests/fixtures/mosaic/)."""
+    return _run_compile_child("lower", {**request, "out": out}, python, timeout)
+
+
 def compile_step(request: dict, python: str = sys.executable, timeout: int = 3600) -> dict:
     """``request``: topology (get_topology_desc kwargs), devices, stablehlo (a file) and the
     trace's args/results annotations (see :func:`xtrain.preflight.trace.trace_step`)."""

@@ -12,6 +12,8 @@ JSON on its last stdout line and a compiler failure comes back as ``{"ok": false
 - ``kernel``: one Pallas attention kernel (flash, or splash for windowed layers), forward and
   backward, at the config's shapes: catches a kernel/version mismatch (jax 0.7.1 with libtpu
   0.0.21: "Failed to deserialize the Mosaic module") on its own.
+- ``lower``: only lower a kernel request to StableHLO text (``out``, a file), with no libtpu:
+  how a kernel payload of another jax version is recorded for the tests.
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ def _topology_devices(kwargs: dict):
     return topologies.get_topology_desc(**kwargs).devices
 
 
-def _compile_kernel(req: dict) -> dict:
+def lower_kernel(req: dict) -> str:
+    """One Pallas attention kernel (flash, or splash for a windowed layer), forward and backward
+    at the request's shape, lowered for the TPU by this process's jax: StableHLO text whose
+    custom calls carry the Mosaic kernels in the serialization format of this jax version.
+    Needs no TPU and no libtpu."""
     import jax
     import jax.numpy as jnp
 
-    devices = _topology_devices(req["topology"])
-    sharding = jax.sharding.SingleDeviceSharding(devices[0])
     B, H, T, D = req["shape"]
-    spec = jax.ShapeDtypeStruct((B, H, T, D), jnp.bfloat16, sharding=sharding)
+    spec = jax.ShapeDtypeStruct((B, H, T, D), jnp.bfloat16)
     scale = D ** -0.5
     if req["kernel"] == "flash":
         from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
@@ -64,11 +68,44 @@ def _compile_kernel(req: dict) -> dict:
     def loss(q, k, v):
         return attn(q, k, v).astype(jnp.float32).sum()
 
-    t0 = time.time()
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile()
-    mem = compiled.memory_analysis()
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(spec, spec, spec)
+    return traced.lower(lowering_platforms=("tpu",)).as_text()
+
+
+def _compile_kernel(req: dict) -> dict:
+    """Compile a kernel for one chip of the topology: lowered here, or, with ``lowered`` (a
+    file), as another jax version lowered it (see :func:`lower_kernel`): a kernel payload this
+    libtpu cannot read fails with the compiler's reason."""
+    import jax
+    import numpy as np
+
+    ir, mlir, compiler, xc = jax_compiler_internals()
+    if req.get("lowered"):
+        with open(req["lowered"]) as f:
+            text = f.read()
+    else:
+        text = lower_kernel(req)
+    devices = _topology_devices(req["topology"])[:1]
+    client = devices[0].client
+    with mlir.make_ir_context():
+        module = ir.Module.parse(text)
+        options = compiler.get_compile_options(
+            num_replicas=1, num_partitions=1, device_assignment=np.array(devices).reshape(1, 1),
+            backend=client)
+        t0 = time.time()
+        executable = compiler.backend_compile(client, module, xc.DeviceList(tuple(devices)), options)
+    mem = executable.get_compiled_memory_stats()
     return {"ok": True, "seconds": round(time.time() - t0, 2), "jax": jax.__version__,
             "temp_bytes": mem.temp_size_in_bytes, "argument_bytes": mem.argument_size_in_bytes}
+
+
+def _lower_kernel_to_file(req: dict) -> dict:
+    import jax
+    import jaxlib
+
+    with open(req["out"], "w") as f:
+        f.write(lower_kernel(req))
+    return {"ok": True, "jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
 
 def _annotate(module, req: dict, n: int) -> None:
@@ -146,7 +183,8 @@ def _compile_step(req: dict) -> dict:
 if __name__ == "__main__":
     kind, request = sys.argv[1], json.loads(sys.argv[2])
     try:
-        result = {"kernel": _compile_kernel, "step": _compile_step}[kind](request)
+        result = {"kernel": _compile_kernel, "step": _compile_step,
+                  "lower": _lower_kernel_to_file}[kind](request)
     except Exception as e:  # report the compiler's own words to the parent
         result = {"ok": False, "error": f"{type(e).__name__}: {e}",
                   "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

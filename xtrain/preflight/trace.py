@@ -86,7 +86,7 @@ def trace_step(cfg, plan) -> dict:
     optimizer.init_state(make=placeholder)
     rows = cfg.trainer.device_batch_size * plan.batch.data_parallel
     tokens = xb.create_placeholder_tensor(
-        (plan.batch.grad_accum_steps, rows, plan.gpt.sequence_len + 1), torch.int32)
+        (rows, plan.batch.grad_accum_steps, plan.gpt.sequence_len + 1), torch.int32)
 
     state = [(p, param_specs[n]) for n, p in model.named_parameters()]
     state += list(optimizer_state_specs(optimizer, model, param_specs))

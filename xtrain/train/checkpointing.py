@@ -3,6 +3,8 @@ and what to prune after each commit. Which checkpoint a run starts from: xtrain/
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -18,10 +20,11 @@ class PeriodicCheckpoint(L.Callback):
 
     def __init__(self, directory: str, every: int, checkpoint_io: FsspecCheckpointIO,
                  keep_last: int = 2, keep_every: int = 0, meta: dict | None = None,
-                 stop: StopRequest | None = None, report=None):
+                 stop: StopRequest | None = None, report=None, timer=None):
         self.directory, self.every, self.io = directory.rstrip("/"), every, checkpoint_io
         self.keep_last, self.keep_every = max(1, keep_last), keep_every
         self.meta, self.stop, self.report = meta or {}, stop, report
+        self.timer = timer  # a PhaseTimer (xtrain/observe/metrics.py): blocking save time
         self.last_saved_step = None
         self.preempted = False
         self.preemption_saved = False  # the stop's checkpoint committed (False: upload gave up)
@@ -29,10 +32,11 @@ class PeriodicCheckpoint(L.Callback):
 
     def save(self, trainer, wait: bool = False) -> bool:
         """Save this step (once); with ``wait``, True when it committed."""
-        if trainer.global_step != self.last_saved_step:
-            trainer.save_checkpoint(step_dir(self.directory, trainer.global_step))
-            self.last_saved_step = trainer.global_step
-        return wait and self.io.wait() is not None  # None: the upload gave up (it warned)
+        with self.timer.measure("checkpoint") if self.timer else nullcontext():
+            if trainer.global_step != self.last_saved_step:
+                trainer.save_checkpoint(step_dir(self.directory, trainer.global_step))
+                self.last_saved_step = trainer.global_step
+            return wait and self.io.wait() is not None  # None: the upload gave up (it warned)
 
     def _committed(self, result: dict) -> None:
         """Upload thread: the checkpoint at ``result['step']`` is committed."""
@@ -53,7 +57,7 @@ class PeriodicCheckpoint(L.Callback):
             self.stop.install()  # take SIGTERM back from Lightning (see StopRequest)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.stop is not None and self.stop.agreed(self.io.process_group):
+        if self.stop is not None and self.stop.agreed():
             self.preemption_saved = self.save(trainer, wait=True)  # committed before exit
             self.preempted = True
             # Lightning's stop-by-signal exception, raised now: with only should_stop set it would
@@ -63,4 +67,6 @@ class PeriodicCheckpoint(L.Callback):
             self.save(trainer)
 
     def on_train_end(self, trainer, pl_module):
+        if self.stop is not None:
+            self.stop.settle()
         self.save(trainer, wait=True)

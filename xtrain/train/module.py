@@ -1,7 +1,7 @@
 """The LightningModule: one training batch is one optimizer step.
 
-A batch is ``(tokens [A, B, T+1], loader_state)``: all ``A`` gradient-accumulation micro-batches of
-the step, fetched outside the step, plus the loader position after them (checkpointed, so resume
+A batch is ``(tokens [B, A, T+1], loader_state)``: this process's ``B`` rows of all ``A``
+gradient-accumulation micro-batches of the step, fetched outside the step, plus the loader position after them (checkpointed, so resume
 is exact even though Lightning prefetches a batch ahead). Optimisation is manual so the whole step
 (xtrain/engines/step.py) sits inside one ``optimizer.step(closure)`` call, which the XLA engine
 compiles as one graph.
@@ -30,7 +30,10 @@ class GPTModule(L.LightningModule):
         # bytes each target token stands for (bits-per-byte); a buffer so it moves with the model
         tb = torch.as_tensor(token_bytes if token_bytes is not None else [], dtype=torch.float32)
         self.register_buffer("token_bytes", tb, persistent=False)
-        self.last_loss = None  # device tensor; read by the metrics callback at log steps only
+        # device tensors of the last step (loss, grad_norm); the metrics callback reads them
+        # at logging steps only
+        self.last_loss = None
+        self.step_stats: dict = {}
         self._val_sums = None
 
     def configure_optimizers(self):
@@ -40,7 +43,7 @@ class GPTModule(L.LightningModule):
         tokens, _ = batch
         opt = self.optimizers()
         closure = step_closure(self.model, tokens, self.manual_backward, self.optim_cfg.grad_clip,
-                               self.precision_name)
+                               self.precision_name, stats=self.step_stats)
         loss = opt.step(closure=closure)
         opt.zero_grad(set_to_none=True)
         self.last_loss = loss
@@ -63,6 +66,8 @@ class GPTModule(L.LightningModule):
         self._val_sums += torch.stack([(nats * counted).sum(), counted.sum(), nbytes.sum()])
 
     def validation_summary(self) -> dict:
-        """Host read of the validation sums; called once per evaluation."""
-        nats, count, nbytes = self._val_sums.tolist()
+        """Host read of the validation sums; called once per evaluation, on every process (each
+        holds its own rows' sums under DDP)."""
+        sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
+        nats, count, nbytes = sums.tolist()
         return {"val_loss": nats / max(count, 1), "val_bpb": nats / (math.log(2) * max(nbytes, 1))}

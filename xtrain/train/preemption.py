@@ -1,26 +1,43 @@
-"""Stopping at a step boundary when the process is told to stop (SIGTERM from a spot preemption,
-Ctrl-C), so a checkpoint is written and never in the middle of an update."""
+"""Stopping at a step boundary when the run is told to stop (SIGTERM from a spot preemption,
+Ctrl-C, or a GCE preemption/maintenance notice from xtrain/train/notices.py), so a checkpoint is
+written and never in the middle of an update; on several processes, all of them at the same step."""
 
 from __future__ import annotations
 
 import signal
 
-import torch
-
 
 class StopRequest:
-    """SIGINT/SIGTERM handler that only raises a flag: the run stops at the next step boundary,
-    after a checkpoint.
+    """A stop request, raised by SIGINT/SIGTERM or by :meth:`request` (any thread), acted on at
+    the next agreed step boundary (:meth:`agreed`), after a checkpoint.
 
-    It replaces Lightning's SIGTERM handling for the whole fit (``install`` again once training
-    has started, where Lightning has put its own handler in): Lightning checks its flag after
-    the step's callbacks and would stop a step later without a checkpoint, or on pods at a step
-    of rank 0's choosing while the other hosts are saving.
+    The signal handler replaces Lightning's SIGTERM handling for the whole fit (``install`` again
+    once training has started, where Lightning has put its own handler in): Lightning checks its
+    flag after the step's callbacks and would stop a step later without a checkpoint, or on pods
+    at a step of rank 0's choosing while the other hosts are saving.
+
+    ``processes`` (xtrain/engines/processes.py): on several processes a request on any one of
+    them stops all of them at the same step (a save is collective). The processes vote at every
+    step boundary without waiting for the result: it is read at the next boundary, so on a pod
+    the vote is in flight while the TPUs compute; on the CPU engine it queues behind DDP's
+    gradient all-reduce on the same gloo group (about a millisecond a step: BENCHMARKS.md, "stop
+    agreement"). A request is acted on one or two steps after it arrives.
     """
 
-    def __init__(self):
-        self.signal = None
+    def __init__(self, processes=None):
+        self.reason: str | None = None
+        self.processes = processes
         self._previous = {}
+        self._pending = None  # the vote started at the previous step boundary
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def request(self, reason: str) -> None:
+        """Ask the run to stop; the first reason is kept (for the final message)."""
+        if self.reason is None:
+            self.reason = reason
 
     def install(self) -> None:
         """Handle SIGINT/SIGTERM from now on; ``uninstall`` restores the first call's handlers."""
@@ -34,16 +51,18 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, signum, frame):
-        self.signal = signum
+        self.request(signal.Signals(signum).name)
 
-    def agreed(self, process_group=None) -> bool:
-        """Whether to stop now: on several hosts, True on all of them as soon as one host was
-        signalled (preemption notices reach hosts at different steps; a save is collective)."""
-        requested = self.signal is not None
-        if process_group is None:
-            return requested
-        import torch.distributed as dist
+    def agreed(self) -> bool:
+        """Whether to stop now; call at every step boundary, on every process. True on every
+        process at the same step once any of them was asked to stop."""
+        if self.processes is None or self.processes.world == 1:
+            return self.requested
+        pending, self._pending = self._pending, self.processes.vote(self.requested)
+        return pending is not None and pending()
 
-        flag = torch.tensor([int(requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
-        return bool(flag.item())
+    def settle(self) -> None:
+        """Wait for the vote in flight (at the end of training: every process has one)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending()

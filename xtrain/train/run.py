@@ -1,6 +1,8 @@
 """Assemble a run from its resolved config groups and train it with Lightning's Trainer.
 
-Each ``build_*`` step makes one part from its own config group; :func:`train` wires them.
+Each ``build_*`` step makes one part from its own config group; :func:`train` wires them. On
+several processes (hosts) every process runs all of it; process 0 alone writes metrics, logs,
+samples and checkpoint metadata (``engine.processes`` is the one source of that decision).
 """
 
 from __future__ import annotations
@@ -15,19 +17,23 @@ from xtrain.config import to_plain
 from xtrain.engines.base import Engine
 from xtrain.plan import RunPlan
 
+log = logging.getLogger(__name__)
+
 
 def build_engine(cfg, plan: RunPlan, run_dir: str) -> Engine:
     hardware, trainer_cfg = cfg.hardware, cfg.trainer
+    timeout_s = trainer_cfg.collective_timeout_s
     if hardware.engine == "xla":
         from xtrain.xla.engine import XLAEngine
 
         analysis = os.path.join(run_dir, "xla_compilations.log") if trainer_cfg.max_compiles else None
-        return XLAEngine(hardware, cfg.parallelism, plan, compile_analysis=analysis,
+        return XLAEngine(hardware, cfg.parallelism, plan, timeout_s, compile_analysis=analysis,
                          compile_cache=cfg.compile_cache)
-    from xtrain.engines.cpu import CPUEngine, compile_pays
+    from xtrain.engines.cpu import CPUEngine
+    from xtrain.engines.torch_compile import compile_pays
 
     compile_step = trainer_cfg.compile
-    return CPUEngine(plan, compile_pays(plan) if compile_step is None else compile_step)
+    return CPUEngine(hardware, plan, timeout_s, compile_pays(plan) if compile_step is None else compile_step)
 
 
 @dataclass
@@ -38,7 +44,9 @@ class Loaders:
 
 
 def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: int,
-                  rank: int = 0, world: int = 1) -> Loaders:
+                  host_rows: slice = slice(None)) -> Loaders:
+    """Loaders packing ``rows`` rows per micro-batch (the global batch, the same on every
+    process), of which this process keeps ``host_rows``."""
     from xtrain.data.batches import EvalBatches, StepBatches
     from xtrain.data.loader import PackedLoader, list_shards
 
@@ -46,24 +54,28 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
     if data.holdout_last_shard:  # nanochat's convention: the last shard is the validation split
         shards = list_shards(data.train_files)  # at least 2 (xtrain.inputs.check_data)
         train_files, val_files = shards[:-1], shards[-1:]
-    train = PackedLoader(train_files, tokenizer, seq_len, rows, seed=trainer_cfg.seed, rank=rank,
-                         world=world, prefetch=data.prefetch, threads=data.tokenizer_threads)
+    train = PackedLoader(train_files, tokenizer, seq_len, rows, seed=trainer_cfg.seed,
+                         prefetch=data.prefetch, threads=data.tokenizer_threads)
     val = None
     if val_files:
         val_loader = PackedLoader(val_files, tokenizer, seq_len, rows, shuffle=False, loop=True,
-                                  rank=rank, world=world, prefetch=2, threads=data.tokenizer_threads)
-        val = EvalBatches(val_loader, trainer_cfg.eval_batches)
-    return Loaders(train, StepBatches(train, accum, repeat=trainer_cfg.overfit_batches), val)
+                                  prefetch=2, threads=data.tokenizer_threads)
+        val = EvalBatches(val_loader, trainer_cfg.eval_batches, host_rows)
+    steps = StepBatches(train, accum, repeat=trainer_cfg.overfit_batches, rows=host_rows)
+    return Loaders(train, steps, val)
 
 
-def build_sinks(cfg, plan: RunPlan, run_dir: str) -> list:
-    from xtrain.observe.sinks import ConsoleSink, JsonlSink, WandbSink
+def build_run_log(cfg, plan: RunPlan, run_dir: str, engine: Engine, start_step: int):
+    """The run's loggers (rank 0), and its reproducibility bundle."""
+    from xtrain.observe.bundle import write_bundle
+    from xtrain.observe.loggers import build_run_log as build
 
-    sinks = [JsonlSink(os.path.join(run_dir, "metrics.jsonl")), ConsoleSink(plan.max_steps)]
-    if cfg.logging.wandb:
-        log = cfg.logging
-        sinks.append(WandbSink(log.wandb_project, log.wandb_entity, cfg.run.name, run_dir, to_plain(cfg)))
-    return sinks
+    run_log = build(cfg.logger, run_dir, cfg.run.name, to_plain(cfg), plan.max_steps, start_step,
+                    engine.rank)
+    if engine.rank == 0:
+        write_bundle(run_dir, start_step, to_plain(cfg), {"engine": engine.name, "mesh": plan.mesh,
+                                                          "devices": engine.devices()})
+    return run_log
 
 
 def run_meta(cfg) -> dict:
@@ -104,92 +116,186 @@ def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan,
 class Callbacks:
     metrics: object
     checkpointer: object
+    sampler: object
     stop: object
     checkpoint_io: object
+    cpp_eval: object | None = None  # only with eval.cpp_every > 0, on rank 0
+    dump: object = None  # test-only (xtrain/train/debug_dump.py)
 
     def all(self, loader_state) -> list:
-        return [self.metrics, loader_state, self.checkpointer]
+        # order matters: the metrics see the step before a checkpoint, a sample or an evaluation
+        return [c for c in (self.metrics, loader_state, self.checkpointer, self.sampler,
+                            self.cpp_eval, self.dump) if c]
 
 
-def build_callbacks(cfg, plan: RunPlan, run_dir: str, engine: Engine, ckpt_dir: str) -> Callbacks:
-    from xtrain.observe.metrics import MetricsLogger
+def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: str, run_log,
+                    tokenizer) -> Callbacks:
+    from xtrain.observe.metrics import MetricsLogger, PhaseTimer
+    from xtrain.observe.peak import run_peak_flops
     from xtrain.train.checkpointing import PeriodicCheckpoint
+    from xtrain.train.debug_dump import debug_dump
     from xtrain.train.preemption import StopRequest
+    from xtrain.train.sampling import SampleCallback
 
-    metrics = MetricsLogger(build_sinks(cfg, plan, run_dir), cfg.trainer.log_every,
-                            plan.batch.total_batch_size, plan.flops_per_token,
-                            cfg.hardware.peak_bf16_tflops_per_chip * 1e12, plan.devices,
-                            extra=engine.counters, fetch=engine.fetch)
-    stop, ckpt = StopRequest(), cfg.checkpoint
+    peak, source = run_peak_flops(cfg.hardware, plan.devices) if engine.rank == 0 else (0.0, "")
+    if source:
+        log.info("MFU peak: %s", source)
+    timer, trainer_cfg = PhaseTimer(), cfg.trainer
+    metrics = MetricsLogger(run_log, trainer_cfg.log_every, plan.max_steps, plan.flops_per_token,
+                            peak, plan.devices, timer=timer,
+                            extra=engine.counters, fetch=engine.fetch, batch_shares=engine.batch_shares)
+    stop, ckpt = StopRequest(engine.processes), cfg.checkpoint
     checkpoint_io = engine.checkpoint_io(ckpt.retries)
-    checkpointer = PeriodicCheckpoint(ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last,
-                                      ckpt.keep_every, stop=stop, report=metrics.write,
-                                      meta=run_meta(cfg))
-    return Callbacks(metrics, checkpointer, stop, checkpoint_io)
+    checkpointer = PeriodicCheckpoint(
+        ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last, ckpt.keep_every, stop=stop,
+        report=lambda r: run_log.record("checkpoint", r["step"], {k: v for k, v in r.items() if k != "step"}),
+        meta=run_meta(cfg), timer=timer)
+    sampler = SampleCallback(tokenizer, cfg.sample, trainer_cfg.sample_tokens, trainer_cfg.sample_every,
+                             run_log, timer, plan.gpt.sequence_len)
+    cpp_eval = None
+    if cfg.eval.cpp_every and engine.rank == 0:
+        from xtrain.train.cpp_eval import CppEvalCallback
+
+        cpp_eval = CppEvalCallback(cfg.eval, tokenizer, run_log, timer, run_dir, plan.gpt.sequence_len)
+    return Callbacks(metrics, checkpointer, sampler, stop, checkpoint_io, cpp_eval,
+                     debug_dump(engine.rank, engine.host_rows))
 
 
-def resume_point(ckpt, ckpt_dir: str, gpt) -> str | None:
-    """The checkpoint to start from: ``checkpoint.resume``, else the newest committed one."""
+def resume_point(ckpt, ckpt_dir: str, gpt, engine: Engine) -> tuple[str | None, int]:
+    """The checkpoint to start from (``checkpoint.resume``, else the newest intact committed one,
+    as process 0 sees it: every process must resume from the same step) and its step (0 for a
+    fresh run)."""
+    from xtrain.checkpoint.layout import read_meta
     from xtrain.inputs import resume_checkpoint
 
-    resume_from = resume_checkpoint(ckpt.resume, ckpt_dir, gpt)
-    if resume_from:
-        print(f"resuming from {resume_from}")
-    return resume_from
+    primary = engine.processes.primary
+    resume_from = engine.processes.broadcast(
+        resume_checkpoint(ckpt.resume, ckpt_dir, gpt) if primary else None)
+    if not resume_from:
+        return None, 0
+    if primary:
+        log.info("resuming from %s", resume_from)
+    return resume_from, int(read_meta(resume_from).get("step") or 0)
 
 
-def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks) -> None:
+def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, engine: Engine,
+        preemption) -> None:
     import torch
     from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from xtrain.errors import PeerLost
+    from xtrain.train.notices import watch
 
     step_loader = torch.utils.data.DataLoader(loaders.steps, batch_size=None)
     val_loader = torch.utils.data.DataLoader(loaders.val, batch_size=None) if loaders.val else None
     callbacks.stop.install()
+    watcher = watch(preemption, callbacks.stop)  # None off GCE: no thread, no request
     try:
         trainer.fit(module, train_dataloaders=step_loader, val_dataloaders=val_loader,
                     ckpt_path=resume_from)
     except SIGTERMException:
         pass  # raised by the checkpoint callback after its save at the step boundary
+    except Exception as e:
+        lost = engine.processes.vanished() if engine.world > 1 else None
+        if lost:  # gloo's own error does not say which process is gone
+            raise PeerLost(f"lost {lost}; this is rank {engine.rank} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200]}). Run the same command to resume "
+                           "from the newest committed checkpoint") from e
+        raise
     finally:
+        if watcher:
+            watcher.stop()
         callbacks.stop.uninstall()
-        callbacks.metrics.close()
+
+
+def write_plots(run_dir: str) -> None:
+    """The run's charts; a chart that cannot be drawn costs a warning, never the finished run."""
+    from xtrain.observe.plots import write_run_plots
+
+    try:
+        write_run_plots(run_dir)
+    except Exception as e:  # noqa: BLE001
+        log.warning("plots not written (%s: %s)", type(e).__name__, e)
+
+
+def prepare_data(data, engine: Engine):
+    """The corpus and tokenizer, built on first use: by process 0 first, then by the others
+    (which find it built when they share its disk), never by two processes into one directory."""
+    from xtrain.data import prepare
+
+    if engine.processes.primary:
+        tokenizer = prepare(data, log=log.info)
+    engine.processes.barrier()
+    return tokenizer if engine.processes.primary else prepare(data, log=lambda *_: None)
 
 
 def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     """Train; returns a summary (final step, newest checkpoint, preempted or not)."""
+    # the processes first (a missing peer or launch variable fails here), then the shared-storage
+    # check, both before data preparation and the first compile
+    engine = build_engine(cfg, plan, run_dir)
+    try:
+        return train_on(engine, cfg, plan, run_dir)
+    finally:
+        engine.processes.close()
+
+
+def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
     import lightning as L
 
-    from xtrain.checkpoint.layout import latest_checkpoint
-    from xtrain.data import prepare
+    from xtrain.checkpoint.layout import check_shared, latest_checkpoint
     from xtrain.inputs import checkpoint_dir
+    from xtrain.observe.wandb_run import choose_mode
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
-    from xtrain.train.sampling import sample_text
 
-    # Lightning's INFO banners (accelerator probes, tips) would also flow through Hydra's log
-    # handler twice; xtrain prints its own plan and progress.
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     trainer_cfg = cfg.trainer
     ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
-    tokenizer = prepare(cfg.data)
-    engine = build_engine(cfg, plan, run_dir)
+    check_shared(ckpt_dir, engine.processes)
+    if cfg.logger.wandb is not None:
+        choose_mode(cfg.logger.wandb.mode)  # online without a key is refused now, not later
+    tokenizer = prepare_data(cfg.data, engine)
     L.seed_everything(trainer_cfg.seed, verbose=False)
     loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
-                            rows=engine.rows_per_host, accum=plan.batch.grad_accum_steps,
-                            rank=engine.rank, world=engine.world)
+                            rows=engine.global_rows, accum=plan.batch.grad_accum_steps,
+                            host_rows=engine.host_rows)
     module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                        token_bytes=tokenizer.token_bytes)
-    callbacks = build_callbacks(cfg, plan, run_dir, engine, ckpt_dir)
-    trainer = build_trainer(engine, callbacks.checkpoint_io, callbacks.all(LoaderState(loaders.train)),
-                            plan, trainer_cfg, loaders.val is not None, run_dir)
-    fit(trainer, module, loaders, resume_point(cfg.checkpoint, ckpt_dir, plan.gpt), callbacks)
+    resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, engine)
+    run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
+    status = "failed"
+    try:
+        callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer)
+        trainer = build_trainer(engine, callbacks.checkpoint_io,
+                                callbacks.all(LoaderState(loaders.train)), plan, trainer_cfg,
+                                loaders.val is not None, run_dir)
+        fit(trainer, module, loaders, resume_from, callbacks, engine, cfg.preemption)
+        status = "preempted" if callbacks.checkpointer.preempted else "success"
+    finally:
+        run_log.close(status)
+        if engine.rank == 0 and status != "failed":
+            write_plots(run_dir)
     newest = latest_checkpoint(ckpt_dir)
-    if callbacks.checkpointer.preempted:
+    if status == "preempted":
         saved = ("checkpoint committed" if callbacks.checkpointer.preemption_saved else
                  f"its checkpoint could not be written, the newest committed one is {newest}")
-        print(f"stopped by a signal at step {trainer.global_step}: {saved}; run the same command "
-              "to resume", flush=True)
+        log.info("stopped (%s) at step %d: %s; run the same command to resume",
+                 callbacks.stop.reason or "another process was told to stop", trainer.global_step, saved)
         return {"step": trainer.global_step, "checkpoint": newest, "preempted": True}
-    if trainer_cfg.sample_tokens > 0:
-        print("sample:\n" + sample_text(module.model, tokenizer, trainer_cfg.sample_tokens, trainer_cfg.seed))
+    if engine.name == "cpu":  # XLA would gather every shard onto every host for it
+        log.info("param_checksum %s", param_checksum(module.model))
     return {"step": trainer.global_step, "checkpoint": newest, **engine.summary()}
+
+
+def param_checksum(model) -> str:
+    """A digest of the final parameters' bytes, printed by every process: the processes of a run
+    hold replicas, so they print the same (tests/test_launch_e2e.py compares a pod run's hosts)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.blake2b(digest_size=8)
+    for name, tensor in sorted(model.state_dict().items()):
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # bf16 too
+        digest.update(name.encode() + raw.numpy().tobytes())
+    return digest.hexdigest()

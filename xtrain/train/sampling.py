@@ -1,26 +1,77 @@
-"""A short text sample from the model at the end of training (outside the compiled step)."""
+"""Text samples during and at the end of training: every ``trainer.sample_every`` steps and after
+the last step, from the fixed prompts of the ``sample`` config, on rank 0, outside the compiled
+step (the XLA engine's model is copied to the CPU first), logged as ``sample`` records."""
 
 from __future__ import annotations
 
-import torch
+import logging
 
+import lightning as L
+
+from xtrain import compat
+from xtrain.config import sample_prompts
+from xtrain.model.generate import check_prompts_fit, generate
 from xtrain.model.gpt import GPT
+
+log = logging.getLogger(__name__)
 
 
 def host_copy(model):
-    """The model on the CPU: token-by-token shapes would recompile an XLA graph per token."""
+    """The model on the CPU, copied from this host's shards without compiling anything (a sharded
+    tensor's own ``.cpu()`` compiles a gather per tensor). Generating on an XLA device would trace
+    and compile a graph per sequence length; on the CPU the model is used as it is."""
     if next(model.parameters()).device.type != "xla":
         return model
     cpu_model = GPT(model.config)
-    cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    cpu_model.load_state_dict(compat.full_cpu_tensors(model.state_dict()))
     return cpu_model
 
 
-def sample_text(model, tokenizer, n_tokens: int, seed: int, prompt: str = "#include <") -> str:
-    model = host_copy(model)
-    model.eval()
-    device = next(model.parameters()).device
-    idx = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(prompt)], device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, n_tokens, temperature=0.8, generator=gen)
-    return tokenizer.decode(out[0, 1:].tolist())
+def host_copy_or_none(model, skipped: str):
+    """:func:`host_copy`, or None (with a warning naming what is ``skipped``) on a pod host,
+    which holds only its shards of the weights."""
+    try:
+        return host_copy(model)
+    except RuntimeError as e:
+        log.warning("%s skipped for the rest of the run: %s", skipped, e)
+        return None
+
+
+class SampleCallback(L.Callback):
+    """``tokens`` per sample; ``every`` steps between samples (0: only at the end); the same
+    seed every time, so samples of one run differ only by what the model learnt."""
+
+    def __init__(self, tokenizer, sample_cfg, tokens: int, every: int, run_log, timer,
+                 sequence_len: int):
+        self.tokenizer, self.cfg, self.tokens, self.every = tokenizer, sample_cfg, tokens, every
+        self.run_log, self.timer = run_log, timer
+        self.prompts = sample_prompts(sample_cfg)
+        if tokens > 0:  # refused now rather than at the first sample, mid-run
+            check_prompts_fit(tokenizer, self.prompts, tokens, sequence_len, "trainer.sample_tokens")
+
+    def sample(self, step: int, model) -> dict | None:
+        with self.timer.measure("sample"):  # not charged to training throughput
+            was_training = model.training
+            stats = {}
+            prompts = self.prompts
+            cpu_model = host_copy_or_none(model, "samples")
+            if cpu_model is None:
+                self.tokens = 0
+                return None
+            texts = generate(cpu_model, self.tokenizer, prompts, 1, max_tokens=self.tokens,
+                             temperature=self.cfg.temperature, top_k=self.cfg.top_k,
+                             seed=self.cfg.seed, stats=stats)
+            model.train(was_training)
+        samples = [{"prompt": p, "text": t[0]} for p, t in zip(prompts, texts)]
+        return self.run_log.record("sample", step, {
+            "samples": samples, "sample_tok_per_s": round(stats["tokens"] / max(stats["seconds"], 1e-9), 1)})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if (self.every and step % self.every == 0 and step != trainer.max_steps
+                and trainer.global_rank == 0 and self.tokens > 0):
+            self.sample(step, pl_module.model)
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0 and self.tokens > 0:
+            self.sample(trainer.global_step, pl_module.model)

@@ -6,9 +6,11 @@ Lightning 2.6 has no SPMD strategy (its XLAStrategy spawns one process per devic
 - :class:`SPMDAccelerator`: an XLA accelerator that is available wherever torch_xla's runtime is
   (TPU, or CPU PJRT with virtual devices).
 - :class:`SPMDStrategy`: one process per host; moves the module to the XLA device, shards its
-  parameters by the ``parallelism`` rules, shards every batch over the batch axes, reports the
-  host's process index as its global rank (so side effects happen once), and saves and loads
-  checkpoints shard by shard through xtrain's fsspec CheckpointIO (DCP, every host its own).
+  parameters by the ``parallelism`` rules, assembles every batch from the hosts' rows (torch_xla's
+  per-host input sharding), takes rank, world, ``is_global_zero``, barriers, broadcasts and
+  votes from the run's processes (xtrain/engines/processes.py: torch_xla's process index and
+  count, gloo across hosts) so side effects happen once, and saves and loads checkpoints shard
+  by shard through xtrain's fsspec CheckpointIO (DCP, every host its own).
 - :class:`SPMDPrecision`: runs ``optimizer.step(closure)`` — every micro-batch's forward and
   backward, clipping and the update — inside one ``torch_xla.compile`` region, so a step is one
   graph, reused at every step after warm-up.
@@ -73,18 +75,51 @@ class SPMDPrecision(Precision):
 
 
 class SPMDStrategy(SingleDeviceStrategy):
-    def __init__(self, mesh, rules, checkpoint_io=None, precision_plugin=None):
+    """Lightning's single-device strategy (one SPMD "device" per process) with the multi-host
+    answers Lightning and xtrain ask for: SingleDeviceStrategy's own are those of a lone process
+    (always global zero, barriers and broadcasts that do nothing).
+
+    ``processes``: the run's processes (None: this one alone); ``per_host``: each host feeds only
+    its own rows (see xtrain/xla/spmd.py, ``batch_to_device``)."""
+
+    def __init__(self, mesh, rules, processes=None, per_host: bool = True, checkpoint_io=None,
+                 precision_plugin=None):
         import torch_xla
+
+        from xtrain.engines.processes import Processes
 
         super().__init__(device=torch_xla.device(), accelerator=SPMDAccelerator(),
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin or SPMDPrecision())
-        import torch_xla.runtime as xr
-
-        self.mesh, self.rules = mesh, rules
+        self.mesh, self.rules, self.per_host = mesh, rules, per_host
+        self.processes = processes or Processes()
         self.param_specs: dict = {}
         self.param_shardings: dict = {}
         # one process per host: rank 0 (the first host) does the side effects
-        self.global_rank, self.world_size = xr.process_index(), xr.process_count()
+        self.global_rank, self.world_size = self.processes.rank, self.processes.world
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.processes.primary
+
+    def setup_environment(self) -> None:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+        from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+        super().setup_environment()
+        # Lightning's rank_zero_* helpers print on host 0 only (as its DDP strategy arranges)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def barrier(self, *args, **kwargs) -> None:
+        self.processes.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        return self.processes.broadcast(obj, src)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """A host-side decision agreed by every host: all of them (``all``) or any of them."""
+        if all:
+            return not self.processes.vote(not decision)()
+        return self.processes.vote(decision)()
 
     def model_to_device(self) -> None:
         from xtrain.xla.layers import install_layer_loop
@@ -97,12 +132,12 @@ class SPMDStrategy(SingleDeviceStrategy):
         install_layer_loop(model, self.param_specs, self.mesh)
 
     def batch_to_device(self, batch, device=None, dataloader_idx=0):
-        from xtrain.xla.spmd import shard_batch
+        """Host rows to the mesh (the module has no batch-transfer hooks to run)."""
+        from xtrain.xla.spmd import batch_to_device
 
-        batch = super().batch_to_device(batch, device, dataloader_idx)
         if isinstance(batch, (tuple, list)):  # training: (tokens, loader state)
-            return (shard_batch(batch[0], self.mesh), *batch[1:])
-        return shard_batch(batch, self.mesh)
+            return (batch_to_device(batch[0], self.mesh, self.per_host), *batch[1:])
+        return batch_to_device(batch, self.mesh, self.per_host)
 
     def _init_optimizer_state(self) -> None:
         """Create missing optimizer state on the device, sharded like its parameters."""

@@ -1,10 +1,11 @@
 """Starting torch_xla for a hardware profile: the profile's environment (set before torch_xla
-reads it), SPMD mode, and the check that refuses a runtime that is not the profile's (no silent
-CPU fallback)."""
+reads it), SPMD mode, the check that refuses a runtime that is not the profile's (no silent
+CPU fallback), and this host's place among the run's hosts."""
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 from xtrain.compat import installed_versions
 from xtrain.errors import ConfigError
@@ -69,20 +70,37 @@ def start_runtime(hw, compile_analysis: str | None = None, compile_cache=None):
         os.environ.setdefault("PT_XLA_DEBUG_FILE", compile_analysis)
     if not hw.accelerator_type:
         os.environ.setdefault("PJRT_DEVICE", "CPU")  # XLA on CPU PJRT: the test/try-out path
-    import torch_xla.runtime as xr
-
     if compile_cache is not None:
         from xtrain.xla.compile_cache import start_cache
 
         _cache = start_cache(compile_cache, hw)
+    import torch_xla.runtime as xr
+
     xr.use_spmd()
     check_runtime(hw)
-    if xr.process_count() > 1:
-        # a CPU process group across hosts, for coordination outside the compiled graph
-        # (untestable here: torch_xla multi-process on CPU does not rendezvous)
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="xla://")
     _started = True
     return _cache
+
+
+def host_processes(timeout_s: float):
+    """This host's place among the run's hosts (torch_xla's process index and count, one process
+    per host) and gloo groups across them for what happens outside the compiled step (barriers,
+    broadcasts, stop votes, checkpoint saves): xtrain/engines/processes.py.
+
+    The seam tests replace: a multi-host TPU runtime cannot exist on this machine (torch_xla's
+    CPU runtime does no cross-process collectives), so tests/test_multihost_xla.py stands in a
+    runtime reporting another process index and checks what such a host does.
+    """
+    import torch_xla.runtime as xr
+
+    from xtrain.engines.processes import Processes
+
+    rank, world = xr.process_index(), xr.process_count()
+    if world == 1:
+        return Processes()
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():  # torch_xla's xla:// rendezvous finds the hosts itself
+        dist.init_process_group("gloo", init_method="xla://", timeout=timeout)
+    return Processes(rank, world, dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))

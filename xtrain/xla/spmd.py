@@ -67,15 +67,28 @@ def optimizer_state_specs(optimizer, model, param_specs: dict):
 
 
 def batch_spec(ndim: int) -> tuple:
-    """[A, B, T+1] (micro-batches) or [B, T+1]: rows split over the batch axes."""
-    return (None, BATCH_AXES, None) if ndim == 3 else (BATCH_AXES, None)
+    """[B, A, T+1] (rows of every micro-batch) or [B, T+1]: rows split over the batch axes."""
+    return (BATCH_AXES,) + (None,) * (ndim - 1)
 
 
-def shard_batch(tokens, mesh):
+def batch_to_device(tokens, mesh, per_host: bool):
+    """A CPU batch onto the mesh, rows split over the batch axes, in one transfer.
+
+    ``per_host``: ``tokens`` are this host's rows, and torch_xla's per-host input sharding
+    (``ShardingSpec(minibatch=True)``, what its MpDeviceLoader uses) makes the global array of
+    every host's rows, each host uploading only its own. torch_xla allows that only when the
+    batch dimension is split over every device (init_python_bindings.cpp: "Minibatch sharding
+    only supports sharding along the batch dimension"), which a batch replicated over a tensor
+    axis is not: then ``tokens`` are the global batch (every host packs it anyway) and each
+    host uploads only the rows its devices hold. See :func:`xtrain.parallelism.per_host_batch`.
+    """
+    import torch_xla
+    import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
 
-    xs.mark_sharding(tokens, mesh, batch_spec(tokens.dim()))
-    return tokens
+    sharding = xs.ShardingSpec(mesh, batch_spec(tokens.dim()), minibatch=per_host)
+    (on_device,) = xm.send_cpu_data_to_device([tokens], torch_xla.device(), input_sharding=sharding)
+    return on_device
 
 
 def counters() -> dict[str, int]:

@@ -20,6 +20,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from xtrain.config.outputs import (JsonlLoggerConfig, LoggerConfig, SampleConfig,  # noqa: F401
+                                   TensorBoardLoggerConfig, WandbLoggerConfig, WandbMode,
+                                   sample_prompts)
+from xtrain.limits import limits
 from xtrain.paths import cache_root
 
 
@@ -29,6 +33,8 @@ class Mode(str, Enum):
     train = "train"  # train (the default)
     plan = "plan"  # print the derived numbers and checks, run nothing
     compile = "compile"  # the TPU preflight: compile the step for the profile's TPU (xtrain/preflight/)
+    sample = "sample"  # generate text from a checkpoint (checkpoint.resume, else the run's newest)
+    eval = "eval"  # score a checkpoint (chosen as for sample) on the C++ benchmark (the eval group)
 
 
 class Engine(str, Enum):
@@ -61,17 +67,6 @@ DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
 
-_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
-           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
-
-
-def limits(default=MISSING, hint: str = "", **bounds):
-    """A field's default and its allowed range, e.g. ``limits(200, ge=1)``; ``hint`` is added to
-    the refusal. ``None`` (where the type allows it) always passes: it means "derive it"."""
-    assert set(bounds) <= set(_BOUNDS), bounds
-    return field(default=default, metadata={"bounds": bounds, "hint": hint})
-
-
 @dataclass
 class HardwareConfig:
     """Facts about one machine or TPU slice; the only place such facts live."""
@@ -83,7 +78,9 @@ class HardwareConfig:
     topology: str | None = None  # TPU compiler topology name, e.g. v6e:2x2
     # accelerator chips in the slice (v4 names count TensorCores: v4-32 = 16 chips)
     chips: int = limits(1, ge=1)
-    hosts: int = limits(1, ge=1)  # machines (one training process each)
+    # machines, one training process each: TPU VM workers (xla), or CPU processes joined over
+    # gloo (cpu); a cpu profile with hosts > 1 needs the standard launch variables (README)
+    hosts: int = limits(1, ge=1)
     chips_per_host: int = limits(1, ge=1)
     cores_per_chip: int = limits(1, ge=1)  # TensorCores per chip
     hbm_gib_per_chip: float = limits(0.0, ge=0)  # 0 means "host memory, not checked"
@@ -211,7 +208,10 @@ class TrainerConfig:
     log_every: int = limits(10, ge=1)
     eval_every: int = limits(0, ge=0)  # 0: only at the end
     eval_batches: int = limits(8, ge=1)
-    sample_tokens: int = limits(64, ge=0)  # length of the text sample printed at the end; 0: none
+    # tokens per training sample (every sample_every steps, and at the end); 0: none
+    sample_tokens: int = limits(64, ge=0)
+    # steps between samples during training (prompts: sample.*); 0: at the end only
+    sample_every: int = limits(0, ge=0)
     seed: int = limits(42, ge=0)
     # XLA engine: stop the run when its training step has compiled more graphs than this (a
     # healthy run compiles the step once), naming the graph and torch_xla's reason; None: no
@@ -221,6 +221,11 @@ class TrainerConfig:
     overfit_batches: int = limits(0, ge=0)
     # write a PyTorch profiler trace (chrome format) of a few steps after warm-up into the run dir
     profile: bool = False
+    # Seconds one process waits for the others in a collective (gloo: gradients, barriers, stop
+    # votes, checkpoint saves) before failing. Must exceed the longest legitimate wait, e.g. the
+    # slowest host's checkpoint upload. A process that vanishes (SIGKILL) is named as soon as the
+    # others notice, usually at their next collective.
+    collective_timeout_s: float = limits(600.0, gt=0)
     # CPU engine: torch.compile the model's forward+backward and the optimizer update (inductor;
     # compiled code cached under <cache root>/inductor). None: on where it pays (models from
     # width 256 and 512 tokens per sequence; xtrain/engines/cpu.py). The XLA engine always
@@ -305,10 +310,15 @@ class PreflightConfig:
 
 
 @dataclass
-class LoggingConfig:
-    wandb: bool = False  # the key comes from WANDB_API_KEY in the environment, never from config
-    wandb_project: str = "xtrain"
-    wandb_entity: str | None = None
+class PreemptionConfig:
+    """How a run learns that it must stop (SIGTERM, Ctrl-C, or a GCE notice), stopping at a step
+    boundary with a checkpoint (xtrain/train/preemption.py, xtrain/train/notices.py)."""
+
+    # GCE metadata server to watch for preemption and maintenance notices. None: the real one
+    # (http://metadata.google.internal/computeMetadata/v1) when running on a GCE VM, nothing
+    # elsewhere (no thread, no request).
+    metadata_url: str | None = None
+    watch_notices: bool = True  # false: rely on SIGTERM alone, even on GCE
 
 
 @dataclass
@@ -327,49 +337,35 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     compile_cache: CompileCacheConfig = field(default_factory=CompileCacheConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
 
 
-def out_of_range(cfg, schema=TrainConfig, prefix: str = "") -> list[str]:
-    """Every field of ``cfg`` outside the range its schema declares, as "field=value: must be
-    ...", in schema order."""
-    from dataclasses import fields, is_dataclass
-
-    problems = []
-    for f in fields(schema):
-        value = cfg.get(f.name) if hasattr(cfg, "get") else getattr(cfg, f.name, None)
-        path = f"{prefix}{f.name}"
-        if isinstance(f.type, str) and value is not None and is_dataclass(_SCHEMAS.get(f.type)):
-            problems += out_of_range(value, _SCHEMAS[f.type], path + ".")
-            continue
-        bounds = f.metadata.get("bounds") or {}
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        broken = [f"{_BOUNDS[k][0]} {b:g}" for k, b in bounds.items() if not _BOUNDS[k][1](value, b)]
-        if broken:
-            hint = f" ({f.metadata['hint']})" if f.metadata.get("hint") else ""
-            problems.append(f"{path}={value:g}: must be {' and '.join(broken)}{hint}")
-    return problems
-
-
-_SCHEMAS = {cls.__name__: cls for cls in (HardwareConfig, ModelConfig, DataConfig, ParallelismConfig,
-                                           OptimConfig, TrainerConfig, CheckpointConfig,
-                                           EvalConfig, CompileCacheConfig, PreflightConfig,
-                                           LoggingConfig, RunConfig)}
+def hydra_subdir(mode) -> str:
+    """Where Hydra writes a job's config in its run dir: ``.hydra`` for training, ``.hydra-<mode>``
+    for the other modes, so ``mode=sample`` or ``mode=plan`` in a training run's dir leaves the
+    training's record alone."""
+    mode = getattr(mode, "value", mode)
+    return ".hydra" if mode == Mode.train.value else f".hydra-{mode}"
 
 
 def register() -> None:
     """Register the schemas and resolvers (idempotent)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-    from xtrain.naming import corpus_dir, run_name
+    from xtrain.naming import corpus_dir, run_name, sweep_name
 
     if not OmegaConf.has_resolver("xtrain_run_name"):
         OmegaConf.register_new_resolver("xtrain_run_name", run_name)
     if not OmegaConf.has_resolver("xtrain_corpus"):
         OmegaConf.register_new_resolver("xtrain_corpus", corpus_dir)
+    if not OmegaConf.has_resolver("xtrain_hydra_subdir"):  # see conf/train.yaml
+        OmegaConf.register_new_resolver("xtrain_hydra_subdir", hydra_subdir)
+    if not OmegaConf.has_resolver("xtrain_sweep_name"):
+        OmegaConf.register_new_resolver("xtrain_sweep_name", sweep_name)
     if not OmegaConf.has_resolver("xtrain_cache"):  # ${xtrain_cache:}: see xtrain.paths.cache_root
         OmegaConf.register_new_resolver("xtrain_cache", lambda: str(cache_root()))
 

@@ -1,0 +1,92 @@
+"""The C++ benchmark judging a real model: during a CPU training run (``eval.cpp_every``) and
+from its checkpoint (``mode=eval``). A two-problem file keeps it fast; the untrained model's
+scores are whatever it earns, so the tests check where scores and records land, not their values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBLEMS = [
+    {"id": "add", "difficulty": "easy", "prompt": "int add(int a, int b) {\n",
+     "reference": "  return a + b;\n}\n", "tests": "int main() { return add(2, 3) == 5 ? 0 : 1; }\n"},
+    {"id": "neg", "difficulty": "hard", "prompt": "int neg(int a) {\n",
+     "reference": "  return -a;\n}\n", "tests": "int main() { return neg(4) == -4 ? 0 : 1; }\n"},
+]
+EVAL = ["eval.max_tokens=12", "eval.n=2", "eval.temperature=0.8", "eval.k=[1,2]"]
+
+
+def _xtrain(run_dir, *args):
+    return subprocess.run([sys.executable, "-m", "xtrain", *TINY, *args, f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "WANDB_MODE": "offline"})
+
+
+@pytest.fixture(scope="module")
+def problem_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "cpp.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory, problem_file):
+    run_dir = tmp_path_factory.mktemp("run")
+    r = _xtrain(run_dir, "trainer.max_steps=6", "eval.cpp_every=3", f"eval.cpp_file={problem_file}",
+                *EVAL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir
+
+
+def _check_records(path: Path, n: int):
+    records = read_jsonl(path)
+    assert sorted((r["id"], r["sample"]) for r in records) == \
+        sorted((p["id"], i) for p in PROBLEMS for i in range(n))
+    assert all(r["outcome"] in ("compile_error", "timeout", "runtime_error", "wrong_answer", "passed")
+               for r in records)
+
+
+def test_training_logs_cpp_scores_at_every_cpp_every_steps(evaluated_run):
+    evals = [r for r in read_jsonl(evaluated_run / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [3, 6]
+    for r in evals:
+        for key in ("cpp_compile_rate", "cpp_pass_rate", "cpp_pass@1", "cpp_pass@2",
+                    "cpp_pass_rate/easy", "cpp_pass_rate/hard"):
+            assert 0 <= r[key] <= 1, (key, r)
+        assert r["cpp_eval_seconds"] > 0 and r["cpp_generate_tok_per_s"] > 0
+    for step in (3, 6):
+        _check_records(evaluated_run / "cpp_eval" / f"step_{step:06d}.jsonl", n=2)
+
+
+def test_mode_eval_prints_the_scores_of_the_runs_checkpoint(evaluated_run, problem_file):
+    r = _xtrain(evaluated_run, "mode=eval", f"eval.cpp_file={problem_file}", "eval.max_tokens=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"evaluating {evaluated_run}/checkpoints/step_000006 on 2 C++ problems x 1 samples" \
+        in r.stdout
+    assert "C++ scores at step 6:" in r.stdout and "  cpp_pass_rate: " in r.stdout
+    _check_records(evaluated_run / "cpp_eval" / "step_000006.jsonl", n=1)
+
+
+def test_mode_eval_refuses_a_missing_checkpoint(tmp_path):
+    r = _xtrain(tmp_path, "mode=eval")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"xtrain: input error: mode=eval: no committed checkpoint in {tmp_path}/checkpoints "
+        "(train this run first, or set checkpoint.resume=PATH)")
+
+
+def test_mode_eval_refuses_a_malformed_problem_file_naming_the_line(evaluated_run, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(PROBLEMS[0]) + "\n" + '{"id": "x"\n')
+    r = _xtrain(evaluated_run, "mode=eval", f"eval.cpp_file={bad}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith(f"xtrain: config error: {bad}:2: bad JSON")
+    assert "evaluating" not in r.stdout

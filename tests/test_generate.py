@@ -1,0 +1,156 @@
+"""Generation with a KV cache (the same tokens as recomputing everything), its stop rules, and
+``mode=sample`` on a checkpoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY
+from xtrain.model.config import GPTConfig
+from xtrain.model.generate import generate, generate_ids
+from xtrain.model.gpt import GPT
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def random_model(**shape) -> GPT:
+    """A small GPT whose every weight is random: the zero-initialised output projections would
+    make every block the identity, and every layer's attention would go unused."""
+    cfg = dict(n_layer=3, n_head=4, n_kv_head=2, n_embd=128, vocab_size=300, sequence_len=128,
+               windows=(16, 8, None), attention="sdpa", attention_block=64, softcap=15.0)
+    cfg.update(shape)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("shape", [{}, {"n_kv_head": 4, "windows": (None, None, None)}],
+                         ids=["gqa-windows", "full"])
+def test_kv_cache_gives_the_tokens_of_full_recomputation(shape):
+    model = random_model(**shape)
+    prompt = [5, 17, 42, 99, 3]
+    # greedy, past the 16- and 8-token windows
+    cached = generate_ids(model, prompt, n=2, max_tokens=100, temperature=0)
+    full = generate_ids(model, prompt, n=2, max_tokens=100, temperature=0, kv_cache=False)
+    assert cached == full and len(cached[0]) == 100 and len(set(cached[0])) > 5
+    # sampled: the same generator draws, so the same tokens
+    kw = dict(n=3, max_tokens=40, temperature=1.0, top_k=20, seed=7)
+    sampled = generate_ids(model, prompt, **kw)
+    assert sampled == generate_ids(model, prompt, kv_cache=False, **kw)
+    assert len({tuple(r) for r in sampled}) == 3  # n rows are n different samples
+    assert sampled == generate_ids(model, prompt, **kw)  # a seed repeats itself
+
+
+def test_the_cache_logits_match_a_full_forward():
+    from xtrain.model.generate import KVCache
+
+    model = random_model().eval()
+    ids = torch.randint(0, 300, (1, 60), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache(model.config, 1, 60, "cpu")
+        parts = [model(ids[:, :20], kv_cache=cache)] + [model(ids[:, t:t + 1], kv_cache=cache)
+                                                        for t in range(20, 60)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_top_k_stop_tokens_stop_hook_and_the_context_limit():
+    model = random_model()
+    prompt = [5, 17, 42]
+    for row in generate_ids(model, prompt, n=4, max_tokens=30, temperature=5.0, top_k=1, seed=3):
+        assert row == generate_ids(model, prompt, max_tokens=30, temperature=0)[0]  # top-1 = greedy
+    greedy = generate_ids(model, prompt, max_tokens=30, temperature=0)[0]
+    stop_at = greedy[5]
+    assert generate_ids(model, prompt, max_tokens=30, temperature=0, stop_ids={stop_at})[0] == \
+        greedy[:greedy.index(stop_at)]
+    assert generate_ids(model, prompt, max_tokens=30, temperature=0, stop=lambda ids: len(ids) == 4)[0] == greedy[:4]
+    with pytest.raises(ValueError, match="must be 1..128 tokens"):
+        generate_ids(model, list(range(100)), max_tokens=29)
+
+
+class CharTokenizer:
+    """One character per token (Latin-1), BOS = 256: the interface generate() needs."""
+
+    bos_id = 256
+
+    def encode(self, text):
+        return list(text.encode("latin-1"))
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("latin-1")
+
+
+def test_generate_gives_n_texts_per_prompt_with_a_text_stop_hook():
+    model = random_model(vocab_size=257)
+    stats = {}
+    texts = generate(model, CharTokenizer(), ["ab", "xyz"], 3, max_tokens=12, temperature=1.0,
+                     top_k=None, seed=1, stats=stats)
+    assert [len(t) for t in texts] == [3, 3] and stats["tokens"] > 0 and stats["seconds"] > 0
+    # each prompt has its own seed: its completions do not depend on the other prompts
+    assert generate(model, CharTokenizer(), ["xyz"], 3, max_tokens=12, temperature=1.0, top_k=None,
+                    seed=2) == texts[1:]
+    stopped = generate(model, CharTokenizer(), ["ab"], 1, max_tokens=12, temperature=0,
+                       stop=lambda text: len(text) >= 3)
+    assert len(stopped[0][0]) == 3
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("trained")
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "trainer.max_steps=30",
+                        f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir
+
+
+def _sample(run_dir, *args):
+    return subprocess.run([sys.executable, "-m", "xtrain", *TINY, "mode=sample", *args,
+                           f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_mode_sample_prints_text_from_the_runs_newest_checkpoint(trained_run):
+    r = _sample(trained_run, "sample.n=2", "sample.max_tokens=24", "sample.prompt='int main('")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"sampling {trained_run}/checkpoints/step_000030" in r.stdout
+    samples = r.stdout.split("--- prompt 'int main(', sample ")[1:]
+    assert len(samples) == 2 and all(s.split("\n", 1)[1].startswith("int main(") for s in samples)
+    assert len(samples[0].split("\n", 1)[1]) > len("int main(") + 10  # it wrote something
+    assert " tok/s (KV cache, CPU)" in r.stdout
+    # explicit checkpoint, greedy: deterministic
+    ckpt = f"checkpoint.resume={trained_run}/checkpoints/step_000030"
+    greedy = [_sample(trained_run, ckpt, "sample.temperature=0", "sample.max_tokens=16").stdout
+              for _ in range(2)]
+    texts = [g.split("--- prompt")[1:] for g in greedy]
+    texts = [t[:-1] + [t[-1].rsplit("\n", 2)[0]] for t in texts]  # without the tok/s line
+    assert len(texts[0]) == 2 and texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["checkpoint.resume=/nonexistent/step_000010"],
+     "checkpoint.resume=/nonexistent/step_000010: not a committed checkpoint "
+     "(no /nonexistent/step_000010/COMMITTED)"),
+    ([], "mode=sample: no committed checkpoint in {run}/checkpoints"),
+])
+def test_mode_sample_refuses_a_bad_checkpoint_before_building_anything(tmp_path, args, message):
+    r = _sample(tmp_path, *args)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == "xtrain: input error: " + message.format(run=tmp_path) + \
+        ("" if args else " (train this run first, or set checkpoint.resume=PATH)")
+    assert "sampling" not in r.stdout and "tokenizer" not in r.stdout
+
+
+def test_mode_sample_refuses_a_prompt_longer_than_the_context(trained_run):
+    r = _sample(trained_run, "sample.max_tokens=200")
+    assert r.returncode == 2
+    assert "+ sample.max_tokens=200 exceed the model's sequence_len 64" in r.stderr

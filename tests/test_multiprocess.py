@@ -1,0 +1,142 @@
+"""The CPU engine on two processes (Lightning DDP over gloo on 127.0.0.1): the same training as one
+process, one writer, a stop on any process stopping both at the same step, and a vanished process
+named. Every run is real processes, started with torchrun or with the standard variables
+(MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK), as the SSH launchers start them on several hosts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import read_jsonl
+from test_checkpoint import losses, wait_for_step
+from xtrain.checkpoint.layout import committed_checkpoints
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 20
+COMMON = ["model=d2", "model.sequence_len=64", "trainer.log_every=1", "trainer.sample_tokens=0",
+          "trainer.eval_batches=1", "optim.warmup_steps=3", f"trainer.max_steps={STEPS}"]
+ONE = ["hardware=cpu", "trainer.device_batch_size=8"]  # the global batch: 8 rows of 64 tokens
+TWO = ["hardware=cpu2", "trainer.device_batch_size=4"]  # the same 8 rows, 4 per process
+# two processes on two cores: one thread each (torchrun sets the same)
+ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd, env=None):
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def xtrain_processes(run_dir, *overrides, env=None) -> list[subprocess.Popen]:
+    """Two `python -m xtrain` processes joined by the standard variables."""
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-m", "xtrain", *COMMON, *TWO, *overrides, f"hydra.run.dir={run_dir}"]
+    return [start(cmd, {**launch, **(env or {}), "RANK": str(rank)}) for rank in range(2)]
+
+
+def finish_all(procs, timeout=300) -> list[tuple[int, str, str]]:
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    return [(p.returncode, *output) for p, output in zip(procs, outputs)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process on 8 rows per step, and two processes (torchrun) on 4 rows each; both dump
+    their final parameters, their rows and their first step's tokens (xtrain/train/debug_dump.py)."""
+    root = tmp_path_factory.mktemp("reference")
+    for name in ("one", "two"):
+        (root / f"{name}-dump").mkdir()
+    one = start([sys.executable, "-m", "xtrain", *COMMON, *ONE, f"hydra.run.dir={root / 'one'}"],
+                {"XTRAIN_DEBUG_DUMP": str(root / "one-dump")})
+    code, _, err = finish_all([one])[0]
+    assert code == 0, err[-3000:]
+    two = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                 "2", "-m", "xtrain", *COMMON, *TWO, f"hydra.run.dir={root / 'two'}"],
+                {"XTRAIN_DEBUG_DUMP": str(root / "two-dump")})
+    code, out, err = finish_all([two])[0]
+    assert code == 0, err[-3000:]
+    return root
+
+
+def test_two_processes_train_the_one_process_batch_with_one_writer(reference):
+    one, two = losses(reference / "one"), losses(reference / "two")
+    assert sorted(two) == list(range(1, STEPS + 1))
+    # each process averages the gradients of its 4 rows, then DDP averages the two: the same
+    # mean as over 8 rows, summed in another order
+    assert max(abs(two[s] - one[s]) / one[s] for s in one) <= 1e-5
+    assert two[STEPS] < two[1] - 2.0
+    records = read_jsonl(reference / "two" / "metrics.jsonl")  # written by rank 0 alone
+    train_steps = [r["step"] for r in records if "loss" in r]
+    assert train_steps == list(range(1, STEPS + 1))
+    assert [s for s, _ in committed_checkpoints(str(reference / "two" / "checkpoints"))] == [STEPS]
+    ranks = [torch.load(reference / "two-dump" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert ranks[0]["params"].keys() == ranks[1]["params"].keys()
+    for name, tensor in ranks[0]["params"].items():  # DDP replicas: bitwise the same
+        assert torch.equal(tensor, ranks[1]["params"][name]), name
+    rows = [range(*d["rows"]) for d in ranks]
+    assert not set(rows[0]) & set(rows[1]) and sorted([*rows[0], *rows[1]]) == list(range(8))
+    single = torch.load(reference / "one-dump" / "rank0.pt", weights_only=True)
+    assert single["first_tokens"].shape[0] == 8
+    for d in ranks:  # each process trained on its own rows of the one-process run's batch
+        assert torch.equal(d["first_tokens"], single["first_tokens"][slice(*d["rows"])])
+
+
+def stop_step(out: str) -> int:
+    return int(re.search(r"stopped \(.*\) at step (\d+)", out).group(1))
+
+
+def test_sigterm_to_rank_1_stops_both_at_one_step_and_resumes_bitwise(reference, tmp_path):
+    run = tmp_path / "run"
+    procs = xtrain_processes(run)
+    wait_for_step(run, 8, procs[0])
+    procs[1].send_signal(signal.SIGTERM)  # the notice reaches one process only
+    (code0, out0, err0), (code1, out1, err1) = finish_all(procs)
+    assert (code0, code1) == (143, 143), err0[-2000:] + err1[-2000:]
+    assert "stopped (SIGTERM)" in out1 and "stopped (another process was told to stop)" in out0
+    stopped_at = stop_step(out0)
+    assert stop_step(out1) == stopped_at and 8 <= stopped_at < STEPS
+    assert [s for s, _ in committed_checkpoints(str(run / "checkpoints"))] == [stopped_at]
+    results = finish_all(xtrain_processes(run))  # the same command again
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
+    assert f"resuming from {run}/checkpoints/step_{stopped_at:06d}" in results[0][1]
+    resumed, straight = losses(run), losses(reference / "two")
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert all(resumed[s] == straight[s] for s in straight)  # bitwise
+
+
+def test_sigkill_of_one_rank_is_named_and_the_newest_checkpoint_resumes(tmp_path):
+    run, timeout = tmp_path / "run", 60
+    overrides = ["checkpoint.every=5", f"trainer.collective_timeout_s={timeout}"]
+    procs = xtrain_processes(run, *overrides)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and any(r.get("ckpt_s") and r["step"] == 10 for r in read_jsonl(metrics))):
+        assert procs[0].poll() is None and time.time() < deadline, procs[0].communicate()[1][-3000:]
+        time.sleep(0.05)
+    procs[1].kill()  # SIGKILL: rank 1 vanishes without a word
+    killed_at = time.time()
+    code, _, err = finish_all(procs[:1], timeout=timeout + 30)[0]
+    procs[1].wait()
+    assert code == 3 and time.time() - killed_at < timeout, err[-3000:]
+    assert "xtrain: peer error: lost rank 1 of 2: no heartbeat" in err
+    committed = [s for s, _ in committed_checkpoints(str(run / "checkpoints"))]
+    assert committed and committed[-1] >= 10
+    results = finish_all(xtrain_processes(run, *overrides))
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
+    assert f"resuming from {run}/checkpoints/step_{committed[-1]:06d}" in results[0][1]
+    assert max(losses(run)) == STEPS

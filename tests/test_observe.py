@@ -1,0 +1,270 @@
+"""Watching a run: the logger group (JSONL, W&B offline, TensorBoard) read back after a real
+preempted-and-resumed run, W&B without a key (never a prompt), the console and its log file, and
+the XLA engine's compile and host-sync counts with every logger on."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, read_jsonl
+from logreaders import tensorboard_scalars, tensorboard_texts, wandb_runs
+from test_checkpoint import finish, wait_for_step, xtrain
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_KEY = "xtrainfakekey" + "7" * 27  # the length of a W&B key; nothing may write it down
+TRAIN_METRICS = {"loss", "lr", "grad_norm", "tokens", "tok_per_s", "tok_per_s_per_chip", "mfu",
+                 "step_s", "compute_s", "data_s", "checkpoint_s", "elapsed_s", "eta_s"}
+OTHER_METRICS = {"val_loss", "val_bpb", "eval_s", "ckpt_s", "sample_tok_per_s"}
+ALL_LOGGERS = "logger=[jsonl,wandb,tensorboard]"
+
+
+def _no_file_holds(root: Path, secret: str) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+def _is_png(path: Path) -> bool:
+    import matplotlib.image
+
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(path).shape[0] > 100
+
+
+# Long: one real run, preempted and resumed, then a fresh one, checked from every side.
+def test_loggers_hold_the_metrics_keep_the_wandb_run_across_preemption_and_never_the_key(tmp_path):
+    env = {"WANDB_MODE": "offline", "WANDB_API_KEY": FAKE_KEY}
+    run_dir = tmp_path / "run"
+    args = [ALL_LOGGERS, "trainer.max_steps=40", "trainer.eval_every=10", "trainer.sample_every=10",
+            "trainer.sample_tokens=8", "checkpoint.every=10"]
+    proc = xtrain(run_dir, *args, env=env)
+    wait_for_step(run_dir, 12, proc)
+    first_id = (run_dir / "wandb-run-id").read_text()
+    proc.send_signal(signal.SIGTERM)
+    code, out1, err1 = finish(proc)
+    assert code == 143, err1[-3000:]
+    stopped_at = max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train")
+    code, out2, err2 = finish(xtrain(run_dir, *args, env=env))  # the same command
+    assert code == 0, err2[-3000:]
+
+    # W&B: the resumed process continued the same run, and its history holds every metric
+    assert (run_dir / "wandb-run-id").read_text() == first_id
+    runs = wandb_runs(run_dir)
+    assert [r["id"] for r in runs] == [first_id, first_id]
+    history = [h for r in runs for h in r["history"]]
+    assert {h["trainer/global_step"] for h in history if "loss" in h} == set(range(1, 41))
+    assert TRAIN_METRICS | OTHER_METRICS <= set().union(*history)
+    assert runs[0]["config"]["model"]["depth"] == 2 and runs[0]["name"] == runs[1]["name"]
+    assert runs[0]["config"]["run"]["name"] == runs[0]["name"]
+    # TensorBoard: both processes' event files, the same metrics at the same steps
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    assert TRAIN_METRICS | OTHER_METRICS <= set(scalars)
+    assert sorted({s for s, _ in scalars["loss"]}) == list(range(1, 41))
+    assert {10, 40} <= {s for s, _ in scalars["val_bpb"]} <= {10, 20, 30, 40}  # none at the stop
+    assert tensorboard_texts(run_dir / "tensorboard")  # the samples
+    jsonl = {(r["kind"], r["step"]): r for r in read_jsonl(run_dir / "metrics.jsonl")}
+    assert dict(scalars["loss"])[40] == pytest.approx(jsonl[("train", 40)]["loss"], rel=1e-6)
+    assert all(r["time"] > 1.7e9 for r in jsonl.values())  # wall clock on every record
+
+    # the key: in no file of the run dir, in nothing printed; the bundle shows it masked
+    assert _no_file_holds(run_dir, FAKE_KEY) == []
+    assert FAKE_KEY not in out1 + err1 + out2 + err2
+    import json
+
+    env_json = json.loads((run_dir / "repro" / f"step_{stopped_at:06d}" / "env.json").read_text())
+    assert env_json["WANDB_API_KEY"] == "***" and env_json["WANDB_MODE"] == "offline"
+    assert (run_dir / "repro" / "step_000000" / "config.yaml").exists()
+    # the console: plain lines (not a terminal) with ETA, all of them also in console.log
+    console = (run_dir / "console.log").read_text()
+    last = [ln for ln in out2.splitlines() if ln.startswith("step     40/40")][0]
+    assert "eta 0:00:00" in last and "mfu" in last and last in console
+    assert "W&B: offline (WANDB_MODE=offline)" in out1 and "resuming from" in console
+    for name in ("loss.png", "val_bpb.png", "throughput.png"):
+        assert _is_png(run_dir / "plots" / name), name
+
+    shutil.rmtree(run_dir)  # a new run under the same name: a new W&B run
+    code, _, err = finish(xtrain(run_dir, ALL_LOGGERS, "trainer.max_steps=2", env=env))
+    assert code == 0, err[-3000:]
+    assert [r["id"] for r in wandb_runs(run_dir)] == [(run_dir / "wandb-run-id").read_text()]
+    assert (run_dir / "wandb-run-id").read_text() != first_id
+
+
+def _on_a_terminal(args: list[str], env: dict, timeout: float = 240) -> tuple[int | None, str]:
+    """Run ``python -m xtrain args`` with a pseudo-terminal as stdin, stdout and stderr (where W&B
+    would ask for a key); returns (exit code or None if it had to be killed, output)."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", *args], cwd=ROOT, env=env,
+                            stdin=follower, stdout=follower, stderr=follower, close_fds=True)
+    os.close(follower)
+    out, deadline = io.BytesIO(), time.time() + timeout
+    while time.time() < deadline:
+        ready, _, _ = select.select([leader], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out.write(chunk)
+        elif proc.poll() is not None:
+            break
+    try:
+        code = proc.wait(timeout=max(deadline - time.time(), 1))
+    except subprocess.TimeoutExpired:  # still running: waiting for an answer, say
+        code = None
+        proc.kill()
+        proc.wait()
+    os.close(leader)
+    return code, out.getvalue().decode(errors="replace")
+
+
+def test_wandb_without_a_key_on_a_terminal_goes_offline_in_one_line_and_never_prompts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["HOME"] = str(tmp_path / "home")  # no ~/.netrc, no W&B settings
+    run = [*TINY, "logger=[jsonl,wandb]", "trainer.max_steps=3"]
+    code, out = _on_a_terminal([*run, f"hydra.run.dir={tmp_path / 'auto'}"], env)
+    assert code == 0, out[-3000:]
+    assert "Enter your choice" not in out
+    lines = [ln for ln in out.splitlines() if "W&B" in ln]
+    assert len(lines) == 1 and "W&B: offline (no key: WANDB_API_KEY unset and none in ~/.netrc)" in lines[0]
+    assert len(wandb_runs(tmp_path / "auto")) == 1
+    # online asked for explicitly: refused in one line, before any training
+    code, out = _on_a_terminal([*run, "logger.wandb.mode=online", f"hydra.run.dir={tmp_path / 'on'}"], env)
+    assert code == 2, out[-3000:]
+    assert "logger.wandb.mode=online but no W&B key: export WANDB_API_KEY" in out
+    assert "step " not in out and not (tmp_path / "on" / "wandb").exists()
+
+
+def test_wandb_mode_follows_the_key_and_wandb_mode(tmp_path, monkeypatch):
+    from xtrain.errors import ConfigError
+    from xtrain.observe.wandb_run import choose_mode
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert choose_mode("auto", {}) == "offline"
+    assert choose_mode("auto", {"WANDB_API_KEY": FAKE_KEY}) == "online"
+    assert choose_mode("auto", {"WANDB_API_KEY": FAKE_KEY, "WANDB_MODE": "offline"}) == "offline"
+    assert choose_mode("offline", {"WANDB_API_KEY": FAKE_KEY}) == "offline"
+    with pytest.raises(ConfigError, match="WANDB_MODE=online but no W&B key"):
+        choose_mode("auto", {"WANDB_MODE": "online"})
+    with pytest.raises(ConfigError, match="logger.wandb.mode=online but no W&B key"):
+        choose_mode("online", {})
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password " + FAKE_KEY + "\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert choose_mode("online", {}) == "online"  # `wandb login` stored a key
+
+
+def test_logger_options_compose_against_their_schema_and_every_target_imports(compose_config):
+    import importlib
+
+    from xtrain.cli import config_dir
+
+    options = sorted(p.stem for p in Path(config_dir(), "logger").glob("*.yaml"))
+    assert options == ["jsonl", "many_loggers", "tensorboard", "wandb"]
+    assert set(compose_config([]).logger) == {"jsonl", "wandb", "tensorboard"}
+    assert compose_config([]).logger.wandb is None  # JSONL only by default
+    for choice in (ALL_LOGGERS, "logger=many_loggers"):
+        cfg = compose_config([choice])
+        for name in ("jsonl", "wandb", "tensorboard"):
+            module, _, attr = cfg.logger[name]._target_.rpartition(".")
+            assert callable(getattr(importlib.import_module(module), attr))
+    cfg = compose_config(["logger=[jsonl,wandb]", "logger.wandb.tags=[a,b]", "logger.wandb.mode=offline"])
+    assert list(cfg.logger.wandb.tags) == ["a", "b"] and cfg.logger.tensorboard is None
+    # a logger override keeps the run's name (and so its checkpoints and W&B run)
+    assert compose_config([ALL_LOGGERS]).run.name == compose_config([]).run.name
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        compose_config(["logger=[jsonl,wandb]", "logger.wandb.projct=x"])
+
+
+def test_eval_scores_reach_every_logger_through_the_run_log(tmp_path, monkeypatch):
+    """The path the evaluation code logs through: a record of kind eval, e.g. cpp_pass_rate."""
+    from omegaconf import OmegaConf
+
+    from xtrain.config import LoggerConfig
+    from xtrain.observe.loggers import build_run_log
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = OmegaConf.merge(OmegaConf.structured(LoggerConfig), {"wandb": {}, "tensorboard": {}})
+    run_log = build_run_log(cfg, str(tmp_path), "evals", {"model": {"depth": 2}}, max_steps=10)
+    run_log.record("eval", 10, {"cpp_pass_rate": 0.25, "cpp_compiled": 0.5})
+    run_log.record("eval", 20, {"cpp_pass_rate": 0.5, "cpp_compiled": 0.75})
+    run_log.close()
+    assert [(r["kind"], r["cpp_pass_rate"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == \
+        [("eval", 0.25), ("eval", 0.5)]
+    assert tensorboard_scalars(tmp_path / "tensorboard")["cpp_pass_rate"] == [(10, 0.25), (20, 0.5)]
+    history = wandb_runs(tmp_path)[0]["history"]
+    assert [(h["trainer/global_step"], h["cpp_pass_rate"]) for h in history] == [(10, 0.25), (20, 0.5)]
+    from xtrain.observe.plots import write_run_plots
+
+    written = write_run_plots(str(tmp_path))
+    assert [Path(p).name for p in written] == ["eval.png"] and _is_png(Path(written[0]))
+
+
+def test_progress_bar_refreshes_only_when_a_train_record_arrives():
+    from rich.console import Console
+
+    from xtrain.observe.console import ProgressDisplay
+
+    screen = io.StringIO()
+    display = ProgressDisplay(100, tty=True, console=Console(file=screen, force_terminal=True, width=160))
+    display.write({"step": 10, "kind": "train", "loss": 3.5, "lr": 0.02, "tok_per_s": 1234.0,
+                   "mfu": 0.12, "elapsed_s": 5.0, "eta_s": 45.0})
+    display.write({"step": 10, "kind": "val", "val_loss": 3.6, "val_bpb": 1.2})
+    display.write({"step": 20, "kind": "train", "loss": 3.1, "lr": 0.02, "tok_per_s": 1300.0,
+                   "elapsed_s": 9.5, "eta_s": 38.0})
+    display.close()
+    assert display.refreshes == 2
+    shown = screen.getvalue()
+    assert "20/100" in shown and "eta 0:00:38" in shown and "elapsed 0:00:10" in shown
+    assert "loss 3.1000" in shown and "12.0%" in shown
+
+
+def test_console_lines_go_to_stdout_and_console_log_warnings_to_stderr(tmp_path, capsys):
+    import logging
+
+    from xtrain.observe.console import ConsoleLog
+
+    with ConsoleLog(str(tmp_path)):
+        logging.getLogger("xtrain.test").info("an info line")
+        logging.getLogger("xtrain.test").warning("a warning")
+        logging.getLogger("lightning.pytorch.test").info("a lightning tip")
+    out, err = capsys.readouterr()
+    assert out == "an info line\n" and err == "a warning\n"
+    saved = (tmp_path / "console.log").read_text()
+    assert "INFO xtrain.test: an info line" in saved and "WARNING xtrain.test: a warning" in saved
+    assert "lightning tip" not in saved
+
+
+def test_xla_every_logger_adds_no_compile_and_no_host_sync_and_sampling_keeps_the_step_graph(tmp_path):
+    pytest.importorskip("torch_xla")
+    from test_xla import common, drive
+
+    base = common(20) + ["hardware.engine=xla", "parallelism=fsdp", "trainer.device_batch_size=1",
+                         "trainer.log_every=5", "trainer.eval_every=10"]
+    jobs = [{"name": "jsonl", "dir": str(tmp_path / "jsonl"), "overrides": base},
+            {"name": "all", "dir": str(tmp_path / "all"), "overrides": base + [ALL_LOGGERS]},
+            {"name": "sample", "dir": str(tmp_path / "sample"),
+             "overrides": base + ["trainer.sample_every=10", "trainer.sample_tokens=8"]}]
+    res = {}
+    for job in jobs:  # one process each: XLA's counters are per process
+        res.update(drive([job], 4))
+    train = {name: [r for r in res[name]["records"] if r["kind"] == "train"] for name in res}
+    counts = lambda name, key: [(r["step"], r[key]) for r in train[name]]  # noqa: E731
+    assert counts("all", "xla_compiles") == counts("jsonl", "xla_compiles")
+    assert counts("all", "host_syncs") == counts("jsonl", "host_syncs")
+    assert counts("jsonl", "xla_compiles")[-1] == (20, 3)
+    # samples run on a CPU copy of the model: the training step's graph count is unchanged
+    assert counts("sample", "xla_compiles") == counts("jsonl", "xla_compiles")
+    samples = [r for r in res["sample"]["records"] if r["kind"] == "sample"]
+    assert [r["step"] for r in samples] == [10, 20] and all(s["text"] for s in samples[-1]["samples"])
+    assert tensorboard_scalars(Path(tmp_path / "all" / "tensorboard"))["loss"][-1][0] == 20

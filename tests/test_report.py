@@ -1,0 +1,164 @@
+"""The report over a 3-job sweep (plots and summary), the reproducibility bundle, secrets masked,
+and a run whose run dir is a gs:// URL (GCS emulator)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, read_jsonl
+from logreaders import wandb_runs
+
+ROOT = Path(__file__).resolve().parent.parent
+LRS = ("0.01", "0.02", "0.04")
+
+
+def is_png(path: Path) -> bool:
+    import matplotlib.image
+
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(path).ndim == 3
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A real 3-job sweep (-m), every job logging to W&B offline too."""
+    out = tmp_path_factory.mktemp("sweep")
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *TINY, f"optim.matrix_lr={','.join(LRS)}",
+                        "trainer.max_steps=10", "trainer.eval_every=5", "logger=[jsonl,wandb]",
+                        f"hydra.sweep.dir={out}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900, env={**os.environ, "WANDB_MODE": "offline"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def report(*args):
+    return subprocess.run([sys.executable, "-m", "xtrain.report", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_report_draws_a_sweep_together_with_a_summary_table(sweep, tmp_path):
+    r = report(sweep, "--out", tmp_path / "report")
+    assert r.returncode == 0, r.stderr
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert len(jobs) == 3
+    rows = (tmp_path / "report" / "summary.md").read_text().splitlines()[2:]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == jobs
+    for row, job in zip(rows, jobs):
+        cells = row.strip("| ").split(" | ")
+        last = [x for x in read_jsonl(sweep / job / "metrics.jsonl") if x["kind"] == "train"][-1]
+        val = [x for x in read_jsonl(sweep / job / "metrics.jsonl") if x["kind"] == "val"][-1]
+        assert cells[1] == "10" and float(cells[2]) == pytest.approx(last["loss"], abs=1e-4)
+        assert float(cells[3]) == pytest.approx(val["val_bpb"], abs=1e-4)
+    assert rows[0] in r.stdout
+    for metric in ("loss", "val_loss", "val_bpb", "tok_per_s", "mfu"):
+        assert is_png(tmp_path / "report" / f"{metric}.png"), metric
+    # a sweep's jobs share one W&B group, each its own run
+    runs = [wandb_runs(sweep / job)[0] for job in jobs]
+    assert len({r["id"] for r in runs}) == 3
+    assert {r["group"] for r in runs} == {f"d2-cpu-cpp_local-model.sequence_len_64-optim.matrix_lr_"
+                                          f"{','.join(LRS)}-trainer.device_batch_size_4"}
+
+
+def test_report_takes_single_runs_and_chosen_metrics(sweep, tmp_path):
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    r = report(jobs[0], jobs[2], "--out", tmp_path, "--metrics", "grad_norm,lr")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["grad_norm.png", "lr.png"]
+    assert len((tmp_path / "summary.csv").read_text().splitlines()) == 3  # header + 2 runs
+
+
+def test_report_refuses_an_unknown_metric_and_a_dir_without_runs(sweep, tmp_path):
+    r = report(sweep, "--out", tmp_path / "a", "--metrics", "loss,val_bpp")
+    assert r.returncode == 2
+    assert r.stderr.startswith("xtrain.report: unknown metric 'val_bpp': the runs have ")
+    assert "val_bpb" in r.stderr and not (tmp_path / "a").exists()
+    r = report(tmp_path, "--out", tmp_path / "b")
+    assert r.returncode == 2 and f"{tmp_path}: no metrics.jsonl in it or in its subdirectories" in r.stderr
+
+
+def test_every_run_leaves_its_plots_and_reproducibility_bundle(sweep):
+    import yaml
+
+    job = sorted(p for p in sweep.iterdir() if p.is_dir())[0]
+    for name in ("loss.png", "val_bpb.png", "throughput.png"):
+        assert is_png(job / "plots" / name)
+    bundle = job / "repro" / "step_000000"
+    config = yaml.safe_load((bundle / "config.yaml").read_text())
+    assert config["model"]["depth"] == 2 and config["optim"]["matrix_lr"] == 0.01
+    code = json.loads((bundle / "code.json").read_text())
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert code["git"] is True and code["commit"] == head
+    packages = (bundle / "packages.txt").read_text().splitlines()
+    from importlib.metadata import version
+
+    assert f"torch=={version('torch')}" in packages and f"lightning=={version('lightning')}" in packages
+    devices = json.loads((bundle / "devices.json").read_text())
+    assert devices["engine"] == "cpu" and devices["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert devices["devices"][0]["type"] == "cpu"
+    assert json.loads((bundle / "env.json").read_text())["WANDB_MODE"] == "offline"
+
+
+def test_code_state_records_the_diff_or_the_installed_version(tmp_path):
+    from xtrain.observe.bundle import code_state
+
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "mod.py").write_text("x = 1\n")
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True,  # noqa: E731
+                                    text=True, env={**os.environ, "GIT_AUTHOR_NAME": "t",
+                                                    "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                                                    "GIT_COMMITTER_EMAIL": "t@t"}).stdout
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "first")
+    (repo / "pkg" / "mod.py").write_text("x = 2\n")
+    (repo / "pkg" / "new.py").write_text("")
+    facts, diff = code_state(repo / "pkg")
+    assert facts["commit"] == git("rev-parse", "HEAD").strip() and facts["dirty"]
+    assert facts["changed"] == ["pkg/mod.py"] and facts["untracked"] == ["pkg/new.py"]
+    assert "-x = 1\n+x = 2" in diff
+    facts, diff = code_state(tmp_path / "elsewhere")  # not a git tree: the installed version
+    assert facts["git"] is False and "installed_version" in facts and diff == ""
+
+
+def test_secrets_are_masked_by_name_and_by_value():
+    from xtrain.observe.bundle import mask_secrets, relevant_env
+
+    env = {"WANDB_API_KEY": "k" * 40, "HF_TOKEN": "hf_secretvalue", "XLA_FLAGS": "--x",
+           "HOME": "/root", "PJRT_DEVICE": "CPU"}
+    config = {"data": {"tokenizer": "/cache/tok", "train_files": "gs://b/" + "k" * 40},
+              "notes": ["uses hf_secretvalue"], "api_key": "plain", "checkpoint": {"keep_last": 2}}
+    masked = mask_secrets(config, env)
+    assert masked == {"data": {"tokenizer": "/cache/tok", "train_files": "gs://b/***"},
+                      "notes": ["uses ***"], "api_key": "***", "checkpoint": {"keep_last": 2}}
+    assert relevant_env(env) == {"HF_TOKEN": "***", "PJRT_DEVICE": "CPU", "WANDB_API_KEY": "***",
+                                 "XLA_FLAGS": "--x"}
+
+
+def test_a_gs_run_dir_gets_metrics_console_log_bundle_and_plots(gcs_bucket, compose_config, tmp_path):
+    """metrics.jsonl, console.log, the bundle and the plots go through fsspec to the bucket."""
+    import gcsfs
+
+    from xtrain.modes import run
+
+    bucket, _ = gcs_bucket
+    run_dir = f"{bucket}/runs/tiny"
+    cfg = compose_config(TINY + ["trainer.max_steps=6", "logger=[jsonl,tensorboard]"], output_dir=run_dir)
+    run(cfg, run_dir)
+    fs = gcsfs.GCSFileSystem(token="anon")
+    fs.invalidate_cache()
+    root = run_dir.removeprefix("gs://")
+    records = [json.loads(x) for x in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 5, 6]
+    assert "step      6/6" in fs.cat_file(f"{root}/console.log").decode()
+    assert fs.exists(f"{root}/repro/step_000000/config.yaml") and fs.exists(f"{root}/plots/loss.png")
+    assert fs.exists(f"{root}/checkpoints/step_000006/COMMITTED")
+    # TensorBoard writes local files only: a mirror under the cache root
+    mirror = Path(os.environ["XTRAIN_CACHE"], "runs", "gs_xtrain-test_runs_tiny", "tensorboard")
+    assert list(mirror.glob("events.out.tfevents.*"))

@@ -1,0 +1,87 @@
+"""What a checkpoint held when it was committed: every file's size and CRC32C, in
+``manifest.json``, written before the commit marker; and the check that a committed checkpoint
+still matches it (a truncated or altered tensor file is found before anything is loaded).
+
+Each host records the files it wrote itself (on a multi-host save, its own DCP shard files);
+the first host gathers every host's entries and writes the manifest. CRC32C is the checksum
+Cloud Storage keeps for every object: on ``gs://`` the server's value is read from the object's
+metadata (no download, at save time or when verifying); on other filesystems the bytes are read
+and hashed here (google-crc32c, in C). Both give the same base64 string for the same bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from xtrain.paths import url_to_fs
+
+MANIFEST = "manifest.json"
+_CHUNK = 8 << 20
+
+
+def _crc32c(fs, path: str) -> str:
+    import google_crc32c
+
+    crc = google_crc32c.Checksum()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc.update(chunk)
+    return base64.b64encode(crc.digest()).decode()
+
+
+def describe(fs, root: str, relative: list[str]) -> dict[str, dict]:
+    """relative path -> {"size", "crc32c"} for files under ``root`` (a checkpoint directory)."""
+    out = {}
+    for rel in relative:
+        path = f"{root}/{rel}"
+        info = fs.info(path)
+        # Cloud Storage states each object's CRC32C; elsewhere the file is read
+        out[rel] = {"size": int(info["size"]), "crc32c": info.get("crc32c") or _crc32c(fs, path)}
+    return out
+
+
+def gather(entries: dict, process_group) -> dict:
+    """Every host's entries, merged on the first host (a no-op on one host). Collective."""
+    if process_group is None:
+        return entries
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size(process_group)
+    gathered = [None] * ranks if dist.get_rank(process_group) == 0 else None
+    dist.gather_object(entries, gathered, dst=dist.get_global_rank(process_group, 0),
+                       group=process_group)
+    merged: dict = {}
+    for part in gathered or []:
+        merged.update(part)
+    return merged
+
+
+def write(fs, root: str, entries: dict) -> None:
+    fs.pipe_file(f"{root}/{MANIFEST}", json.dumps({"files": entries}, indent=1).encode())
+
+
+def problems(path: str) -> list[str]:
+    """How the checkpoint at ``path`` differs from its manifest (empty: intact). A checkpoint
+    written before manifests existed has none and is accepted unverified."""
+    fs, root = url_to_fs(path)
+    fs.invalidate_cache()  # gcsfs caches object metadata: a stale size would hide a truncation
+    if not fs.exists(f"{root}/{MANIFEST}"):
+        return []
+    try:
+        recorded = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"{MANIFEST} unreadable ({type(e).__name__}: {e})"]
+    found = []
+    for rel, want in sorted(recorded.items()):
+        if not fs.exists(f"{root}/{rel}"):
+            found.append(f"{rel} missing")
+            continue
+        have = describe(fs, root, [rel])[rel]
+        if have["size"] != want["size"]:
+            found.append(f"{rel} has {have['size']:,} bytes, {want['size']:,} when saved")
+        elif have["crc32c"] != want["crc32c"]:
+            found.append(f"{rel} changed since it was saved (crc32c {have['crc32c']}, "
+                         f"{want['crc32c']} when saved)")
+    return found
+

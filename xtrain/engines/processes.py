@@ -1,0 +1,155 @@
+"""The processes of a run, one per host, and what they do together outside the training step:
+a barrier, a broadcast from process 0, an any-of vote that does not stall a step, and naming a
+process that vanished.
+
+Both engines use it: the CPU engine joins its processes over gloo itself (:func:`join_gloo`);
+the XLA engine uses the gloo group torch_xla creates through ``xla://`` (xtrain/xla/runtime.py).
+A one-process run is ``Processes()``: every method is then free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+
+class Processes:
+    """``rank``/``world``: this process's index and the process count; process 0 alone writes
+    metrics, logs, samples and checkpoint metadata. ``group``: the gloo group of the training
+    thread's collectives. ``checkpoint_group``: a second gloo group, used only by the checkpoint
+    upload thread (collectives of two threads on one group could be issued in different orders
+    on different processes and deadlock). ``heartbeat``: see :class:`Heartbeat` (None: unknown)."""
+
+    def __init__(self, rank: int = 0, world: int = 1, group=None, checkpoint_group=None,
+                 heartbeat: Heartbeat | None = None):
+        self.rank, self.world = rank, world
+        self.group, self.checkpoint_group, self.heartbeat = group, checkpoint_group, heartbeat
+
+    @property
+    def primary(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def broadcast(self, obj, src: int = 0):
+        """Process ``src``'s ``obj`` on every process (any picklable value)."""
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def vote(self, flag: bool):
+        """Start combining ``flag`` with every process's, True if any is True, without waiting;
+        returns a function that waits for the result (the same on every process)."""
+        if self.group is None:
+            return lambda: flag
+        import torch
+        import torch.distributed as dist
+
+        votes = torch.tensor([int(flag)])
+        work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+        def result() -> bool:
+            work.wait()
+            return bool(votes.item())
+
+        return result
+
+    def vanished(self) -> str | None:
+        """Which process is gone, in words, or None when all are alive (or it cannot be told)."""
+        return self.heartbeat.vanished() if self.heartbeat else None
+
+    def close(self) -> None:
+        """Stop the heartbeat and leave the process groups (at the end of a run: a store call or
+        a gloo group left to the interpreter's exit can abort the process)."""
+        if self.heartbeat:
+            self.heartbeat.stop()
+        if self.group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.group = self.checkpoint_group = None
+
+
+class Heartbeat:
+    """Each process bumps its own counter in the rendezvous store every ``INTERVAL_S`` seconds from
+    a daemon thread; a process whose counter stopped moving is gone.
+
+    Why not gloo itself: its errors do not say which peer died ("Read error [127.0.0.1]:24741:
+    Connection reset by peer"), and after a peer's death the group fails every call, torch's
+    ``monitored_barrier`` included (checked on torch 2.9.1). The store is a separate server
+    (rank 0's process, or torchrun's agent), reached through a client connection of our own.
+    """
+
+    INTERVAL_S = 1.0
+
+    def __init__(self, address: str, port: int, rank: int, world: int):
+        self.address, self.port, self.rank, self.world = address, port, rank, world
+        self._stop = threading.Event()
+        store = self._store()
+        store.add(self._key(rank), 1)
+        self._thread = threading.Thread(target=self._beat, args=(store,), daemon=True,
+                                        name="xtrain-heartbeat")
+        self._thread.start()
+
+    def _store(self, timeout_s: float = 30.0):
+        import torch.distributed as dist
+
+        client = dist.TCPStore(self.address, self.port, is_master=False,
+                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        return dist.PrefixStore("xtrain-heartbeat", client)
+
+    @staticmethod
+    def _key(rank: int) -> str:
+        return f"rank{rank}"
+
+    def _beat(self, store) -> None:
+        while not self._stop.wait(self.INTERVAL_S):
+            try:
+                store.add(self._key(self.rank), 1)
+            except Exception:  # noqa: BLE001  (the store's host is gone: vanished() says so)
+                return
+
+    def vanished(self) -> str | None:
+        """Reads every counter twice, three beats apart (a few seconds, once, on failure)."""
+        try:
+            store = self._store(timeout_s=5.0)
+            before = [store.add(self._key(r), 0) for r in range(self.world)]
+            time.sleep(3 * self.INTERVAL_S)
+            after = [store.add(self._key(r), 0) for r in range(self.world)]
+        except Exception as e:  # noqa: BLE001  (connection refused, reset, timeout...)
+            return (f"rank 0 of {self.world} (or the launcher hosting the rendezvous store at "
+                    f"{self.address}:{self.port}): the store is unreachable ({type(e).__name__})")
+        gone = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
+        if not gone:
+            return None
+        ranks = ", ".join(map(str, gone))
+        return (f"rank{'s' if len(gone) > 1 else ''} {ranks} of {self.world}: no heartbeat for "
+                f"{3 * self.INTERVAL_S:.0f} s")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.INTERVAL_S)
+
+
+def join_gloo(rank: int, world: int, address: str, port: int, timeout_s: float) -> Processes:
+    """Join the run's processes over gloo (torch's env:// rendezvous: MASTER_ADDR:MASTER_PORT,
+    where rank 0 or torchrun's agent hosts the store) and start the heartbeat."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=timeout)
+    checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+    return Processes(rank, world, dist.group.WORLD, checkpoint_group,
+                     Heartbeat(address, port, rank, world))
+

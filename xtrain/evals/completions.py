@@ -1,0 +1,62 @@
+"""Completions of the benchmark's prompts from a GPT: the model side of
+:func:`xtrain.evals.harness.generate_and_evaluate`, kept apart so the harness imports no torch.
+
+KV-cache generation (:func:`xtrain.model.generate.generate`) on the model's device (the training
+callback hands it a CPU copy), ``eval.n`` samples per prompt, greedy at ``eval.temperature=0``;
+a prompt's rows stop as soon as the stop rule finds the end of its function, so a completion costs
+the tokens of one function, not ``eval.max_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from xtrain.config import EvalConfig
+from xtrain.evals import stop
+from xtrain.evals.harness import Generate, generate_and_evaluate
+from xtrain.evals.problems import Problem
+from xtrain.model.generate import check_prompts_fit, generate
+
+SEED = 0  # the same seed at every evaluation: scores of one run differ only by what it learnt
+
+
+def check_fit(tokenizer, problems: Sequence[Problem], cfg: EvalConfig, sequence_len: int) -> None:
+    """Refuse, before any generation, a prompt that leaves no room for ``eval.max_tokens``."""
+    check_prompts_fit(tokenizer, [p.prompt for p in problems], cfg.max_tokens, sequence_len,
+                      "eval.max_tokens")
+
+
+def model_generate(model, tokenizer, cfg: EvalConfig, stats: dict | None = None) -> Generate:
+    """A ``generate(prompts, n)`` for the harness; ``stats`` (when given) receives the
+    ``tokens`` generated and the ``seconds`` spent."""
+
+    def run(prompts: list[str], n: int) -> list[list[str]]:
+        texts, tokens, seconds = [], 0, 0.0
+        for i, prompt in enumerate(prompts):
+            one: dict = {}
+            texts += generate(model, tokenizer, [prompt], n, max_tokens=cfg.max_tokens,
+                              temperature=cfg.temperature, top_k=cfg.top_k, seed=SEED + i,
+                              stop=lambda text, p=prompt: stop.ended(p, text, cfg.eof_markers),
+                              stats=one)
+            tokens, seconds = tokens + one["tokens"], seconds + one["seconds"]
+        if stats is not None:
+            stats.update(tokens=tokens, seconds=seconds)
+        return texts
+
+    return run
+
+
+def evaluate_model(model, tokenizer, problems: Sequence[Problem], cfg: EvalConfig,
+                   records_path: str | None = None) -> dict:
+    """Generate, cut, compile and test; the scores with the generation's tokens/s. Records go
+    to ``records_path`` (any fsspec URL) when given."""
+    stats: dict = {}
+    scores, _ = generate_and_evaluate(model_generate(model, tokenizer, cfg, stats), problems, cfg,
+                                      records_path)
+    scores["cpp_generate_tok_per_s"] = round(stats["tokens"] / max(stats["seconds"], 1e-9), 1)
+    return scores
+
+
+def records_path(run_dir: str, step: int) -> str:
+    """Where an evaluation of the weights at ``step`` writes its per-sample records."""
+    return f"{run_dir.rstrip('/')}/cpp_eval/step_{step:06d}.jsonl"

@@ -1,0 +1,136 @@
+"""The reproducibility bundle every run leaves in ``<run dir>/repro/step_<start step>/`` (one per
+start, so a resumed run keeps the record of each process that trained it):
+
+- ``config.yaml``: the resolved config, secrets masked;
+- ``code.json`` and ``code.diff``: the git commit, changed and untracked files, and
+  ``git diff HEAD`` of the source tree that ran; outside a git tree, the installed version;
+- ``packages.txt``: every installed distribution, ``name==version``;
+- ``devices.json``: engine, mesh and devices, host facts;
+- ``env.json``: the environment variables that shape a run (runtime, XLA, W&B, ...), secrets
+  masked.
+
+:func:`mask_secrets` is also what the W&B and TensorBoard loggers receive as the config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from xtrain.paths import url_to_fs
+
+MASK = "***"
+SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential",
+                "credentials", "auth"}
+ENV_PREFIXES = ("XLA_", "PJRT_", "TPU_", "LIBTPU", "JAX_", "CPU_NUM_DEVICES", "WANDB_", "XTRAIN_",
+                "OMP_", "MKL_", "TORCH", "PYTORCH", "CUDA_", "GCSFS_", "STORAGE_EMULATOR_HOST",
+                "GOOGLE_", "CLOUDSDK_", "HYDRA_", "PYTHONPATH", "PYTHONHASHSEED", "HF_")
+
+
+def is_secret_name(name: str) -> bool:
+    """WANDB_API_KEY, HF_TOKEN, GOOGLE_APPLICATION_CREDENTIALS: a word of the name says secret
+    (``tokenizer`` or ``keep_last`` do not)."""
+    return any(word in SECRET_WORDS for word in re.split(r"[^a-z0-9]+", name.lower()))
+
+
+def secret_values(environ=os.environ) -> set[str]:
+    """Values of environment variables whose names say they are secret (WANDB_API_KEY, ...)."""
+    return {v for k, v in environ.items() if is_secret_name(k) and len(v) >= 8}
+
+
+def mask_secrets(obj, environ=os.environ, key: str = ""):
+    """A copy of nested dicts/lists (or a string) with secrets replaced by ``***``: values under
+    secret-looking keys, and wherever a string holds the value of a secret environment
+    variable."""
+    secrets = secret_values(environ)
+
+    def walk(x, name):
+        if isinstance(x, dict):
+            return {k: walk(v, str(k)) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [walk(v, name) for v in x]
+        if isinstance(x, str):
+            if x and is_secret_name(name):
+                return MASK
+            for secret in secrets:
+                x = x.replace(secret, MASK)
+        return x
+
+    return walk(obj, key)
+
+
+def relevant_env(environ=os.environ) -> dict[str, str]:
+    chosen = {k: v for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES)}
+    return mask_secrets(chosen, environ)
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                          timeout=30, check=True).stdout
+
+
+def source_git_root(source: Path | None = None) -> Path | None:
+    """The git work tree holding xtrain's source, or None (an installed package)."""
+    source = source or Path(__file__).resolve().parents[1]
+    try:
+        return Path(_git(source, "rev-parse", "--show-toplevel").strip())
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def code_state(source: Path | None = None) -> tuple[dict, str]:
+    """(facts, diff) of the code that runs: commit, changed and untracked files and ``git diff
+    HEAD`` in a git tree; the installed version otherwise."""
+    root = source_git_root(source)
+    if root is None:
+        try:
+            version = metadata.version("xtrain")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        return {"git": False, "installed_version": version,
+                "location": str(Path(__file__).resolve().parents[1])}, ""
+    status = _git(root, "status", "--porcelain").splitlines()
+    facts = {"git": True, "root": str(root), "commit": _git(root, "rev-parse", "HEAD").strip(),
+             "dirty": bool(status), "changed": [s[3:] for s in status if not s.startswith("??")],
+             "untracked": [s[3:] for s in status if s.startswith("??")]}
+    return facts, _git(root, "diff", "HEAD")
+
+
+def installed_packages() -> list[str]:
+    found = {(d.metadata["Name"] or "?").lower(): d.version for d in metadata.distributions()}
+    return [f"{name}=={version}" for name, version in sorted(found.items())]
+
+
+def host_facts() -> dict:
+    return {"hostname": socket.gethostname(), "platform": platform.platform(),
+            "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
+            "processor": platform.processor() or platform.machine()}
+
+
+def write_bundle(run_dir: str, start_step: int, config: dict, devices: dict) -> str:
+    """Write the bundle; returns its directory. ``config`` is the resolved config (masked here),
+    ``devices`` the engine's description (mesh, device list)."""
+    from omegaconf import OmegaConf
+
+    where = f"{run_dir.rstrip('/')}/repro/step_{start_step:06d}"
+    fs, root = url_to_fs(where)
+    fs.makedirs(root, exist_ok=True)
+    facts, diff = code_state()
+    files = {
+        "config.yaml": OmegaConf.to_yaml(OmegaConf.create(mask_secrets(config))),
+        "code.json": json.dumps(facts, indent=2),
+        "code.diff": mask_secrets(diff),
+        "packages.txt": "\n".join(installed_packages()) + "\n",
+        "devices.json": json.dumps({**devices, "host": host_facts()}, indent=2, default=str),
+        "env.json": json.dumps(relevant_env(), indent=2),
+    }
+    for name, text in files.items():
+        fs.pipe_file(f"{root}/{name}", text.encode())
+    return where

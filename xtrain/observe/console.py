@@ -1,0 +1,178 @@
+"""The console: xtrain's messages through Python logging (INFO on stdout, warnings on stderr),
+each also written to ``<run dir>/console.log`` with a timestamp, and a progress display fed by
+the run's records.
+
+On a terminal the display is a rich progress bar (step, loss, tok/s, MFU, elapsed, ETA) under
+the log lines; elsewhere (a pipe, a file, CI) plain lines only. Either way it changes only when
+a record arrives, i.e. at the logging interval: nothing reads the device to draw it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import sys
+import traceback
+
+from xtrain.observe.sinks import AppendFile, Sink
+
+LOGGERS = ("xtrain", "lightning.pytorch", "py.warnings")  # what the console and console.log show
+CONSOLE_FILE = "console.log"
+
+
+class _Stdout(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is at the time (rich's live display redirects it so log
+    lines scroll above the progress bar); INFO and below only."""
+
+    def __init__(self):
+        super().__init__()
+        self.addFilter(lambda r: r.levelno < logging.WARNING)
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+class _FileHandler(logging.Handler):
+    def __init__(self, file: AppendFile):
+        super().__init__()
+        self.file = file
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record):
+        try:
+            self.file.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001  (logging must never stop a run)
+            self.handleError(record)
+
+
+def _quiet_libraries(record) -> bool:
+    """Libraries' warnings only: Lightning resets its logger to INFO when it is imported, and its
+    INFO lines (accelerator probes, tips) are not xtrain's."""
+    return record.levelno >= logging.WARNING or record.name.startswith("xtrain")
+
+
+class ConsoleLog:
+    """Logging for one run, as a context manager: handlers on :data:`LOGGERS` (propagation off,
+    so nothing prints twice), removed on exit. An exception leaving the block is written to
+    console.log with its traceback (the console itself shows what the CLI prints)."""
+
+    def __init__(self, run_dir: str | None, level: int = logging.INFO):
+        self.file = AppendFile(f"{run_dir.rstrip('/')}/{CONSOLE_FILE}") if run_dir else None
+        stderr = logging.StreamHandler(sys.stderr)
+        stderr.setLevel(logging.WARNING)
+        self.handlers = [_Stdout(), stderr] + ([_FileHandler(self.file)] if self.file else [])
+        for handler in self.handlers:
+            handler.addFilter(_quiet_libraries)
+        self.level = level
+        self._saved = {}
+        # Lightning gives its logger a handler of its own when it is imported while the root
+        # logger has none; a null handler on the root keeps it from doing so inside the block
+        self._root_guard = logging.NullHandler()
+
+    def __enter__(self):
+        logging.captureWarnings(True)
+        logging.getLogger().addHandler(self._root_guard)
+        # TensorBoard's import warns that without TensorFlow it cannot write gs:// paths; xtrain
+        # gives it a local directory (xtrain/observe/loggers.py)
+        logging.getLogger("absl").setLevel(logging.ERROR)
+        for name in LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved[name] = (logger.level, logger.propagate, list(logger.handlers))
+            logger.handlers = list(self.handlers)
+            logger.propagate = False
+            logger.setLevel(self.level)
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is not None and self.file is not None:
+            stamp = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
+            self.file.write(f"{stamp} ERROR {''.join(traceback.format_exception(kind, error, tb))}")
+        for name, (level, propagate, handlers) in self._saved.items():
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate = handlers, propagate
+            logger.setLevel(level)
+        logging.captureWarnings(False)
+        logging.getLogger().removeHandler(self._root_guard)
+        if self.file is not None:
+            self.file.close()
+        return False
+
+
+def clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "--:--"
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def train_line(r: dict, max_steps: int) -> str:
+    mfu = f" | mfu {r['mfu']:.1%}" if "mfu" in r else ""
+    return (f"step {r['step']:6d}/{max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"{r['tok_per_s']:,.0f} tok/s{mfu} | elapsed {clock(r.get('elapsed_s'))} | "
+            f"eta {clock(r.get('eta_s'))}")
+
+
+def record_line(r: dict, max_steps: int) -> str | None:
+    """The console line for a record (None: the record is not shown)."""
+    kind, step = r["kind"], r["step"]
+    if kind == "train":
+        return train_line(r, max_steps)
+    if kind == "val":
+        return f"step {step:6d} | val loss {r['val_loss']:.4f} | val bpb {r['val_bpb']:.4f}"
+    if kind == "checkpoint":
+        return f"step {step:6d} | checkpoint committed in {r['ckpt_s']:.2f} s"
+    if kind == "sample":
+        texts = "\n".join(f"--- {s['prompt']!r}\n{s['prompt']}{s['text']}" for s in r["samples"])
+        return f"step {step:6d} | sample ({r['sample_tok_per_s']:,.0f} tok/s):\n{texts}"
+    scores = " | ".join(f"{k} {v:.4g}" for k, v in r.items()
+                        if k not in ("step", "kind", "time") and isinstance(v, (int, float)))
+    return f"step {step:6d} | {kind} | {scores}"
+
+
+class ProgressDisplay(Sink):
+    """Log lines for records; on a terminal also a progress bar refreshed only when a train
+    record arrives."""
+
+    def __init__(self, max_steps: int, start_step: int = 0, tty: bool | None = None,
+                 console=None, log: logging.Logger | None = None):
+        """``console``: rich's Console to draw on (default: stdout's)."""
+        self.max_steps = max_steps
+        self.log = log or logging.getLogger("xtrain.progress")
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.refreshes = 0
+        self._progress = self._task = None
+        if self.tty:
+            self._start_bar(start_step, console)
+
+    def _start_bar(self, start_step: int, console) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]} | {task.fields[tok_s]} tok/s | mfu {task.fields[mfu]}"
+                       " | elapsed {task.fields[elapsed]} | eta {task.fields[eta]}"),
+            console=console, auto_refresh=False, redirect_stdout=True, redirect_stderr=True)
+        self._task = self._progress.add_task("train", total=self.max_steps, completed=start_step,
+                                             loss="-", tok_s="-", mfu="-", elapsed="-", eta="-")
+        self._progress.start()
+
+    def write(self, record: dict) -> None:
+        line = record_line(record, self.max_steps)
+        if line:
+            self.log.info(line)
+        if self._progress is not None and record["kind"] == "train":
+            mfu = f"{record['mfu']:.1%}" if "mfu" in record else "-"
+            self._progress.update(self._task, completed=record["step"], loss=f"{record['loss']:.4f}",
+                                  tok_s=f"{record['tok_per_s']:,.0f}", mfu=mfu,
+                                  elapsed=clock(record.get("elapsed_s")), eta=clock(record.get("eta_s")))
+            self._progress.refresh()
+            self.refreshes += 1
+
+    def close(self, status: str = "success") -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

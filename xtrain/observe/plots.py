@@ -1,0 +1,94 @@
+"""Charts of runs, as PNG files: the ones each run writes into its run dir at the end
+(:func:`write_run_plots`), and the shared pieces ``python -m xtrain.report`` draws several runs
+with (xtrain/report.py). matplotlib with its Agg backend (files only, no display).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+from xtrain.paths import url_to_fs
+
+NOT_METRICS = ("step", "time", "kind")
+# the run dir's plots: file name -> (title, [(record kind, metric, label)], y label)
+RUN_PLOTS = {
+    "loss.png": ("loss", [("train", "loss", "train"), ("val", "val_loss", "validation")],
+                 "loss (nats/token)"),
+    "val_bpb.png": ("validation bits per byte", [("val", "val_bpb", "validation")], "bits per byte"),
+    "throughput.png": ("throughput", [("train", "tok_per_s", "tokens/s")], "tokens/s"),
+}
+
+
+def read_records(run_dir: str, filename: str = "metrics.jsonl") -> list[dict]:
+    """A run's records, the last one of each (kind, step) winning: a resumed run logs again
+    from its checkpoint's step."""
+    fs, root = url_to_fs(f"{run_dir.rstrip('/')}/{filename}")
+    latest = {}
+    for line in fs.cat_file(root).decode().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            latest[(r.get("kind", "train" if "loss" in r else "other"), r["step"])] = r
+    return sorted(latest.values(), key=lambda r: r["step"])
+
+
+def metric_names(records: list[dict]) -> set[str]:
+    return {k for r in records for k, v in r.items()
+            if k not in NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def eval_metrics(records: list[dict]) -> list[str]:
+    """Scores of evaluation records (kind ``eval``), e.g. ``cpp_pass_rate``."""
+    return sorted(metric_names([r for r in records if r.get("kind") == "eval"]))
+
+
+def series(records: list[dict], metric: str, kind: str | None = None) -> tuple[list, list]:
+    pts = [(r["step"], r[metric]) for r in records
+           if metric in r and (kind is None or r.get("kind") == kind)]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def png(title: str, ylabel: str, lines: list[tuple[str, list, list]]) -> bytes:
+    """One chart (steps on x) with a line per (label, steps, values); PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for label, xs, ys in lines:
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    if len(lines) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    return out.getvalue()
+
+
+def write_png(path: str, data: bytes) -> None:
+    fs, root = url_to_fs(path)
+    fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(root, data)
+
+
+def write_run_plots(run_dir: str, records: list[dict] | None = None) -> list[str]:
+    """The run's charts in ``<run dir>/plots/``: loss, validation bpb, throughput and, when the run
+    has evaluation scores, eval.png. Charts without data are skipped. Returns the paths."""
+    records = read_records(run_dir) if records is None else records
+    written = []
+    charts = dict(RUN_PLOTS)
+    scores = eval_metrics(records)
+    if scores:
+        charts["eval.png"] = ("evaluation scores", [("eval", m, m) for m in scores], "score")
+    for name, (title, wanted, ylabel) in charts.items():
+        lines = [(label, *series(records, metric, kind)) for kind, metric, label in wanted]
+        lines = [line for line in lines if line[1]]
+        if lines:
+            path = f"{run_dir.rstrip('/')}/plots/{name}"
+            write_png(path, png(title, ylabel, lines))
+            written.append(path)
+    return written

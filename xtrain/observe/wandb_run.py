@@ -1,0 +1,107 @@
+"""The W&B logger: which mode (online only with a key, never W&B's interactive login prompt),
+which run id (kept in the run dir), and the run itself, handed to Lightning's WandbLogger.
+
+Lightning's WandbLogger logs metrics, text and the config; the run is started here rather than
+by the logger because the logger's own start (``WandbLogger.experiment``) writes
+``WANDB_MODE=dryrun`` into the process environment when offline, passes W&B's deprecated
+``anonymous`` setting (a warning on every run) and leaves the login to W&B, which prompts for a
+key on a terminal and raises without one. ``WandbLogger(experiment=run)`` is its documented way
+to log to a run started elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+import secrets
+from urllib.parse import urlparse
+
+from xtrain.config import WandbMode
+from xtrain.errors import ConfigError
+from xtrain.paths import url_to_fs
+
+log = logging.getLogger(__name__)
+RUN_ID_FILE = "wandb-run-id"  # in the run dir: the W&B run a resumed run continues
+_OFFLINE_NAMES = ("offline", "dryrun")
+
+
+def has_key(environ=os.environ) -> bool:
+    """A W&B key without asking for one: WANDB_API_KEY, else an entry for W&B's host in ~/.netrc
+    (where ``wandb login`` stores it)."""
+    if environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def choose_mode(mode: WandbMode | str, environ=os.environ) -> str:
+    """``online`` or ``offline``. ``auto`` follows WANDB_MODE when set, else goes online only with
+    a key. Online without a key is refused (W&B would prompt on a terminal, raise without one)."""
+    mode = WandbMode(mode)
+    env_mode = environ.get("WANDB_MODE", "").strip().lower()
+    if mode == WandbMode.auto and env_mode:
+        if env_mode not in ("online", "run", *_OFFLINE_NAMES):
+            raise ConfigError(f"WANDB_MODE={env_mode!r}: expected online or offline (or drop "
+                              "logger=wandb to log without W&B)")
+        mode = WandbMode.offline if env_mode in _OFFLINE_NAMES else WandbMode.online
+        source = f"WANDB_MODE={env_mode}"
+    else:
+        source = f"logger.wandb.mode={mode.value}"
+    if mode == WandbMode.offline:
+        return "offline"
+    if has_key(environ):
+        return "online"
+    if mode == WandbMode.online:
+        raise ConfigError(f"{source} but no W&B key: export WANDB_API_KEY (never put it in a "
+                          "config), or set logger.wandb.mode=offline")
+    return "offline"
+
+
+def run_id(run_dir: str) -> str:
+    """The run dir's W&B run id, created on first use: the same for every restart of the run (a
+    resumed run continues its W&B run), new once the run dir is gone."""
+    fs, root = url_to_fs(f"{run_dir.rstrip('/')}/{RUN_ID_FILE}")
+    if fs.exists(root):
+        return fs.cat_file(root).decode().strip()
+    new = secrets.token_hex(6)  # W&B ids: lowercase letters and digits
+    fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(root, new.encode())
+    return new
+
+
+def describe_mode(chosen: str, mode: WandbMode | str, files: str, environ=os.environ) -> str:
+    """The one line a run prints about W&B."""
+    if chosen == "online":
+        return "W&B: online"
+    why = ("WANDB_MODE=offline" if environ.get("WANDB_MODE") and WandbMode(mode) == WandbMode.auto
+           else "logger.wandb.mode=offline" if WandbMode(mode) == WandbMode.offline
+           else "no key: WANDB_API_KEY unset and none in ~/.netrc")
+    return f"W&B: offline ({why}); files in {files}/wandb, `wandb sync` uploads them later"
+
+
+def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
+                 project: str = "xtrain", entity: str | None = None, group: str | None = None,
+                 tags=(), mode: WandbMode | str = WandbMode.auto, git_root: str | None = None):
+    """Start (or continue) the run's W&B run and wrap it in Lightning's WandbLogger.
+    ``run_config``: the resolved config with secrets masked (the W&B run's config). The run id is
+    kept in ``run_dir`` (any fsspec URL); W&B writes its files under ``<local_dir>/wandb`` (W&B
+    needs a local directory)."""
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    chosen = choose_mode(mode)
+    log.info(describe_mode(chosen, mode, local_dir))
+    settings = wandb.Settings(mode=chosen, console="off", silent=True, git_root=git_root,
+                              disable_git=git_root is None)
+    os.makedirs(local_dir, exist_ok=True)
+    run = wandb.init(project=project, entity=entity, name=run_name, id=run_id(run_dir),
+                     resume="allow", group=group, tags=list(tags) or None, dir=local_dir,
+                     config=run_config, settings=settings)
+    # the x axis of every chart is the training step (WandbLogger logs it as trainer/global_step)
+    run.define_metric("trainer/global_step")
+    run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+    return WandbLogger(experiment=run, project=project, save_dir=local_dir)

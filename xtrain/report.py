@@ -1,0 +1,130 @@
+"""``python -m xtrain.report RUN_DIR... --out DIR [--metrics loss,val_bpb,...]``: several runs, or
+whole sweep dirs, drawn together (one PNG per metric, a line per run) with a summary table
+(``summary.md``, ``summary.csv``, also printed): steps, final loss, final validation bits per
+byte, median tokens/s, and the best of each evaluation score (higher is better, as for pass
+rates). A RUN_DIR holding ``metrics.jsonl`` is one run; otherwise every subdirectory holding one
+is (a sweep dir, e.g. ``multirun/``). Paths may be fsspec URLs (gs://...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import statistics
+import sys
+
+from xtrain.errors import EXIT_REFUSED, InputError
+from xtrain.observe.plots import eval_metrics, metric_names, png, read_records, series, write_png
+from xtrain.paths import as_url, url_to_fs
+
+DEFAULT_METRICS = ("loss", "val_loss", "val_bpb", "tok_per_s", "mfu")
+METRICS_FILE = "metrics.jsonl"
+
+
+def find_runs(paths: list[str]) -> dict[str, str]:
+    """name -> run dir, for run dirs and sweep dirs (their subdirectories that hold runs)."""
+    runs = {}
+    for path in paths:
+        fs, root = url_to_fs(path)
+        root = root.rstrip("/")
+        if fs.exists(f"{root}/{METRICS_FILE}"):
+            runs[root.rsplit("/", 1)[-1]] = path.rstrip("/")
+            continue
+        found = sorted(d for d in fs.ls(root, detail=False) if fs.exists(f"{d.rstrip('/')}/{METRICS_FILE}")) \
+            if fs.isdir(root) else []
+        if not found:
+            raise InputError(f"{path}: no {METRICS_FILE} in it or in its subdirectories")
+        for d in found:
+            runs[d.rstrip("/").rsplit("/", 1)[-1]] = as_url(fs, d.rstrip("/"))
+    return runs
+
+
+def summary_row(name: str, records: list[dict], scores: list[str]) -> dict:
+    train = [r for r in records if r.get("kind", "train") == "train" and "loss" in r]
+    val = [r for r in records if "val_bpb" in r]
+    rates = [r["tok_per_s"] for r in train[1:] or train if "tok_per_s" in r]  # step 1 compiles
+    row = {"run": name, "steps": train[-1]["step"] if train else 0,
+           "final loss": train[-1]["loss"] if train else None,
+           "final val bpb": val[-1]["val_bpb"] if val else None,
+           "tok/s (median)": round(statistics.median(rates), 1) if rates else None}
+    for score in scores:
+        _, values = series(records, score, "eval")
+        row[f"best {score}"] = max(values) if values else None
+    return row
+
+
+def cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.4f}"
+    return str(v)
+
+
+def table_markdown(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def choose_metrics(asked: str | None, known: set[str], scores: list[str]) -> list[str]:
+    if asked is None:
+        return [m for m in DEFAULT_METRICS if m in known] + scores
+    wanted = [m.strip() for m in asked.split(",") if m.strip()]
+    unknown = [m for m in wanted if m not in known]
+    if unknown:
+        raise InputError(f"unknown metric {', '.join(map(repr, unknown))}: the runs have "
+                         f"{', '.join(sorted(known))}")
+    return wanted
+
+
+def legend_names(names: list[str]) -> list[str]:
+    """Run names without the parts all of them share (a sweep's jobs differ in a few overrides)."""
+    parts = [n.split("-") for n in names]
+    if len(parts) < 2:
+        return names
+    shared = set.intersection(*(set(p) for p in parts))
+    return ["-".join(x for x in p if x not in shared) or n for p, n in zip(parts, names)]
+
+
+def report(paths: list[str], out: str, metrics: str | None = None) -> list[dict]:
+    runs = {name: read_records(d) for name, d in find_runs(paths).items()}
+    known = set().union(*(metric_names(r) for r in runs.values()))
+    scores = sorted(set().union(*(eval_metrics(r) for r in runs.values())))
+    labels = dict(zip(runs, legend_names(list(runs))))
+    for metric in choose_metrics(metrics, known, scores):
+        lines = [(labels[name], *series(records, metric)) for name, records in runs.items()]
+        write_png(f"{out.rstrip('/')}/{metric}.png",
+                  png(metric, metric, [line for line in lines if line[1]]))
+    rows = [summary_row(name, records, scores) for name, records in runs.items()]
+    fs, root = url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe_file(f"{root}/summary.md", table_markdown(rows).encode())
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    fs.pipe_file(f"{root}/summary.csv", buffer.getvalue().encode())
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m xtrain.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs or sweep dirs")
+    parser.add_argument("--out", required=True, help="directory for the PNGs and summary tables")
+    parser.add_argument("--metrics", help="comma-separated metrics to draw (default: loss, "
+                        "val_loss, val_bpb, tok_per_s, mfu and every evaluation score)")
+    args = parser.parse_args(argv)
+    try:
+        rows = report(args.run_dirs, args.out, args.metrics)
+    except InputError as e:
+        print(f"xtrain.report: {e}", file=sys.stderr)
+        sys.exit(EXIT_REFUSED)
+    print(table_markdown(rows), end="")
+    print(f"plots and summary in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
