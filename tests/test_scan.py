@@ -42,7 +42,7 @@ def test_scan_and_remat_give_the_unrolled_losses_on_4_devices(parallelism, rows,
 
 
 def test_a_window_pattern_is_scanned_a_period_at_a_time():
-    from xtrain.xla.layers import scan_period
+    from xtrain.model.config import scan_period
 
     assert scan_period((None,) * 16) == (1, 16)
     assert scan_period((8, 8, 8, None) * 4) == (4, 4)
@@ -89,6 +89,9 @@ def test_scan_and_remat_are_on_for_tpu_profiles_and_scan_refused_on_the_cpu_engi
     assert resolve(compose_config(["hardware=v6e4", "model.remat=false"]), 4).gpt.remat is False
     gpt = resolve(compose_config(["hardware.engine=xla"]), 4).gpt
     assert gpt.scan is False and gpt.remat is False  # XLA on CPU: off unless asked
+    # two layers, sliding then full: no period repeats, so the default runs them unrolled
+    gpt = resolve(compose_config(["hardware=v6e4", "model=d2", "model.window_pattern=SL"]), 4).gpt
+    assert gpt.windows[0] is not None and gpt.scan is False
     with pytest.raises(ConfigError, match="model.scan=true needs the XLA engine"):
         resolve(compose_config(["model.scan=true"]), 1)
 

@@ -38,6 +38,20 @@ def parse_window_pattern(pattern: str, n_layer: int, window_len: int) -> tuple[i
     return tuple(windows)
 
 
+def scan_period(windows) -> tuple[int, int]:
+    """(period, scanned periods): the shortest period of the per-layer windows that repeats from
+    the first layer, and how many whole periods repeat it (at least 2, else nothing to scan)."""
+    n = len(windows)
+    for period in range(1, n // 2 + 1):
+        repeats = 1
+        while (repeats + 1) * period <= n and \
+                windows[repeats * period:(repeats + 1) * period] == windows[:period]:
+            repeats += 1
+        if repeats * period >= n - period and repeats >= 2:
+            return period, repeats
+    return n, 1
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     n_layer: int

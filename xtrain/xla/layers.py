@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from xtrain import compat
 from xtrain.errors import ConfigError
+from xtrain.model.config import scan_period
 from xtrain.model.gpt import GPT
 from xtrain.xla.spmd import mark
 
@@ -56,20 +57,6 @@ class _Body:
     def __call__(self, x, xs):
         params, cos, sin = xs
         return torch.func.functional_call(self.template, params, (x, cos, sin), strict=True), None
-
-
-def scan_period(windows) -> tuple[int, int]:
-    """(period, scanned periods): the shortest period of the per-layer windows that repeats from
-    the first layer, and how many whole periods repeat it (at least 2, else nothing to scan)."""
-    n = len(windows)
-    for period in range(1, n // 2 + 1):
-        repeats = 1
-        while (repeats + 1) * period <= n and \
-                windows[repeats * period:(repeats + 1) * period] == windows[:period]:
-            repeats += 1
-        if repeats * period >= n - period and repeats >= 2:
-            return period, repeats
-    return n, 1
 
 
 class ScannedBlocks:
