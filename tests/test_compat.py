@@ -14,7 +14,8 @@ from xtrain import compat
 PRIVATE_NAMES = [  # (module, attribute) every compat shim reaches for
     ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
     ("torch_xla", "_XLAC._get_xla_sharding_spec"),
-    ("torch_xla", "_XLAC._xla_get_tensor_id"),
+    ("torch_xla", "_XLAC._get_tensors_handle"),
+    ("torch._dynamo.utils", "counters"),
     ("torch_xla", "_XLAC._get_tensors_xla_device_data_node"),
     ("torch_xla.core.xla_model", "_maybe_convert_to_cpu"),
     ("torch_xla.experimental.distributed_checkpoint._helpers", "_sharded_cpu_state_dict"),

@@ -82,3 +82,52 @@ def test_unknown_group_kind_is_refused():
     with pytest.raises(ValueError, match="unknown param group kind"):
         MuonAdamW([dict(params=[torch.nn.Parameter(torch.zeros(2, 2))], lr=1.0, kind="sgd")],
                   schedule=dict(max_steps=1, warmup_steps=0, warmdown_ratio=0, final_lr_frac=0))
+
+
+def _d16_matrix_shapes(compose_config):
+    from xtrain.model.config import GPTConfig
+
+    cfg = compose_config(["model=d16"]).model
+    cfg.vocab_size, cfg.sequence_len = 65536, 2048
+    shapes = GPTConfig.from_model(cfg, "sdpa").param_shapes()
+    return sorted({s for n, s in shapes.items() if n.startswith("blocks.")})
+
+
+def test_batched_newton_schulz_equals_per_matrix_for_every_d16_shape(compose_config):
+    shapes = _d16_matrix_shapes(compose_config)
+    assert shapes == [(1024, 1024), (1024, 4096), (4096, 1024)]  # q/k/v/proj, mlp proj, mlp fc
+    g = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        stack = torch.randn(3, *shape, generator=g) * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]
+        batched = orthogonalize(stack, steps=5)
+        one_by_one = torch.stack([orthogonalize(m, steps=5) for m in stack])
+        assert (batched - one_by_one).abs().max() <= 1e-5, shape
+
+
+def _reference_muon_step(params, grads, bufs, lr, momentum=0.95, ns_steps=5):
+    """Muon as written before batching: one Newton-Schulz per matrix."""
+    for p, g, buf in zip(params, grads, bufs):
+        buf.lerp_(g, 1 - momentum)
+        update = orthogonalize(g.lerp(buf, momentum), ns_steps)
+        p.add_(update * (-lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5))
+
+
+def test_the_optimizer_groups_same_shape_matrices_and_gives_the_per_matrix_update():
+    from xtrain.optim import same_shape_groups
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(32, 16), (16, 32), (32, 16), (16, 16), (16, 32), (32, 16)]
+    params = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
+    assert same_shape_groups(params) == {(32, 16): [0, 2, 5], (16, 32): [1, 4], (16, 16): [3]}
+    reference = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    opt = MuonAdamW([dict(params=params, lr=0.02, kind="muon")],
+                    schedule=dict(max_steps=10, warmup_steps=0, warmdown_ratio=0.0, final_lr_frac=0.0))
+    for _ in range(3):
+        grads = [torch.randn(*s, generator=g) for s in shapes]
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        opt.step()
+        _reference_muon_step(reference, grads, bufs, lr=0.02)
+    for p, ref in zip(params, reference):
+        assert (p.detach() - ref).abs().max() <= 1e-6

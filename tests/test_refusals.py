@@ -37,7 +37,7 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("unknown-precision", ["hardware.precision=fp8"], {}, "hardware.precision: Invalid value 'fp8'"),
     ("unknown-experiment", ["+experiment=nope"], {}, "Available options in 'experiment': v5e8_d16_1024"),
     ("experiment-without-plus", ["experiment=v6e4_d16_16k"], {}, "use +experiment=v6e4_d16_16k"),
-    # ranges declared beside each field (xtrain/config.py)
+    # ranges declared beside each field (xtrain/config/)
     ("device-batch-0", ["trainer.device_batch_size=0"], {}, "trainer.device_batch_size=0: must be >= 1"),
     ("device-batch-neg", ["trainer.device_batch_size=-1"], {}, "trainer.device_batch_size=-1: must be >= 1"),
     ("max-steps-0", ["trainer.max_steps=0"], {}, "trainer.max_steps=0: must be >= 1"),

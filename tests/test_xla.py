@@ -103,19 +103,22 @@ def test_parallelisms_match_the_cpu_engine_and_shard_as_declared(devices, cpu_re
             assert ("last_tile_dim_replicate" in hlo) == (replicated > 1), (par, name, hlo)
 
 
-def _compile_run(tmp_path, steps):
+def _compile_run(tmp_path, steps, extra=()):
     overrides = common(steps) + [
         "hardware.engine=xla", "trainer.device_batch_size=2", "trainer.log_every=10",
         "trainer.eval_every=20", "checkpoint.every=25", "optim.warmup_steps=5",
-        "optim.warmdown_ratio=0.4", "optim.final_lr_frac=0.0"]
+        "optim.warmdown_ratio=0.4", "optim.final_lr_frac=0.0", *extra]
     res = drive([{"name": "run", "dir": str(tmp_path / f"s{steps}"), "overrides": overrides}], 4)
     return res["run"]["records"]
 
 
-def test_compilations_are_constant_and_host_syncs_only_at_log_points(tmp_path):
+# scan over layers (xtrain/xla/layers.py) traces its body with AOTAutograd inside the step: it
+# must add no graph and no host transfer
+@pytest.mark.parametrize("scan", ["false", "true"])
+def test_compilations_are_constant_and_host_syncs_only_at_log_points(tmp_path, scan):
     counts = {}
     for steps in (50, 100):
-        records = _compile_run(tmp_path, steps)
+        records = _compile_run(tmp_path, steps, [f"model.scan={scan}"])
         train = [r for r in records if "loss" in r]
         # 3 graphs in all: optimizer-state init, the training step, the validation step.
         # (An LR at 0.0/1.0 and the warmup/warmdown never add one: the LR is computed on device.)

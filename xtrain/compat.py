@@ -64,6 +64,14 @@ def fsspec_writer(path: str, written: list | None = None):
     return RecordingWriter(path, per_thread_copy_ahead=0)
 
 
+def dynamo_graph_count() -> int:
+    """[torch] Graphs torch.compile has compiled in this process (``torch._dynamo.utils.counters``,
+    the count its own tests use): constant after warm-up when nothing recompiles."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 # --- torch_xla -------------------------------------------------------------------------------
 
 
@@ -126,20 +134,22 @@ def tpu_chips_on_pci() -> int:
     return num_available_chips()
 
 
-def tensor_id(tensor) -> int:
-    """[torch_xla] The lazy tensor's id, as graph inputs are named (``_XLAC``)."""
+def data_handles(tensors) -> list[int]:
+    """[torch_xla] The device-data handle behind each tensor (``_XLAC._get_tensors_handle``): a
+    tensor's id changes with every in-place update and torch_xla's scan re-wraps the data it
+    reads, but the buffer a graph reads keeps its handle."""
     import torch_xla
 
-    return torch_xla._XLAC._xla_get_tensor_id(tensor)
+    return list(torch_xla._XLAC._get_tensors_handle(list(tensors)))
 
 
-def graph_input_ids(outputs) -> list[int]:
-    """[torch_xla] Ids of the device-data inputs of the graph computing ``outputs``, in the order
-    of the exported function's arguments (torch_xla/stablehlo.py relies on the same order)."""
+def graph_input_handles(outputs) -> list[int]:
+    """[torch_xla] Handles of the device-data inputs of the graph computing ``outputs``, in the
+    order of the exported function's arguments (torch_xla/stablehlo.py relies on the same order)."""
     import torch_xla
 
-    ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs)
-    return ids
+    _, values = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs)
+    return data_handles(values)
 
 
 def lower_pallas_for_tpu(n_devices: int) -> None:
@@ -257,3 +267,28 @@ def jax_compiler_internals():
     from jax._src.lib.mlir import ir
 
     return ir, mlir, compiler, xla_client
+
+
+# --- torch (AOTAutograd partitioning, used by the XLA engine's scan) --------------------------
+
+
+def remat_partition(joint_module, joint_inputs, **kwargs):
+    """[torch] A partition function for AOTAutograd (torch_xla's ``scan`` takes one) that
+    recomputes every forward value in the backward graph, so the forward saves only its inputs:
+    activation checkpointing of the whole traced function. Tags each forward node the way
+    ``torch.utils.checkpoint`` does under ``torch.compile`` (``node.meta["recompute"]``, with
+    the region id ``ac_graph_id`` that ``min_cut_rematerialization_partition`` reads), then lets
+    that partitioner honour the tags."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    nodes = list(joint_module.graph.nodes)
+    backward = {n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    for node in nodes:  # graph order is topological: a node after a backward input is backward
+        if node.op == "call_function" and any(a in backward for a in node.all_input_nodes):
+            backward.add(node)
+    for node in nodes:
+        if node.op == "call_function" and node not in backward:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0
+    return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)

@@ -20,7 +20,10 @@ NAME_NEUTRAL_KEYS = ("mode",)
 NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
                          "run.", "checkpoint.", "logger", "sample.", "hydra.", "data.prefetch",
                          "data.tokenizer_threads", "data.remote_timeout_s",
-                         "trainer.collective_timeout_s", "preemption.")
+                         "trainer.collective_timeout_s", "preemption.",
+                         # how the same training is compiled and run (same losses, same keys)
+                         "compile_cache.", "preflight.", "model.scan", "model.remat",
+                         "trainer.compile")
 GROUPS_IN_NAME = ("model", "hardware", "data")
 MAX_NAME = 120  # bytes; file systems allow 255 per path component
 

@@ -32,7 +32,8 @@ def lr_multiplier(step, max_steps: int, warmup_steps: int, warmdown_ratio: float
 @torch.no_grad()
 def orthogonalize(G: torch.Tensor, steps: int, dtype=torch.float32) -> torch.Tensor:
     """Newton-Schulz iteration towards the nearest semi-orthogonal matrix (Keller Jordan's Muon,
-    quintic coefficients (3.4445, -4.7750, 2.0315)); bfloat16 is enough on TPUs."""
+    quintic coefficients (3.4445, -4.7750, 2.0315)); bfloat16 is enough on TPUs. ``G`` is one
+    matrix [m, n] or a stack [k, m, n] of same-shape matrices, each orthogonalised on its own."""
     a, b, c = 3.4445, -4.7750, 2.0315
     X = G.to(dtype)
     tall = X.size(-2) > X.size(-1)
@@ -45,6 +46,14 @@ def orthogonalize(G: torch.Tensor, steps: int, dtype=torch.float32) -> torch.Ten
     if tall:
         X = X.mT
     return X.to(G.dtype)
+
+
+def same_shape_groups(params) -> dict[tuple, list[int]]:
+    """shape -> indices of the parameters with that shape, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(tuple(p.shape), []).append(i)
+    return groups
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -120,10 +129,25 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._last_mult = self.update()
+        return loss
+
+    def compile_update(self, compile_fn) -> None:
+        """Run the update (everything after the gradients) through ``compile_fn``, e.g.
+        ``torch.compile`` (the CPU engine); the state must exist first (:meth:`init_state`), or
+        the first call would trace a different graph from every later one."""
+        self.init_state()
+        self.update = compile_fn(self.apply_update)
+
+    def update(self) -> torch.Tensor:
+        return self.apply_update()
+
+    @torch.no_grad()
+    def apply_update(self) -> torch.Tensor:
+        """Both updates at the scheduled rates; returns the LR multiplier used."""
         device = self.param_groups[0]["params"][0].device
         t = self._step_counter(device)
         mult = lr_multiplier(t, **self.schedule).to(device)
-        self._last_mult = mult
         t.add_(1)
         for group in self.param_groups:
             lr = group["lr"] * mult
@@ -131,22 +155,29 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._muon(group, lr)
             else:
                 self._adamw(group, lr, t)
-        return loss
+        return mult
 
     def _muon(self, group, lr):
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        momentum = group["momentum"]
+        updates = []
+        for p in params:
             buf = self._state_for(p, "muon")["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - group["momentum"])
-            g = p.grad.lerp(buf, group["momentum"])  # Nesterov
-            update = orthogonalize(g, group["ns_steps"], self.ns_dtype)
+            buf.lerp_(p.grad, 1 - momentum)
+            updates.append(p.grad.lerp(buf, momentum))  # Nesterov
+        for shape, members in same_shape_groups(params).items():
+            # one batched Newton-Schulz per shape (nanochat's optimizer does the same): a d16
+            # step has 4 shapes, not 96 matrices, so 4 copies of the iteration in a traced graph
+            stacked = orthogonalize(torch.stack([updates[i] for i in members]),
+                                    group["ns_steps"], self.ns_dtype)
             # Orthogonal updates have unit spectral norm; scale so tall matrices (rows > cols)
             # get the same per-element RMS as square ones.
-            scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
-            if group["weight_decay"]:
-                p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update * (-lr * scale))
+            step = -lr * max(1.0, shape[-2] / shape[-1]) ** 0.5
+            for i, update in zip(members, stacked.unbind(0)):
+                p = params[i]
+                if group["weight_decay"]:
+                    p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update * step)
 
     def _adamw(self, group, lr, t):
         beta1, beta2 = group["betas"]

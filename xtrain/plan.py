@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from xtrain.config import TENSOR_AXIS, Attention, Engine, TrainConfig
 from xtrain.limits import out_of_range
 from xtrain.errors import ConfigError
-from xtrain.model.config import GPTConfig
+from xtrain.model.config import GPTConfig, scan_period
 from xtrain.parallelism import batch_parallel, check_rules, mesh_shape, per_host_batch
 from xtrain.units import GIB
 
@@ -100,6 +100,9 @@ def memory_per_chip(gpt: GPTConfig, specs: dict, mesh: dict, device_batch: int, 
       a * n_head * T / tp per token per layer (chunked: one block, a * n_head * block; flash and
       splash: none); plus the logits, 8 B * V / tp per token (float32 logits and their gradient;
       the softcap fuses into them).
+    - with activation checkpointing (``remat``), only each block's input is saved, the float32
+      residual stream, 4 B * d per token per layer; one block's activations (the per-layer
+      figure above) are alive at a time, while that block's backward recomputes them.
     Not counted: XLA's temporaries, fragmentation, and its rematerialisation (which can lower the
     real peak). Compiling for the target (mode=compile) gives the compiler's own figure;
     BENCHMARKS.md compares the two.
@@ -119,7 +122,11 @@ def memory_per_chip(gpt: GPTConfig, specs: dict, mesh: dict, device_batch: int, 
         per_layer += a * H * T / tp
     elif gpt.attention == Attention.chunked:
         per_layer += a * H * min(gpt.attention_block, T) / tp
-    per_token = gpt.n_layer * per_layer + 8 * gpt.vocab_size / tp
+    logits = 8 * gpt.vocab_size / tp
+    if gpt.remat:
+        per_token = gpt.n_layer * 4 * d + per_layer + logits
+    else:
+        per_token = gpt.n_layer * per_layer + logits
     activations = device_batch * T * per_token
     return MemoryPlan(weights, weights, optimizer, activations, hbm_gib * GIB)
 
@@ -270,6 +277,13 @@ def resolve(cfg, devices: int) -> RunPlan:
         model.sequence_len = data.sequence_len or hw.sequence_len
     on_tpu = hw.engine == "xla" and bool(hw.accelerator_type)
     model.attention = choose_attention(model.attention, hw.engine, on_tpu, model.sequence_len)
+    if model.scan is None:  # on for TPU profiles where a period of layers repeats
+        model.scan = on_tpu and scan_period(GPTConfig.from_model(model).windows)[1] >= 2
+    if model.remat is None:
+        model.remat = bool(model.scan)
+    if model.scan and hw.engine != "xla":
+        raise ConfigError("model.scan=true needs the XLA engine (hardware.engine=xla): the CPU "
+                          "engine runs the blocks in a loop")
     gpt = GPTConfig.from_model(model)
     if trainer.device_batch_size is None:
         trainer.device_batch_size = default_device_batch(hw.device_tokens, model.sequence_len)

@@ -57,7 +57,8 @@ class Engine:
         raise NotImplementedError
 
     def callbacks(self, trainer_cfg, run_dir: str) -> list:
-        """Engine-specific Lightning callbacks (e.g. the XLA recompilation guard)."""
+        """Engine-specific Lightning callbacks (e.g. the XLA recompilation guard,
+        compiling the CPU step)."""
         return []
 
     def fetch(self, tensors) -> list[float]:

@@ -1,5 +1,6 @@
 """The CPU engine: plain PyTorch through Lightning's Trainer; on several processes (hosts), Lightning's
-DDP over gloo, each process training on its own rows of every step."""
+DDP over gloo, each process training on its own rows of every step; with ``trainer.compile``, the
+step compiled by torch.compile (xtrain/engines/torch_compile.py)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,24 @@ from datetime import timedelta
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
+from xtrain import compat
 from xtrain.engines.base import Engine
 from xtrain.engines.processes import Processes, join_gloo
+from xtrain.engines.torch_compile import TorchCompile
 from xtrain.hardware import launch_environment
 
 
 class CPUEngine(Engine):
     name = "cpu"
 
-    def __init__(self, hardware, plan, timeout_s: float):
+    def __init__(self, hardware, plan, timeout_s: float, compile_step: bool = False):
         processes, self.address, self.port = Processes(), None, None
         if plan.hosts > 1:  # joined before anything else, so a missing peer fails fast
             rank, world, self.address, self.port = launch_environment(hardware)
             processes = join_gloo(rank, world, self.address, self.port, timeout_s)
         super().__init__(plan, processes)
         self.timeout_s = timeout_s
+        self.compile_step = compile_step
 
     def trainer_kwargs(self, checkpoint_io) -> dict:
         if self.world == 1:
@@ -35,6 +39,12 @@ class CPUEngine(Engine):
         # one device per process, one process per "node": Lightning's global rank is then RANK
         return {"accelerator": "cpu", "devices": 1, "num_nodes": self.world, "strategy": strategy,
                 "use_distributed_sampler": False}  # each process picks its rows itself
+
+    def callbacks(self, trainer_cfg, run_dir: str) -> list:
+        return [TorchCompile()] if self.compile_step else []
+
+    def counters(self) -> dict:
+        return {"torch_compiles": compat.dynamo_graph_count()} if self.compile_step else {}
 
 
 class CollectiveCheckpointDDP(DDPStrategy):

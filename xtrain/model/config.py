@@ -38,6 +38,20 @@ def parse_window_pattern(pattern: str, n_layer: int, window_len: int) -> tuple[i
     return tuple(windows)
 
 
+def scan_period(windows) -> tuple[int, int]:
+    """(period, scanned periods): the shortest period of the per-layer windows that repeats from
+    the first layer, and how many whole periods repeat it (at least 2, else nothing to scan)."""
+    n = len(windows)
+    for period in range(1, n // 2 + 1):
+        repeats = 1
+        while (repeats + 1) * period <= n and \
+                windows[repeats * period:(repeats + 1) * period] == windows[:period]:
+            repeats += 1
+        if repeats * period >= n - period and repeats >= 2:
+            return period, repeats
+    return n, 1
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     n_layer: int
@@ -50,6 +64,8 @@ class GPTConfig:
     attention: str  # a resolved backend: sdpa | chunked | flash | splash
     attention_block: int
     softcap: float
+    scan: bool = False  # the XLA engine runs the blocks with torch_xla's scan (see ModelConfig)
+    remat: bool = False  # activation checkpointing per block
 
     @classmethod
     def from_model(cls, model, attention: str | None = None) -> GPTConfig:
@@ -77,7 +93,8 @@ class GPTConfig:
                    vocab_size=model.vocab_size, sequence_len=model.sequence_len,
                    windows=parse_window_pattern(model.window_pattern, model.depth, window_len),
                    attention=str(getattr(backend, "value", backend)),
-                   attention_block=model.attention_block, softcap=model.softcap)
+                   attention_block=model.attention_block, softcap=model.softcap,
+                   scan=bool(model.get("scan")), remat=bool(model.get("remat")))
 
     @property
     def head_dim(self) -> int:

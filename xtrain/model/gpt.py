@@ -16,9 +16,11 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from xtrain.model.attention import attend, cached_attention
 from xtrain.model.config import GPTConfig
+from xtrain.model.loss import softcap, softcap_cross_entropy
 
 
 def norm(x):
@@ -100,6 +102,10 @@ class GPT(nn.Module):
         cos, sin = rotary_tables(config.sequence_len, config.head_dim)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        # How the blocks run: None is the loop in run_blocks; an engine may install another
+        # callable (x, cos, sin) -> x over the same blocks (the XLA engine's scan,
+        # xtrain/xla/layers.py). Not a module, so parameter names never depend on it.
+        self.layer_loop = None
         self.init_weights()
 
     @torch.no_grad()
@@ -123,14 +129,26 @@ class GPT(nn.Module):
         start = kv_cache.length if kv_cache is not None else 0
         cos, sin = self.cos[:, :, start:start + T], self.sin[:, :, start:start + T]
         x = norm(self.wte(idx))
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, kv_cache.layers[i] if kv_cache is not None else None)
-        logits = self.lm_head(norm(x)).float()
-        softcap = self.config.softcap
-        logits = softcap * torch.tanh(logits / softcap)
+        if kv_cache is None:
+            x = self.run_blocks(x, cos, sin)
+        else:  # generation: block by block with its cache (never scanned nor rematerialised)
+            for block, layer_cache in zip(self.blocks, kv_cache.layers):
+                x = block(x, cos, sin, layer_cache)
+        logits = self.lm_head(norm(x))
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            return softcap(logits.float(), self.config.softcap)
+        return softcap_cross_entropy(logits, targets, self.config.softcap)
+
+    def run_blocks(self, x, cos, sin):
+        if self.layer_loop is not None:
+            return self.layer_loop(x, cos, sin)
+        remat = self.config.remat and torch.is_grad_enabled()
+        for block in self.blocks:
+            if remat:  # keep only the block's input; recompute its activations in backward
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        return x
 
     def param_groups(self):
         """(matrices for Muon, embedding, head) — the split nanochat's optimiser uses."""

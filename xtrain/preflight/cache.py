@@ -48,8 +48,12 @@ def cache_key(cfg, plan, package: Path = PACKAGE) -> str:
     return digest.hexdigest()[:20]
 
 
+def cache_dir() -> Path:
+    return cache_root() / "preflight"
+
+
 def cache_path(cfg, plan) -> Path:
-    return cache_root() / "preflight" / f"{cache_key(cfg, plan)}.json"
+    return cache_dir() / f"{cache_key(cfg, plan)}.json"
 
 
 def cached_report(cfg, plan) -> dict | None:

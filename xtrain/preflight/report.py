@@ -44,6 +44,16 @@ def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def count_stablehlo_ops(text: str) -> int:
+    """Operations in a StableHLO module's text (a loop body counts once, as it is compiled)."""
+    return len(re.findall(r'^\s*(?:%[^=\n]*=\s*)?"?(?:stablehlo|chlo|mhlo)\.[a-z_]+', text, re.M))
+
+
+def count_hlo_instructions(hlo_text: str) -> int:
+    """Instructions in an HLO module's text (every computation: fusions, loop bodies...)."""
+    return len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", hlo_text, re.M))
+
+
 def hbm_from_error(error: str) -> tuple[int, int] | None:
     """(needed at least, usable) bytes per chip from the TPU compiler's out-of-HBM errors, or None.
     Two forms: the whole program ("Ran out of memory in memory space hbm. Used 33.98G of 31.25G
@@ -66,6 +76,10 @@ def hbm_bytes(step: dict) -> int:
 def describe(report: dict) -> str:
     step, cap, est = report["step"], report["hbm_bytes_per_chip"], report["planner_bytes"]
     lines = []
+    if report.get("hlo_ops"):
+        compiled = f", {step['hlo_instructions']:,} HLO instructions compiled" \
+            if step.get("hlo_instructions") else ""
+        lines.append(f"program: {report['hlo_ops']:,} StableHLO ops traced{compiled}")
     if step["ok"]:
         need = hbm_bytes(step)
         lines.append(f"TPU compile ({report['hardware']}, libtpu {report['versions']['libtpu']}): "
@@ -89,11 +103,21 @@ def describe(report: dict) -> str:
         lines.append("compiler's report:\n  " + "\n  ".join(step["error"].splitlines()[:40]))
     else:
         lines.append(f"TPU compile ({report['hardware']}): FAILED\n  {step['error']}")
+        if not answered(report):
+            lines.append("  (not the compiler's answer: this result is not cached, the next "
+                         "run compiles again)")
     for k in report["kernels"]:
         what = f"{k['kernel']} kernel {'x'.join(map(str, k['shape']))}" + (
             f" window {k['window']}" if k["window"] else "")
         lines.append(f"{what}: " + (f"ok in {k['seconds']:.1f} s" if k["ok"] else f"FAILED: {k['error']}"))
     return "\n".join(lines)
+
+
+def answered(report: dict) -> bool:
+    """Whether every compile ended with the compiler's own answer (it fits, it does not fit, it
+    does not compile), rather than the process being killed (the OOM killer, a signal) or
+    timing out: only answers are cached as the config's verdict."""
+    return all(r.get("answered", True) for r in [report["step"], *report["kernels"]])
 
 
 def verdict(report: dict) -> str | None:

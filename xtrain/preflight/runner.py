@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -13,8 +14,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from xtrain.errors import ConfigError
-from xtrain.preflight.cache import cached_report, stack_versions, store_report
-from xtrain.preflight.report import describe, verdict
+from xtrain.preflight import hostmem
+from xtrain.preflight.cache import cache_dir, cached_report, stack_versions, store_report
+from xtrain.preflight.report import answered, count_stablehlo_ops, describe, verdict
 from xtrain.preflight.targets import (check_can_compile, kernel_requests, topology_kwargs,
                                       trace_environment)
 from xtrain.units import GIB
@@ -52,21 +54,29 @@ def _run_compile_child(kind: str, request: dict, python: str, timeout: int) -> d
     # the child runs in any Python that has jax/libtpu (e.g. a second environment with other
     # versions), whether or not xtrain is installed there
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [SOURCE_ROOT, env.get("PYTHONPATH")]))
+    # Only a result the child printed is the compiler's answer ("answered"); a child killed by
+    # a signal (the OOM killer's SIGKILL), timed out or crashed says nothing about the config.
     try:
         r = subprocess.run([python, "-m", "xtrain.preflight.tpu_compile", kind, json.dumps(request)],
                            capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"the TPU compiler took longer than {timeout} s"}
+        return {"ok": False, "answered": False,
+                "error": f"the TPU compiler took longer than {timeout} s"}
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if lines:
-        return json.loads(lines[-1])
-    if r.returncode == -9:  # SIGKILL: in practice the kernel's out-of-memory killer
+        return {**json.loads(lines[-1]), "answered": True}
+    if r.returncode == -signal.SIGKILL:  # in practice the kernel's out-of-memory killer
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-        return {"ok": False, "error": "the compiler process was killed (SIGKILL), usually by the "
-                                      f"out-of-memory killer: this machine's {ram:.0f} GiB of RAM "
-                                      "(plus swap) are too little for this compile"}
+        return {"ok": False, "answered": False,
+                "error": "the compiler process was killed (SIGKILL), usually by the out-of-memory "
+                         f"killer: this machine's {ram:.0f} GiB of RAM (plus swap) were too little "
+                         "for this compile"}
+    if r.returncode < 0:
+        return {"ok": False, "answered": False, "error": "the compiler process was stopped by "
+                                                         f"{signal.Signals(-r.returncode).name}"}
     tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
-    return {"ok": False, "error": f"the compiler process died (exit {r.returncode}): {tail}"}
+    return {"ok": False, "answered": False,
+            "error": f"the compiler process died (exit {r.returncode}): {tail}"}
 
 
 def trace(cfg, out_dir: str, python: str = sys.executable) -> dict:
@@ -81,22 +91,52 @@ def trace(cfg, out_dir: str, python: str = sys.executable) -> dict:
     return json.loads(Path(out_dir, "step.json").read_text())
 
 
+def check_host_memory(cfg, ops: int, info: dict | None = None) -> None:
+    """Refuse a compile expected to need more host memory than this machine has
+    (xtrain/preflight/hostmem.py), before the compiler starts."""
+    if not cfg.preflight.check_host_ram:
+        return
+    info = info or hostmem.meminfo()
+    earlier = hostmem.earlier_compiles(cache_dir(), stack_versions()["libtpu"])
+    expected, source = hostmem.expected_bytes(ops, earlier)
+    problem = hostmem.refusal(ops, expected, source, info, bool(cfg.model.scan))
+    if problem:
+        raise PreflightError(problem)
+    print(f"host RAM: {ops:,} StableHLO ops, expected ~{expected / GIB:.1f} GiB for the compiler "
+          f"(at the rate of {source}), {hostmem.available_bytes(info) / GIB:.1f} GiB available",
+          flush=True)
+
+
 def run_preflight(cfg, plan, python: str = sys.executable) -> dict:
-    """Trace, compile and measure; returns the report (also cached)."""
+    """Trace, compile and measure; returns the report (cached when the compiler answered)."""
     hw = cfg.hardware
-    report: dict = {"hardware": hw.name, "hbm_bytes_per_chip": int(hw.hbm_gib_per_chip * GIB),
+    report: dict = {"hardware": hw.name, "config": describe_config(cfg, plan),
+                    "hbm_bytes_per_chip": int(hw.hbm_gib_per_chip * GIB),
                     "planner_bytes": int(plan.memory.total), "versions": stack_versions()}
     with tempfile.TemporaryDirectory(prefix="xtrain-preflight-") as tmp:
         traced = trace(cfg, tmp, python)
         report["trace_seconds"] = traced["trace_seconds"]
+        stablehlo = os.path.join(tmp, "step.mlir")
+        report["hlo_ops"] = count_stablehlo_ops(Path(stablehlo).read_text())
+        check_host_memory(cfg, report["hlo_ops"])
+        info = hostmem.meminfo()  # the machine the compile ran on (BENCHMARKS.md states it)
+        report["host"] = {"ram_bytes": info["MemTotal"], "swap_bytes": info.get("SwapTotal", 0)}
         request = {"topology": topology_kwargs(hw), "devices": traced["devices"],
-                   "stablehlo": os.path.join(tmp, "step.mlir"), "args": traced["args"],
-                   "results": traced["results"]}
+                   "stablehlo": stablehlo, "args": traced["args"], "results": traced["results"]}
         report["step"] = compile_step(request, python)
     report["kernels"] = [{**req, **compile_kernel(req, python)} for req in
                          kernel_requests(hw, plan.gpt, cfg.trainer.device_batch_size)]
-    store_report(cfg, plan, report)
+    if answered(report):
+        store_report(cfg, plan, report)
     return report
+
+
+def describe_config(cfg, plan) -> str:
+    """A short name for the compiled step (what later host-memory estimates cite)."""
+    g = plan.gpt
+    return (f"{cfg.hardware.name} d{g.n_layer} {plan.batch.sequence_len}x"
+            f"{plan.batch.device_batch_size} {g.attention}{' scan' if g.scan else ''}"
+            f"{' remat' if g.remat else ''}")
 
 
 def preflight(cfg, plan) -> dict:
@@ -112,6 +152,12 @@ def preflight(cfg, plan) -> dict:
         report = run_preflight(cfg, plan)
     print(describe(report), flush=True)
     problem = verdict(report)
+    if problem and problem.startswith("does not fit"):
+        from xtrain.plan import memory_levers
+
+        levers = memory_levers(cfg, plan)
+        problem += ". Levers, by the planner: " + ("; ".join(
+            f"{o} -> {gib:.2f} GiB" for o, gib in levers) or "none of this profile's settings")
     if problem:
         raise PreflightError(problem)
     return report

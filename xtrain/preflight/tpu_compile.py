@@ -27,7 +27,7 @@ import time
 # (e.g. a second environment with other versions), with xtrain's source on PYTHONPATH.
 from xtrain.compat import jax_compiler_internals
 from xtrain.model.config import SPLASH_BLOCK
-from xtrain.preflight.report import collective_summary
+from xtrain.preflight.report import collective_summary, count_hlo_instructions
 
 
 def _topology_devices(kwargs: dict):
@@ -169,11 +169,13 @@ def _compile_step(req: dict) -> dict:
     cost = executable.cost_analysis() or {}
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
+    hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
     return {"ok": True, "seconds": round(seconds, 2), "jax": jax.__version__,
+            "hlo_instructions": count_hlo_instructions(hlo),
             "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "flops": float(cost.get("flops", 0.0)),
-            "collectives": collective_summary(executable.hlo_modules()[0].to_string()),
+            "collectives": collective_summary(hlo),
             # the compiler's host memory: large steps need a machine sized for it
             "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -184,5 +186,6 @@ if __name__ == "__main__":
         result = {"kernel": _compile_kernel, "step": _compile_step,
                   "lower": _lower_kernel_to_file}[kind](request)
     except Exception as e:  # report the compiler's own words to the parent
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                  "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     print(json.dumps(result), flush=True)

@@ -38,6 +38,7 @@ from xtrain.engines.step import step_closure
 from xtrain.model.gpt import GPT, rotary_tables
 from xtrain.optim import build_optimizer
 from xtrain.parallelism import check_rules
+from xtrain.xla.layers import install_layer_loop
 from xtrain.xla.spmd import batch_spec, build_mesh, optimizer_state_specs, set_attention_partition
 
 
@@ -80,6 +81,7 @@ def trace_step(cfg, plan) -> dict:
     sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
     param_specs = check_rules(cfg.parallelism.rules, sizes,
                               {n: tuple(p.shape) for n, p in model.named_parameters()})
+    install_layer_loop(model, param_specs, mesh)
     optimizer = build_optimizer(model, cfg.optim, plan.max_steps, precision)
     optimizer.init_state(make=placeholder)
     rows = cfg.trainer.device_batch_size * plan.batch.data_parallel
@@ -88,17 +90,18 @@ def trace_step(cfg, plan) -> dict:
 
     state = [(p, param_specs[n]) for n, p in model.named_parameters()]
     state += list(optimizer_state_specs(optimizer, model, param_specs))
-    spec_of = {compat.tensor_id(t): (spec, t.dim()) for t, spec in state}
-    spec_of[compat.tensor_id(tokens)] = (batch_spec(3), 3)
-    # ids before the step: an in-place update gives a tensor a new id, its input keeps the old one
-    output_of = {compat.tensor_id(t): i for i, (t, _) in enumerate(state)}
+    # matched by the handle of the data each argument reads (ids change with in-place updates)
+    handles = compat.data_handles([t for t, _ in state] + [tokens])
+    spec_of = {h: (spec, t.dim()) for h, (t, spec) in zip(handles, state)}
+    spec_of[handles[-1]] = (batch_spec(3), 3)
+    output_of = {h: i for i, h in enumerate(handles[:-1])}
 
     t0 = time.time()
     loss = optimizer.step(closure=step_closure(model, tokens, torch.Tensor.backward,
                                                cfg.optim.grad_clip, precision))
     optimizer.zero_grad(set_to_none=True)
     outputs = [t for t, _ in state] + [optimizer.last_lr_multiplier(), loss]
-    input_ids = compat.graph_input_ids(outputs)  # in the exported function's argument order
+    input_ids = compat.graph_input_handles(outputs)  # in the exported function's argument order
     stablehlo = xm.get_stablehlo(outputs)
     cache: dict = {}
     args = [{"sharding": hlo_sharding(mesh, *spec_of.get(i, (None, 0)), cache),

@@ -20,16 +20,20 @@ from xtrain.plan import RunPlan
 log = logging.getLogger(__name__)
 
 
-def build_engine(hardware, parallelism, plan: RunPlan, trainer_cfg, run_dir: str) -> Engine:
+def build_engine(cfg, plan: RunPlan, run_dir: str) -> Engine:
+    hardware, trainer_cfg = cfg.hardware, cfg.trainer
     timeout_s = trainer_cfg.collective_timeout_s
     if hardware.engine == "xla":
         from xtrain.xla.engine import XLAEngine
 
         analysis = os.path.join(run_dir, "xla_compilations.log") if trainer_cfg.max_compiles else None
-        return XLAEngine(hardware, parallelism, plan, timeout_s, compile_analysis=analysis)
+        return XLAEngine(hardware, cfg.parallelism, plan, timeout_s, compile_analysis=analysis,
+                         compile_cache=cfg.compile_cache)
     from xtrain.engines.cpu import CPUEngine
+    from xtrain.engines.torch_compile import compile_pays
 
-    return CPUEngine(hardware, plan, timeout_s)
+    compile_step = trainer_cfg.compile
+    return CPUEngine(hardware, plan, timeout_s, compile_pays(plan) if compile_step is None else compile_step)
 
 
 @dataclass
@@ -229,7 +233,7 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     """Train; returns a summary (final step, newest checkpoint, preempted or not)."""
     # the processes first (a missing peer or launch variable fails here), then the shared-storage
     # check, both before data preparation and the first compile
-    engine = build_engine(cfg.hardware, cfg.parallelism, plan, cfg.trainer, run_dir)
+    engine = build_engine(cfg, plan, run_dir)
     try:
         return train_on(engine, cfg, plan, run_dir)
     finally:

@@ -13,15 +13,15 @@ class XLAEngine(Engine):
     name = "xla"
 
     def __init__(self, hardware, parallelism, plan, timeout_s: float,
-                 compile_analysis: str | None = None):
+                 compile_analysis: str | None = None, compile_cache=None):
         """``timeout_s``: of collectives across hosts; ``compile_analysis``: a file for
         torch_xla's explanation of every compilation (the recompilation guard reads it); None:
-        not collected."""
+        not collected. ``compile_cache``: the CompileCacheConfig (xtrain/xla/compile_cache.py)."""
         from xtrain.xla import runtime
         from xtrain.xla.spmd import build_mesh
 
         self.compile_analysis = compile_analysis
-        runtime.start_runtime(hardware, compile_analysis)
+        self.compile_cache = runtime.start_runtime(hardware, compile_analysis, compile_cache)
         super().__init__(plan, runtime.host_processes(timeout_s))
         self.mesh = build_mesh(plan.mesh)
         self.rules = parallelism.rules
@@ -52,11 +52,16 @@ class XLAEngine(Engine):
         return {"strategy": self.strategy, "devices": 1}
 
     def callbacks(self, trainer_cfg, run_dir: str) -> list:
-        if not trainer_cfg.max_compiles:
-            return []
-        from xtrain.xla.guard import RecompileGuard
+        out = []
+        if self.compile_cache is not None:
+            from xtrain.xla.lightning import CompileCacheSync
 
-        return [RecompileGuard(trainer_cfg.max_compiles, self.compile_analysis)]
+            out.append(CompileCacheSync(self.compile_cache, self.rank))
+        if trainer_cfg.max_compiles:
+            from xtrain.xla.guard import RecompileGuard
+
+            out.append(RecompileGuard(trainer_cfg.max_compiles, self.compile_analysis))
+        return out
 
     def fetch(self, tensors) -> list[float]:
         return [float(t) for t in compat.tensors_to_cpu(tensors)]

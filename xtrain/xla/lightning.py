@@ -18,6 +18,7 @@ Lightning 2.6 has no SPMD strategy (its XLAStrategy spawns one process per devic
 
 from __future__ import annotations
 
+import lightning as L
 import torch
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -121,11 +122,14 @@ class SPMDStrategy(SingleDeviceStrategy):
         return self.processes.vote(decision)()
 
     def model_to_device(self) -> None:
+        from xtrain.xla.layers import install_layer_loop
         from xtrain.xla.spmd import set_attention_partition, shard_parameters
 
         self.model.to(self.root_device)
-        self.param_specs = shard_parameters(self.lightning_module.model, self.rules, self.mesh)
-        set_attention_partition(self.lightning_module.model)
+        model = self.lightning_module.model
+        self.param_specs = shard_parameters(model, self.rules, self.mesh)
+        set_attention_partition(model)
+        install_layer_loop(model, self.param_specs, self.mesh)
 
     def batch_to_device(self, batch, device=None, dataloader_idx=0):
         """Host rows to the mesh (the module has no batch-transfer hooks to run)."""
@@ -183,3 +187,29 @@ class SPMDStrategy(SingleDeviceStrategy):
                   "optimizer_states": [opt.state_dict() for opt in self.optimizers]}
         _, tensors = split_tensors(target)
         return self.checkpoint_io.load_checkpoint(checkpoint_path, targets=tensors)
+
+
+class CompileCacheSync(L.Callback):
+    """After the first training step (the step's graph) and when training ends (the validation
+    step's): say what the persistent compile cache (xtrain/xla/compile_cache.py) did, and push
+    new entries to its mirror, if it has one (the first host pushes: every host compiles the
+    same programs)."""
+
+    def __init__(self, cache, rank: int):
+        self.cache, self.rank, self.reported_first = cache, rank, False
+
+    def _sync(self, when: str) -> None:
+        from xtrain.xla.compile_cache import cache_counters, describe_counters
+
+        print(f"XLA compile cache ({when}): {describe_counters(cache_counters())}", flush=True)
+        if self.rank == 0 and self.cache.remote is not None:
+            n = self.cache.push()
+            print(f"XLA compile cache: {n} new entries pushed to {self.cache.remote}", flush=True)
+
+    def on_train_batch_end(self, *args) -> None:
+        if not self.reported_first:
+            self.reported_first = True
+            self._sync("after the first step")
+
+    def on_train_end(self, *args) -> None:
+        self._sync("end of training")

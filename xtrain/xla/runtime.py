@@ -12,6 +12,7 @@ from xtrain.errors import ConfigError
 from xtrain.hardware import REQUIRED_PINS
 
 _started = False
+_cache = None
 
 
 def apply_environment(hw) -> dict[str, str]:
@@ -54,24 +55,31 @@ def check_runtime(hw) -> None:
         raise ConfigError("refusing to run: " + "; ".join(problems))
 
 
-def start_runtime(hw, compile_analysis: str | None = None) -> None:
-    """Environment first, then SPMD mode, before any XLA tensor exists (order matters: torch_xla
-    reads PJRT_DEVICE and XLA_* once, and use_spmd() must precede the first device tensor).
-    ``compile_analysis``: a file where torch_xla explains every compilation."""
-    global _started
+def start_runtime(hw, compile_analysis: str | None = None, compile_cache=None):
+    """Environment first, then the persistent compile cache, then SPMD mode, before any XLA
+    tensor exists (order matters: torch_xla reads PJRT_DEVICE, XLA_* and the cache's location
+    once, and use_spmd() must precede the first device tensor). ``compile_analysis``: a file where
+    torch_xla explains every compilation. Returns the compile cache
+    (xtrain/xla/compile_cache.py), or None."""
+    global _started, _cache
     if _started:
-        return
+        return _cache
     apply_environment(hw)
     if compile_analysis:
         os.environ.setdefault("PT_XLA_DEBUG_LEVEL", "1")
         os.environ.setdefault("PT_XLA_DEBUG_FILE", compile_analysis)
     if not hw.accelerator_type:
         os.environ.setdefault("PJRT_DEVICE", "CPU")  # XLA on CPU PJRT: the test/try-out path
+    if compile_cache is not None:
+        from xtrain.xla.compile_cache import start_cache
+
+        _cache = start_cache(compile_cache, hw)
     import torch_xla.runtime as xr
 
     xr.use_spmd()
     check_runtime(hw)
     _started = True
+    return _cache
 
 
 def host_processes(timeout_s: float):

@@ -20,6 +20,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from xtrain.config.outputs import (JsonlLoggerConfig, LoggerConfig, SampleConfig,  # noqa: F401
+                                   TensorBoardLoggerConfig, WandbLoggerConfig, WandbMode,
+                                   sample_prompts)
 from xtrain.limits import limits
 from xtrain.paths import cache_root
 
@@ -115,6 +118,19 @@ class ModelConfig:
     attention: Attention = Attention.auto
     attention_block: int = limits(512, ge=1)  # block size of the chunked backend
     softcap: float = limits(15.0, gt=0)  # logits = softcap * tanh(logits / softcap)
+    # XLA engine: run the transformer blocks as one compiled layer body looped over the stacked
+    # weights (torch_xla's scan), so the compiled step holds one copy of a block instead of
+    # `depth` copies: the TPU compile is several times faster and needs several times less host
+    # RAM. Parameter names (checkpoint keys) are the same either way. None: on for TPU profiles,
+    # off elsewhere (the CPU engine never scans; true there is refused).
+    scan: bool | None = None
+    # Activation checkpointing per layer: keep only each block's input for the backward pass and
+    # recompute the block's activations there (about one extra forward). Cuts activation memory
+    # to one block's worth plus depth x a residual stream; the planner counts it. None: on when
+    # the blocks are scanned. (Unrolled, the TPU compiler rematerialises on its own to fit HBM;
+    # it cannot across the scan loop, where everything the backward needs is kept: the v6e4 d16
+    # 2048 x 8 step needs 37 GiB per chip scanned without remat, 18 GiB unrolled; BENCHMARKS.md.)
+    remat: bool | None = None
 
 
 @dataclass
@@ -210,11 +226,11 @@ class TrainerConfig:
     # slowest host's checkpoint upload. A process that vanishes (SIGKILL) is named as soon as the
     # others notice, usually at their next collective.
     collective_timeout_s: float = limits(600.0, gt=0)
-
-
-def sample_prompts(sample) -> list[str]:
-    """The prompts a ``sample`` config asks for."""
-    return [sample.prompt] if sample.prompt is not None else list(sample.prompts)
+    # CPU engine: torch.compile the model's forward+backward and the optimizer update (inductor;
+    # compiled code cached under <cache root>/inductor). None: on where it pays (models from
+    # width 256 and 512 tokens per sequence; xtrain/engines/cpu.py). The XLA engine always
+    # compiles the whole step.
+    compile: bool | None = None
 
 
 @dataclass
@@ -273,12 +289,24 @@ class EvalConfig:
     message_chars: int = limits(2000, ge=1)  # compiler message and test output kept per record
 
 
-class WandbMode(str, Enum):
-    """How the W&B logger reaches W&B (xtrain/observe/wandb_run.py)."""
+@dataclass
+class CompileCacheConfig:
+    """torch_xla's persistent compilation cache (xtrain/xla/compile_cache.py): a relaunched or
+    resumed run loads its compiled step instead of compiling it again."""
 
-    auto = "auto"  # WANDB_MODE if set, else online with a key (WANDB_API_KEY or ~/.netrc), offline without
-    online = "online"  # refused without a key (never W&B's interactive login prompt)
-    offline = "offline"  # files under <run dir>/wandb; `wandb sync` uploads them later
+    enabled: bool | None = None  # None: on for TPU profiles, off for XLA on CPU
+    # None: <cache root>/xla_compile. A gs:// URL is mirrored: pulled into the local cache before
+    # the first compile, new entries pushed after the first step and at the end of the run.
+    dir: str | None = None
+
+
+@dataclass
+class PreflightConfig:
+    """``mode=compile`` (xtrain/preflight/)."""
+
+    # Refuse to start a TPU compile whose expected host RAM (from earlier compiles' reports)
+    # exceeds this machine's available memory (RAM + swap); false: try anyway.
+    check_host_ram: bool = True
 
 
 @dataclass
@@ -291,61 +319,6 @@ class PreemptionConfig:
     # elsewhere (no thread, no request).
     metadata_url: str | None = None
     watch_notices: bool = True  # false: rely on SIGTERM alone, even on GCE
-
-
-@dataclass
-class JsonlLoggerConfig:
-    """``metrics.jsonl`` in the run dir, through fsspec. Always on, chosen or not."""
-
-    _target_: str = "xtrain.observe.sinks.JsonlSink"
-
-
-@dataclass
-class WandbLoggerConfig:
-    """A W&B run, logged through Lightning's WandbLogger. The key is read from WANDB_API_KEY in
-    the environment only: configs are written into every run dir. The run id is kept in the run
-    dir (``wandb-run-id``): a resumed run continues its W&B run, a fresh run dir starts a new one."""
-
-    _target_: str = "xtrain.observe.wandb_run.wandb_logger"
-    project: str = "xtrain"
-    entity: str | None = None  # None: the key's default entity
-    group: str | None = None  # None: in a sweep (-m), the sweep's command as a name; else no group
-    tags: list[str] = field(default_factory=list)
-    mode: WandbMode = WandbMode.auto
-
-
-@dataclass
-class TensorBoardLoggerConfig:
-    """Event files in ``<run dir>/tensorboard`` (a local run dir: TensorBoard writes no gs://)."""
-
-    _target_: str = "lightning.pytorch.loggers.TensorBoardLogger"
-    name: str = ""  # subdirectory names under <run dir>/tensorboard; empty: none
-    version: str = ""
-    default_hp_metric: bool = False  # no placeholder hp_metric scalar
-
-
-@dataclass
-class LoggerConfig:
-    """The ``logger`` group: several options at once, e.g. ``logger=[jsonl,wandb,tensorboard]``;
-    an option that is not chosen stays null. Every logger writes from rank 0 only."""
-
-    jsonl: JsonlLoggerConfig | None = None
-    wandb: WandbLoggerConfig | None = None
-    tensorboard: TensorBoardLoggerConfig | None = None
-
-
-@dataclass
-class SampleConfig:
-    """Text generation: what ``mode=sample`` prints, and the prompts and settings of training's
-    samples (``trainer.sample_every``, ``trainer.sample_tokens``)."""
-
-    prompts: list[str] = field(default_factory=lambda: ["#include <", "int main("])
-    prompt: str | None = None  # one prompt instead of `prompts` (command-line friendly)
-    n: int = limits(1, ge=1)  # samples per prompt (mode=sample)
-    max_tokens: int = limits(128, ge=1)  # new tokens per sample (mode=sample)
-    temperature: float = limits(0.8, ge=0)  # 0: greedy
-    top_k: int | None = limits(50, ge=1)  # sample among the k likeliest tokens; None: all
-    seed: int = limits(42, ge=0)
 
 
 @dataclass
@@ -366,6 +339,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    compile_cache: CompileCacheConfig = field(default_factory=CompileCacheConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
 

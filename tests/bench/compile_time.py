@@ -1,0 +1,106 @@
+"""TPU compile cost, scan over layers on vs off: the TPU compiler's wall time and peak host RAM,
+the program's size (StableHLO ops traced, HLO instructions compiled) and per-chip HBM against
+the planner, for the d16 step on v6e4 at 2048 x 8 with flash attention; then the other real d16
+configs with scan on, which must compile on a 24 GiB machine without swap.
+
+The scan-off baseline needs ~22 GiB of host RAM: on a 24 GiB machine it needs swap (the
+preflight refuses it up front otherwise). Each report records the machine's RAM and swap at its
+compile; a report from an earlier run of this command with the same config, versions and xtrain
+source is reused (marked cached)."""
+
+from __future__ import annotations
+
+from tests.bench.targets import target
+from xtrain.units import GIB
+
+COMMAND = "make bench ARGS=compile   (python -m tests.bench compile)"
+D16 = ["hardware=v6e4", "model=d16", "data=base_data_v3", "model.attention=flash"]
+PAIR = [("scan off", [*D16, "model.scan=false"]), ("scan on", [*D16, "model.scan=true"])]
+NO_SWAP = [  # must compile with scan on a 24 GiB machine without swap
+    ("scan on", ["hardware=v6e4", "model=d16", "data=cpp16k", "model.scan=true"]),  # 16K x 1
+    ("scan on", ["hardware=v5e8", "model=d16", "data=base_data_v3", "model.scan=true"]),  # 1024 x 8
+]
+# sdpa at 2048 x 8 ran out of HBM unrolled without remat (>= 33.98 GiB per chip, BENCHMARKS.md's
+# preflight section); per-layer activation checkpointing is what brings it under the chip's 31.25
+REMAT = [("scan + remat, sdpa", ["hardware=v6e4", "model=d16", "data=base_data_v3",
+                                 "model.attention=sdpa", "model.scan=true", "model.remat=true"])]
+SPEEDUP, PLANNER_TOLERANCE, NO_SWAP_RAM = 4.0, 0.25, 24 * GIB
+
+
+def _compile(overrides):
+    from tests.conftest import compose_cfg
+    from xtrain.plan import resolve
+    from xtrain.preflight.cache import cached_report
+    from xtrain.preflight.runner import run_preflight
+
+    cfg = compose_cfg([*overrides, "mode=compile"])
+    plan = resolve(cfg, cfg.hardware.chips)
+    report = cached_report(cfg, plan)
+    cached = report is not None
+    return plan, report or run_preflight(cfg, plan), cached
+
+
+def _row(label, overrides, plan, report, cached) -> str:
+    from xtrain.preflight.report import hbm_bytes
+
+    step = report["step"]
+    if not step["ok"]:
+        target(False, f"compile: {' '.join(overrides)} compiles")
+        return f"| {' '.join(overrides)} | | {label} | did not compile: {step['error'][:300]} |"
+    need, est = hbm_bytes(step) / GIB, report["planner_bytes"] / GIB
+    host = report.get("host", {})
+    machine = (f"{host['ram_bytes'] / GIB:.0f} + {host['swap_bytes'] / GIB:.0f}"
+               if host else "-")
+    return (f"| {' '.join(overrides[:3])} | {plan.batch.sequence_len} x {plan.batch.device_batch_size} "
+            f"| {label} | {report['hlo_ops']:,} | {step.get('hlo_instructions', 0):,} "
+            f"| {step['seconds']:.0f} | {step['host_peak_bytes'] / GIB:.1f} | {machine} "
+            f"| {need:.2f} | {est:.2f} | {est / need:.2f} |{' cached' if cached else ''}")
+
+
+def run() -> str:
+    rows, results = [], {}
+    for label, overrides in PAIR + NO_SWAP + REMAT:
+        plan, report, cached = _compile(overrides)
+        results[label, overrides[0], overrides[2]] = report
+        rows.append(_row(label, overrides, plan, report, cached))
+        print(rows[-1], flush=True)
+    off, on = (results["scan off", "hardware=v6e4", "data=base_data_v3"]["step"],
+               results["scan on", "hardware=v6e4", "data=base_data_v3"]["step"])
+    nan = float("nan")  # a compile that failed has no figures: the target is then missed
+    faster = off.get("seconds", nan) / on.get("seconds", nan)
+    leaner = off.get("host_peak_bytes", nan) / on.get("host_peak_bytes", nan)
+    within = all(r["step"]["ok"] and abs(r["planner_bytes"] / _hbm(r) - 1) <= PLANNER_TOLERANCE
+                 for r in results.values())
+    no_swap = [r for (label, *_), r in results.items() if label == "scan on"]
+    fits = all(r["step"]["host_peak_bytes"] < NO_SWAP_RAM for r in no_swap)
+    remat = results[REMAT[0][0], "hardware=v6e4", "data=base_data_v3"]
+    return "\n".join([
+        "## TPU compile: scan over layers on vs off",
+        "",
+        f"`{COMMAND}`. Each step traced on XLA:CPU and compiled by libtpu 0.0.21 for the "
+        "profile's topology (no TPU). Ops: StableHLO operations in the traced program (a loop "
+        "body counts once); instructions: HLO instructions of the compiled program; compile s "
+        "and host RAM: the TPU compiler's wall time and peak resident memory; RAM + swap: the "
+        "machine (GiB) when that compile ran; HBM per chip from the compiler vs the planner.",
+        "",
+        "| config | seq x batch | layers | StableHLO ops | HLO instructions | compile s | "
+        "host RAM GiB | RAM + swap | compiler HBM GiB | planner GiB | planner/compiler |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"**scan on vs off (v6e4 d16 2048 x 8): compile {faster:.1f}x faster, {leaner:.1f}x less "
+        f"host RAM** (target >= {SPEEDUP:.0f}x both: "
+        f"{target(faster >= SPEEDUP and leaner >= SPEEDUP, 'compile: scan speedup / host RAM')}); "
+        f"planner within ±{PLANNER_TOLERANCE:.0%} of the compiler: "
+        f"{target(within, 'compile: planner vs compiler HBM')}; scan-on compiles peak under "
+        f"{NO_SWAP_RAM / GIB:.0f} GiB of host RAM: {target(fits, 'compile: scan on fits 24 GiB')}. "
+        f"With remat, sdpa at 2048 x 8 needs "
+        f"{_hbm(remat) / GIB if remat['step']['ok'] else float('nan'):.2f} GiB per chip (the "
+        f"planner: {remat['planner_bytes'] / GIB:.2f} GiB).",
+    ])
+
+
+def _hbm(report) -> float:
+    from xtrain.preflight.report import hbm_bytes
+
+    return hbm_bytes(report["step"])

@@ -1,0 +1,165 @@
+"""The CPU engine with torch.compile: xtrain's training step (Lightning module + Trainer) with
+``trainer.compile`` off and on, against a bare compiled loop of the same model (``torch.compile``
+of the whole module, the compiled optimizer update, no framework), in one run. Prints tokens/s,
+achieved GFLOP/s (the planner's FLOPs/token) and the share of an fp32 matmul ceiling measured in
+the same run. Shape of the issue's nanochat comparison: width 256, 4 layers, 4 heads of 64,
+vocab 4096, sequence 512, batch 8, fp32, 50 steps, median of steps 10-49."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import torch
+
+from tests.bench.targets import target
+
+COMMAND = "make bench ARGS=cpu_peer   (python -m tests.bench cpu_peer)"
+STEPS, FIRST_TIMED, SEQ, BATCH, VOCAB = 50, 10, 512, 8, 4096
+SPEEDUP_TARGET, CEILING_TARGET = 1.3, 0.55
+
+
+def _setup():
+    from tests.conftest import compose_cfg
+    from xtrain.plan import resolve
+
+    cfg = compose_cfg(["model=d4", f"model.sequence_len={SEQ}", f"trainer.device_batch_size={BATCH}",
+                       f"trainer.max_steps={STEPS}", f"model.vocab_size={VOCAB}", "data.vocab_size=4096"])
+    plan = resolve(cfg, 1)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (1, BATCH, SEQ + 1), generator=g) for _ in range(4)]
+    return cfg, plan, batches
+
+
+def matmul_ceiling() -> float:
+    """Best fp32 GFLOP/s of torch.mm here: the model's matmul shapes (tokens x width x 4 width,
+    both ways, and the head) and a large square one; best of 5 per shape."""
+    best = 0.0
+    tokens = SEQ * BATCH
+    for m, k, n in [(tokens, 256, 1024), (tokens, 1024, 256), (tokens, 256, VOCAB), (2048, 2048, 2048)]:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        torch.mm(a, b)
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * m * k * n / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def xtrain_step(cfg, plan, batches, compile_step: bool) -> dict:
+    """xtrain's step through Lightning's Trainer, as `python -m xtrain` runs it (CPU engine)."""
+    import lightning as L
+
+    from xtrain.compat import quiet_lightning_tpu_probe
+    from xtrain.engines.cpu import CPUEngine
+    from xtrain.train.module import GPTModule
+
+    class Probe(L.Callback):
+        def __init__(self):
+            self.times, self.losses, self.t0 = [], [], None
+
+        def on_train_batch_start(self, *args):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, *args):
+            self.times.append(time.perf_counter() - self.t0)
+            self.losses.append(float(module.last_loss))
+
+    class Batches(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            i = 0
+            while True:
+                yield batches[i % len(batches)], {}
+                i += 1
+
+    torch.manual_seed(0)
+    quiet_lightning_tpu_probe()
+    module = GPTModule(plan.gpt, cfg.optim, STEPS)
+    probe = Probe()
+    engine = CPUEngine(cfg.hardware, plan, cfg.trainer.collective_timeout_s, compile_step)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, callbacks=[probe, *engine.callbacks()],
+                        limit_val_batches=0)
+    trainer.fit(module, torch.utils.data.DataLoader(Batches(), batch_size=None))
+    return {"times": probe.times, "losses": probe.losses}
+
+
+def bare_compiled_loop(cfg, plan, batches) -> dict:
+    """The peer: the same model compiled whole (``torch.compile(model)``), the optimizer's update
+    compiled, a plain Python loop."""
+    from xtrain.model.gpt import GPT
+    from xtrain.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = GPT(plan.gpt)
+    opt = build_optimizer(model, cfg.optim, STEPS)
+    compiled = torch.compile(model)
+    opt.compile_update(torch.compile)
+    times, losses = [], []
+    for i in range(STEPS):
+        t0 = time.perf_counter()
+        tokens = batches[i % len(batches)][0]
+        loss = compiled(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    return {"times": times, "losses": losses}
+
+
+def _median(times) -> float:
+    timed = sorted(times[FIRST_TIMED:])
+    return timed[len(timed) // 2]
+
+
+def _same_losses(a, b, n=20, rel=1e-4) -> float:
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a[:n], b[:n]))
+    if worst > rel:
+        raise AssertionError(f"losses differ by {worst:.2e} relative over {n} steps: {a[:n]} vs {b[:n]}")
+    return worst
+
+
+def run() -> str:
+    torch.set_num_threads(2)
+    # a fresh inductor cache: the first compiled run pays the whole compile, as a new machine does
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="xtrain-bench-inductor-")
+    cfg, plan, batches = _setup()
+    ceiling = matmul_ceiling()
+    runs = {"off": [], "on": [], "peer": []}
+    for _ in range(2):  # alternate; each keeps its best median (noise only adds time)
+        runs["off"].append(xtrain_step(cfg, plan, batches, False))
+        runs["on"].append(xtrain_step(cfg, plan, batches, True))
+        runs["peer"].append(bare_compiled_loop(cfg, plan, batches))
+        ceiling = max(ceiling, matmul_ceiling())
+    drift_on = _same_losses(runs["on"][0]["losses"], runs["off"][0]["losses"])
+    drift_peer = _same_losses(runs["peer"][0]["losses"], runs["on"][0]["losses"])
+    tokens = SEQ * BATCH
+    best = {k: min(_median(r["times"]) for r in v) for k, v in runs.items()}
+    tps = {k: tokens / v for k, v in best.items()}
+    gflops = {k: plan.flops_per_token * v / 1e9 for k, v in tps.items()}
+    speedup, share = tps["on"] / tps["off"], gflops["on"] / ceiling
+    first = ", ".join(f"{r['times'][0]:.1f} s" for r in runs["on"])
+    rows = [("xtrain, trainer.compile=false", "off"), ("xtrain, trainer.compile=true", "on"),
+            ("bare compiled loop (torch.compile(model), compiled update)", "peer")]
+    table = "\n".join(f"| {name} | {best[k] * 1e3:.0f} ms | {tps[k]:,.0f} | {gflops[k]:.1f} | "
+                      f"{gflops[k] / ceiling:.0%} |" for name, k in rows)
+    return (f"## CPU engine: torch.compile vs eager vs a bare compiled loop\n\n"
+            f"`{COMMAND}`: model d4 (width 256, 4 layers, 4 heads of 64), vocab {VOCAB}, "
+            f"sequence {SEQ}, batch {BATCH}, fp32, {STEPS} steps, median of steps "
+            f"{FIRST_TIMED}-{STEPS - 1}; the three alternate twice and each keeps its best median. "
+            f"GFLOP/s = the planner's {plan.flops_per_token / 1e6:.1f} MFLOPs/token x tokens/s; "
+            f"fp32 matmul ceiling measured in the same run (torch.mm, best of the model's shapes "
+            f"and 2048^3): **{ceiling:.1f} GFLOP/s**. Equal losses checked first (20 steps, "
+            f"relative): compile on vs off {drift_on:.1e}, peer vs xtrain {drift_peer:.1e}.\n\n"
+            f"| run | step | tokens/s | GFLOP/s | of ceiling |\n| --- | --- | --- | --- | --- |\n"
+            f"{table}\n\n"
+            f"**compile on / off = {speedup:.2f}x** (target >= {SPEEDUP_TARGET}: "
+            f"{target(speedup >= SPEEDUP_TARGET, 'cpu_peer: compile speedup')}), "
+            f"**{share:.0%} of the fp32 matmul ceiling** (target >= {CEILING_TARGET:.0%}: "
+            f"{target(share >= CEILING_TARGET, 'cpu_peer: share of the matmul ceiling')}), "
+            f"xtrain / peer tokens/s = {tps['on'] / tps['peer']:.2f}. First compiled step "
+            f"(compile included; empty inductor cache, then warm): {first}.\n")

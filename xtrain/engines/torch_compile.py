@@ -1,0 +1,85 @@
+"""``trainer.compile`` on the CPU engine: the model's forward+backward and the optimizer update
+compiled by ``torch.compile`` (inductor).
+
+Why compile on CPU: outside the matrix multiplies a step is chains of small elementwise ops
+(rotary, relu^2, RMSNorm, the softcap and loss, the Muon update), each a separate pass over
+memory in eager mode; inductor fuses them into a few loops. Compiled code is cached in
+``<cache root>/inductor`` (inductor's FX-graph and AOTAutograd caches), so a relaunched run
+skips most of the first-step compile.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import lightning as L
+
+from xtrain.paths import cache_root
+
+
+def use_inductor_cache() -> str:
+    """Point inductor's on-disk caches at xtrain's cache root (an explicit
+    TORCHINDUCTOR_CACHE_DIR wins); inductor reads the variable whenever it looks for the cache."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+
+def compile_fn():
+    import torch
+
+    return torch.compile
+
+
+def loss_compiled(eager_forward, compile_):
+    """The model's forward, compiled for the training and validation loss only: generation
+    (samples, the C++ evaluation) calls it with a KV cache at every length, which would compile
+    a graph per length."""
+    compiled = compile_(eager_forward)
+
+    def forward(idx, targets=None, kv_cache=None):
+        if targets is not None and kv_cache is None:
+            return compiled(idx, targets)
+        return eager_forward(idx, targets, kv_cache)
+
+    return forward
+
+
+class TorchCompile(L.Callback):
+    """Compiles the model's forward (the loss and, through AOTAutograd, its backward) and the
+    optimizer update when training starts, after a checkpoint was restored (so the compiled
+    update sees the restored state tensors); the model runs eagerly again when training ends
+    (end-of-run sampling calls it at every length). Prints the first step's time, compile
+    included."""
+
+    def __init__(self):
+        self.t0 = None
+        self.first_step_s = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        cache = use_inductor_cache()
+        compile_ = compile_fn()
+        model = pl_module.model
+        model.forward = loss_compiled(model.forward, compile_)  # instance attribute: keys unchanged
+        for opt in trainer.optimizers:
+            opt.compile_update(compile_)
+        print(f"torch.compile: model forward+backward and optimizer update (cache {cache})", flush=True)
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if self.first_step_s is None:
+            self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.t0
+            print(f"torch.compile: first step {self.first_step_s:.1f} s (compiling included)", flush=True)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        pl_module.model.__dict__.pop("forward", None)  # back to the class's (eager) forward
+        for opt in trainer.optimizers:
+            opt.__dict__.pop("update", None)
+
+
+def compile_pays(plan) -> bool:
+    """Whether ``trainer.compile`` defaults to on: where the fused elementwise work outweighs
+    the first step's compile (measured in BENCHMARKS.md, cpu_peer)."""
+    return plan.gpt.n_embd >= 256 and plan.gpt.sequence_len >= 512
