@@ -109,3 +109,35 @@ def test_mode_eval_refuses_a_malformed_problem_file_naming_the_line(evaluated_ru
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith(f"xtrain: config error: {bad}:2: bad JSON")
     assert "evaluating" not in r.stdout
+
+
+def test_the_snapshot_is_a_copy_training_cannot_change():
+    """The CPU engine's snapshot: equal outputs, its own tensors (rotary tables included), no
+    compiled forward carried over (trainer.compile's wrapper is an instance attribute), and the
+    global RNG untouched (no random initialisation of the copy)."""
+    import torch
+
+    from conftest import compose_cfg
+    from xtrain.engines.torch_compile import loss_compiled
+    from xtrain.model.config import GPTConfig
+    from xtrain.model.gpt import GPT
+    from xtrain.plan import resolve
+    from xtrain.train.cpp_eval import cpu_snapshot
+
+    cfg = compose_cfg(["model=d2", "model.sequence_len=64"])
+    resolve(cfg, 1)
+    model = GPT(GPTConfig.from_model(cfg.model))
+    model.forward = loss_compiled(model.forward, lambda f: f)
+    rng = torch.random.get_rng_state()
+    snapshot = cpu_snapshot(model)
+    assert torch.equal(rng, torch.random.get_rng_state())
+    assert "forward" not in vars(snapshot)
+    idx = torch.randint(0, model.config.vocab_size, (1, 8))
+    assert torch.equal(model(idx), snapshot(idx))
+    live = dict(model.state_dict(), **dict(model.named_buffers()))
+    copy = dict(snapshot.state_dict(), **dict(snapshot.named_buffers()))
+    assert live.keys() == copy.keys() and "cos" in copy
+    assert all(live[k].data_ptr() != copy[k].data_ptr() for k in live)
+    with torch.no_grad():
+        model.wte.weight.add_(1.0)
+    assert not torch.equal(model(idx), snapshot(idx))

@@ -31,13 +31,20 @@ def cpu_snapshot(model):
     None on a pod host. Not the live model (training updates it in place) and not a deepcopy of
     it (under ``trainer.compile`` its forward is an instance attribute wrapping the live model,
     xtrain/engines/torch_compile.py)."""
+    import torch
+
     from xtrain.model.gpt import GPT
 
     cpu_model = host_copy_or_none(model, "C++ evaluation")
     if cpu_model is not model:  # None on a pod host; the XLA engine's host copy is already one
         return cpu_model
-    snapshot = GPT(model.config)
-    snapshot.load_state_dict(model.state_dict())  # copies every tensor into the snapshot's own
+    with torch.device("meta"):  # no random initialisation: no time spent, the RNG untouched
+        snapshot = GPT(model.config)
+    snapshot = snapshot.to_empty(device="cpu")
+    snapshot.load_state_dict(model.state_dict())  # copies every weight into the snapshot's own
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():  # the rotary tables are not in a state dict
+            snapshot.get_buffer(name).copy_(buffer)
     return snapshot
 
 
