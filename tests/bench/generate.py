@@ -16,7 +16,7 @@ import torch
 
 COMMAND = "make bench ARGS=generate   (python -m tests.bench generate)"
 PROMPT, NEW, REPEATS = 16, 240, 3
-XLA_NEW = 32
+XLA_NEW = 16  # 32 ran the child out of memory for LLVM's compiled code on this machine
 ROOT = Path(__file__).resolve().parents[2]
 
 # The XLA device's KV cache grows by one position per token, so every token's graph has new shapes
@@ -88,7 +88,10 @@ def xla_vs_cpu_copy() -> str:
     r = subprocess.run([sys.executable, "-c", XLA_CHILD], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=1800)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    if r.returncode != 0 or not lines:  # a measurement that failed is reported, not a crash
+        errors = [ln for ln in r.stderr.splitlines() if "rror" in ln]
+        return (f"### On the XLA engine: the device vs a CPU copy\n\nThe XLA child process failed "
+                f"(exit {r.returncode}): `{(errors or ['no error line'])[-1][-300:]}`\n")
     out = json.loads(lines[-1].removeprefix("RESULT "))
     cold, warm, cpu = out["cold"], out["warm"], out["cpu_copy"]
     assert cold["ids"] == warm["ids"] == cpu["ids"], "the XLA device and the CPU copy differ"
