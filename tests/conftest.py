@@ -155,7 +155,8 @@ def use_gcs_emulator(monkeypatch, url: str, home) -> None:
 
 def gcs_filesystem(url: str = "gs://xtrain-test"):
     """The filesystem xtrain gets for ``url``, fresh (gcsfs caches instances and listings);
-    asserts it is the locked gcsfs's default class."""
+    asserts it is the class the locked gcsfs exports as its default (requirements.lock), the one
+    :func:`gcs_client_env` is written for."""
     import gcsfs
     from gcsfs.extended_gcsfs import ExtendedGcsFileSystem
 
@@ -164,7 +165,7 @@ def gcs_filesystem(url: str = "gs://xtrain-test"):
     assert "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT" not in os.environ  # it would select the core class
     gcsfs.GCSFileSystem.clear_instance_cache()
     fs, _ = url_to_fs(url)
-    assert isinstance(fs, ExtendedGcsFileSystem), type(fs)
+    assert type(fs) is gcsfs.GCSFileSystem is ExtendedGcsFileSystem, (type(fs), gcsfs.GCSFileSystem)
     return fs
 
 

@@ -25,21 +25,23 @@ PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 IMPORT_NAMES = {"hydra-core": ("hydra",), "torch-xla": ("torch_xla", "torchax")}
 
 
-def declared_imports(pyproject: Path = PYPROJECT) -> dict[str, str]:
-    """Top-level import name -> the pyproject requirement providing it, for every requirement
-    whose marker holds on this machine."""
+def declared_requirements(pyproject: Path = PYPROJECT) -> list[Requirement]:
+    """pyproject.toml's dependencies and every extra, those whose marker holds on this machine."""
     project = tomllib.loads(pyproject.read_text())["project"]
     lines = list(project["dependencies"])
     for extra in project.get("optional-dependencies", {}).values():
         lines += extra
+    return [req for req in map(Requirement, lines) if req.marker is None or req.marker.evaluate()]
+
+
+def declared_imports(pyproject: Path = PYPROJECT) -> dict[str, str]:
+    """Top-level import name -> the pyproject requirement providing it, for every requirement
+    whose marker holds on this machine."""
     out = {}
-    for line in lines:
-        req = Requirement(line)
-        if req.marker is not None and not req.marker.evaluate():
-            continue
+    for req in declared_requirements(pyproject):
         name = canonicalize_name(req.name)
         for module in IMPORT_NAMES.get(name, (name.replace("-", "_"),)):
-            out[module] = line
+            out[module] = str(req)
     return out
 
 

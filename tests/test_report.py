@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, read_jsonl
+from conftest import TINY, gcs_filesystem, read_jsonl
 from logreaders import wandb_runs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,16 +143,13 @@ def test_secrets_are_masked_by_name_and_by_value():
 
 def test_a_gs_run_dir_gets_metrics_console_log_bundle_and_plots(gcs_bucket, compose_config, tmp_path):
     """metrics.jsonl, console.log, the bundle and the plots go through fsspec to the bucket."""
-    import gcsfs
-
     from xtrain.modes import run
 
     bucket, _ = gcs_bucket
     run_dir = f"{bucket}/runs/tiny"
     cfg = compose_config(TINY + ["trainer.max_steps=6", "logger=[jsonl,tensorboard]"], output_dir=run_dir)
     run(cfg, run_dir)
-    fs = gcsfs.GCSFileSystem(token="anon")
-    fs.invalidate_cache()
+    fs = gcs_filesystem(bucket)
     root = run_dir.removeprefix("gs://")
     records = [json.loads(x) for x in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 5, 6]

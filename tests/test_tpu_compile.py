@@ -94,11 +94,15 @@ def test_collective_summary_counts_ops_and_result_bytes():
 
 def test_trace_gives_every_argument_its_sharding_and_donation(compose_config, tmp_path):
     """The traced fsdp step: parameters and their optimizer buffers sharded like the rules say,
-    the batch over the batch axes, and every piece of state donated to its own update."""
+    the batch over the batch axes, every piece of state donated to its own update, and the
+    micro-batches fenced one after another."""
     from omegaconf import OmegaConf
 
-    cfg = compose_config(["hardware=v6e4", *TINY_TPU, "parallelism=fsdp", "mode=compile"])
+    # 4 micro-batches (total 8192 tokens), blocks unrolled without remat: no other barrier
+    cfg = compose_config(["hardware=v6e4", *TINY_TPU, "parallelism=fsdp", "mode=compile",
+                          "trainer.total_batch_size=8192", "model.scan=false", "model.remat=false"])
     plan = resolve(cfg, 4)
+    assert plan.batch.grad_accum_steps == 4
     OmegaConf.save(cfg, tmp_path / "config.yaml", resolve=True)
     r = subprocess.run([sys.executable, "-m", "xtrain.preflight.trace", str(tmp_path / "config.yaml"),
                         str(tmp_path)], capture_output=True, text=True, timeout=300,
@@ -116,6 +120,8 @@ def test_trace_gives_every_argument_its_sharding_and_donation(compose_config, tm
     assert "{devices=[4,1,1]0,1,2,3}" in shardings  # tokens [B, A, T+1]: rows over 4 devices
     assert "{devices=[4,1]0,1,2,3}" in shardings  # fsdp: the first dimension of the matrices
     assert plan.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+    # micro-batches ordered: a barrier before each one after the first (xtrain/engines/step.py)
+    assert text.count("stablehlo.optimization_barrier") == 3
 
 
 def test_compile_mode_measures_the_step_caches_it_and_plan_shows_it(tmp_path):

@@ -27,17 +27,26 @@ def autocast(device_type: str, precision: str):
     return nullcontext()
 
 
-def step_closure(model, tokens, backward, grad_clip: float, precision: str, stats: dict | None = None):
+def step_closure(model, tokens, backward, grad_clip: float, precision: str, stats: dict | None = None,
+                 fence=None):
     """The closure ``optimizer.step(closure)`` runs: every micro-batch's forward and ``backward``
     (``loss.backward`` or Lightning's ``manual_backward``), then gradient clipping; it returns
     the mean loss as a device tensor. ``stats["grad_norm"]`` receives the global gradient norm
-    before clipping, a device tensor of the same graph (read only when the run logs)."""
+    before clipping, a device tensor of the same graph (read only when the run logs).
+
+    ``fence(tensors)``: called before each micro-batch after the first with its inputs and the
+    gradients so far; the XLA engine passes an optimization barrier (xtrain/xla/spmd.py), so a
+    micro-batch's forward cannot start before the previous backward is done. Without it the TPU
+    compiler overlapped the micro-batches of one graph and kept all their activations alive at
+    once (temporaries grew with the number of micro-batches: BENCHMARKS.md, "TPU compile")."""
     accum = tokens.size(1)
 
     def closure():
         total = torch.zeros((), device=tokens.device)
-        for micro in tokens.unbind(1):
+        for i, micro in enumerate(tokens.unbind(1)):
             x, y = split_inputs_targets(micro)
+            if fence is not None and i > 0:
+                fence([x, y] + [p.grad for p in model.parameters() if p.grad is not None])
             with autocast(tokens.device.type, precision):
                 loss = model(x, y) / accum
             backward(loss)

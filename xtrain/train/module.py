@@ -43,10 +43,19 @@ class GPTModule(L.LightningModule):
         tokens, _ = batch
         opt = self.optimizers()
         closure = step_closure(self.model, tokens, self.manual_backward, self.optim_cfg.grad_clip,
-                               self.precision_name, stats=self.step_stats)
+                               self.precision_name, stats=self.step_stats, fence=self.fence(tokens))
         loss = opt.step(closure=closure)
         opt.zero_grad(set_to_none=True)
         self.last_loss = loss
+
+    @staticmethod
+    def fence(tokens):
+        """What orders the micro-batches of a compiled step (XLA), or None (eager: in order)."""
+        if tokens.device.type != "xla":
+            return None
+        from xtrain.xla.spmd import micro_batch_fence
+
+        return micro_batch_fence
 
     # --- validation: loss and bits per byte --------------------------------------------------
     def on_validation_start(self):

@@ -105,3 +105,11 @@ def counters() -> dict[str, int]:
 def sharding_specs(model) -> dict[str, str]:
     """name -> the HLO sharding string XLA holds for each parameter (for logs and tests)."""
     return {n: compat.sharding_spec(p) for n, p in model.named_parameters()}
+
+
+def micro_batch_fence(tensors) -> None:
+    """An optimization barrier over a micro-batch's inputs and the gradients accumulated before
+    it (xtrain/engines/step.py): XLA may not move the micro-batch's work above it."""
+    import torch_xla.core.xla_model as xm
+
+    xm.optimization_barrier_(tensors)
