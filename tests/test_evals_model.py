@@ -66,6 +66,25 @@ def test_training_logs_cpp_scores_at_every_cpp_every_steps(evaluated_run):
         _check_records(evaluated_run / "cpp_eval" / f"step_{step:06d}.jsonl", n=2)
 
 
+def test_training_goes_on_while_an_evaluation_runs(tmp_path, problem_file):
+    """The evaluation runs in the background: the step after it started is logged before its
+    record, sooner than the evaluation took (eight compiles and tests per problem make it slow
+    next to a d2 step); the one still running when the run ends (step 6 of 7) is waited for."""
+    r = _xtrain(tmp_path, "trainer.max_steps=7", "trainer.log_every=1", "eval.cpp_every=3",
+                f"eval.cpp_file={problem_file}", *EVAL, "eval.n=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    order = [(r["kind"], r["step"]) for r in records if r["kind"] in ("train", "eval")]
+    evals = {r["step"]: r for r in records if r["kind"] == "eval"}
+    train = {r["step"]: r for r in records if r["kind"] == "train"}
+    assert sorted(evals) == [3, 6]
+    assert order.index(("train", 4)) < order.index(("eval", 3))
+    assert train[4]["time"] - train[3]["time"] < evals[3]["cpp_eval_seconds"]
+    assert order[-1] == ("eval", 6)  # written at the end, after step 7
+    for step in (3, 6):
+        _check_records(tmp_path / "cpp_eval" / f"step_{step:06d}.jsonl", n=8)
+
+
 def test_mode_eval_prints_the_scores_of_the_runs_checkpoint(evaluated_run, problem_file):
     r = _xtrain(evaluated_run, "mode=eval", f"eval.cpp_file={problem_file}", "eval.max_tokens=8")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -90,3 +109,35 @@ def test_mode_eval_refuses_a_malformed_problem_file_naming_the_line(evaluated_ru
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith(f"xtrain: config error: {bad}:2: bad JSON")
     assert "evaluating" not in r.stdout
+
+
+def test_the_snapshot_is_a_copy_training_cannot_change():
+    """The CPU engine's snapshot: equal outputs, its own tensors (rotary tables included), no
+    compiled forward carried over (trainer.compile's wrapper is an instance attribute), and the
+    global RNG untouched (no random initialisation of the copy)."""
+    import torch
+
+    from conftest import compose_cfg
+    from xtrain.engines.torch_compile import loss_compiled
+    from xtrain.model.config import GPTConfig
+    from xtrain.model.gpt import GPT
+    from xtrain.plan import resolve
+    from xtrain.train.cpp_eval import cpu_snapshot
+
+    cfg = compose_cfg(["model=d2", "model.sequence_len=64"])
+    resolve(cfg, 1)
+    model = GPT(GPTConfig.from_model(cfg.model))
+    model.forward = loss_compiled(model.forward, lambda f: f)
+    rng = torch.random.get_rng_state()
+    snapshot = cpu_snapshot(model)
+    assert torch.equal(rng, torch.random.get_rng_state())
+    assert "forward" not in vars(snapshot)
+    idx = torch.randint(0, model.config.vocab_size, (1, 8))
+    assert torch.equal(model(idx), snapshot(idx))
+    live = dict(model.state_dict(), **dict(model.named_buffers()))
+    copy = dict(snapshot.state_dict(), **dict(snapshot.named_buffers()))
+    assert live.keys() == copy.keys() and "cos" in copy
+    assert all(live[k].data_ptr() != copy[k].data_ptr() for k in live)
+    with torch.no_grad():
+        model.wte.weight.add_(1.0)
+    assert not torch.equal(model(idx), snapshot(idx))

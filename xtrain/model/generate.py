@@ -83,7 +83,8 @@ def generate_ids(model, prompt: list[int], n: int = 1, max_tokens: int = 64, tem
                          "tokens (the model's sequence_len)")
     model.eval()
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    # greedy needs none (and an XLA device has no torch.Generator: tests/bench/generate.py)
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     ids = torch.tensor([prompt], device=device)
     cache = None
     if kv_cache:

@@ -1,15 +1,21 @@
 """The C++ benchmark during training: every ``eval.cpp_every`` steps, on rank 0, outside the
-compiled step (the XLA engine's model is copied to the CPU first, as for samples, so the training
-step's graphs are untouched), scores logged as ``eval`` records (metrics.jsonl and every logger)
-and per-sample records written to ``<run dir>/cpp_eval/step_N.jsonl``.
+compiled step, in the background. Training pays only for a CPU snapshot of the weights (a fresh
+model loaded with copies of them; on the XLA engine the host copy samples use, so the training
+step's graphs are untouched); generation, compiling and testing run on one background thread
+while the steps go on. The scores are logged as an ``eval`` record of the step whose weights were
+judged (metrics.jsonl and every logger) by the training thread, at the first step end after the
+evaluation finished, and per-sample records go to ``<run dir>/cpp_eval/step_N.jsonl``.
 
-The other ranks do not take part: they go on to the next step and meet rank 0 again at that
-step's first collective. Rank 0 evaluates synchronously, so on a pod the evaluation's wall time is
-charged to every host at that step (reported as ``cpp_eval_seconds``); a pod host holds only its
-shards of the weights, so there the evaluation is skipped with a warning, like samples.
+The other ranks do not take part and rank 0 does not stop for the evaluation, so the other hosts
+of a pod are not held at their next collective. A pod host holds only its shards of the weights,
+so there the evaluation is skipped with a warning, like samples.
 """
 
 from __future__ import annotations
+
+import logging
+import threading
+import time
 
 import lightning as L
 
@@ -17,33 +23,113 @@ from xtrain.evals import prepare
 from xtrain.evals.completions import check_fit, evaluate_model, records_path
 from xtrain.train.sampling import host_copy_or_none
 
+log = logging.getLogger(__name__)
+
+
+def cpu_snapshot(model):
+    """A CPU model holding copies of ``model``'s weights that training never touches again, or
+    None on a pod host. Not the live model (training updates it in place) and not a deepcopy of
+    it (under ``trainer.compile`` its forward is an instance attribute wrapping the live model,
+    xtrain/engines/torch_compile.py)."""
+    import torch
+
+    from xtrain.model.gpt import GPT
+
+    cpu_model = host_copy_or_none(model, "C++ evaluation")
+    if cpu_model is not model:  # None on a pod host; the XLA engine's host copy is already one
+        return cpu_model
+    with torch.device("meta"):  # no random initialisation: no time spent, the RNG untouched
+        snapshot = GPT(model.config)
+    snapshot = snapshot.to_empty(device="cpu")
+    snapshot.load_state_dict(model.state_dict())  # copies every weight into the snapshot's own
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():  # the rotary tables are not in a state dict
+            snapshot.get_buffer(name).copy_(buffer)
+    return snapshot
+
+
+class Pending:
+    """One evaluation on its background thread; ``scores`` or ``error`` once it is done."""
+
+    def __init__(self, step: int, snapshot_s: float, run):
+        self.step, self.snapshot_s = step, snapshot_s
+        self.scores: dict | None = None
+        self.error: BaseException | None = None
+        # a daemon, so a run that dies without reaching a callback hook is not kept alive by it
+        self.thread = threading.Thread(target=self._main, args=(run,), name=f"cpp-eval-{step}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _main(self, run) -> None:
+        try:
+            self.scores = run()
+        except BaseException as e:  # handed to the training thread, raised there
+            self.error = e
+
 
 class CppEvalCallback(L.Callback):
     """Built only when ``eval.cpp_every`` > 0; the config, the benchmark file, the compiler in
     the sandbox and the prompts' fit in the context are checked when it is built (before the
-    first step), not at the first evaluation."""
+    first step), not at the first evaluation.
+
+    At most one evaluation is in flight: when the next is due while the previous one still runs,
+    training waits for the running one first (its record says how long: ``cpp_wait_seconds``),
+    so evaluations never pile up when one takes longer than ``eval.cpp_every`` steps. Training
+    also waits for the running one when it ends, normally or by an exception (preemption
+    included), so the last evaluation's record is written before the run's loggers close.
+    Records are written by the training thread only (the background thread hands its scores
+    back), in step order with the other records of that step end."""
 
     def __init__(self, eval_cfg, tokenizer, run_log, timer, run_dir: str, sequence_len: int):
         self.cfg, self.tokenizer, self.run_log, self.timer = eval_cfg, tokenizer, run_log, timer
         self.run_dir, self.every = run_dir, eval_cfg.cpp_every
         self.problems = prepare(eval_cfg)
         check_fit(tokenizer, self.problems, eval_cfg, sequence_len)
+        self.pending: Pending | None = None
 
-    def evaluate(self, step: int, model) -> dict | None:
-        with self.timer.measure("cpp_eval"):  # not charged to training throughput
-            was_training = model.training
-            cpu_model = host_copy_or_none(model, "C++ evaluation")
-            if cpu_model is None:
-                self.every = 0
-                return None
-            try:
-                scores = evaluate_model(cpu_model, self.tokenizer, self.problems, self.cfg,
-                                        records_path(self.run_dir, step))
-            finally:
-                model.train(was_training)
-        return self.run_log.record("eval", step, scores)
+    def evaluate(self, step: int, model) -> None:
+        """Start the evaluation of ``model``'s weights at ``step`` (after the running one ends)."""
+        self.collect(wait=True)
+        # the snapshot and any wait are what training pays; like validation, not throughput
+        with self.timer.measure("eval"):
+            t0 = time.perf_counter()
+            snapshot = cpu_snapshot(model)
+            snapshot_s = time.perf_counter() - t0
+        if snapshot is None:
+            self.every = 0
+            return
+        path = records_path(self.run_dir, step)
+        self.pending = Pending(step, snapshot_s, lambda: evaluate_model(
+            snapshot, self.tokenizer, self.problems, self.cfg, path))
+
+    def collect(self, wait: bool) -> dict | None:
+        """Log the pending evaluation's record if it has finished (or, with ``wait``, once it
+        has); the record, or None when there is none (yet)."""
+        pending = self.pending
+        if pending is None or (not wait and pending.thread.is_alive()):
+            return None
+        with self.timer.measure("eval"):
+            t0 = time.perf_counter()
+            pending.thread.join()
+            waited = time.perf_counter() - t0
+        self.pending = None
+        if pending.error is not None:
+            raise pending.error
+        return self.run_log.record("eval", pending.step, {
+            **pending.scores, "cpp_snapshot_seconds": round(pending.snapshot_s, 3),
+            "cpp_wait_seconds": round(waited, 3)})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.collect(wait=False)  # built on rank 0 only (xtrain/train/run.py)
         step = trainer.global_step
-        if self.every and step % self.every == 0 and trainer.global_rank == 0:
+        if self.every and step % self.every == 0:
             self.evaluate(step, pl_module.model)
+
+    def on_train_end(self, trainer, pl_module):
+        self.collect(wait=True)
+
+    def on_exception(self, trainer, pl_module, exception):
+        try:
+            self.collect(wait=True)
+        except Exception as e:  # the run's own exception is the one that propagates
+            log.warning("the C++ evaluation failed too: %r", e)
