@@ -39,7 +39,8 @@ from xtrain.model.gpt import GPT, rotary_tables
 from xtrain.optim import build_optimizer
 from xtrain.parallelism import check_rules
 from xtrain.xla.layers import install_layer_loop
-from xtrain.xla.spmd import batch_spec, build_mesh, optimizer_state_specs, set_attention_partition
+from xtrain.xla.spmd import (batch_spec, build_mesh, micro_batch_fence, optimizer_state_specs,
+                              set_attention_partition)
 
 
 def placeholder(like):
@@ -98,7 +99,7 @@ def trace_step(cfg, plan) -> dict:
 
     t0 = time.time()
     loss = optimizer.step(closure=step_closure(model, tokens, torch.Tensor.backward,
-                                               cfg.optim.grad_clip, precision))
+                                               cfg.optim.grad_clip, precision, fence=micro_batch_fence))
     optimizer.zero_grad(set_to_none=True)
     outputs = [t for t, _ in state] + [optimizer.last_lr_multiplier(), loss]
     input_ids = compat.graph_input_handles(outputs)  # in the exported function's argument order
