@@ -99,7 +99,8 @@ def trace_step(cfg, plan) -> dict:
 
     t0 = time.time()
     loss = optimizer.step(closure=step_closure(model, tokens, torch.Tensor.backward,
-                                               cfg.optim.grad_clip, precision, fence=micro_batch_fence))
+                                               cfg.optim.grad_clip, precision,
+                                               fence=None if plan.gpt.scan else micro_batch_fence))
     optimizer.zero_grad(set_to_none=True)
     outputs = [t for t, _ in state] + [optimizer.last_lr_multiplier(), loss]
     input_ids = compat.graph_input_handles(outputs)  # in the exported function's argument order

@@ -48,10 +48,11 @@ class GPTModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         self.last_loss = loss
 
-    @staticmethod
-    def fence(tokens):
-        """What orders the micro-batches of a compiled step (XLA), or None (eager: in order)."""
-        if tokens.device.type != "xla":
+    def fence(self, tokens):
+        """What orders the micro-batches of a compiled step (XLA, blocks unrolled), or None
+        (eager: in order; scanned: the barrier multiplied the traced program, see
+        xtrain/engines/step.py)."""
+        if tokens.device.type != "xla" or self.model.config.scan:
             return None
         from xtrain.xla.spmd import micro_batch_fence
 
