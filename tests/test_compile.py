@@ -265,7 +265,7 @@ def test_a_compile_expected_to_exceed_host_memory_is_refused_before_it_starts(tm
     assert proc.returncode == 2
     assert re.search(r"refusing to start the TPU compile: [\d,]+ StableHLO ops are expected to need "
                      r"[\d.]+ GiB of host RAM .* the compile of a huge step .* GiB available", err)
-    assert "model.scan=true" not in err  # scan is already on for TPU profiles
+    assert "model.scan=true (one copy of the layer body" in err  # scan is off by default: named
     assert "TPU compile" not in out  # the compiler never started
 
 

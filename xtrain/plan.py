@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from xtrain.config import TENSOR_AXIS, Attention, Engine, TrainConfig
 from xtrain.limits import out_of_range
 from xtrain.errors import ConfigError
-from xtrain.model.config import GPTConfig, scan_period
+from xtrain.model.config import GPTConfig
 from xtrain.parallelism import batch_parallel, check_rules, mesh_shape, per_host_batch
 from xtrain.units import GIB
 
@@ -277,8 +277,8 @@ def resolve(cfg, devices: int) -> RunPlan:
         model.sequence_len = data.sequence_len or hw.sequence_len
     on_tpu = hw.engine == "xla" and bool(hw.accelerator_type)
     model.attention = choose_attention(model.attention, hw.engine, on_tpu, model.sequence_len)
-    if model.scan is None:  # on for TPU profiles where a period of layers repeats
-        model.scan = on_tpu and scan_period(GPTConfig.from_model(model).windows)[1] >= 2
+    if model.scan is None:  # unrolled and fenced fits best (BENCHMARKS.md, "TPU compile")
+        model.scan = False
     if model.remat is None:
         model.remat = bool(model.scan)
     if model.scan and hw.engine != "xla":

@@ -46,7 +46,7 @@ def _row(label, overrides, plan, report, cached) -> str:
     step = report["step"]
     if not step["ok"]:
         target(False, f"compile: {' '.join(overrides)} compiles")
-        return f"| {' '.join(overrides)} | | {label} | did not compile: {step['error'][:300]} |"
+        return f"| {' '.join(overrides)} | | {label} | did not compile: {step['error'].splitlines()[0][:300]} |"
     need, est = hbm_bytes(step) / GIB, report["planner_bytes"] / GIB
     host = report.get("host", {})
     machine = (f"{host['ram_bytes'] / GIB:.0f} + {host['swap_bytes'] / GIB:.0f}"

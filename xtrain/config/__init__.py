@@ -120,9 +120,10 @@ class ModelConfig:
     softcap: float = limits(15.0, gt=0)  # logits = softcap * tanh(logits / softcap)
     # XLA engine: run the transformer blocks as one compiled layer body looped over the stacked
     # weights (torch_xla's scan), so the compiled step holds one copy of a block instead of
-    # `depth` copies: the TPU compile is several times faster and needs several times less host
-    # RAM. Parameter names (checkpoint keys) are the same either way. None: on for TPU profiles,
-    # off elsewhere (the CPU engine never scans; true there is refused).
+    # `depth` copies (a smaller program, a faster TPU compile). Parameter names (checkpoint keys)
+    # are the same either way. None: off, because scanned steps are not fenced between
+    # micro-batches yet and need more HBM than unrolled ones (BENCHMARKS.md, "TPU compile"; the
+    # CPU engine never scans, true there is refused).
     scan: bool | None = None
     # Activation checkpointing per layer: keep only each block's input for the backward pass and
     # recompute the block's activations there (about one extra forward). Cuts activation memory
