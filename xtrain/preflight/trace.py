@@ -39,7 +39,7 @@ from xtrain.model.gpt import GPT, rotary_tables
 from xtrain.optim import build_optimizer
 from xtrain.parallelism import check_rules
 from xtrain.xla.layers import install_layer_loop
-from xtrain.xla.spmd import (batch_spec, build_mesh, micro_batch_fence, optimizer_state_specs,
+from xtrain.xla.spmd import (batch_spec, build_mesh, optimizer_state_specs, step_fence,
                               set_attention_partition)
 
 
@@ -100,7 +100,7 @@ def trace_step(cfg, plan) -> dict:
     t0 = time.time()
     loss = optimizer.step(closure=step_closure(model, tokens, torch.Tensor.backward,
                                                cfg.optim.grad_clip, precision,
-                                               fence=None if plan.gpt.scan else micro_batch_fence))
+                                               fence=step_fence(plan.gpt)))
     optimizer.zero_grad(set_to_none=True)
     outputs = [t for t, _ in state] + [optimizer.last_lr_multiplier(), loss]
     input_ids = compat.graph_input_handles(outputs)  # in the exported function's argument order

@@ -49,14 +49,12 @@ class GPTModule(L.LightningModule):
         self.last_loss = loss
 
     def fence(self, tokens):
-        """What orders the micro-batches of a compiled step (XLA, blocks unrolled), or None
-        (eager: in order; scanned: the barrier multiplied the traced program, see
-        xtrain/engines/step.py)."""
-        if tokens.device.type != "xla" or self.model.config.scan:
+        """What orders the micro-batches of a compiled step (XLA), or None (eager: in order)."""
+        if tokens.device.type != "xla":
             return None
-        from xtrain.xla.spmd import micro_batch_fence
+        from xtrain.xla.spmd import step_fence
 
-        return micro_batch_fence
+        return step_fence(self.model.config)
 
     # --- validation: loss and bits per byte --------------------------------------------------
     def on_validation_start(self):

@@ -107,6 +107,13 @@ def sharding_specs(model) -> dict[str, str]:
     return {n: compat.sharding_spec(p) for n, p in model.named_parameters()}
 
 
+def step_fence(gpt):
+    """The fence between a compiled step's micro-batches (xtrain/engines/step.py): the barrier
+    below for unrolled blocks; None for scanned ones, where the barrier multiplied the traced
+    program's size."""
+    return None if gpt.scan else micro_batch_fence
+
+
 def micro_batch_fence(tensors) -> None:
     """An optimization barrier over a micro-batch's inputs and the gradients accumulated before
     it (xtrain/engines/step.py): XLA may not move the micro-batch's work above it."""
