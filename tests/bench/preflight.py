@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from tests.bench.targets import target
 from xtrain.units import GIB
 
 COMMAND = "make bench ARGS=preflight   (python -m tests.bench preflight)"
@@ -50,12 +51,16 @@ def run() -> str:
             need = hbm_bytes(step) / GIB
             compiler = f"{need:.2f}"
             ratio = f"{est / need:.2f}"
-            within = "yes" if abs(est / need - 1) <= TOLERANCE else "**no**"
+            within = target(abs(est / need - 1) <= TOLERANCE, f"preflight: planner within "
+                            f"±{TOLERANCE:.0%} of the compiler, {' '.join(overrides)}")
         elif hbm_from_error(step["error"]):  # out of HBM: the compiler states what it needed
             need = hbm_from_error(step["error"])[0] / GIB
             compiler = f">= {need:.2f} (OOM)"
             ratio = f"<= {est / need:.2f}"
-            within = "**no**" if est / need < 1 - TOLERANCE else "n/a: the compiler stops counting at OOM"
+            # the compiler stops counting at OOM: a planner far below its lower bound is a miss
+            within = (target(False, f"preflight: planner below the compiler's OOM lower bound, "
+                             f"{' '.join(overrides)}")
+                      if est / need < 1 - TOLERANCE else "n/a: the compiler stops counting at OOM")
         else:
             compiler, ratio, within = "error", "-", "-"
         problem = verdict(report) or "fits"
