@@ -5,6 +5,7 @@ named. Every run is real processes, started with torchrun or with the standard v
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ import torch
 
 from conftest import read_jsonl
 from test_checkpoint import losses, wait_for_step
+from test_evals_model import PROBLEMS
 from xtrain.checkpoint.layout import committed_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,10 +56,18 @@ def finish_all(procs, timeout=300) -> list[tuple[int, str, str]]:
     return [(p.returncode, *output) for p, output in zip(procs, outputs)]
 
 
+def cpp_eval_overrides(root: Path) -> list[str]:
+    """A two-problem C++ benchmark (tests/test_evals_model.py's), judged greedily."""
+    problems = root / "cpp.jsonl"
+    problems.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    return [f"eval.cpp_file={problems}", "eval.max_tokens=8", "eval.n=1", "eval.k=[1]"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process on 8 rows per step, and two processes (torchrun) on 4 rows each; both dump
-    their final parameters, their rows and their first step's tokens (xtrain/train/debug_dump.py)."""
+    their final parameters, their rows and their first step's tokens (xtrain/train/debug_dump.py).
+    The two-process run also evaluates the C++ benchmark every 10 steps, from its checkpoints."""
     root = tmp_path_factory.mktemp("reference")
     for name in ("one", "two"):
         (root / f"{name}-dump").mkdir()
@@ -65,8 +75,9 @@ def reference(tmp_path_factory):
                 {"XTRAIN_DEBUG_DUMP": str(root / "one-dump")})
     code, _, err = finish_all([one])[0]
     assert code == 0, err[-3000:]
+    evaluation = [*cpp_eval_overrides(root), "eval.cpp_every=10", "checkpoint.every=10"]
     two = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                 "2", "-m", "xtrain", *COMMON, *TWO, f"hydra.run.dir={root / 'two'}"],
+                 "2", "-m", "xtrain", *COMMON, *TWO, *evaluation, f"hydra.run.dir={root / 'two'}"],
                 {"XTRAIN_DEBUG_DUMP": str(root / "two-dump")})
     code, out, err = finish_all([two])[0]
     assert code == 0, err[-3000:]
@@ -83,7 +94,7 @@ def test_two_processes_train_the_one_process_batch_with_one_writer(reference):
     records = read_jsonl(reference / "two" / "metrics.jsonl")  # written by rank 0 alone
     train_steps = [r["step"] for r in records if "loss" in r]
     assert train_steps == list(range(1, STEPS + 1))
-    assert [s for s, _ in committed_checkpoints(str(reference / "two" / "checkpoints"))] == [STEPS]
+    assert [s for s, _ in committed_checkpoints(str(reference / "two" / "checkpoints"))] == [10, STEPS]
     ranks = [torch.load(reference / "two-dump" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert ranks[0]["params"].keys() == ranks[1]["params"].keys()
     for name, tensor in ranks[0]["params"].items():  # DDP replicas: bitwise the same
@@ -94,6 +105,29 @@ def test_two_processes_train_the_one_process_batch_with_one_writer(reference):
     assert single["first_tokens"].shape[0] == 8
     for d in ranks:  # each process trained on its own rows of the one-process run's batch
         assert torch.equal(d["first_tokens"], single["first_tokens"][slice(*d["rows"])])
+
+
+def test_two_processes_judge_cpp_from_the_checkpoint_of_each_evaluated_step(reference, tmp_path):
+    """On more than one process a host may hold only its shards (a TPU pod), so rank 0 reads each
+    evaluated step's weights from its checkpoint: what it judged is what ``mode=eval`` judges
+    from that checkpoint, completion for completion."""
+    run = reference / "two"
+    evals = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [10, STEPS]
+    assert all("cpp_snapshot_seconds" not in r for r in evals)  # no copy of the live model
+    for record in evals:
+        step = record["step"]
+        alone = tmp_path / f"alone{step}"
+        r = subprocess.run([sys.executable, "-m", "xtrain", "mode=eval", *cpp_eval_overrides(tmp_path),
+                            f"checkpoint.resume={run}/checkpoints/step_{step:06d}",
+                            f"hydra.run.dir={alone}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, **ENV})
+        assert r.returncode == 0, r.stderr[-3000:]
+        name = f"cpp_eval/step_{step:06d}.jsonl"
+        during, after = read_jsonl(run / name), read_jsonl(alone / name)
+        assert len(during) == len(PROBLEMS)
+        assert [(p["id"], p["code"], p["outcome"]) for p in during] == \
+            [(p["id"], p["code"], p["outcome"]) for p in after]
 
 
 def stop_step(out: str) -> int:

@@ -98,6 +98,10 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("no-sources", ["data.build_sources=[{missing}]"], {}, "no C/C++ sources found"),
     ("unreachable-bucket", ["data=cpp16k", "data.remote_timeout_s=0.5"],
      {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}, "gs://nanochat-training-data-2026: no answer within 0.5 s"),
+    # on several hosts the C++ evaluation reads the checkpoint of its step (xtrain/train/cpp_eval.py)
+    ("cpp-eval-between-checkpoints", ["hardware=cpu2", "eval.cpp_every=3", "checkpoint.every=2"], {},
+     "eval.cpp_every=3 on 2 hosts: the evaluation reads the weights of the checkpoint of its step, "
+     "so it must be a multiple of checkpoint.every (now 2)"),
     # checkpoints
     ("resume-missing", ["checkpoint.resume={missing}"], {}, "checkpoint.resume={missing}: no such directory"),
     ("resume-empty", ["checkpoint.resume={empty}"], {}, "not a committed checkpoint"),

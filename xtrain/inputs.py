@@ -149,8 +149,20 @@ def within(seconds: float, what: str, check) -> None:
         raise DataError(f"{what}: {type(error).__name__}: {error}") from error
 
 
+def check_evaluation_steps(cfg) -> None:
+    """On more than one process the C++ evaluation reads the weights of its step's checkpoint
+    (xtrain/train/cpp_eval.py): every evaluated step must be a checkpointed one."""
+    every, ckpt_every = cfg.eval.cpp_every, cfg.checkpoint.every
+    if every and cfg.hardware.hosts > 1 and (not ckpt_every or every % ckpt_every):
+        raise ConfigError(
+            f"eval.cpp_every={every} on {cfg.hardware.hosts} hosts: the evaluation reads the "
+            f"weights of the checkpoint of its step, so it must be a multiple of checkpoint.every "
+            f"(now {ckpt_every}); set checkpoint.every={every}, for example")
+
+
 def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
     """Everything a training run reads and writes, in the order a run needs it."""
+    check_evaluation_steps(cfg)
     check_host(cfg.hardware)
     data, ckpt_dir = cfg.data, checkpoint_dir(cfg, run_dir)
     remote = [u for u in (data.train_files, data.tokenizer, ckpt_dir, cfg.checkpoint.resume)

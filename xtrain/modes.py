@@ -100,15 +100,11 @@ def checkpoint_inputs(cfg, run_dir: str):
 def checkpoint_model(path: str, saved):
     """The GPT of a checkpoint on the CPU: its saved model config, its weights read without the
     optimizer state."""
-    from xtrain.checkpoint.io import read_tensors
+    from xtrain.checkpoint.io import read_model_weights
     from xtrain.model.config import GPTConfig
     from xtrain.model.gpt import GPT
 
-    model = GPT(GPTConfig.from_model(saved.model))
-    prefix = "/state_dict/model."
-    weights = read_tensors(path, prefix)
-    model.load_state_dict({k[len(prefix):]: v for k, v in weights.items()})
-    return model
+    return GPT.from_weights(GPTConfig.from_model(saved.model), read_model_weights(path))
 
 
 def sample(cfg, run_dir: str) -> dict:

@@ -201,6 +201,15 @@ def read_tensors(path: str, prefix: str) -> dict:
         return _read_tensors(fs, f"{root}/tensors", staging, None, False, None, prefix)
 
 
+MODEL_PREFIX = "/state_dict/model."  # where the model's weights sit in a saved state
+
+
+def read_model_weights(path: str) -> dict:
+    """A committed checkpoint's model weights, without the optimizer state, as the model's
+    state dict (new CPU tensors)."""
+    return {k[len(MODEL_PREFIX):]: v for k, v in read_tensors(path, MODEL_PREFIX).items()}
+
+
 def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, process_group,
                   prefix: str = "") -> dict:
     import torch.distributed.checkpoint as dcp

@@ -108,6 +108,19 @@ class GPT(nn.Module):
         self.layer_loop = None
         self.init_weights()
 
+    @classmethod
+    def from_weights(cls, config: GPTConfig, weights: dict) -> "GPT":
+        """A CPU model holding copies of ``weights`` (a full state dict), built without random
+        initialisation: no time spent on it, and the global RNG (which a training thread may be
+        using) untouched."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device="cpu")
+        model.load_state_dict(weights)
+        with torch.no_grad():  # the rotary tables are not in a state dict
+            model.cos, model.sin = rotary_tables(config.sequence_len, config.head_dim)
+        return model
+
     @torch.no_grad()
     def init_weights(self):
         """nanochat's scheme: embedding ~ N(0, 1); lm_head ~ N(0, 0.001); attention and MLP input

@@ -7,8 +7,11 @@ judged (metrics.jsonl and every logger) by the training thread, at the first ste
 evaluation finished, and per-sample records go to ``<run dir>/cpp_eval/step_N.jsonl``.
 
 The other ranks do not take part and rank 0 does not stop for the evaluation, so the other hosts
-of a pod are not held at their next collective. A pod host holds only its shards of the weights,
-so there the evaluation is skipped with a warning, like samples.
+of a pod are not held at their next collective. On more than one process a host may hold only its
+shards of the weights (a pod), so there the weights come from the checkpoint of the step instead
+(``eval.cpp_every`` is a multiple of ``checkpoint.every``, xtrain/inputs.py): the background
+thread waits for it to be committed and reads it from the checkpoint directory, which every host
+shares; nothing is gathered across hosts and nothing extra is compiled.
 """
 
 from __future__ import annotations
@@ -19,11 +22,17 @@ import time
 
 import lightning as L
 
+from xtrain.checkpoint.io import read_model_weights
+from xtrain.checkpoint.layout import is_committed, step_dir
 from xtrain.evals import prepare
 from xtrain.evals.completions import check_fit, evaluate_model, records_path
+from xtrain.model.gpt import GPT
 from xtrain.train.sampling import host_copy_or_none
 
 log = logging.getLogger(__name__)
+# how long an evaluation waits for the checkpoint of its step to be committed (the upload of a
+# large model's checkpoint to gs:// takes minutes); then that evaluation is skipped with a warning
+COMMIT_WAIT_S = 3600.0
 
 
 def cpu_snapshot(model):
@@ -31,27 +40,28 @@ def cpu_snapshot(model):
     None on a pod host. Not the live model (training updates it in place) and not a deepcopy of
     it (under ``trainer.compile`` its forward is an instance attribute wrapping the live model,
     xtrain/engines/torch_compile.py)."""
-    import torch
-
-    from xtrain.model.gpt import GPT
-
     cpu_model = host_copy_or_none(model, "C++ evaluation")
     if cpu_model is not model:  # None on a pod host; the XLA engine's host copy is already one
         return cpu_model
-    with torch.device("meta"):  # no random initialisation: no time spent, the RNG untouched
-        snapshot = GPT(model.config)
-    snapshot = snapshot.to_empty(device="cpu")
-    snapshot.load_state_dict(model.state_dict())  # copies every weight into the snapshot's own
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():  # the rotary tables are not in a state dict
-            snapshot.get_buffer(name).copy_(buffer)
-    return snapshot
+    return GPT.from_weights(model.config, model.state_dict())
+
+
+def committed_weights(config, path: str, stopping: threading.Event):
+    """The CPU model of the checkpoint at ``path`` once it is committed, or None when it is not
+    within ``COMMIT_WAIT_S`` or the run is stopping."""
+    deadline = time.monotonic() + COMMIT_WAIT_S
+    while not is_committed(path):
+        if stopping.wait(2.0) or time.monotonic() > deadline:
+            return None
+    return GPT.from_weights(config, read_model_weights(path))
 
 
 class Pending:
-    """One evaluation on its background thread; ``scores`` or ``error`` once it is done."""
+    """One evaluation on its background thread; ``scores`` (None: skipped) or ``error`` once it
+    is done. ``snapshot_s``: what copying the weights cost training (None: read from a
+    checkpoint instead)."""
 
-    def __init__(self, step: int, snapshot_s: float, run):
+    def __init__(self, step: int, snapshot_s: float | None, run):
         self.step, self.snapshot_s = step, snapshot_s
         self.scores: dict | None = None
         self.error: BaseException | None = None
@@ -80,16 +90,34 @@ class CppEvalCallback(L.Callback):
     Records are written by the training thread only (the background thread hands its scores
     back), in step order with the other records of that step end."""
 
-    def __init__(self, eval_cfg, tokenizer, run_log, timer, run_dir: str, sequence_len: int):
+    def __init__(self, eval_cfg, tokenizer, run_log, timer, run_dir: str, sequence_len: int,
+                 checkpoints: str | None = None):
+        """``checkpoints``: the checkpoint directory to read each step's weights from (a run of
+        more than one process), or None to snapshot the live model."""
         self.cfg, self.tokenizer, self.run_log, self.timer = eval_cfg, tokenizer, run_log, timer
-        self.run_dir, self.every = run_dir, eval_cfg.cpp_every
+        self.run_dir, self.every, self.checkpoints = run_dir, eval_cfg.cpp_every, checkpoints
         self.problems = prepare(eval_cfg)
         check_fit(tokenizer, self.problems, eval_cfg, sequence_len)
         self.pending: Pending | None = None
+        self.stopping = threading.Event()  # set when the run ends by an exception
 
     def evaluate(self, step: int, model) -> None:
         """Start the evaluation of ``model``'s weights at ``step`` (after the running one ends)."""
         self.collect(wait=True)
+        path = records_path(self.run_dir, step)
+        if self.checkpoints:
+            checkpoint = step_dir(self.checkpoints, step)
+
+            def from_checkpoint():
+                weights = committed_weights(model.config, checkpoint, self.stopping)
+                if weights is None:
+                    log.warning("C++ evaluation of step %d skipped: %s was not committed", step,
+                                checkpoint)
+                    return None
+                return evaluate_model(weights, self.tokenizer, self.problems, self.cfg, path)
+
+            self.pending = Pending(step, None, from_checkpoint)
+            return
         # the snapshot and any wait are what training pays; like validation, not throughput
         with self.timer.measure("eval"):
             t0 = time.perf_counter()
@@ -98,7 +126,6 @@ class CppEvalCallback(L.Callback):
         if snapshot is None:
             self.every = 0
             return
-        path = records_path(self.run_dir, step)
         self.pending = Pending(step, snapshot_s, lambda: evaluate_model(
             snapshot, self.tokenizer, self.problems, self.cfg, path))
 
@@ -115,9 +142,12 @@ class CppEvalCallback(L.Callback):
         self.pending = None
         if pending.error is not None:
             raise pending.error
+        if pending.scores is None:  # its checkpoint never came
+            return None
+        snapshot = {} if pending.snapshot_s is None else {
+            "cpp_snapshot_seconds": round(pending.snapshot_s, 3)}
         return self.run_log.record("eval", pending.step, {
-            **pending.scores, "cpp_snapshot_seconds": round(pending.snapshot_s, 3),
-            "cpp_wait_seconds": round(waited, 3)})
+            **pending.scores, **snapshot, "cpp_wait_seconds": round(waited, 3)})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.collect(wait=False)  # built on rank 0 only (xtrain/train/run.py)
@@ -129,6 +159,7 @@ class CppEvalCallback(L.Callback):
         self.collect(wait=True)
 
     def on_exception(self, trainer, pl_module, exception):
+        self.stopping.set()  # a checkpoint still awaited may never be committed now
         try:
             self.collect(wait=True)
         except Exception as e:  # the run's own exception is the one that propagates

@@ -22,9 +22,7 @@ def host_copy(model):
     and compile a graph per sequence length; on the CPU the model is used as it is."""
     if next(model.parameters()).device.type != "xla":
         return model
-    cpu_model = GPT(model.config)
-    cpu_model.load_state_dict(compat.full_cpu_tensors(model.state_dict()))
-    return cpu_model
+    return GPT.from_weights(model.config, compat.full_cpu_tensors(model.state_dict()))
 
 
 def host_copy_or_none(model, skipped: str):
