@@ -37,7 +37,7 @@ train: $(STAMP)
 	$(PY) -m xtrain $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not slow" --durations=15 $(ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
