@@ -82,7 +82,7 @@ def xtrain_step(cfg, plan, batches, compile_step: bool) -> dict:
     engine = CPUEngine(cfg.hardware, plan, cfg.trainer.collective_timeout_s, compile_step)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False,
-                        enable_model_summary=False, callbacks=[probe, *engine.callbacks()],
+                        enable_model_summary=False, callbacks=[probe, *engine.callbacks(cfg.trainer, tempfile.gettempdir())],
                         limit_val_batches=0)
     trainer.fit(module, torch.utils.data.DataLoader(Batches(), batch_size=None))
     return {"times": probe.times, "losses": probe.losses}
