@@ -67,6 +67,24 @@ def test_the_manifest_records_every_file_and_catches_truncation_and_bit_flips(tm
         resume_checkpoint(str(ckpt), str(tmp_path), gpt=None, early=True)  # refused before the model is compared
 
 
+def test_on_gcs_a_commit_marker_written_since_a_cached_listing_is_seen(gcs_bucket):
+    """A pod's C++ evaluation waits for its step's checkpoint to be committed by another thread
+    or host (xtrain/train/cpp_eval.py): a listing gcsfs cached before the marker was written
+    must not hide it."""
+    from xtrain.checkpoint.layout import COMMIT_MARKER, is_committed
+    from xtrain.paths import url_to_fs
+
+    bucket, _ = gcs_bucket
+    step = f"{bucket}/ckpt/step_000004"
+    fs, root = url_to_fs(step)  # the instance every xtrain call shares
+    fs.pipe_file(f"{root}/meta.json", b"{}")
+    fs.ls(root)  # a listing without the marker, cached in that instance
+    assert not is_committed(step)
+    writer = type(fs)(skip_instance_cache=True)  # another client: the cache above is not told
+    writer.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
+    assert is_committed(step)
+
+
 def test_on_gcs_the_servers_crc32c_is_recorded_and_checked(tmp_path, gcs_bucket):
     """No download to record or check a file: Cloud Storage keeps each object's CRC32C, in the
     same form as the one computed here for local files."""

@@ -47,6 +47,7 @@ def latest_checkpoint(directory: str) -> str | None:
 
 def is_committed(path: str) -> bool:
     fs, root = url_to_fs(path)
+    fs.invalidate_cache(root)  # gcsfs caches listings: a stale one would miss a marker written since
     return fs.exists(f"{root}/{COMMIT_MARKER}")
 
 
