@@ -113,8 +113,8 @@ def _compile_run(tmp_path, steps, extra=()):
 
 
 # scan over layers (xtrain/xla/layers.py) traces its body with AOTAutograd inside the step: it
-# must add no graph and no host transfer
-@pytest.mark.parametrize("scan", ["false", "true"])
+# must add no graph and no host transfer. Scan is off by default, so its case runs with `slow`
+@pytest.mark.parametrize("scan", ["false", pytest.param("true", marks=pytest.mark.slow)])
 def test_compilations_are_constant_and_host_syncs_only_at_log_points(tmp_path, scan):
     counts = {}
     for steps in (50, 100):
