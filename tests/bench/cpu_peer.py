@@ -53,20 +53,10 @@ def xtrain_step(cfg, plan, batches, compile_step: bool) -> dict:
     """xtrain's step through Lightning's Trainer, as `python -m xtrain` runs it (CPU engine)."""
     import lightning as L
 
+    from tests.bench.probe import StepProbe
     from xtrain.compat import quiet_lightning_tpu_probe
     from xtrain.engines.cpu import CPUEngine
     from xtrain.train.module import GPTModule
-
-    class Probe(L.Callback):
-        def __init__(self):
-            self.times, self.losses, self.t0 = [], [], None
-
-        def on_train_batch_start(self, *args):
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, module, *args):
-            self.times.append(time.perf_counter() - self.t0)
-            self.losses.append(float(module.last_loss))
 
     class Batches(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -78,7 +68,7 @@ def xtrain_step(cfg, plan, batches, compile_step: bool) -> dict:
     torch.manual_seed(0)
     quiet_lightning_tpu_probe()
     module = GPTModule(plan.gpt, cfg.optim, STEPS)
-    probe = Probe()
+    probe = StepProbe()
     engine = CPUEngine(cfg.hardware, plan, cfg.trainer.collective_timeout_s, compile_step)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False,

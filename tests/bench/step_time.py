@@ -54,19 +54,9 @@ def bare_loop(cfg, gc, batch) -> dict:
 def framework(cfg, gc, batch) -> dict:
     import lightning as L
 
+    from tests.bench.probe import StepProbe
     from xtrain.compat import quiet_lightning_tpu_probe
     from xtrain.train.module import GPTModule
-
-    class Timer(L.Callback):
-        def __init__(self):
-            self.times, self.losses, self.t0 = [], [], None
-
-        def on_train_batch_start(self, *args):
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, module, *args):
-            self.times.append(time.perf_counter() - self.t0)
-            self.losses.append(module.last_loss.item())
 
     class Repeat(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -76,7 +66,7 @@ def framework(cfg, gc, batch) -> dict:
     torch.manual_seed(0)
     quiet_lightning_tpu_probe()
     module = GPTModule(gc, cfg.optim, STEPS)
-    timer = Timer()
+    timer = StepProbe()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False,
                         enable_model_summary=False, callbacks=[timer], limit_val_batches=0)
