@@ -229,8 +229,8 @@ class TrainerConfig:
     collective_timeout_s: float = limits(600.0, gt=0)
     # CPU engine: torch.compile the model's forward+backward and the optimizer update (inductor;
     # compiled code cached under <cache root>/inductor). None: on where it pays (models from
-    # width 256 and 512 tokens per sequence; xtrain/engines/cpu.py). The XLA engine always
-    # compiles the whole step.
+    # width 256 and 512 tokens per sequence; compile_pays in xtrain/engines/torch_compile.py).
+    # The XLA engine always compiles the whole step.
     compile: bool | None = None
 
 

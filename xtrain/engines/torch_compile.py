@@ -31,7 +31,8 @@ def compile_fn():
 
 
 def loss_compiled(eager_forward, compile_):
-    """The model's forward, compiled for the training and validation loss only: generation
+    """The model's forward, compiled for the training loss only (calls with ``targets``;
+    validation computes its own loss from the eager logits): generation
     (samples, the C++ evaluation) calls it with a KV cache at every length, which would compile
     a graph per length."""
     compiled = compile_(eager_forward)

@@ -1,8 +1,9 @@
 """Host memory and the TPU compile: what this machine has, and what a compile is expected to need.
 
-The TPU compiler's host memory grows with the program it compiles: an unrolled d16 step
-(StableHLO ops in the hundreds of thousands) peaked at ~22 GiB, the same step scanned over its
-layers at ~3 GiB (BENCHMARKS.md). A compile that outgrows RAM + swap is killed by the kernel after
+The TPU compiler's host memory grows with the program it compiles: before batched Newton-Schulz
+and the micro-batch fence, the unrolled d16 step (176,707 StableHLO ops) peaked at ~22 GiB; now
+7.6 GiB over 44,388 ops unrolled, 9.4 GiB over 15,530 ops scanned (BENCHMARKS.md, "TPU
+compile"): the bytes per op differ between programs. A compile that outgrows RAM + swap is killed by the kernel after
 minutes of work, so the preflight estimates the need first, as
 ``BASE + bytes-per-op x ops`` with the bytes per op taken from the earlier compile (a cached
 report) whose op count is nearest, or from the figure stated below when there is none, and
@@ -19,8 +20,9 @@ from xtrain.units import GIB
 
 # libtpu and jax loaded, before the program: the smallest steps compile at ~1.2 GiB peak here
 BASE_BYTES = 1 * GIB
-# stated bytes per traced StableHLO op, measured here (BENCHMARKS.md, compile): the unrolled
-# v6e4 d16 2048 x 8 flash step, 22.2 GiB peak over 176,707 ops -> 129 KiB per op (rounded up)
+# stated bytes per traced StableHLO op, measured here on the unrolled v6e4 d16 2048 x 8 flash step
+# before the fence: 22.2 GiB peak over 176,707 ops -> 129 KiB per op (rounded up; the fenced step
+# now: 7.6 GiB over 44,388 ops, ~150 KiB per op above the base)
 STATED_BYTES_PER_OP = 132 * 1024
 
 

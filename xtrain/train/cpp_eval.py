@@ -27,7 +27,7 @@ from xtrain.checkpoint.layout import is_committed, step_dir
 from xtrain.evals import prepare
 from xtrain.evals.completions import check_fit, evaluate_model, records_path
 from xtrain.model.gpt import GPT
-from xtrain.train.sampling import host_copy_or_none
+from xtrain.train.sampling import host_copy
 
 log = logging.getLogger(__name__)
 # how long an evaluation waits for the checkpoint of its step to be committed (the upload of a
@@ -36,12 +36,12 @@ COMMIT_WAIT_S = 3600.0
 
 
 def cpu_snapshot(model):
-    """A CPU model holding copies of ``model``'s weights that training never touches again, or
-    None on a pod host. Not the live model (training updates it in place) and not a deepcopy of
-    it (under ``trainer.compile`` its forward is an instance attribute wrapping the live model,
-    xtrain/engines/torch_compile.py)."""
-    cpu_model = host_copy_or_none(model, "C++ evaluation")
-    if cpu_model is not model:  # None on a pod host; the XLA engine's host copy is already one
+    """A CPU model holding copies of ``model``'s weights that training never touches again (a
+    one-process run: this process holds every weight). Not the live model (training updates it
+    in place) and not a deepcopy of it (under ``trainer.compile`` its forward is an instance
+    attribute wrapping the live model, xtrain/engines/torch_compile.py)."""
+    cpu_model = host_copy(model)
+    if cpu_model is not model:  # the XLA engine's host copy is already one
         return cpu_model
     return GPT.from_weights(model.config, model.state_dict())
 
@@ -123,9 +123,6 @@ class CppEvalCallback(L.Callback):
             t0 = time.perf_counter()
             snapshot = cpu_snapshot(model)
             snapshot_s = time.perf_counter() - t0
-        if snapshot is None:
-            self.every = 0
-            return
         self.pending = Pending(step, snapshot_s, lambda: evaluate_model(
             snapshot, self.tokenizer, self.problems, self.cfg, path))
 
@@ -152,7 +149,7 @@ class CppEvalCallback(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.collect(wait=False)  # built on rank 0 only (xtrain/train/run.py)
         step = trainer.global_step
-        if self.every and step % self.every == 0:
+        if step % self.every == 0:
             self.evaluate(step, pl_module.model)
 
     def on_train_end(self, trainer, pl_module):

@@ -12,8 +12,8 @@ Known limit (torch_xla 2.9.0): entries are written and found, but torch_xla cann
 ``DeserializeExecutable``, which neither the CPU client nor, per pytorch/xla#9094, the TPU
 client implements (the TPU client loads with ``LoadSerializedExecutable``; the fix,
 pytorch/xla#9759, is not released). The step is then compiled as without a cache, and the run
-says so; a torch_xla that loads its entries needs nothing changed here. Until then scan over
-layers (xtrain/xla/layers.py) is what makes a relaunch's compile short.
+says so; a torch_xla that loads its entries needs nothing changed here. Until then a relaunch
+compiles again (a few minutes for d16; ``model.scan=true`` shortens it, xtrain/xla/layers.py).
 
 ``compile_cache.dir`` may be a ``gs://`` URL, so the cache outlives the VM: the local copy
 (``<cache root>/xla_compile_mirror/<key>``) is pulled from the bucket before the runtime starts
