@@ -6,6 +6,11 @@ Why compile on CPU: outside the matrix multiplies a step is chains of small elem
 memory in eager mode; inductor fuses them into a few loops. Compiled code is cached in
 ``<cache root>/inductor`` (inductor's FX-graph and AOTAutograd caches), so a relaunched run
 skips most of the first-step compile.
+
+Compiled runs are bitwise repeatable, as eager ones are (so a resumed run continues exactly):
+inductor would lower the embedding's backward, a scatter-add over repeated token ids, to a
+parallel loop of atomic adds whose order changes from run to run; torch's deterministic mode
+makes it call aten's serial CPU kernel instead (:func:`deterministic_kernels`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,25 @@ def use_inductor_cache() -> str:
     """Point inductor's on-disk caches at xtrain's cache root (an explicit
     TORCHINDUCTOR_CACHE_DIR wins); inductor reads the variable whenever it looks for the cache."""
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+
+def deterministic_kernels() -> tuple[bool, bool]:
+    """Turn on torch's deterministic mode (inductor then lowers scatter-adds to aten's serial
+    kernel) without its filling of new buffers (time spent, nothing gained: every buffer here is
+    written before it is read); returns the previous settings for :func:`restore_kernels`."""
+    import torch
+
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return previous
+
+
+def restore_kernels(previous: tuple[bool, bool]) -> None:
+    import torch
+
+    torch.use_deterministic_algorithms(previous[0])
+    torch.utils.deterministic.fill_uninitialized_memory = previous[1]
 
 
 def compile_fn():
@@ -55,9 +79,11 @@ class TorchCompile(L.Callback):
     def __init__(self):
         self.t0 = None
         self.first_step_s = None
+        self.previous_kernels = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         cache = use_inductor_cache()
+        self.previous_kernels = deterministic_kernels()  # before anything compiles: inductor reads it
         compile_ = compile_fn()
         model = pl_module.model
         model.forward = loss_compiled(model.forward, compile_)  # instance attribute: keys unchanged
@@ -78,6 +104,7 @@ class TorchCompile(L.Callback):
         pl_module.model.__dict__.pop("forward", None)  # back to the class's (eager) forward
         for opt in trainer.optimizers:
             opt.__dict__.pop("update", None)
+        restore_kernels(self.previous_kernels)
 
 
 def compile_pays(plan) -> bool:
