@@ -147,10 +147,10 @@ class GPT(nn.Module):
         else:  # generation: block by block with its cache (never scanned nor rematerialised)
             for block, layer_cache in zip(self.blocks, kv_cache.layers):
                 x = block(x, cos, sin, layer_cache)
-        logits = self.lm_head(norm(x))
+        x = norm(x)
         if targets is None:
-            return softcap(logits.float(), self.config.softcap)
-        return softcap_cross_entropy(logits, targets, self.config.softcap)
+            return softcap(self.lm_head(x).float(), self.config.softcap)
+        return softcap_cross_entropy(x, self.lm_head.weight, targets, self.config.softcap)
 
     def run_blocks(self, x, cos, sin):
         if self.layer_loop is not None:

@@ -1,15 +1,15 @@
-"""The training loss: logit softcap and cross-entropy as one fused step.
+"""The training loss: the head's matmul, the logit softcap and cross-entropy as one fused step.
 
-``cap * tanh(z / cap)``, log-softmax and the negative log-likelihood written as separate torch
-ops keep several logits-sized float32 buffers alive (the tanh output and the log-probabilities
-for backward, plus each op's output), and run as one pass over memory per op. Here the forward
-computes only the loss and the row log-sum-exp, saving the raw logits it was given; the backward
-recomputes the softcap and writes the gradient in one pass. The work runs in slices along the
-sequence, so the float32 temporaries are one slice in size: beyond the logits themselves, the
-gradient is the only logits-sized buffer.
+Written as separate ops (``lm_head``, ``cap * tanh(z / cap)``, log-softmax, the negative
+log-likelihood) the chain keeps several logits-sized float32 buffers alive (the logits, the tanh
+output and the log-probabilities for backward, each op's output) and makes a pass over memory
+per op; its backward computes the tanh and the exponentials again. On CPU it is the largest cost
+outside the matmuls. Here the head runs a slice of rows at a time, and each slice's logits,
+while at hand, give both that slice's loss and its gradient (the loss is the graph's end, so the
+gradient of the logits needs nothing from later): one tanh and one exponential per logit, no
+logits-sized buffer at all, and the backward only scales the gradients the forward computed.
 
-Slices run along the sequence (dim 1) rather than over flattened rows, so each slice keeps the
-batch's layout. The XLA engine keeps the unfused ops (see ``softcap_cross_entropy``).
+The XLA engine keeps the unfused ops (see :func:`softcap_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -19,68 +19,72 @@ import math
 import torch
 import torch.nn.functional as F
 
-# float32 elements per slice (16 MiB), and at most this many slices (each slice is another copy
-# of a few ops in a traced XLA graph)
-SLICE_ELEMENTS = 1 << 22
-MAX_SLICES = 8
+# float32 logits per slice (8 MiB) and at most this many slices (each is another copy of the
+# ops in a compiled graph)
+SLICE_ELEMENTS = 1 << 21
+MAX_SLICES = 16
+# Up to this cap the log-sum-exp needs no pass for the row maximum: capped logits lie in
+# [-cap, cap], so exp(capped - cap) lies in [exp(-2 cap), 1], a normal float32 (>= 1.2e-38) for
+# cap <= 43, and a row's sum stays below the vocabulary size.
+FIXED_SHIFT_MAX_CAP = 40.0
 
 
 def softcap(logits, cap: float):
     return cap * torch.tanh(logits / cap)
 
 
-def _slices(logits) -> list[tuple[int, int]]:
-    T = logits.size(1)
-    n = max(1, min(MAX_SLICES, T, math.ceil(logits.numel() / SLICE_ELEMENTS)))
-    size = math.ceil(T / n)
-    return [(t0, min(t0 + size, T)) for t0 in range(0, T, size)]
+def _row_slices(rows: int, vocab: int) -> list[tuple[int, int]]:
+    n = max(1, min(MAX_SLICES, rows, math.ceil(rows * vocab / SLICE_ELEMENTS)))
+    size = math.ceil(rows / n)
+    return [(r0, min(r0 + size, rows)) for r0 in range(0, rows, size)]
 
 
-class _SoftcapCrossEntropy(torch.autograd.Function):
+class _HeadSoftcapCrossEntropy(torch.autograd.Function):
+    """hidden [N, D], head weight [V, D], targets [N] -> the summed loss of the scored rows
+    (target >= 0) over their count; gradients computed in the forward."""
+
     @staticmethod
-    def forward(ctx, logits, targets, cap: float):
-        valid = targets >= 0
-        count = valid.sum().clamp(min=1).float()
-        total = logits.new_zeros((), dtype=torch.float32)
-        lse_parts = []
-        for t0, t1 in _slices(logits):
-            capped = softcap(logits[:, t0:t1].float(), cap)
-            lse = torch.logsumexp(capped, dim=-1)
-            picked = capped.gather(-1, targets[:, t0:t1].clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            total = total + ((lse - picked) * valid[:, t0:t1]).sum()
-            lse_parts.append(lse)
-        ctx.save_for_backward(logits, targets, torch.cat(lse_parts, dim=1), count)
-        ctx.cap = cap
+    def forward(ctx, hidden, weight, targets, cap: float):
+        scored = targets >= 0
+        count = scored.sum().clamp(min=1).float()
+        total = hidden.new_zeros((), dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight)
+        vocab_ids = torch.arange(weight.size(0), device=hidden.device)
+        for r0, r1 in _row_slices(hidden.size(0), weight.size(0)):
+            rows, target, keep = hidden[r0:r1], targets[r0:r1], scored[r0:r1, None].float()
+            tanh = torch.tanh((rows @ weight.t()).float() / cap)
+            capped = cap * tanh  # softcap()
+            shift = cap if cap <= FIXED_SHIFT_MAX_CAP else capped.amax(-1, keepdim=True)
+            exp = torch.exp(capped - shift)
+            row_sum = exp.sum(-1, keepdim=True)
+            picked = capped.gather(-1, target.clamp(min=0)[:, None])
+            total = total + ((shift + torch.log(row_sum) - picked) * keep).sum()
+            # d loss / d capped = softmax - onehot(target); d capped / d logits = 1 - tanh^2
+            grad_capped = (exp / row_sum - (vocab_ids == target[:, None]).float()) * keep
+            grad_logits = (grad_capped * (1 - tanh * tanh)).to(weight.dtype)
+            grad_hidden[r0:r1] = grad_logits @ weight
+            grad_weight.addmm_(grad_logits.t(), rows)
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
         return total / count
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, targets, lse, count = ctx.saved_tensors
-        cap = ctx.cap
-        grad = torch.empty_like(logits)
+        grad_hidden, grad_weight, count = ctx.saved_tensors
         scale = grad_loss / count
-        for t0, t1 in _slices(logits):
-            tanh = torch.tanh(logits[:, t0:t1].float() / cap)
-            # d loss / d capped = softmax - onehot(target), for scored positions only
-            probs = torch.exp(cap * tanh - lse[:, t0:t1, None])
-            target = targets[:, t0:t1]
-            index = target.clamp(min=0).unsqueeze(-1)
-            probs.scatter_add_(-1, index, torch.full(index.shape, -1.0, dtype=probs.dtype,
-                                                     device=probs.device))
-            weight = (target >= 0).to(probs.dtype) * scale
-            # d capped / d logits = 1 - tanh^2
-            grad[:, t0:t1] = (probs * (1 - tanh * tanh) * weight[..., None]).to(grad.dtype)
-        return grad, None, None
+        return grad_hidden * scale, grad_weight * scale, None, None
 
 
-def softcap_cross_entropy(logits, targets, cap: float):
-    """Mean cross-entropy of ``softcap(logits)`` [B, T, V] against ``targets`` [B, T]; a target
-    of -1 is not scored (``F.cross_entropy``'s ``ignore_index=-1`` and mean reduction).
+def softcap_cross_entropy(hidden, weight, targets, cap: float):
+    """Mean cross-entropy of ``softcap(hidden @ weight.T)`` (hidden [B, T, D], the head's weight
+    [V, D]) against ``targets`` [B, T]; a target of -1 is not scored (``F.cross_entropy``'s
+    ``ignore_index=-1`` and mean reduction).
 
-    On the XLA engine the plain ops: the compiler fuses the chain itself, and the sliced form
+    On the XLA engine the plain ops: the compiler fuses the chain itself, and a sliced form
     crashed torch_xla 2.9.0's SPMD partitioner ("Check failed: ShapeUtil::IsScalarWithElementType",
     tests/test_xla.py's recompilation-guard run, one row over a data axis of 2)."""
-    if logits.device.type != "cpu":
+    if hidden.device.type != "cpu":
+        logits = F.linear(hidden, weight)
         return F.cross_entropy(softcap(logits.float(), cap).flatten(0, 1), targets.reshape(-1),
                                ignore_index=-1)
-    return _SoftcapCrossEntropy.apply(logits, targets, cap)
+    return _HeadSoftcapCrossEntropy.apply(hidden.flatten(0, 1), weight, targets.reshape(-1), cap)
