@@ -1,8 +1,12 @@
 """Scan over layers and activation checkpointing (xtrain/xla/layers.py, the model's run_blocks):
 the same losses as the unrolled step, on the XLA engine over 4 virtual devices and on the CPU
-engine; the planner's account of remat and its "does not fit" levers."""
+engine; the fence between a scanned step's micro-batches; the planner's account of remat and its
+"does not fit" levers."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 
@@ -19,26 +23,89 @@ def _losses(records):
 
 
 @pytest.mark.slow  # about a minute each: four 20-step XLA runs on 4 virtual devices
-@pytest.mark.parametrize("parallelism, rows", [("fsdp", 2), ("fsdp_tp", 4)])
-def test_scan_and_remat_give_the_unrolled_losses_on_4_devices(parallelism, rows, tmp_path):
+@pytest.mark.parametrize("parallelism, rows, accum", [("fsdp", 2, 1), ("fsdp_tp", 4, 1), ("fsdp", 1, 3)])
+def test_scan_and_remat_give_the_unrolled_losses_on_4_devices(parallelism, rows, accum, tmp_path):
+    """Scanned, checkpointed and unrolled runs: the same losses and as many compiled graphs;
+    with accumulation, their micro-batches fenced (xtrain/engines/step.py)."""
     pytest.importorskip("torch_xla")
-    from test_xla import common, drive
+    from test_xla import SEQ, batch_parallel, common, drive
 
     variants = {"unrolled": ["model.scan=false"], "scan": ["model.scan=true", "model.remat=false"],
                 "scan_remat": ["model.scan=true", "model.remat=true"],
                 "remat": ["model.scan=false", "model.remat=true"]}
+    tokens = rows * batch_parallel(parallelism, 4) * SEQ * accum  # per step
     jobs = [{"name": name, "dir": str(tmp_path / name), "overrides": common(STEPS) + [
         "hardware.engine=xla", f"parallelism={parallelism}", f"trainer.device_batch_size={rows}",
-        "model.depth=3", *extra]} for name, extra in variants.items()]  # 3 layers: 3 scan steps
+        f"trainer.total_batch_size={tokens}", "model.depth=3", *extra]}
+        for name, extra in variants.items()]  # 3 layers: 3 scan steps
     results = drive(jobs, 4)
-    unrolled = _losses(results["unrolled"]["records"])
+    records = {name: [r for r in results[name]["records"] if "loss" in r] for name in variants}
+    assert [r["tokens"] for r in records["unrolled"]] == [s * tokens for s in range(1, STEPS + 1)]
+    unrolled = _losses(records["unrolled"])
     assert len(unrolled) == STEPS and unrolled[-1] < unrolled[0] - 1.0
     for name in ("scan", "scan_remat", "remat"):
-        losses = _losses(results[name]["records"])
+        losses = _losses(records[name])
         worst = max(abs(a - b) / b for a, b in zip(losses, unrolled))
         assert len(losses) == STEPS and worst <= 1e-4, (name, worst, losses, unrolled)
+        assert _new_compiles(records[name]) == _new_compiles(records["unrolled"]), name
     # the parameters (checkpoint keys) and their shardings do not depend on scan
     assert results["scan"]["summary"]["param_shardings"] == results["unrolled"]["summary"]["param_shardings"]
+
+
+def _new_compiles(records) -> list[int]:
+    """XLA compilations since the first logged step, at each logged step (scan's tracing compiles
+    its own small graphs once, at the first step)."""
+    return [r["xla_compiles"] - records[0]["xla_compiles"] for r in records]
+
+
+def _depends_on(lines: list[str]) -> dict[str, set[str]]:
+    """SSA value -> the values it is computed from, in a StableHLO function's lines."""
+    deps: dict[str, set[str]] = {}
+    for line in lines:
+        m = re.match(r"\s*(%[\w.]+)(?::\d+)? = (.*)", line)
+        if m:
+            deps[m.group(1)] = set(re.findall(r"(%[\w.]+)", m.group(2)))
+    return deps
+
+
+def _upstream(deps: dict[str, set[str]], value: str) -> set[str]:
+    """Every value ``value`` is computed from, directly or not."""
+    seen, todo = set(), [value]
+    while todo:
+        for d in deps.get(todo.pop(), ()):
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def test_scanned_micro_batches_are_fenced_without_copying_the_earlier_ones(compose_config, tmp_path):
+    """The traced step of scanned blocks with 3 micro-batches: a barrier before each one after
+    the first, whose results every later scan loop waits for, and one forward and one backward
+    loop per micro-batch; a barrier upstream of a scan's carry made torch_xla copy the earlier
+    micro-batches, loops included, into each later loop body (xtrain/xla/layers.py
+    ScannedBlocks.fence)."""
+    pytest.importorskip("torch_xla")
+    from xtrain.preflight.runner import trace
+
+    accum = 3
+    cfg = compose_config(["hardware=v6e4", "model=d2", "model.sequence_len=256", "data=cpp16k",
+                          "trainer.device_batch_size=2", f"trainer.total_batch_size={2048 * accum}",
+                          "model.scan=true", "mode=compile"])
+    assert resolve(cfg, 4).batch.grad_accum_steps == accum
+    trace(cfg, str(tmp_path))
+    text = Path(tmp_path, "step.mlir").read_text()
+    assert text.count("stablehlo.while") == 2 * accum
+    main = text.split("func.func private", 1)[0].splitlines()
+    deps = _depends_on(main)
+    barriers = [re.match(r"\s*(%[\w.]+)", ln).group(1) for ln in main if "optimization_barrier" in ln]
+    assert len(barriers) == accum - 1
+    loops = [re.match(r"\s*(%[\w.]+)", ln).group(1) for ln in main if "call @scan" in ln]
+    assert len(loops) == 2 * accum
+
+    fenced_by = [sum(b in _upstream(deps, loop) for b in barriers) for loop in loops]
+    # in program order: forward and backward of micro-batch 0, of micro-batch 1, ...
+    assert fenced_by == [k // 2 for k in range(2 * accum)]
 
 
 def test_a_window_pattern_is_scanned_a_period_at_a_time():

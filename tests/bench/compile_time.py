@@ -22,7 +22,7 @@ NO_SWAP = [  # must compile with scan on a 24 GiB machine without swap
 ]
 # sdpa at 2048 x 8 ran out of HBM unrolled without remat (>= 33.98 GiB per chip, BENCHMARKS.md's
 # preflight section); per-layer activation checkpointing is what brings it under the chip's 31.25.
-# Unrolled, as TPU profiles run by default (the scanned step's micro-batches are not fenced yet)
+# Unrolled, as TPU profiles run by default
 REMAT = [("remat, sdpa", ["hardware=v6e4", "model=d16", "data=base_data_v3",
                           "model.attention=sdpa", "model.remat=true"])]
 SPEEDUP, PLANNER_TOLERANCE, NO_SWAP_RAM = 4.0, 0.25, 24 * GIB
@@ -99,12 +99,10 @@ def run() -> str:
         f"{_hbm(remat) / GIB if remat['step']['ok'] else float('nan'):.2f} GiB per chip (the "
         f"planner: {remat['planner_bytes'] / GIB:.2f} GiB).",
         "",
-        "All rows use 8 micro-batches. The unrolled step fences its micro-batches (an "
-        "optimization barrier between them, xtrain/xla/spmd.py); scanned steps are not fenced "
-        "yet (inside the scan the barrier multiplied the traced program), so they keep every "
-        "micro-batch's activations alive: that is why they need more HBM than unrolled ones, do "
-        "not fit at 16K x 1 or on v5e8, and why the planner misses them. TPU profiles therefore "
-        "run unrolled by default (`model.scan=false`), where the planner is within 25%.",
+        "All rows use 8 micro-batches, fenced: an optimization barrier before each one after "
+        "the first (xtrain/xla/spmd.py step_fence; with scan, at the micro-batch's scan: "
+        "xtrain/xla/layers.py ScannedBlocks.fence), so the compiler keeps one micro-batch's "
+        "activations at a time. TPU profiles run unrolled by default (`model.scan=false`).",
     ])
 
 

@@ -121,9 +121,9 @@ class ModelConfig:
     # XLA engine: run the transformer blocks as one compiled layer body looped over the stacked
     # weights (torch_xla's scan), so the compiled step holds one copy of a block instead of
     # `depth` copies (a smaller program, a faster TPU compile). Parameter names (checkpoint keys)
-    # are the same either way. None: off, because scanned steps are not fenced between
-    # micro-batches yet and need more HBM than unrolled ones (BENCHMARKS.md, "TPU compile"; the
-    # CPU engine never scans, true there is refused).
+    # are the same either way; the micro-batches of a step are fenced either way
+    # (xtrain/engines/step.py). None: off (BENCHMARKS.md, "TPU compile"; the CPU engine never
+    # scans, true there is refused).
     scan: bool | None = None
     # Activation checkpointing per layer: keep only each block's input for the backward pass and
     # recompute the block's activations there (about one extra forward). Cuts activation memory

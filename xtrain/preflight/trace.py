@@ -100,7 +100,7 @@ def trace_step(cfg, plan) -> dict:
     t0 = time.time()
     loss = optimizer.step(closure=step_closure(model, tokens, torch.Tensor.backward,
                                                cfg.optim.grad_clip, precision,
-                                               fence=step_fence(plan.gpt)))
+                                               fence=step_fence(model)))
     optimizer.zero_grad(set_to_none=True)
     outputs = [t for t, _ in state] + [optimizer.last_lr_multiplier(), loss]
     input_ids = compat.graph_input_handles(outputs)  # in the exported function's argument order

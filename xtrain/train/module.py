@@ -54,7 +54,7 @@ class GPTModule(L.LightningModule):
             return None
         from xtrain.xla.spmd import step_fence
 
-        return step_fence(self.model.config)
+        return step_fence(self.model)
 
     # --- validation: loss and bits per byte --------------------------------------------------
     def on_validation_start(self):

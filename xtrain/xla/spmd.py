@@ -107,11 +107,11 @@ def sharding_specs(model) -> dict[str, str]:
     return {n: compat.sharding_spec(p) for n, p in model.named_parameters()}
 
 
-def step_fence(gpt):
-    """The fence between a compiled step's micro-batches (xtrain/engines/step.py): the barrier
-    below for unrolled blocks; None for scanned ones, where the barrier multiplied the traced
-    program's size."""
-    return None if gpt.scan else micro_batch_fence
+def step_fence(model):
+    """The fence between a compiled step's micro-batches (xtrain/engines/step.py) for ``model``
+    with its layer loop installed (xtrain/xla/layers.py): the barrier below for unrolled blocks;
+    for scanned ones the layer loop's, which places the same barrier at the scan."""
+    return model.layer_loop.fence if model.config.scan else micro_batch_fence
 
 
 def micro_batch_fence(tensors) -> None:
