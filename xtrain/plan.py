@@ -277,7 +277,9 @@ def resolve(cfg, devices: int) -> RunPlan:
         model.sequence_len = data.sequence_len or hw.sequence_len
     on_tpu = hw.engine == "xla" and bool(hw.accelerator_type)
     model.attention = choose_attention(model.attention, hw.engine, on_tpu, model.sequence_len)
-    if model.scan is None:  # unrolled and fenced fits best (BENCHMARKS.md, "TPU compile")
+    # unrolled by default: it fits without remat, which scanned steps bring (an extra forward per
+    # step); scanned ones compile faster (BENCHMARKS.md, "TPU compile")
+    if model.scan is None:
         model.scan = False
     if model.remat is None:
         model.remat = bool(model.scan)

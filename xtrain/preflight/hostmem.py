@@ -2,9 +2,9 @@
 
 The TPU compiler's host memory grows with the program it compiles: before batched Newton-Schulz
 and the micro-batch fence, the unrolled d16 step (176,707 StableHLO ops) peaked at ~22 GiB; now
-7.6 GiB over 44,388 ops unrolled, 9.4 GiB over 15,530 ops scanned (BENCHMARKS.md, "TPU
-compile"): the bytes per op differ between programs. A compile that outgrows RAM + swap is killed by the kernel after
-minutes of work, so the preflight estimates the need first, as
+7.6 GiB over 44,388 ops unrolled, 9.3 GiB over 16,818 ops scanned (BENCHMARKS.md, "TPU
+compile"): the bytes per op differ between programs. A compile that outgrows RAM + swap is
+killed by the kernel after minutes of work, so the preflight estimates the need first, as
 ``BASE + bytes-per-op x ops`` with the bytes per op taken from the earlier compile (a cached
 report) whose op count is nearest, or from the figure stated below when there is none, and
 refuses up front when the estimate exceeds what is available.
