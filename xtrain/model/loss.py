@@ -78,7 +78,8 @@ class _HeadSoftcapCrossEntropy(torch.autograd.Function):
 def softcap_cross_entropy(hidden, weight, targets, cap: float):
     """Mean cross-entropy of ``softcap(hidden @ weight.T)`` (hidden [B, T, D], the head's weight
     [V, D]) against ``targets`` [B, T]; a target of -1 is not scored (``F.cross_entropy``'s
-    ``ignore_index=-1`` and mean reduction).
+    ``ignore_index=-1`` and mean reduction). For training: on CPU its forward also computes the
+    gradients (validation scores logits instead).
 
     On the XLA engine the plain ops: the compiler fuses the chain itself, and a sliced form
     crashed torch_xla 2.9.0's SPMD partitioner ("Check failed: ShapeUtil::IsScalarWithElementType",
