@@ -1,5 +1,5 @@
 """Compiling fast and once: torch.compile on the CPU engine (same losses, no recompilation, exact
-resume), the fused softcap + cross-entropy loss, the XLA persistent compile cache (local and
+resume), the fused head + softcap + cross-entropy loss, the XLA persistent compile cache (local and
 through a GCS emulator), and the TPU preflight's handling of killed compiles and host memory."""
 
 from __future__ import annotations
