@@ -99,7 +99,8 @@ def memory_per_chip(gpt: GPTConfig, specs: dict, mesh: dict, device_batch: int, 
       tensor); plus, when attention is materialised (sdpa), the saved probabilities
       a * n_head * T / tp per token per layer (chunked: one block, a * n_head * block; flash and
       splash: none); plus the logits, 8 B * V / tp per token (float32 logits and their gradient;
-      the softcap fuses into them).
+      the softcap fuses into them). The CPU engine's fused loss holds neither (xtrain/model/loss.py),
+      so there the figure is an upper bound; it has no HBM to check against.
     - with activation checkpointing (``remat``), only each block's input is saved, the float32
       residual stream, 4 B * d per token per layer; one block's activations (the per-layer
       figure above) are alive at a time, while that block's backward recomputes them.
