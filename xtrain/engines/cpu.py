@@ -4,6 +4,7 @@ step compiled by torch.compile (xtrain/engines/torch_compile.py)."""
 
 from __future__ import annotations
 
+import ctypes
 from datetime import timedelta
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -16,6 +17,28 @@ from xtrain.engines.torch_compile import TorchCompile
 from xtrain.hardware import launch_environment
 
 
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+LARGEST_MALLOPT_VALUE = 2**31 - 1  # mallopt takes a C int
+
+
+def keep_freed_memory() -> bool:
+    """Keep memory a step frees in the process for the next step. glibc's malloc serves blocks
+    above its mmap threshold (at most 32 MiB when adjusted dynamically) with fresh mappings and
+    unmaps them on free, so every step's large temporaries (a loss slice's logits, attention
+    scores, Muon's stacks) fault their pages in again, 4 KiB at a time: ~5% of a compiled d4
+    step here (BENCHMARKS.md, cpu_peer). Raised thresholds make them heap blocks that are reused.
+    glibc only (a no-op elsewhere); returns whether it applied. Neither PyTorch nor Lightning
+    tunes the C allocator; the alternative, preloading jemalloc or tcmalloc, must happen before
+    the process starts."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, LARGEST_MALLOPT_VALUE)
+                and mallopt(M_TRIM_THRESHOLD, LARGEST_MALLOPT_VALUE))
+
+
 class CPUEngine(Engine):
     name = "cpu"
 
@@ -25,6 +48,7 @@ class CPUEngine(Engine):
             rank, world, self.address, self.port = launch_environment(hardware)
             processes = join_gloo(rank, world, self.address, self.port, timeout_s)
         super().__init__(plan, processes)
+        keep_freed_memory()
         self.timeout_s = timeout_s
         self.compile_step = compile_step
 
