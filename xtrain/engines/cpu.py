@@ -26,8 +26,9 @@ def keep_freed_memory() -> bool:
     """Keep memory a step frees in the process for the next step. glibc's malloc serves blocks
     above its mmap threshold (at most 32 MiB when adjusted dynamically) with fresh mappings and
     unmaps them on free, so every step's large temporaries (a loss slice's logits, attention
-    scores, Muon's stacks) fault their pages in again, 4 KiB at a time: ~5% of a compiled d4
-    step here (BENCHMARKS.md, cpu_peer). Raised thresholds make them heap blocks that are reused.
+    scores, Muon's stacks) fault their pages in again, 4 KiB at a time: ~4% of the compiled d4
+    step of BENCHMARKS.md's cpu_peer in a fresh process (measured when this was added). Raised
+    thresholds make them heap blocks that are reused.
     glibc only (a no-op elsewhere); returns whether it applied. Neither PyTorch nor Lightning
     tunes the C allocator; the alternative, preloading jemalloc or tcmalloc, must happen before
     the process starts."""
