@@ -70,37 +70,35 @@ class CompileCache:
         """Names of the complete entries in the local directory."""
         return sorted(p.name for p in self.local.iterdir() if p.is_file() and not p.name.startswith("."))
 
+    def _mirror(self):
+        """The mirror's filesystem and its entries (name -> path), listed afresh: gcsfs caches
+        listings, and another host may have pushed since."""
+        fs, root = url_to_fs(self.remote)
+        fs.invalidate_cache(root)
+        paths = fs.ls(root, detail=False) if fs.exists(root) else []
+        return fs, {p.rstrip("/").rsplit("/", 1)[-1]: p for p in paths}
+
     def pull(self) -> int:
         """Copy the mirror's entries missing locally; returns how many were copied."""
         if self.remote is None:
             return 0
-        fs, root = url_to_fs(self.remote)
-        have = set(self.entries())
-        copied = 0
-        for path in (fs.ls(root, detail=False) if fs.exists(root) else []):
-            name = path.rstrip("/").rsplit("/", 1)[-1]
-            if name in have:
-                continue
+        fs, there = self._mirror()
+        missing = set(there) - set(self.entries())
+        for name in sorted(missing):
             tmp = self.local / f".{name}.part"  # torch_xla must never see half a file
-            fs.get(as_url(fs, path), str(tmp))
+            fs.get(as_url(fs, there[name]), str(tmp))
             os.replace(tmp, self.local / name)
-            copied += 1
-        return copied
+        return len(missing)
 
     def push(self) -> int:
         """Upload the local entries the mirror lacks; returns how many were uploaded."""
         if self.remote is None:
             return 0
-        fs, root = url_to_fs(self.remote)
-        fs.invalidate_cache(root)  # gcsfs caches listings; another host may have pushed
-        there = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)} \
-            if fs.exists(root) else set()
-        pushed = 0
-        for name in self.entries():
-            if name not in there:
-                fs.put_file(str(self.local / name), f"{self.remote}/{name}")
-                pushed += 1
-        return pushed
+        fs, there = self._mirror()
+        missing = [name for name in self.entries() if name not in there]
+        for name in missing:
+            fs.put_file(str(self.local / name), f"{self.remote}/{name}")
+        return len(missing)
 
 
 def start_cache(compile_cache, hw) -> CompileCache | None:
