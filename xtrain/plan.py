@@ -349,12 +349,17 @@ def memory_levers(cfg, plan: RunPlan) -> list[tuple[str, float]]:
     return found
 
 
+def describe_levers(cfg, plan: RunPlan) -> str:
+    """The levers of :func:`memory_levers` with their estimates ("" when none applies)."""
+    hbm = plan.memory.hbm / GIB
+    return "; ".join(f"{o} -> {gib:.2f} GiB{'' if gib <= hbm else ' (still too much)'}"
+                     for o, gib in memory_levers(cfg, plan))
+
+
 def check_fits(plan: RunPlan, cfg=None) -> None:
     if plan.memory.fits:
         return
-    levers = memory_levers(cfg, plan) if cfg is not None else []
-    hbm = plan.memory.hbm / GIB
-    helps = [f"{o} -> {gib:.2f} GiB{'' if gib <= hbm else ' (still too much)'}" for o, gib in levers]
-    advice = ("levers, estimated: " + "; ".join(helps)) if helps else (
+    helps = describe_levers(cfg, plan) if cfg is not None else ""
+    advice = f"levers, estimated: {helps}" if helps else (
         "no setting of this profile lowers it: a larger slice (more chips) or a smaller model")
     raise ConfigError(f"does not fit: {plan.memory.describe()}; {advice}")

@@ -91,15 +91,14 @@ def trace(cfg, out_dir: str, python: str = sys.executable) -> dict:
     return json.loads(Path(out_dir, "step.json").read_text())
 
 
-def check_host_memory(cfg, ops: int, info: dict | None = None) -> None:
-    """Refuse a compile expected to need more host memory than this machine has
-    (xtrain/preflight/hostmem.py), before the compiler starts."""
+def check_host_memory(cfg, ops: int, info: dict) -> None:
+    """Refuse a compile expected to need more host memory than this machine has (``info``,
+    its /proc/meminfo; xtrain/preflight/hostmem.py), before the compiler starts."""
     if not cfg.preflight.check_host_ram:
         return
-    info = info or hostmem.meminfo()
     earlier = hostmem.earlier_compiles(cache_dir(), stack_versions()["libtpu"])
     expected, source = hostmem.expected_bytes(ops, earlier)
-    problem = hostmem.refusal(ops, expected, source, info, bool(cfg.model.scan))
+    problem = hostmem.refusal(ops, expected, source, info)
     if problem:
         raise PreflightError(problem)
     print(f"host RAM: {ops:,} StableHLO ops, expected ~{expected / GIB:.1f} GiB for the compiler "
@@ -118,8 +117,8 @@ def run_preflight(cfg, plan, python: str = sys.executable) -> dict:
         report["trace_seconds"] = traced["trace_seconds"]
         stablehlo = os.path.join(tmp, "step.mlir")
         report["hlo_ops"] = count_stablehlo_ops(Path(stablehlo).read_text())
-        check_host_memory(cfg, report["hlo_ops"])
-        info = hostmem.meminfo()  # the machine the compile ran on (BENCHMARKS.md states it)
+        info = hostmem.meminfo()  # the machine the compile runs on (BENCHMARKS.md states it)
+        check_host_memory(cfg, report["hlo_ops"], info)
         report["host"] = {"ram_bytes": info["MemTotal"], "swap_bytes": info.get("SwapTotal", 0)}
         request = {"topology": topology_kwargs(hw), "devices": traced["devices"],
                    "stablehlo": stablehlo, "args": traced["args"], "results": traced["results"]}
@@ -153,11 +152,10 @@ def preflight(cfg, plan) -> dict:
     print(describe(report), flush=True)
     problem = verdict(report)
     if problem and problem.startswith("does not fit"):
-        from xtrain.plan import memory_levers
+        from xtrain.plan import describe_levers
 
-        levers = memory_levers(cfg, plan)
-        problem += ". Levers, by the planner: " + ("; ".join(
-            f"{o} -> {gib:.2f} GiB" for o, gib in levers) or "none of this profile's settings")
+        problem += ". Levers, by the planner: " + (describe_levers(cfg, plan)
+                                                   or "none of this profile's settings")
     if problem:
         raise PreflightError(problem)
     return report
