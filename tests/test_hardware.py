@@ -193,9 +193,10 @@ def test_profile_environment_is_exported_and_user_values_win(compose_config, mon
     monkeypatch.setenv("PJRT_DEVICE", "unset")
     monkeypatch.delenv("PJRT_DEVICE")
     monkeypatch.setenv("XLA_NO_SPECIAL_SCALARS", "0")  # set explicitly: kept
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "")  # the compiler's flags, replaced as a whole
     applied = apply_environment(hw)
     assert os.environ["PJRT_DEVICE"] == "TPU" and applied == {"PJRT_DEVICE": "TPU"}
-    assert os.environ["XLA_NO_SPECIAL_SCALARS"] == "0"
+    assert os.environ["XLA_NO_SPECIAL_SCALARS"] == "0" and os.environ["LIBTPU_INIT_ARGS"] == ""
 
 
 def test_the_headline_command_plans_the_real_run(compose_config):

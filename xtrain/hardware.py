@@ -80,6 +80,13 @@ def cpu_processes(hw, env=os.environ) -> int:
     return world
 
 
+def libtpu_init_args(hw, env=os.environ) -> str:
+    """The flags a run of ``hw`` gives libtpu's compiler: ``LIBTPU_INIT_ARGS`` from the
+    environment, else the profile's ``env`` (the environment wins, as in
+    xtrain/xla/runtime.py ``apply_environment``)."""
+    return env.get("LIBTPU_INIT_ARGS", str(hw.env.get("LIBTPU_INIT_ARGS", "")))
+
+
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
 

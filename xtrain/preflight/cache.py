@@ -16,6 +16,7 @@ from pathlib import Path
 
 from xtrain.compat import installed_versions
 from xtrain.config import to_plain
+from xtrain.hardware import libtpu_init_args
 from xtrain.paths import cache_root
 
 STACK = ("torch", "torch_xla", "jax", "jaxlib", "libtpu", "flax")
@@ -42,6 +43,9 @@ def cache_key(cfg, plan, package: Path = PACKAGE) -> str:
     shaping["batch"] = vars(plan.batch)
     shaping["max_steps"] = plan.max_steps  # the schedule's constants are in the graph
     shaping["versions"] = stack_versions()
+    flags = libtpu_init_args(cfg.hardware)
+    if flags:  # the compiler's flags, wherever they were set (no flags: the key as before)
+        shaping["libtpu_init_args"] = flags
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode())
     for source in step_sources(package):
         digest.update(str(source.relative_to(package)).encode() + b"\0" + source.read_bytes())

@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from xtrain.errors import ConfigError
+from xtrain.hardware import libtpu_init_args
 from xtrain.preflight import hostmem
 from xtrain.preflight.cache import cache_dir, cached_report, stack_versions, store_report
 from xtrain.preflight.report import answered, count_stablehlo_ops, describe, verdict
@@ -39,8 +40,9 @@ def lower_kernel(request: dict, out: str, python: str = sys.executable, timeout:
 
 
 def compile_step(request: dict, python: str = sys.executable, timeout: int = 3600) -> dict:
-    """``request``: topology (get_topology_desc kwargs), devices, stablehlo (a file) and the
-    trace's args/results annotations (see :func:`xtrain.preflight.trace.trace_step`)."""
+    """``request``: topology (get_topology_desc kwargs), libtpu_init_args (the run's compiler
+    flags), devices, stablehlo (a file) and the trace's args/results annotations (see
+    :func:`xtrain.preflight.trace.trace_step`)."""
     return _run_compile_child("step", request, python, timeout)
 
 
@@ -51,6 +53,8 @@ def _run_compile_child(kind: str, request: dict, python: str, timeout: int) -> d
     # compile-only clients use no TPU, so several may run at once (libtpu's lock file would
     # refuse the second)
     env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    if request.get("libtpu_init_args") is not None:  # the run's compiler flags, not this shell's
+        env["LIBTPU_INIT_ARGS"] = request["libtpu_init_args"]
     # the child runs in any Python that has jax/libtpu (e.g. a second environment with other
     # versions), whether or not xtrain is installed there
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [SOURCE_ROOT, env.get("PYTHONPATH")]))
@@ -120,7 +124,8 @@ def run_preflight(cfg, plan, python: str = sys.executable) -> dict:
         info = hostmem.meminfo()  # the machine the compile runs on (BENCHMARKS.md states it)
         check_host_memory(cfg, report["hlo_ops"], info)
         report["host"] = {"ram_bytes": info["MemTotal"], "swap_bytes": info.get("SwapTotal", 0)}
-        request = {"topology": topology_kwargs(hw), "devices": traced["devices"],
+        request = {"topology": topology_kwargs(hw), "libtpu_init_args": libtpu_init_args(hw),
+                   "devices": traced["devices"],
                    "stablehlo": stablehlo, "args": traced["args"], "results": traced["results"]}
         report["step"] = compile_step(request, python)
     report["kernels"] = [{**req, **compile_kernel(req, python)} for req in

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from xtrain.errors import ConfigError
+from xtrain.hardware import libtpu_init_args
 from xtrain.model.attention import tpu_kernel
 from xtrain.preflight.cache import stack_versions
 
@@ -28,8 +29,8 @@ def kernel_requests(hw, gpt, device_batch: int) -> list[dict]:
     """One compile request per distinct Pallas kernel the model's layers use on this hardware."""
     dims = [device_batch, gpt.n_head, gpt.sequence_len, gpt.head_dim]
     kinds = {(kernel, w) for w in gpt.windows if (kernel := tpu_kernel(gpt.attention, w))}
-    return [{"topology": topology_kwargs(hw), "kernel": k, "window": w, "shape": dims}
-            for k, w in sorted(kinds, key=str)]
+    return [{"topology": topology_kwargs(hw), "libtpu_init_args": libtpu_init_args(hw),
+             "kernel": k, "window": w, "shape": dims} for k, w in sorted(kinds, key=str)]
 
 
 def check_can_compile(hw, gpt) -> None:
