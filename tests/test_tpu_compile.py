@@ -72,7 +72,7 @@ def test_the_compiler_gets_the_runs_libtpu_flags_not_this_shells(compose_config,
 
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_shell_only_flag=1")
     cfg = compose_config(["hardware=v6e4", "model=d16", "data=cpp16k",
-                          "+hardware.env.LIBTPU_INIT_ARGS='--xla_no_such_flag=true'"])
+                          "hardware.env.LIBTPU_INIT_ARGS='--xla_no_such_flag=true'"])
     hw = cfg.hardware
     assert libtpu_init_args(hw, {}) == "--xla_no_such_flag=true"
     assert libtpu_init_args(hw, {"LIBTPU_INIT_ARGS": ""}) == ""  # set, even empty: it wins
@@ -316,14 +316,17 @@ def test_cache_key_follows_step_shaping_code_only(compose_config, tmp_path):
 def test_cache_key_follows_the_compilers_flags(compose_config, monkeypatch):
     from xtrain.preflight.cache import cache_key
 
+    """The flags the compile used, wherever they were set (the profile's or the environment's)."""
     monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
     cfg = compose_config(["hardware=v6e4", *TINY_TPU, "mode=compile"])
     plan = resolve(cfg, 4)
-    before = cache_key(cfg, plan)
+    profiles = cache_key(cfg, plan)
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", cfg.hardware.env.LIBTPU_INIT_ARGS)
+    assert cache_key(cfg, plan) == profiles  # the same flags from the environment
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_jf_hlo_deduplication=true")
-    assert cache_key(cfg, plan) != before
+    assert cache_key(cfg, plan) != profiles
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
-    assert cache_key(cfg, plan) == before  # no flags: the key as before
+    assert cache_key(cfg, plan) != profiles  # no flags at all
 
 
 if __name__ == "__main__":
