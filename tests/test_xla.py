@@ -136,6 +136,36 @@ def test_compilations_are_constant_and_host_syncs_only_at_log_points(tmp_path, s
     assert counts[50] == counts[100] == 3
 
 
+ORDER_DRIVER = r"""
+import json, sys
+import xtrain.xla.runtime as runtime
+from tests.conftest import compose_cfg
+from xtrain.modes import run
+imported = []
+export = runtime.apply_environment
+def spy(hw):
+    imported.append("torch_xla" in sys.modules)
+    return export(hw)
+runtime.apply_environment = spy
+run(compose_cfg(sys.argv[2:], output_dir=sys.argv[1]), sys.argv[1])
+print("IMPORTED " + json.dumps(imported))
+"""
+
+
+def test_the_profiles_environment_is_exported_before_torch_xla_is_imported(tmp_path):
+    """On a TPU VM, ``import torch_xla`` fills LIBTPU_INIT_ARGS with torch_xla's defaults, and a
+    variable already set is not overwritten (xtrain/xla/runtime.py): the profile's libtpu flags
+    (conf/hardware/_tpu.yaml) reach the compiler only if the run exports them first."""
+    r = subprocess.run([sys.executable, "-c", ORDER_DRIVER, str(tmp_path), *common(1),
+                        "hardware.engine=xla", "parallelism=dp", "trainer.device_batch_size=2"],
+                       cwd=ROOT, env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2",
+                                      "WANDB_MODE": "offline"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("IMPORTED ")][-1]
+    assert json.loads(line[len("IMPORTED "):]) == [False]
+
+
 def test_bad_mesh_fails_before_compiling(tmp_path):
     r = subprocess.run([sys.executable, "-m", "xtrain", "hardware.engine=xla", "parallelism=dp",
                         "parallelism.data=3", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
