@@ -44,7 +44,7 @@ def cache_key(cfg, plan, package: Path = PACKAGE) -> str:
     shaping["max_steps"] = plan.max_steps  # the schedule's constants are in the graph
     shaping["versions"] = stack_versions()
     flags = libtpu_init_args(cfg.hardware)
-    if flags:  # the compiler's flags, wherever they were set (no flags: the key as before)
+    if flags:  # the compiler's flags, from the profile or the environment
         shaping["libtpu_init_args"] = flags
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode())
     for source in step_sources(package):
