@@ -2,7 +2,7 @@
 
 The key covers what shapes the compiled step and nothing else, so editing metrics, logging or
 evaluation code keeps 3-12 minute compiles: the step-shaping config groups and the batch, the
-compiler stack's versions, and the source of the modules that shape the compiled graph (the
+compiler stack's versions and flags (LIBTPU_INIT_ARGS), and the source of the modules that shape the compiled graph (the
 model, the step, the optimizer, both engines, the sharding rules, the private-API shims and the
 preflight's own trace and compile children).
 """
