@@ -63,25 +63,26 @@ def test_a_compiler_failure_is_reported_not_raised(v6e4_16k):
     assert result["ok"] is False and 'Topology layout "v6e:3x3x3"' in result["error"]  # libtpu's words
 
 
-def test_the_compiler_gets_the_runs_libtpu_flags_not_this_shells(compose_config, monkeypatch):
-    """A flag in the profile's env reaches the compiler child (libtpu refuses an unknown one in
-    its own words), even when the shell that runs mode=compile has other flags; a flag in the
-    environment wins over the profile's, as it does for the run."""
+def test_the_compiler_gets_the_runs_libtpu_flags(compose_config, monkeypatch):
+    """The profile's libtpu flags reach the compiler child (libtpu refuses an unknown one in its
+    own words); a LIBTPU_INIT_ARGS in the environment wins over them, as it does for the run."""
     pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
     from xtrain.hardware import libtpu_init_args
 
-    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_shell_only_flag=1")
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
     cfg = compose_config(["hardware=v6e4", "model=d16", "data=cpp16k",
                           "hardware.env.LIBTPU_INIT_ARGS='--xla_no_such_flag=true'"])
     hw = cfg.hardware
-    assert libtpu_init_args(hw, {}) == "--xla_no_such_flag=true"
+    assert libtpu_init_args(hw, {"LIBTPU_INIT_ARGS": "--xla_tpu_x=1"}) == "--xla_tpu_x=1"
     assert libtpu_init_args(hw, {"LIBTPU_INIT_ARGS": ""}) == ""  # set, even empty: it wins
     (req, *_) = kernel_requests(hw, resolve(cfg, 4).gpt, 1)
-    req["libtpu_init_args"] = libtpu_init_args(hw, {})
     req["shape"][2] = 2048
     result = compile_kernel(req)
     assert result["ok"] is False and "xla_no_such_flag" in result["error"], result
-    assert "shell_only" not in result["error"]
+    # the request's flags, not those of the process that asks for the compile
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_shell_only_flag=1")
+    result = compile_kernel(req)
+    assert "xla_no_such_flag" in result["error"] and "shell_only" not in result["error"], result
 
 
 # --- mode=compile: the whole training step, traced on XLA:CPU and compiled by libtpu ---------
@@ -314,9 +315,9 @@ def test_cache_key_follows_step_shaping_code_only(compose_config, tmp_path):
 
 
 def test_cache_key_follows_the_compilers_flags(compose_config, monkeypatch):
+    """The flags the compile used, wherever they were set (the profile's or the environment's)."""
     from xtrain.preflight.cache import cache_key
 
-    """The flags the compile used, wherever they were set (the profile's or the environment's)."""
     monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
     cfg = compose_config(["hardware=v6e4", *TINY_TPU, "mode=compile"])
     plan = resolve(cfg, 4)
