@@ -1,7 +1,8 @@
 """TPU compile cost, scan over layers on vs off: the TPU compiler's wall time and peak host RAM,
 the program's size (StableHLO ops traced, HLO instructions compiled) and per-chip HBM against
-the planner, for the d16 step on v6e4 at 2048 x 8 with flash attention; then the other real d16
-configs with scan on, which must compile on a 24 GiB machine without swap.
+the planner, for the d16 step on v6e4 at 2048 x 8 with flash attention; that scanned step with
+calls inlined and with one micro-batch (what bounds the gain); then the other real d16 configs
+with scan on, which must compile on a 24 GiB machine without swap.
 
 Every compile here peaks under 10 GiB of host RAM since batched Newton-Schulz and the
 micro-batch fence (the unrolled baseline once needed ~22 GiB, and swap). Each report records the
@@ -73,21 +74,21 @@ def run() -> str:
         results[label, overrides[0], overrides[2]] = report
         rows.append(_row(label, overrides, plan, report, cached))
         print(rows[-1], flush=True)
-    off, on = (results["scan off", "hardware=v6e4", "data=base_data_v3"]["step"],
-               results["scan on", "hardware=v6e4", "data=base_data_v3"]["step"])
+    def v6e4(label):  # the report of the v6e4 2048 x 8 row with this label
+        return results[label, "hardware=v6e4", "data=base_data_v3"]
+
+    off, on = v6e4("scan off")["step"], v6e4("scan on")["step"]
     nan = float("nan")  # a compile that failed has no figures: the target is then missed
     faster = off.get("seconds", nan) / on.get("seconds", nan)
     leaner = off.get("host_peak_bytes", nan) / on.get("host_peak_bytes", nan)
     real = {label for label, _ in PAIR + NO_SWAP + REMAT}  # SCAN_PARTS only explain the gain
     within = all(r["step"]["ok"] and abs(r["planner_bytes"] / _hbm(r) - 1) <= PLANNER_TOLERANCE
                  for (label, *_), r in results.items() if label in real)
-    parts = [results[label, "hardware=v6e4", "data=base_data_v3"] for label, _ in SCAN_PARTS]
-    inlined, one_batch = (p["step"] for p in parts)
-    one_batch_saves = (_hbm(results["scan on", "hardware=v6e4", "data=base_data_v3"]) - _hbm(parts[1])
-                       if one_batch["ok"] else nan)
+    inlined, one_batch = (v6e4(label)["step"] for label, _ in SCAN_PARTS)
+    one_batch_saves = (_hbm(v6e4("scan on")) - _hbm(v6e4(SCAN_PARTS[1][0])) if one_batch["ok"] else nan)
     no_swap = [r for (label, *_), r in results.items() if label == "scan on"]
     fits = all(r["step"]["host_peak_bytes"] < NO_SWAP_RAM for r in no_swap)
-    remat = results[REMAT[0][0], "hardware=v6e4", "data=base_data_v3"]
+    remat = v6e4(REMAT[0][0])
     no_remat = [_no_remat_row(name, overrides) for name, overrides in NO_REMAT]
     return "\n".join([
         "## TPU compile: scan over layers on vs off",
