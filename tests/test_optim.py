@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from xtrain.optim import MuonAdamW, lr_multiplier, orthogonalize
+from xtrain.optim import NS_COEFFICIENTS, MuonAdamW, lr_multiplier, orthogonalize
 
 
 def test_schedule_warmup_constant_warmdown():
@@ -102,6 +102,49 @@ def test_batched_newton_schulz_equals_per_matrix_for_every_d16_shape(compose_con
         batched = orthogonalize(stack, steps=5)
         one_by_one = torch.stack([orthogonalize(m, steps=5) for m in stack])
         assert (batched - one_by_one).abs().max() <= 1e-5, shape
+
+
+def _newton_schulz_on_x(G, steps, dtype):
+    """The iteration on X itself in ``dtype``: the reference for the Gram form."""
+    a, b, c = NS_COEFFICIENTS
+    X = G.to(dtype)
+    tall = X.size(-2) > X.size(-1)
+    X = X.mT if tall else X
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+def test_the_gram_form_is_as_exact_as_the_iteration_on_x(compose_config):
+    """d16's rectangular matrices (the MLP's) take the Gram form; against the exact update
+    (float64), its float32 error stays within a small factor of the float32 iteration's own."""
+    g = torch.Generator().manual_seed(0)
+    low_rank = lambda m, n: (torch.randn(2, m, 8, generator=g) @ torch.randn(2, 8, n, generator=g)
+                             + 1e-3 * torch.randn(2, m, n, generator=g))
+    for shape in [s for s in _d16_matrix_shapes(compose_config) if s[0] != s[1]] + [(96, 384)]:
+        scaled = torch.randn(3, *shape, generator=g) * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]
+        for stack in (scaled, low_rank(*shape)):
+            exact = _newton_schulz_on_x(stack, 5, torch.float64)
+            gram_error = (orthogonalize(stack, steps=5) - exact).abs().max()
+            own_error = (_newton_schulz_on_x(stack, 5, torch.float32) - exact).abs().max()
+            assert gram_error <= 4 * own_error, (shape, gram_error, own_error)
+
+
+def test_rectangular_float32_matrices_take_the_gram_form(monkeypatch):
+    import xtrain.optim as optim
+
+    calls = []
+    gram = optim._newton_schulz_on_gram
+    monkeypatch.setattr(optim, "_newton_schulz_on_gram", lambda X, steps: calls.append(X.shape) or gram(X, steps))
+    g = torch.Generator().manual_seed(0)
+    orthogonalize(torch.randn(64, 16, generator=g), steps=5)  # tall: transposed to [16, 64]
+    orthogonalize(torch.randn(16, 32, generator=g), steps=5)  # twice as wide as tall
+    assert calls == [(16, 64), (16, 32)]
+    orthogonalize(torch.randn(16, 24, generator=g), steps=5)  # nearly square: fewer FLOPs on X
+    orthogonalize(torch.randn(16, 64, generator=g), steps=5, dtype=torch.bfloat16)  # TPU runs
+    assert len(calls) == 2
 
 
 def _reference_muon_step(params, grads, bufs, lr, momentum=0.95, ns_steps=5):

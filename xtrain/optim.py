@@ -29,23 +29,49 @@ def lr_multiplier(step, max_steps: int, warmup_steps: int, warmdown_ratio: float
     return torch.minimum(up, down)
 
 
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic, Keller Jordan's Muon
+# float32 matrices whose long side is at least this many times the short one run the
+# Newton-Schulz steps on their Gram matrix (:func:`_newton_schulz_on_gram`)
+GRAM_FORM_ASPECT = 2
+
+
 @torch.no_grad()
 def orthogonalize(G: torch.Tensor, steps: int, dtype=torch.float32) -> torch.Tensor:
-    """Newton-Schulz iteration towards the nearest semi-orthogonal matrix (Keller Jordan's Muon,
-    quintic coefficients (3.4445, -4.7750, 2.0315)); bfloat16 is enough on TPUs. ``G`` is one
-    matrix [m, n] or a stack [k, m, n] of same-shape matrices, each orthogonalised on its own."""
-    a, b, c = 3.4445, -4.7750, 2.0315
+    """Newton-Schulz iteration towards the nearest semi-orthogonal matrix (Keller Jordan's Muon);
+    bfloat16 is enough on TPUs. ``G`` is one matrix [m, n] or a stack [k, m, n] of same-shape
+    matrices, each orthogonalised on its own."""
     X = G.to(dtype)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(steps):
-        A = X @ X.mT
-        X = a * X + (b * A + c * A @ A) @ X
+    if dtype == torch.float32 and X.size(-1) >= GRAM_FORM_ASPECT * X.size(-2):
+        X = _newton_schulz_on_gram(X, steps)
+    else:
+        a, b, c = NS_COEFFICIENTS
+        for _ in range(steps):
+            A = X @ X.mT
+            X = a * X + (b * A + c * A @ A) @ X
     if tall:
         X = X.mT
     return X.to(G.dtype)
+
+
+def _newton_schulz_on_gram(X: torch.Tensor, steps: int) -> torch.Tensor:
+    """The same steps for a wide X [m, n] (m < n), on [m, m] matrices. Each step multiplies X on
+    the left by a polynomial in X X^T, so after k steps X_k = Q_k X with Q_k [m, m], and
+    X_k X_k^T = Q_k S Q_k^T with S = X X^T: the steps update Q and X is multiplied once at the
+    end. 8 m^3 FLOPs a step instead of 4 m^2 n + 2 m^3: half the FLOPs at n = 4m (the MLP's
+    matrices), a loss for square ones. The same update up to float32 rounding (tests/test_optim.py);
+    bfloat16 keeps the steps on X, as this form was checked in float32 only."""
+    a, b, c = NS_COEFFICIENTS
+    S = X @ X.mT
+    Q = None  # the identity, before the first step
+    for _ in range(steps):
+        A = S if Q is None else Q @ S @ Q.mT
+        B = b * A + c * A @ A
+        Q = B + a * torch.eye(S.size(-1), dtype=S.dtype, device=S.device) if Q is None else a * Q + B @ Q
+    return X if Q is None else Q @ X
 
 
 def same_shape_groups(params) -> dict[tuple, list[int]]:
