@@ -146,7 +146,7 @@ def test_rectangular_float32_matrices_take_the_gram_form(monkeypatch):
     orthogonalize(torch.randn(64, 16, generator=g), steps=5)  # tall: transposed to [16, 64]
     orthogonalize(torch.randn(16, 32, generator=g), steps=5)  # twice as wide as tall
     assert calls == [(16, 64), (16, 32)]
-    orthogonalize(torch.randn(16, 24, generator=g), steps=5)  # nearly square: fewer FLOPs on X
+    orthogonalize(torch.randn(16, 24, generator=g), steps=5)  # 1.5:1, the break-even: on X
     orthogonalize(torch.randn(16, 64, generator=g), steps=5, dtype=torch.bfloat16)  # TPU runs
     assert len(calls) == 2
 
