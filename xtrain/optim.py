@@ -36,6 +36,11 @@ GRAM_FORM_ASPECT = 2
 GRAM_FORM_RESTART = 3  # steps between two restarts of the Gram form from X
 
 
+def takes_gram_form(shape, dtype=torch.float32) -> bool:
+    """Whether :func:`orthogonalize` runs a matrix of ``shape`` [..., m, n] in the Gram form."""
+    return dtype == torch.float32 and max(shape[-2:]) >= GRAM_FORM_ASPECT * min(shape[-2:])
+
+
 @torch.no_grad()
 def orthogonalize(G: torch.Tensor, steps: int, dtype=torch.float32) -> torch.Tensor:
     """Newton-Schulz iteration towards the nearest semi-orthogonal matrix (Keller Jordan's Muon);
@@ -46,7 +51,7 @@ def orthogonalize(G: torch.Tensor, steps: int, dtype=torch.float32) -> torch.Ten
     if tall:
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    if dtype == torch.float32 and X.size(-1) >= GRAM_FORM_ASPECT * X.size(-2):
+    if takes_gram_form(X.shape, dtype):
         X = _newton_schulz_on_gram(X, steps)
     else:
         a, b, c = NS_COEFFICIENTS
