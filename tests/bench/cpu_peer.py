@@ -112,15 +112,15 @@ def muon_update(cfg, plan, batches, gram_form: bool) -> dict:
     from xtrain.model.gpt import GPT
 
     torch._dynamo.reset()  # a fresh compile of the update, not a recompile past dynamo's limit
+    torch.manual_seed(0)
+    model = GPT(plan.gpt)
+    rectangular = [p for p in model.blocks.parameters() if optim.takes_gram_form(p.shape)]
     aspect = optim.GRAM_FORM_ASPECT
     optim.GRAM_FORM_ASPECT = aspect if gram_form else math.inf
     try:
-        torch.manual_seed(0)
-        model = GPT(plan.gpt)
         opt = optim.build_optimizer(model, cfg.optim, STEPS)
         tokens = batches[0][:, 0]
         model(tokens[:, :-1], tokens[:, 1:]).backward()
-        rectangular = [p for p in model.blocks.parameters() if max(p.shape) >= aspect * min(p.shape)]
         before = [p.detach().clone() for p in rectangular]
         opt.compile_update(torch.compile)
         times = []
@@ -200,4 +200,5 @@ def run() -> str:
             f"{muon_ms['x']:.1f} ms, the rectangular ones (the MLP's) in the Gram form "
             f"{muon_ms['gram']:.1f} ms (**{muon_ms['x'] / muon_ms['gram']:.2f}x**; the first "
             f"updates of those matrices differ by at most {muon_drift:.1e} of the matrix's "
-            f"largest step).\n")
+            f"largest step; at initialisation only the MLP's output matrices get a gradient, as "
+            f"its zero-initialised output projection passes none to its input matrix).\n")
