@@ -8,6 +8,7 @@ Usage: python -m tests.bench [NAME ...]   (default: all)
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import sys
 from pathlib import Path
@@ -35,15 +36,36 @@ def main(argv: list[str]) -> None:
         sys.exit("targets missed: " + "; ".join(MISSED))
 
 
+def cpu_name() -> str:
+    """The processor as Linux names it, with its family and model (a cloud VM's name alone, such
+    as "AMD EPYC", says little), or ``platform.processor()`` elsewhere."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ":" in line)
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return (f"{fields.get('model name', '?')} "
+            f"(family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})")
+
+
+def machine_stamp() -> str:
+    """Where and when a section was measured: the machine's speed differs between CPUs by far more
+    than the effects measured, so a section's ratios compare only within it."""
+    return (f"_Measured {datetime.date.today().isoformat()} on {cpu_name()}, {os.cpu_count()} "
+            f"logical cores, Python {platform.python_version()}._")
+
+
 def write(sections: dict[str, str]) -> None:
-    """Replace each benchmark's section in BENCHMARKS.md, keeping the others."""
+    """Replace each benchmark's section in BENCHMARKS.md, keeping the others; a section written
+    now ends with the machine it ran on."""
     text = OUT.read_text() if OUT.exists() else ""
     head, _, _ = text.partition("\n<!-- bench:")
     existing = {}
     for block in text.split("\n<!-- bench:")[1:]:
         key, _, body = block.partition(" -->\n")
         existing[key] = body.rstrip("\n")
-    existing.update({k: v.rstrip("\n") for k, v in sections.items()})
+    existing.update({k: f"{v.rstrip()}\n\n{machine_stamp()}" for k, v in sections.items()})
     stamp = (f"_Machine: {platform.machine()}, {platform.python_version()}, "
              f"updated {datetime.date.today().isoformat()}._\n")
     body = "".join(f"\n<!-- bench:{k} -->\n{v}\n" for k, v in sorted(existing.items()))
