@@ -55,8 +55,8 @@ def orthogonalize(G: torch.Tensor, steps: int, dtype=torch.float32) -> torch.Ten
         X = _newton_schulz_on_gram(X, steps)
     elif X.device.type == "xla":
         # one loop in the compiled program instead of `steps` unrolled copies: the TPU compiler's
-        # time grows with each copy (d16 on v6e4, scanned, one micro-batch: 87.5 s unrolled vs
-        # 74.6 s looped; BENCHMARKS.md, "TPU compile")
+        # time grows with each copy (d16 on v6e4, scanned, one micro-batch, one machine: 87.5 s
+        # with the copies, 74.6 s looped; README.md, "Compiling once")
         from torch_xla.experimental.scan import scan
 
         X, _ = scan(_newton_schulz_step, X, torch.zeros(steps, device=X.device), is_fn_pure=True)
