@@ -209,8 +209,7 @@ for dtype, shape in [("float32", (3, 64, 64)), ("bfloat16", (2, 96, 64))]:
     out[dtype] = {"dots": {s: h.count(" dot(") for s, h in hlo.items()},
                   "whiles": {s: h.count(" while(") for s, h in hlo.items()},
                   "vs_unrolled": float((looped - copies).abs().max()),
-                  "vs_eager": float((looped - orthogonalize(G, 5, dt).float()).abs().max()),
-                  # against float32's eager iteration: how far rounding took each
+                  # against float32's eager iteration on the CPU: how far rounding took each
                   "looped_off": float((looped - orthogonalize(G, 5)).abs().max()),
                   "unrolled_off": float((copies - orthogonalize(G, 5)).abs().max())}
 print("RESULT " + json.dumps(out))
@@ -221,8 +220,9 @@ def test_newton_schulz_on_xla_is_one_loop_of_the_same_steps():
     """On the XLA engine the steps on X compile as one loop (the TPU compiler's time grows with
     each unrolled copy), with the eager iteration's result: the program's matmuls do not grow with
     the number of steps. XLA:CPU stands in for the TPU's compiled program."""
-    r = subprocess.run([sys.executable, "-c", XLA_NEWTON_SCHULZ], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
-                       env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}, timeout=300)
+    r = subprocess.run([sys.executable, "-c", XLA_NEWTON_SCHULZ], cwd=Path(__file__).resolve().parents[1],
+                       env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"},
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     for dtype, found in out.items():
@@ -234,4 +234,4 @@ def test_newton_schulz_on_xla_is_one_loop_of_the_same_steps():
     # it stays as close to float32's iteration as the copies (measured: 0.052 vs 0.054)
     bf16 = out["bfloat16"]
     assert bf16["looped_off"] <= 1.25 * bf16["unrolled_off"], bf16
-    assert out["float32"]["vs_eager"] <= 1e-5, out  # and the eager iteration on the CPU
+    assert out["float32"]["looped_off"] <= 1e-5, out  # and the eager iteration on the CPU
