@@ -302,36 +302,64 @@ def test_a_killed_compile_is_not_cached_and_the_next_run_compiles(tmp_path):
 
 def test_a_compile_expected_to_exceed_host_memory_is_refused_before_it_starts(tmp_path):
     pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
-    from xtrain.compat import installed_versions
-
-    # an earlier compile's report: 1,000 ops needed 1 TiB (a rate no machine here can meet)
-    earlier = {"config": "a huge step", "hlo_ops": 1000, "versions": installed_versions(["libtpu"]),
-               "step": {"ok": True, "host_peak_bytes": 2**40}, "kernels": []}
-    (tmp_path / "preflight").mkdir()
-    (tmp_path / "preflight" / "earlier.json").write_text(json.dumps(earlier))
-    proc = _compile_mode(tmp_path)
+    first = _compile_mode(tmp_path)
+    out, err = first.communicate(timeout=900)
+    assert first.returncode == 0, out[-2000:] + err[-2000:]
+    assert re.search(r"host RAM: [\d,]+ StableHLO ops, expected ~[\d.]+ GiB for the compiler \(at "
+                     r"the rate of the stated \d+ KiB per op\)", out)  # no earlier compile yet
+    # that compile's report, as if it had needed 1 TiB (a rate no machine here can meet), is the
+    # earlier compile of a similar program: the same step with another learning rate (the same
+    # graph under another cache key)
+    (path,) = (tmp_path / "preflight").glob("*.json")
+    report = json.loads(path.read_text())
+    report["config"], report["step"]["host_peak_bytes"] = "a huge step", 2**40
+    path.write_text(json.dumps(report))
+    proc = _compile_mode(tmp_path, "optim.matrix_lr=0.03")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 2
     assert re.search(r"refusing to start the TPU compile: [\d,]+ StableHLO ops are expected to need "
                      r"[\d.]+ GiB of host RAM .* the compile of a huge step .* GiB available", err)
-    assert "add swap or use a machine with more RAM" in err
+    assert "add swap or use a machine with more RAM" in err and "model.scan=true" in err
     assert "TPU compile" not in out  # the compiler never started
 
 
-def test_host_memory_estimate_uses_the_nearest_earlier_compile():
+def test_host_memory_rates_come_from_compiles_with_the_same_libtpu_and_flags(tmp_path):
+    from xtrain.preflight.hostmem import earlier_compiles
+
+    def report(name, libtpu, flags, ok=True):
+        step = {"ok": ok, "host_peak_bytes": 2**32}
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            {"config": name, "hlo_ops": 1000, "versions": {"libtpu": libtpu},
+             "libtpu_init_args": flags, "step": step}))
+
+    report("same", "0.0.21", "--a=1")
+    report("other flags", "0.0.21", "--a=2")
+    report("no flags", "0.0.21", None)
+    report("other libtpu", "0.0.30", "--a=1")
+    report("failed", "0.0.21", "--a=1", ok=False)
+    (tmp_path / "torn.json").write_text("{")
+    assert [r["what"] for r in earlier_compiles(tmp_path, "0.0.21", "--a=1")] == ["same"]
+    assert [r["what"] for r in earlier_compiles(tmp_path, "0.0.21", None)] == ["no flags"]
+
+
+def test_host_memory_estimate_uses_the_nearest_similar_earlier_compile():
     from xtrain.preflight.hostmem import BASE_BYTES, STATED_BYTES_PER_OP, expected_bytes, refusal
     from xtrain.units import GIB
 
-    earlier = [{"ops": 5_000, "peak": 2 * GIB, "what": "small"},
+    earlier = [{"ops": 5_000, "peak": 3 * GIB, "what": "small"},
                {"ops": 200_000, "peak": 21 * GIB, "what": "unrolled d16"}]
     need, source = expected_bytes(150_000, earlier)
-    assert need == BASE_BYTES + int(20 * GIB / 200_000 * 150_000) and "unrolled d16" in source
+    assert need == int(BASE_BYTES + (21 * GIB - BASE_BYTES) / 200_000 * 150_000) and "unrolled d16" in source
     need, source = expected_bytes(4_000, earlier)
-    assert need == BASE_BYTES + int(1 * GIB / 5_000 * 4_000) and "small" in source
-    assert expected_bytes(10, [])[0] == BASE_BYTES + 10 * STATED_BYTES_PER_OP
+    assert need == int(BASE_BYTES + (3 * GIB - BASE_BYTES) / 5_000 * 4_000) and "small" in source
+    # more than a factor of 2 from every earlier compile: the stated rate, not the nearest's
+    for ops in (40_000, 10, 500_000):
+        need, source = expected_bytes(ops, earlier)
+        assert need == BASE_BYTES + ops * STATED_BYTES_PER_OP and "stated" in source
     info = {"MemTotal": 24 * GIB, "MemAvailable": 20 * GIB, "SwapFree": 2 * GIB}
-    assert refusal(1, 21 * GIB, "x", info) is None
-    message = refusal(1, 23 * GIB, "x", info)
+    assert refusal(1, 21 * GIB, "x", info, scanned=False) is None
+    message = refusal(1, 23 * GIB, "x", info, scanned=False)
     assert "23.0 GiB of host RAM" in message and "22.0 GiB available (RAM 20.0 + free swap 2.0)" in message
-    # scan is not offered: the scanned d16 compile needs more host RAM than the unrolled one
-    assert "preflight.check_host_ram=false" in message and "model.scan" not in message
+    assert "preflight.check_host_ram=false" in message and "model.scan=true" in message
+    # a scanned step is offered no model setting
+    assert "model.scan" not in refusal(1, 23 * GIB, "x", info, scanned=True)

@@ -1,13 +1,14 @@
 """Host memory and the TPU compile: what this machine has, and what a compile is expected to need.
 
-The TPU compiler's host memory grows with the program it compiles: before batched Newton-Schulz
-and the micro-batch fence, the unrolled d16 step (176,707 StableHLO ops) peaked at ~22 GiB; now
-7.6 GiB over 44,388 ops unrolled, 9.3 GiB over 16,818 ops scanned (BENCHMARKS.md, "TPU
-compile"): the bytes per op differ between programs. A compile that outgrows RAM + swap is
-killed by the kernel after minutes of work, so the preflight estimates the need first, as
-``BASE + bytes-per-op x ops`` with the bytes per op taken from the earlier compile (a cached
-report) whose op count is nearest, or from the figure stated below when there is none, and
-refuses up front when the estimate exceeds what is available.
+The TPU compiler's host memory grows with the program it compiles, but not in proportion: with
+libtpu 0.0.21 the unrolled v6e4 d16 step peaked at 7.2 GiB over 44,308 StableHLO ops, the scanned
+one at 3.9 GiB over 16,738 ops and at 2.9 GiB over 3,758 with one micro-batch (BENCHMARKS.md,
+"TPU compile"). A compile that outgrows RAM + swap is killed by the kernel after minutes of work,
+so the preflight estimates the need first, as ``BASE + bytes-per-op x ops``, and refuses up front
+when the estimate exceeds what is available. The bytes per op come from the earlier compile (a
+cached report) of the most similar program: same libtpu and compiler flags, op count within a
+factor of :data:`SIMILAR_OPS`; without one, from the stated figures below. (A rate carried from
+a program of another size misled: the scanned step's rate put the unrolled one at 26 GiB.)
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from pathlib import Path
 
 from xtrain.units import GIB
 
-# libtpu and jax loaded, before the program: the smallest steps compile at ~1.2 GiB peak here
-BASE_BYTES = 1 * GIB
-# stated bytes per traced StableHLO op, measured here on the unrolled v6e4 d16 2048 x 8 flash step
-# before the fence: 22.2 GiB peak over 176,707 ops -> 129 KiB per op (rounded up; the fenced step
-# now: 7.6 GiB over 44,388 ops, ~150 KiB per op above the base)
-STATED_BYTES_PER_OP = 132 * 1024
+# A line at or above every d16 compile of BENCHMARKS.md, "TPU compile" (libtpu 0.0.21), from
+# 2.9 GiB at 3,758 ops to 8.1 GiB at 62,631. Small programs need less (~1.2 GiB: libtpu and jax
+# loaded), so the estimate errs on their safe side.
+BASE_BYTES = int(2.5 * GIB)
+STATED_BYTES_PER_OP = 113 * 1024
+SIMILAR_OPS = 2.0  # an earlier compile's rate applies within this factor of its op count
 
 
 def meminfo() -> dict[str, int]:
@@ -42,8 +43,9 @@ def available_bytes(info: dict | None = None) -> int:
     return info["MemAvailable"] + info.get("SwapFree", 0)
 
 
-def earlier_compiles(report_dir: Path, libtpu: str | None) -> list[dict]:
-    """(ops, peak bytes, what) of the cached reports of finished compiles with this libtpu."""
+def earlier_compiles(report_dir: Path, libtpu: str | None, flags: str | None) -> list[dict]:
+    """(ops, peak bytes, what) of the cached reports of finished compiles with this libtpu and
+    these compiler flags (LIBTPU_INIT_ARGS: inlined calls doubled one step's host memory)."""
     found = []
     for path in sorted(report_dir.glob("*.json")):
         try:
@@ -52,7 +54,8 @@ def earlier_compiles(report_dir: Path, libtpu: str | None) -> list[dict]:
             continue
         step, ops = report.get("step", {}), report.get("hlo_ops")
         if step.get("ok") and ops and step.get("host_peak_bytes") and \
-                report.get("versions", {}).get("libtpu") == libtpu:
+                report.get("versions", {}).get("libtpu") == libtpu and \
+                report.get("libtpu_init_args") == flags:
             found.append({"ops": ops, "peak": step["host_peak_bytes"],
                           "what": report.get("config", path.stem)})
     return found
@@ -60,8 +63,9 @@ def earlier_compiles(report_dir: Path, libtpu: str | None) -> list[dict]:
 
 def expected_bytes(ops: int, earlier: list[dict]) -> tuple[int, str]:
     """(expected peak host bytes of compiling ``ops`` StableHLO ops, where the rate came from)."""
-    if earlier:
-        near = min(earlier, key=lambda r: abs(math.log(r["ops"] / ops)))
+    similar = [r for r in earlier if abs(math.log(r["ops"] / ops)) <= math.log(SIMILAR_OPS)]
+    if similar:
+        near = min(similar, key=lambda r: abs(math.log(r["ops"] / ops)))
         rate = max(0.0, near["peak"] - BASE_BYTES) / near["ops"]
         source = (f"the compile of {near['what']} ({near['ops']:,} ops, "
                   f"{near['peak'] / GIB:.1f} GiB peak)")
@@ -70,15 +74,17 @@ def expected_bytes(ops: int, earlier: list[dict]) -> tuple[int, str]:
     return int(BASE_BYTES + rate * ops), source
 
 
-def refusal(ops: int, expected: int, source: str, info: dict) -> str | None:
-    """Why the compile must not start (None: it may). No model setting is offered: scanned d16
-    needs more host RAM than unrolled (9.3 vs 7.6 GiB; its fewer ops cost more each)."""
+def refusal(ops: int, expected: int, source: str, info: dict, scanned: bool) -> str | None:
+    """Why the compile must not start (None: it may), with what would let it."""
     available = available_bytes(info)
     if expected <= available:
         return None
     levers = ["add swap or use a machine with more RAM", "preflight.check_host_ram=false to try anyway"]
+    if not scanned:
+        levers.insert(0, "model.scan=true (the scanned d16 step compiles in about half the host "
+                         "RAM: BENCHMARKS.md, \"TPU compile\")")
     return (f"refusing to start the TPU compile: {ops:,} StableHLO ops are expected to need "
-            f"{expected / GIB:.1f} GiB of host RAM (1 GiB + {ops:,} ops at the rate of {source}), "
-            f"this machine has {available / GIB:.1f} GiB available (RAM "
+            f"{expected / GIB:.1f} GiB of host RAM ({BASE_BYTES / GIB:.1f} GiB + {ops:,} ops at the "
+            f"rate of {source}), this machine has {available / GIB:.1f} GiB available (RAM "
             f"{info['MemAvailable'] / GIB:.1f} + free swap {info.get('SwapFree', 0) / GIB:.1f}); "
             + "; ".join(levers))

@@ -95,14 +95,15 @@ def trace(cfg, out_dir: str, python: str = sys.executable) -> dict:
     return json.loads(Path(out_dir, "step.json").read_text())
 
 
-def check_host_memory(cfg, ops: int, info: dict) -> None:
+def check_host_memory(cfg, plan, ops: int, info: dict) -> None:
     """Refuse a compile expected to need more host memory than this machine has (``info``,
     its /proc/meminfo; xtrain/preflight/hostmem.py), before the compiler starts."""
     if not cfg.preflight.check_host_ram:
         return
-    earlier = hostmem.earlier_compiles(cache_dir(), stack_versions()["libtpu"])
+    earlier = hostmem.earlier_compiles(cache_dir(), stack_versions()["libtpu"],
+                                       libtpu_init_args(cfg.hardware))
     expected, source = hostmem.expected_bytes(ops, earlier)
-    problem = hostmem.refusal(ops, expected, source, info)
+    problem = hostmem.refusal(ops, expected, source, info, scanned=plan.gpt.scan)
     if problem:
         raise PreflightError(problem)
     print(f"host RAM: {ops:,} StableHLO ops, expected ~{expected / GIB:.1f} GiB for the compiler "
@@ -112,19 +113,20 @@ def check_host_memory(cfg, ops: int, info: dict) -> None:
 
 def run_preflight(cfg, plan, python: str = sys.executable) -> dict:
     """Trace, compile and measure; returns the report (cached when the compiler answered)."""
-    hw = cfg.hardware
+    hw, flags = cfg.hardware, libtpu_init_args(cfg.hardware)
     report: dict = {"hardware": hw.name, "config": describe_config(cfg, plan),
                     "hbm_bytes_per_chip": int(hw.hbm_gib_per_chip * GIB),
-                    "planner_bytes": int(plan.memory.total), "versions": stack_versions()}
+                    "planner_bytes": int(plan.memory.total), "versions": stack_versions(),
+                    "libtpu_init_args": flags}
     with tempfile.TemporaryDirectory(prefix="xtrain-preflight-") as tmp:
         traced = trace(cfg, tmp, python)
         report["trace_seconds"] = traced["trace_seconds"]
         stablehlo = os.path.join(tmp, "step.mlir")
         report["hlo_ops"] = count_stablehlo_ops(Path(stablehlo).read_text())
         info = hostmem.meminfo()  # the machine the compile runs on (BENCHMARKS.md states it)
-        check_host_memory(cfg, report["hlo_ops"], info)
+        check_host_memory(cfg, plan, report["hlo_ops"], info)
         report["host"] = {"ram_bytes": info["MemTotal"], "swap_bytes": info.get("SwapTotal", 0)}
-        request = {"topology": topology_kwargs(hw), "libtpu_init_args": libtpu_init_args(hw),
+        request = {"topology": topology_kwargs(hw), "libtpu_init_args": flags,
                    "devices": traced["devices"],
                    "stablehlo": stablehlo, "args": traced["args"], "results": traced["results"]}
         report["step"] = compile_step(request, python)
