@@ -19,9 +19,9 @@ from pathlib import Path
 
 from xtrain.units import GIB
 
-# A line at or above the d16 compiles of BENCHMARKS.md, "TPU compile" (libtpu 0.0.21, the TPU
-# profiles' flags), from 2.9 GiB at 3,758 ops to 8.1 GiB at 62,631. Small programs need less (~1.2 GiB: libtpu and jax
-# loaded), so the estimate errs on their safe side.
+# A line at or above the d16 compiles of BENCHMARKS.md, "TPU compile" and "TPU preflight"
+# (libtpu 0.0.21, the TPU profiles' flags), from 2.9 GiB at 3,758 ops to 8.1 GiB at 62,631.
+# Small programs need less (~1.2 GiB: libtpu and jax loaded): the estimate errs on their safe side.
 BASE_BYTES = int(2.5 * GIB)
 STATED_BYTES_PER_OP = 113 * 1024
 SIMILAR_OPS = 2.0  # an earlier compile's rate applies within this factor of its op count
