@@ -346,12 +346,12 @@ def test_host_memory_estimate_uses_the_nearest_similar_earlier_compile():
     from xtrain.preflight.hostmem import BASE_BYTES, STATED_BYTES_PER_OP, expected_bytes, refusal
     from xtrain.units import GIB
 
-    earlier = [{"ops": 5_000, "peak": 3 * GIB, "what": "small"},
+    earlier = [{"ops": 5_000, "peak": 4 * GIB, "what": "small"},
                {"ops": 200_000, "peak": 21 * GIB, "what": "unrolled d16"}]
     need, source = expected_bytes(150_000, earlier)
     assert need == int(BASE_BYTES + (21 * GIB - BASE_BYTES) / 200_000 * 150_000) and "unrolled d16" in source
     need, source = expected_bytes(4_000, earlier)
-    assert need == int(BASE_BYTES + (3 * GIB - BASE_BYTES) / 5_000 * 4_000) and "small" in source
+    assert need == int(BASE_BYTES + (4 * GIB - BASE_BYTES) / 5_000 * 4_000) and "small" in source
     # more than a factor of 2 from every earlier compile: the stated rate, not the nearest's
     for ops in (40_000, 10, 500_000):
         need, source = expected_bytes(ops, earlier)

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from xtrain.units import GIB
 
-# A line at or above the d16 compiles of BENCHMARKS.md, "TPU compile" and "TPU preflight"
-# (libtpu 0.0.21, the TPU profiles' flags), from 2.9 GiB at 3,758 ops to 8.1 GiB at 62,631.
-# Small programs need less (~1.2 GiB: libtpu and jax loaded): the estimate errs on their safe side.
-BASE_BYTES = int(2.5 * GIB)
-STATED_BYTES_PER_OP = 113 * 1024
+# A line at or above every compile in BENCHMARKS.md, "TPU compile" and "TPU preflight" (libtpu
+# 0.0.21, the TPU profiles' flags): from 2.9 GiB at 3,758 ops (scanned d16) and 4.5 GiB at 12,571
+# (v4-32 d16) to 8.1 GiB at 62,631. Small programs need less (~1.2 GiB: libtpu and jax loaded):
+# the estimate errs on their safe side.
+BASE_BYTES = int(3.5 * GIB)
+STATED_BYTES_PER_OP = 90 * 1024
 SIMILAR_OPS = 2.0  # an earlier compile's rate applies within this factor of its op count
 
 
@@ -63,9 +64,11 @@ def earlier_compiles(report_dir: Path, libtpu: str | None, flags: str | None) ->
 
 def expected_bytes(ops: int, earlier: list[dict]) -> tuple[int, str]:
     """(expected peak host bytes of compiling ``ops`` StableHLO ops, where the rate came from)."""
-    similar = [r for r in earlier if abs(math.log(r["ops"] / ops)) <= math.log(SIMILAR_OPS)]
-    if similar:
-        near = min(similar, key=lambda r: abs(math.log(r["ops"] / ops)))
+    def distance(r):
+        return abs(math.log(r["ops"] / ops))
+
+    near = min(earlier, key=distance, default=None)
+    if near is not None and distance(near) <= math.log(SIMILAR_OPS):
         rate = max(0.0, near["peak"] - BASE_BYTES) / near["ops"]
         source = (f"the compile of {near['what']} ({near['ops']:,} ops, "
                   f"{near['peak'] / GIB:.1f} GiB peak)")
