@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import assert_same_tensors, checkpoint_tensors, finish, gcs_filesystem, losses, xtrain
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
 from xtrain.errors import CheckpointError
-from xtrain.inputs import resume_checkpoint
+from xtrain.inputs import newest_intact, resume_checkpoint
+from xtrain.model.config import GPTConfig
 
 
 def _save(path: str, tensors: dict) -> None:
@@ -65,6 +67,119 @@ def test_the_manifest_records_every_file_and_catches_truncation_and_bit_flips(tm
     assert manifest.problems(str(ckpt)) == [f"{rel} missing"]
     with pytest.raises(CheckpointError, match=f"checkpoint.resume={ckpt} is corrupt: {rel} missing"):
         resume_checkpoint(str(ckpt), str(tmp_path), gpt=None, early=True)  # refused before the model is compared
+
+
+def test_a_checkpoint_without_its_manifest_is_not_intact(tmp_path):
+    """Every commit writes the manifest first; without it nothing can be verified (and whoever
+    deleted it may have changed the rest)."""
+    _save(str(tmp_path / "step_000001"), {"w": torch.ones(3)})
+    _save(str(tmp_path / "step_000002"), {"w": torch.ones(3)})
+    (tmp_path / "step_000002" / manifest.MANIFEST).unlink()
+    assert manifest.problems(str(tmp_path / "step_000002")) == [f"{manifest.MANIFEST} missing"]
+    assert newest_intact(str(tmp_path)) == f"{tmp_path}/step_000001"
+
+
+class _Payload:
+    """Unpickling this runs ``os.system``: what a crafted checkpoint would carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_dcp_metadata_pickle_runs_no_code_and_is_refused(tmp_path):
+    """DCP unpickles tensors/.metadata with plain pickle.load (torch 2.9): xtrain reads it
+    allowing only the classes DCP's metadata of tensors is made of, on every path that reads
+    a checkpoint (resume and the model's weights for sampling and the C++ evaluation)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from xtrain.checkpoint.io import read, read_model_weights
+
+    ckpt, marker = tmp_path / "step_000001", tmp_path / "code-ran"
+    _save(str(ckpt), {"w": torch.ones(3)})
+    metadata_file = ckpt / "tensors" / ".metadata"
+    genuine = metadata_file.read_bytes()
+    assert read(str(ckpt))["state_dict"]["w"].tolist() == [1.0, 1.0, 1.0]  # allowed: a real one
+
+    metadata_file.write_bytes(pickle.dumps(_Payload(marker)))
+    for load in (read, read_model_weights):
+        with pytest.raises(pickle.UnpicklingError, match=r"refers to posix\.system.*refused"):
+            load(str(ckpt))
+    assert not marker.exists()
+
+    # a non-tensor item would make DCP torch.load its bytes with weights_only=False
+    metadata = pickle.loads(genuine)  # the file written above: trusted here
+    metadata.state_dict_metadata["/state_dict/w"] = BytesStorageMetadata()
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(pickle.UnpicklingError, match="BytesStorageMetadata"):
+        read(str(ckpt))
+
+
+def test_retention_counts_only_the_commits_up_to_the_new_one(tmp_path):
+    """A run that resumed from step 10 past a damaged step 20 commits step 15: with keep_last=1
+    the old rule (the newest commits overall) kept only the damaged 20 and deleted 15, the
+    checkpoint just written, leaving nothing to resume from."""
+    from xtrain.checkpoint.async_io import FsspecCheckpointIO
+    from xtrain.train.checkpointing import PeriodicCheckpoint
+
+    for step in (5, 10, 15, 20):
+        _save(str(tmp_path / f"step_{step:06d}"), {"w": torch.full((3,), float(step))})
+    keeper = PeriodicCheckpoint(str(tmp_path), every=5, checkpoint_io=FsspecCheckpointIO(), keep_last=2)
+    keeper._committed({"step": 15, "path": str(tmp_path / "step_000015")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010", "step_000015", "step_000020"]
+
+
+def test_a_deletion_cut_short_leaves_no_committed_checkpoint(tmp_path, monkeypatch):
+    """Retention and a re-save of a step delete whole directories; the commit marker goes
+    first, so a kill in the middle (here: the recursive delete failing) cannot leave a
+    committed checkpoint with its files gone."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from xtrain.checkpoint.layout import is_committed, remove
+
+    _save(str(tmp_path / "step_000001"), {"w": torch.ones(3)})
+    _save(str(tmp_path / "step_000002"), {"w": torch.ones(3)})
+    real_rm = LocalFileSystem.rm
+
+    def killed_midway(self, path, recursive=False, **kwargs):
+        if recursive:
+            shutil.rmtree(Path(path) / "tensors")
+            raise KeyboardInterrupt("killed while deleting")
+        return real_rm(self, path, recursive=recursive, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "rm", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        remove(str(tmp_path / "step_000002"))
+    monkeypatch.undo()
+    assert not is_committed(str(tmp_path / "step_000002"))
+    assert newest_intact(str(tmp_path)) == f"{tmp_path}/step_000001"
+
+
+def test_the_early_check_leaves_an_unreadable_newest_meta_json_to_the_runs_fallback(
+        tmp_path, compose_config, capfd):
+    """The early (pre-build) check reads the newest commit's model from its meta.json without
+    verifying checksums; a damaged meta.json there must not refuse a run that the verified
+    choice resumes from the previous checkpoint."""
+    cfg = compose_config(["model=d2"])
+    cfg.model.vocab_size, cfg.model.sequence_len = 512, 64  # as the planner resolves them
+    gpt = GPTConfig.from_model(cfg.model)
+    for step in (10, 20):
+        io = FsspecCheckpointIO(retries=0)
+        io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": step,
+                            "xtrain_meta": {"config": {"model": OmegaConf.to_container(cfg.model)}}},
+                           str(tmp_path / f"step_{step:06d}"))
+        assert io.wait() is not None
+    meta = tmp_path / "step_000020" / "meta.json"
+    meta.write_text(meta.read_text()[:20])
+    assert resume_checkpoint(None, str(tmp_path), gpt, early=True) is None
+    assert resume_checkpoint(None, str(tmp_path), gpt) == f"{tmp_path}/step_000010"
+    assert f"checkpoint {tmp_path}/step_000020 is corrupt (meta.json has " in capfd.readouterr().err
 
 
 def test_on_gcs_a_commit_marker_written_since_a_cached_listing_is_seen(gcs_bucket):

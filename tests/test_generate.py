@@ -138,15 +138,14 @@ def test_mode_sample_prints_text_from_the_runs_newest_checkpoint(trained_run):
 
 @pytest.mark.parametrize("args, message", [
     (["checkpoint.resume=/nonexistent/step_000010"],
-     "checkpoint.resume=/nonexistent/step_000010: not a committed checkpoint "
-     "(no /nonexistent/step_000010/COMMITTED)"),
-    ([], "mode=sample: no committed checkpoint in {run}/checkpoints"),
+     "checkpoint error: checkpoint.resume=/nonexistent/step_000010: no such directory"),
+    ([], "input error: mode=sample: no committed checkpoint in {run}/checkpoints "
+         "(train this run first, or set checkpoint.resume=PATH)"),
 ])
 def test_mode_sample_refuses_a_bad_checkpoint_before_building_anything(tmp_path, args, message):
     r = _sample(tmp_path, *args)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1] == "xtrain: input error: " + message.format(run=tmp_path) + \
-        ("" if args else " (train this run first, or set checkpoint.resume=PATH)")
+    assert r.stderr.strip().splitlines()[-1] == "xtrain: " + message.format(run=tmp_path)
     assert "sampling" not in r.stdout and "tokenizer" not in r.stdout
 
 

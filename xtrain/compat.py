@@ -64,6 +64,56 @@ def fsspec_writer(path: str, written: list | None = None):
     return RecordingWriter(path, per_thread_copy_ahead=0)
 
 
+# What DCP's metadata is made of (torch 2.9): its dataclasses, the file writer's storage info,
+# tensor sizes, dtypes and layouts. A non-tensor item (BytesStorageMetadata) is left out on
+# purpose: DCP loads such an item's bytes with torch.load(weights_only=False), and xtrain stores
+# none (xtrain/checkpoint/io.py keeps everything but tensors in state.pt).
+_DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # looks a layout up by name, nothing else
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+}
+
+
+def dcp_reader(reader_class):
+    """[torch] ``reader_class`` (DCP's FileSystemReader or a subclass) reading DCP's ``.metadata``
+    with only the classes above allowed (the pickle documentation's "restricting globals"):
+    DCP unpickles that file with plain ``pickle.load``, which would run any code a crafted
+    checkpoint names. Relies on the reader's private ``_get_metadata_path`` and ``fs``."""
+    import pickle
+
+    import torch
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            allowed = name in _DCP_METADATA_CLASSES.get(module, ())
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                allowed = True
+            if not allowed:
+                raise pickle.UnpicklingError(
+                    f"checkpoint metadata refers to {module}.{name}, which DCP's metadata of "
+                    "tensors never holds: refused (a checkpoint is untrusted input)")
+            return super().find_class(module, name)
+
+    class SafeReader(reader_class):
+        def read_metadata(self, *args, **kwargs):
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:  # as DCP's own read_metadata
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    SafeReader.__name__ = SafeReader.__qualname__ = f"Safe{reader_class.__name__}"
+    return SafeReader
+
+
 def dynamo_graph_count() -> int:
     """[torch] Graphs torch.compile has compiled in this process (``torch._dynamo.utils.counters``,
     the count its own tests use): constant after warm-up when nothing recompiles."""

@@ -63,24 +63,39 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig,
     corrupt ones warned about and passed over), else None; checked against the configured model.
     Each checkpoint's checksums are read once: by the ``early`` call (:func:`check_inputs`) for
     ``checkpoint.resume``, so a bad one is refused before any work; by the run's call for the
-    newest one."""
+    newest one (the early call checks that one's model unverified, and leaves one whose
+    meta.json is unreadable to the run's call)."""
     if resume:
-        fs, root = url_to_fs(resume)
-        if not fs.exists(root):
-            raise CheckpointError(f"checkpoint.resume={resume}: no such directory")
-        if not fs.exists(f"{root}/{COMMIT_MARKER}"):
-            inside = committed_checkpoints(resume)
-            hint = (f"; it holds checkpoints: point at one of them, e.g. {inside[-1][1]}" if inside
-                    else "; an interrupted save, or not a checkpoint")
-            raise CheckpointError(f"checkpoint.resume={resume}: not a committed checkpoint (no "
-                                  f"{COMMIT_MARKER} marker){hint}")
-        corrupt = manifest.problems(resume) if early else []
-        if corrupt:
-            raise CheckpointError(f"checkpoint.resume={resume} is corrupt: {'; '.join(corrupt)}")
-    found = resume or (latest_checkpoint(ckpt_dir) if early else newest_intact(ckpt_dir))
-    if found:
-        check_compatible(found, gpt)
+        check_named_checkpoint(resume, verify=early)
+    if resume or not early:
+        found = resume or newest_intact(ckpt_dir)
+        if found:
+            check_compatible(found, gpt)
+        return found
+    found = latest_checkpoint(ckpt_dir)  # unverified: the run's call verifies it
+    try:
+        if found:
+            check_compatible(found, gpt)
+    except CheckpointError:
+        return None  # a damaged meta.json: the run's call passes this one over, with a warning
     return found
+
+
+def check_named_checkpoint(resume: str, verify: bool = True) -> None:
+    """Refuse a ``checkpoint.resume`` that is not one committed checkpoint or, with ``verify``,
+    whose files no longer match its manifest."""
+    fs, root = url_to_fs(resume)
+    if not fs.exists(root):
+        raise CheckpointError(f"checkpoint.resume={resume}: no such directory")
+    if not fs.exists(f"{root}/{COMMIT_MARKER}"):
+        inside = committed_checkpoints(resume)
+        hint = (f"; it holds checkpoints: point at one of them, e.g. {inside[-1][1]}" if inside
+                else "; an interrupted save, or not a checkpoint")
+        raise CheckpointError(f"checkpoint.resume={resume}: not a committed checkpoint (no "
+                              f"{COMMIT_MARKER} marker){hint}")
+    corrupt = manifest.problems(resume) if verify else []
+    if corrupt:
+        raise CheckpointError(f"checkpoint.resume={resume} is corrupt: {'; '.join(corrupt)}")
 
 
 def newest_intact(directory: str) -> str | None:

@@ -64,19 +64,17 @@ def show_plan(cfg, plan: RunPlan) -> None:
 
 
 def checkpoint_to_read(cfg, run_dir: str) -> str:
-    """``checkpoint.resume``, else the newest committed checkpoint of the run; refused (with the
-    path) when there is none or it is not committed."""
-    from xtrain.checkpoint.layout import COMMIT_MARKER, is_committed, latest_checkpoint
+    """``checkpoint.resume``, else the newest committed checkpoint of the run whose files match
+    its manifest (a damaged newer one is warned about and passed over); refused (with the path)
+    when there is none, or the one named is not committed or damaged."""
     from xtrain.errors import InputError
+    from xtrain.inputs import check_named_checkpoint, newest_intact
 
     if cfg.checkpoint.resume:
-        path = cfg.checkpoint.resume
-        if not is_committed(path):
-            raise InputError(f"checkpoint.resume={path}: not a committed checkpoint (no "
-                             f"{path.rstrip('/')}/{COMMIT_MARKER})")
-        return path
+        check_named_checkpoint(cfg.checkpoint.resume)
+        return cfg.checkpoint.resume
     directory = cfg.checkpoint.dir or f"{run_dir.rstrip('/')}/checkpoints"
-    path = latest_checkpoint(directory)
+    path = newest_intact(directory)
     if path is None:
         raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} (train "
                          "this run first, or set checkpoint.resume=PATH)")

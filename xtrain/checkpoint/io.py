@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from xtrain import compat
 from xtrain.checkpoint import manifest
-from xtrain.checkpoint.layout import COMMIT_MARKER
+from xtrain.checkpoint.layout import COMMIT_MARKER, remove
 from xtrain.errors import warn
 from xtrain.paths import url_to_fs
 
@@ -117,8 +117,8 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
 
     fs, root = url_to_fs(path)
     if rank == 0:
-        if fs.exists(root):  # a torn attempt at this step; never a committed one we keep
-            fs.rm(root, recursive=True)
+        if fs.exists(root):  # a torn attempt at this step, or a damaged or abandoned commit
+            remove(path)
         fs.makedirs(root, exist_ok=True)
     _barrier(process_group)
     written: list[str] = []  # this host's DCP files
@@ -156,7 +156,10 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
     return join_tensors(skeleton, tensors)
 
 
-class StagingReader(FileSystemReader):
+SafeFileSystemReader = compat.dcp_reader(FileSystemReader)  # DCP's metadata unpickled restricted
+
+
+class StagingReader(SafeFileSystemReader):
     """DCP's file reader over a local copy of a remote DCP directory, made on demand: DCP's
     metadata first, then only the files that hold what this process's load plan reads (on a pod,
     a host's own shards), never every host's files.
@@ -216,7 +219,7 @@ def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, proc
     from fsspec.implementations.local import LocalFileSystem
 
     local = isinstance(fs, LocalFileSystem)
-    reader = FileSystemReader(directory) if local else StagingReader(fs, directory, staging)
+    reader = SafeFileSystemReader(directory) if local else StagingReader(fs, directory, staging)
     stored = reader.read_metadata().state_dict_metadata
     tensors = dict(targets or {})
     for key, info in stored.items():

@@ -67,7 +67,11 @@ def stale_checkpoints(steps: list[int], keep_last: int, keep_every: int) -> list
 
 
 def remove(path: str) -> None:
+    """Delete a checkpoint directory, its commit marker first: a deletion cut short leaves an
+    uncommitted directory, never a committed one with files missing."""
     fs, root = url_to_fs(path)
+    if fs.exists(f"{root}/{COMMIT_MARKER}"):
+        fs.rm(f"{root}/{COMMIT_MARKER}")
     fs.rm(root, recursive=True)
 
 

@@ -62,12 +62,12 @@ def write(fs, root: str, entries: dict) -> None:
 
 
 def problems(path: str) -> list[str]:
-    """How the checkpoint at ``path`` differs from its manifest (empty: intact). A checkpoint
-    written before manifests existed has none and is accepted unverified."""
+    """How the checkpoint at ``path`` differs from its manifest (empty: intact). One without a
+    manifest cannot be verified and counts as damaged (every commit writes one first)."""
     fs, root = url_to_fs(path)
     fs.invalidate_cache()  # gcsfs caches object metadata: a stale size would hide a truncation
     if not fs.exists(f"{root}/{MANIFEST}"):
-        return []
+        return [f"{MANIFEST} missing"]
     try:
         recorded = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))["files"]
     except (ValueError, KeyError, TypeError) as e:

@@ -39,9 +39,11 @@ class PeriodicCheckpoint(L.Callback):
             return wait and self.io.wait() is not None  # None: the upload gave up (it warned)
 
     def _committed(self, result: dict) -> None:
-        """Upload thread: the checkpoint at ``result['step']`` is committed."""
+        """Upload thread: the checkpoint at ``result['step']`` is committed. Retention counts
+        only the commits up to it: newer ones (a damaged one resume passed over, or those after
+        a ``checkpoint.resume`` of an older step) never push this run's own out."""
         dirs = step_dirs(self.directory)
-        committed = [s for s, _, done in dirs if done]
+        committed = [s for s, _, done in dirs if done and s <= result["step"]]
         doomed = set(stale_checkpoints(committed, self.keep_last, self.keep_every))
         for step, path, done in dirs:
             if step in doomed or (not done and step < result["step"]):
