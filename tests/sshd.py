@@ -229,7 +229,9 @@ def git_tree(path: Path) -> Path:
     subprocess.run(["git", "init", "-q", str(path)], check=True)
     for rel, text in {"pkg/mod.py": "x = 1\n", ".gitignore": "ignored/\n*.log\n",
                       "ignored/big.txt": "no\n", "run.log": "no\n", "new_untracked.py": "y\n",
-                      ".env": "WANDB_API_KEY=no\n", "keys/id_ed25519": "no\n",
+                      ".env": "WANDB_API_KEY=no\n", "keys/id_ed25519": "no\n", ".envrc": "no\n",
+                      ".git-credentials": "no\n", ".boto": "no\n", "gcp-key.json": "{}\n",
+                      "gcloud/application_default_credentials.json": "{}\n",
                       "data/shard.parquet": "no\n", "outputs/x/metrics.jsonl": "{}\n"}.items():
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
         (path / rel).write_text(text)

@@ -228,16 +228,16 @@ def job_python(pgid: int) -> int:
 
 def test_secrets_reach_the_job_and_nothing_else(remote, tmp_path):
     """W&B runs (offline) with the forwarded key; the secrets are in the job's environment and in
-    no file of the synced tree, the job and run dirs, the local job dir, the output or `ps`."""
+    no file of the synced tree, the job and run dirs, the local job dir, the output or `ps`. The
+    forwarded variable's name does not look secret (the bundle's env.json lists XTRAIN_*)."""
     secret, key = "xtrain-secret-" + os.urandom(8).hex(), "wandb-" + os.urandom(16).hex()
     args = TINY + ["trainer.max_steps=10", "run.name=e2e-secret", "logger=[jsonl,wandb]"] + \
-        remote.overrides(secrets=["XTRAIN_TEST_SECRET"],
+        remote.overrides(secrets=["XTRAIN_TEST_PAT"],
                          env={"XTRAIN_CACHE": remote.cache, "WANDB_MODE": "offline"})
-    proc = start_xtrain(*args, cwd=tmp_path, env={"XTRAIN_TEST_SECRET": secret,
-                                                  "WANDB_API_KEY": key})
+    proc = start_xtrain(*args, cwd=tmp_path, env={"XTRAIN_TEST_PAT": secret, "WANDB_API_KEY": key})
     python = job_python(job_pgid(remote, "e2e-secret"))
     environ = Path(f"/proc/{python}/environ").read_bytes().split(b"\0")
-    assert f"XTRAIN_TEST_SECRET={secret}".encode() in environ
+    assert f"XTRAIN_TEST_PAT={secret}".encode() in environ
     assert f"WANDB_API_KEY={key}".encode() in environ
     ps_outputs = [subprocess.run(argv, capture_output=True, text=True).stdout
                   for argv in (["ps", "auxww"], ["ps", "-eo", "pid,args"])]

@@ -168,5 +168,28 @@ def test_bad_input_is_refused_fast_in_one_line(case, overrides, env, expected, w
     assert tree_digest(world["base"], world["corpus"]) == before  # nothing it did not mean to touch
 
 
+def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tmp_path):
+    """Its value would be in the run's name, .hydra/, multirun.yaml and the process list."""
+    value = "hf_" + os.urandom(8).hex()
+    for args in (["mode=plan", f"+hardware.env.HF_TOKEN={value}"],
+                 ["-m", "mode=plan", f"++hardware.env.MY_API_KEY={value}", "optim.matrix_lr=0.01,0.02"]):
+        r = subprocess.run([sys.executable, "-m", "xtrain", *args], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+        name = args[-1 if args[0] != "-m" else 2].split("=")[0].rsplit(".", 1)[-1]
+        assert r.stderr.startswith(f"xtrain: config error: hardware.env.{name}: a secret is never "
+                                   f"given on the command line") and f"export {name} " in r.stderr
+        assert value not in r.stdout + r.stderr
+        assert list(tmp_path.iterdir()) == []  # no outputs/ or multirun/
+
+
+def test_checkpoints_record_the_config_with_its_secrets_masked(compose_config):
+    """A secret a config file put in the run's environment (hardware.env) stays out of meta.json."""
+    from xtrain.train.run import run_meta
+
+    cfg = compose_config(["+hardware.env.HF_TOKEN=hf_fromayamlfile", "+hardware.env.XLA_FLAGS=--x"])
+    assert run_meta(cfg)["config"]["hardware"]["env"] == {"HF_TOKEN": "***", "XLA_FLAGS": "--x"}
+
+
 def test_the_documented_exit_code_is_in_the_readme():
     assert f"exit code {EXIT_REFUSED}" in (ROOT / "README.md").read_text()

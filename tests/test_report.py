@@ -127,6 +127,27 @@ def test_code_state_records_the_diff_or_the_installed_version(tmp_path):
     assert facts["git"] is False and "installed_version" in facts and diff == ""
 
 
+def test_secrets_a_launcher_forwarded_are_masked_whatever_their_names():
+    """hydra.launcher.secrets may name any variable (HF_PAT says nothing of a secret): the launcher
+    sends the list of names with the values, and the job masks each of them."""
+    from xtrain.launcher import secrets
+    from xtrain.observe.bundle import SECRET_NAMES_VAR, mask_secrets, relevant_env
+
+    env = {"HF_PAT": "hf_patvalue0123", "GOOGLE_SA_JSON": '{"private_key": "pk0123456789"}'}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in secrets.ALWAYS:
+            mp.delenv(name, raising=False)
+        for name, value in env.items():
+            mp.setenv(name, value)
+        sent = secrets.collect(["HF_PAT", "GOOGLE_SA_JSON"])
+    assert sent[SECRET_NAMES_VAR].split(",") == ["HF_PAT", "GOOGLE_SA_JSON"]
+    job_env = {**sent, "XLA_FLAGS": "--x"}
+    assert relevant_env(job_env) == {"GOOGLE_SA_JSON": "***", "HF_PAT": "***",
+                                     SECRET_NAMES_VAR: "***", "XLA_FLAGS": "--x"}  # its name says secret
+    assert mask_secrets({"run": {"name": "x-hf_patvalue0123"}}, job_env) == {"run": {"name": "x-***"}}
+    assert relevant_env(env) == env  # not forwarded: nothing says they are secrets
+
+
 def test_secrets_are_masked_by_name_and_by_value():
     from xtrain.observe.bundle import mask_secrets, relevant_env
 

@@ -13,6 +13,7 @@ job``, tab completion, ``mode=plan`` and every refusal stay fast.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import hydra
@@ -20,7 +21,7 @@ from omegaconf import DictConfig
 
 from xtrain import compat
 from xtrain.config import register
-from xtrain.errors import is_refusal, refuse
+from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.paths import config_dir
 
 
@@ -57,5 +58,28 @@ def secondary_process_overrides(env=os.environ) -> list[str]:
 
 
 def main() -> None:
+    try:
+        check_no_secret_overrides(sys.argv[1:])
+    except ConfigError as ex:
+        refuse(ex)
     sys.argv += secondary_process_overrides()
     _main()
+
+
+def check_no_secret_overrides(args: list[str]) -> None:
+    """Refuse an override that sets a secret-named key (``+hardware.env.HF_TOKEN=...``), before
+    Hydra writes anything: its value would land in the run's name and directory, .hydra/,
+    multirun.yaml, W&B's record of the command, remote command lines and the process list.
+    Secrets come from the environment (hydra.launcher.secrets forwards them to TPU VMs)."""
+    from xtrain.observe.bundle import is_secret_name
+
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0].lstrip("+~")
+        name = re.split(r"[./@]", key)[-1]
+        if is_secret_name(name):
+            raise ConfigError(
+                f"{key}: a secret is never given on the command line (it would be written to the "
+                f"run's name, .hydra/ and the process list): export {name} in the environment "
+                "instead; hydra.launcher.secrets=[...] forwards such variables to TPU VMs")

@@ -9,15 +9,18 @@ import os
 import re
 
 from xtrain.errors import ConfigError
+from xtrain.observe.bundle import SECRET_NAMES_VAR
 
 ALWAYS = ("WANDB_API_KEY", "HF_TOKEN")
 
 
 def collect(extra_names=()) -> dict[str, str]:
-    """name -> value for each secret set in this process's environment."""
+    """name -> value for each secret set in this process's environment, plus the list of their
+    names (SECRET_NAMES_VAR), so the job masks every one of them, whatever its name says."""
     names = list(dict.fromkeys([*ALWAYS, *extra_names]))
     bad = [n for n in names if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
     if bad:
         raise ConfigError(f"hydra.launcher.secrets: {', '.join(bad)} is not an environment "
                           "variable name (list names; values come from the environment)")
-    return {n: os.environ[n] for n in names if n in os.environ}
+    found = {n: os.environ[n] for n in names if n in os.environ}
+    return {**found, SECRET_NAMES_VAR: ",".join(found)} if found else {}

@@ -22,7 +22,8 @@ ALWAYS_EXCLUDED = (
     ".git", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache", ".cache",
     "node_modules", "outputs", "multirun", "wandb",
     ".env", ".env.*", "*.pem", "*.key", "*.p12", "id_rsa*", "id_ecdsa*", "id_ed25519*", ".netrc",
-    "credentials*.json", "*service*account*.json",
+    "credentials*.json", "*service*account*.json", "*credentials*.json", "*key*.json",
+    ".envrc", ".git-credentials", ".boto", ".pgpass", ".pypirc", ".npmrc",
     "*.parquet", "*.arrow", "*.pt", "*.ckpt", "*.safetensors", "*.npy", "*.npz",
 )
 

@@ -40,9 +40,16 @@ def is_secret_name(name: str) -> bool:
     return any(word in SECRET_WORDS for word in re.split(r"[^a-z0-9]+", name.lower()))
 
 
+# Names of the variables a launcher forwarded as secrets (hydra.launcher.secrets may name any
+# variable, e.g. HF_PAT): their values are masked whatever the names say.
+SECRET_NAMES_VAR = "XTRAIN_SECRET_NAMES"
+
+
 def secret_values(environ=os.environ) -> set[str]:
-    """Values of environment variables whose names say they are secret (WANDB_API_KEY, ...)."""
-    return {v for k, v in environ.items() if is_secret_name(k) and len(v) >= 8}
+    """Values of environment variables whose names say they are secret (WANDB_API_KEY, ...), or
+    that a launcher forwarded as secrets."""
+    forwarded = set(environ.get(SECRET_NAMES_VAR, "").split(","))
+    return {v for k, v in environ.items() if (is_secret_name(k) or k in forwarded) and len(v) >= 8}
 
 
 def mask_secrets(obj, environ=os.environ, key: str = ""):

@@ -79,9 +79,11 @@ def build_run_log(cfg, plan: RunPlan, run_dir: str, engine: Engine, start_step: 
 
 
 def run_meta(cfg) -> dict:
-    """What every checkpoint records about the run that wrote it."""
+    """What every checkpoint records about the run that wrote it (the config's secrets masked)."""
+    from xtrain.observe.bundle import mask_secrets
+
     versions = compat.installed_versions(("torch", "lightning"))
-    return {"config": to_plain(cfg), "python": platform.python_version(), **versions}
+    return {"config": mask_secrets(to_plain(cfg)), "python": platform.python_version(), **versions}
 
 
 def build_profiler(trainer_cfg, run_dir: str):
