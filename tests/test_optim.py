@@ -76,6 +76,27 @@ def test_training_reduces_loss_and_state_round_trips():
     assert [_step(w2, e2, opt2, x) for _ in range(3)] == after  # bitwise: counter + moments restored
 
 
+def test_a_resume_keeps_the_configured_hyperparameters_and_names_the_changes(capsys):
+    """torch's load_state_dict restores each group's saved lr, betas, ...; a run resumed with
+    another optim.matrix_lr would silently keep the old one."""
+    w, e, opt = _toy()
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(1))
+    _step(w, e, opt, x)
+    state = copy.deepcopy(opt.state_dict())
+    _, _, resumed = _toy()
+    resumed.param_groups[0]["lr"], resumed.param_groups[1]["betas"] = 0.05, (0.9, 0.99)
+    resumed.load_state_dict(state)
+    assert [g["lr"] for g in resumed.param_groups] == [0.05, 0.01]
+    assert resumed.param_groups[1]["betas"] == (0.9, 0.99)
+    assert float(resumed.scalar_state()[0]) == 1.0  # the state itself is the checkpoint's
+    assert capsys.readouterr().err.strip() == (
+        "xtrain: warning: resuming with changed optimizer settings (the config's apply): "
+        "muon group 0 lr 0.02 -> 0.05; adamw group 1 betas (0.8, 0.95) -> (0.9, 0.99)")
+    _, _, same = _toy()
+    same.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert capsys.readouterr().err == ""  # nothing changed: nothing said
+
+
 def test_lr_follows_the_device_step_counter():
     w, e, opt = _toy()
     x = torch.randn(4, 10)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from xtrain.errors import warn
+
 
 def lr_multiplier(step, max_steps: int, warmup_steps: int, warmdown_ratio: float, final_lr_frac: float):
     """Warmup -> constant -> linear warmdown to ``final_lr_frac``, for 0-based ``step``.
@@ -134,9 +136,21 @@ class MuonAdamW(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict):
+        """The saved state and step counter; the hyperparameters stay the configured ones (torch
+        would restore each group's saved lr, betas, ...: a resumed run with a changed
+        ``optim.*`` would silently train with the old values). Changes are named in a warning."""
         state_dict = dict(state_dict)
         counter = state_dict.pop("step_counter", None)
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        saved = [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]]
         super().load_state_dict(state_dict)
+        for group, mine in zip(self.param_groups, configured):
+            group.update(mine)
+        changed = [f"{mine['kind']} group {i} {k} {theirs.get(k)} -> {v}"
+                   for i, (mine, theirs) in enumerate(zip(configured, saved))
+                   for k, v in mine.items() if theirs.get(k) != v]
+        if changed:
+            warn("resuming with changed optimizer settings (the config's apply): " + "; ".join(changed))
         device = self.param_groups[0]["params"][0].device
         self._t = None if counter is None else counter.detach().clone().to(device)
 
