@@ -350,6 +350,110 @@ def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, c
     assert len(logs) == 2 and json.loads((tmp_path / "build" / "manifest.json").read_text())["files"] == 4
 
 
+def _sources(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.cpp").write_text(CPP)
+    (src / "sub" / "b.hpp").write_text("namespace b { inline int g() { return 2; } }\n")
+    return src
+
+
+def _no_reading_or_training(monkeypatch):
+    """A refusal must come before the sources are read and the tokenizer is trained."""
+    import xtrain.data.corpus
+    import xtrain.data.tokenizer
+
+    def forbidden(*_):
+        raise AssertionError("sources read or tokenizer trained before the refusal")
+
+    monkeypatch.setattr(xtrain.data.corpus, "find_sources", forbidden)
+    monkeypatch.setattr(xtrain.data.tokenizer, "train_bpe", forbidden)
+
+
+def test_a_foreign_output_directory_is_refused_untouched_before_building(tmp_path, monkeypatch,
+                                                                          capsys, compose_config):
+    from xtrain.data.__main__ import main
+    from xtrain.inputs import check_data
+
+    src, out = _sources(tmp_path), tmp_path / "mydata"
+    (out / "notes").mkdir(parents=True)
+    (out / "important.txt").write_text("keep me")
+    (out / "notes" / "n.txt").write_text("and me")
+    (tmp_path / "afile").write_text("a file")
+    before, names = _tree(tmp_path), sorted(p.name for p in tmp_path.iterdir())
+    _no_reading_or_training(monkeypatch)
+    refusal = rf"{re.escape(str(out))} is not an xtrain corpus build .*holds important\.txt, notes"
+    with pytest.raises(SystemExit) as exit_:  # python -m xtrain.data build SRC --out DIR
+        main(["build", str(src), "--out", str(out), "--vocab-size", "300"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and re.search(refusal, err) and "choose a new or empty" in err
+    cfg = compose_config(["data.vocab_size=300"])
+    cfg.data.build_sources, cfg.data.build_dir = [str(src)], str(out)
+    with pytest.raises(DataError, match=refusal):  # training: the early input check
+        check_data(cfg.data)
+    with pytest.raises(DataError, match=refusal):  # training: the build itself
+        prepare(cfg.data)
+    cfg.data.build_dir = str(tmp_path / "afile")
+    with pytest.raises(DataError, match="afile is not an xtrain corpus build .* is a file"):
+        prepare(cfg.data)
+    assert _tree(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == names
+
+
+@pytest.mark.parametrize("where", ["src", "src/sub", "src/new", ".", "link"])
+def test_an_output_directory_overlapping_the_sources_is_refused(tmp_path, monkeypatch, where,
+                                                                compose_config):
+    src = _sources(tmp_path)
+    (tmp_path / "link").symlink_to(src)  # another spelling of the source directory
+    before = _tree(src)
+    _no_reading_or_training(monkeypatch)
+    relation = {"src": "is", "link": "is", ".": "contains"}.get(where, "is inside")
+    cfg = compose_config(["data.vocab_size=300"])
+    cfg.data.build_sources, cfg.data.build_dir = [str(src)], str(tmp_path / where)
+    with pytest.raises(DataError, match=rf" {relation} the source directory {re.escape(str(src))}"):
+        prepare(cfg.data)
+    assert _tree(src) == before and not (tmp_path / "src" / "new").exists()
+    assert not list(tmp_path.glob("*.lock")) and not list(src.glob("*.lock"))
+
+
+def test_stale_and_partial_builds_of_xtrains_own_are_still_replaced(tmp_path, compose_config):
+    from xtrain.data.corpus import BUILD_MARKER, BuildSpec, ensure_built
+
+    src, out = _sources(tmp_path), tmp_path / "build"
+    cfg = compose_config(["data.vocab_size=300"])
+    cfg.data.build_sources, cfg.data.build_dir = [str(src)], str(out)
+    out.mkdir()  # an empty directory is built into
+    prepare(cfg.data)
+    (out / BUILD_MARKER).unlink()  # a build by a version before the marker: its manifest says so
+    (out / "stray.txt").write_text("left in a build directory")
+    leftover = tmp_path / f"build.building-{os.getpid()}"  # a killed build by an earlier process
+    (leftover / "train").mkdir(parents=True)
+    cfg.data.vocab_size = 320
+    built = []
+    prepare(cfg.data, log=built.append)
+    assert built and json.loads((out / "manifest.json").read_text())["vocab_size"] == 320
+    assert not (out / "stray.txt").exists() and (out / BUILD_MARKER).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build", "build.lock", "src"]
+    # in place (an object store): a build killed before its manifest holds the marker
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    root = f"/xtrain-test-{os.getpid()}"
+    mem.pipe(f"{root}/src/a.cpp", CPP.encode())
+    mem.pipe(f"{root}/out/{BUILD_MARKER}", b"{}")
+    mem.pipe(f"{root}/out/train/shard_00000.parquet", b"half written")
+    mem.pipe(f"{root}/foreign/keep.txt", b"keep")
+    sources = [f"memory://{root}/src"]
+    try:
+        manifest = ensure_built(BuildSpec(sources, f"memory://{root}/out", 300, 256))
+        shard = pq.read_table(mem.open(f"{root}/out/train/shard_00000.parquet", "rb"))
+        assert manifest["files"] == 1 and shard.num_rows > 0
+        with pytest.raises(DataError, match="holds keep.txt"):
+            ensure_built(BuildSpec(sources, f"memory://{root}/foreign", 300, 256))
+        assert mem.cat(f"{root}/foreign/keep.txt") == b"keep"
+    finally:
+        mem.rm(root, recursive=True)
+
+
 def test_last_shard_held_out_for_validation(corpus, compose_config):
     from xtrain.train.run import build_loaders
 

@@ -122,11 +122,14 @@ def check_tokenizer(directory: str) -> None:
 
 
 def check_data(data) -> None:
-    """The tokenizer and the shards, unless the corpus is built on first use (then its sources)."""
-    from xtrain.data.corpus import find_sources
+    """The tokenizer and the shards, unless the corpus is built on first use (then its output
+    directory, which must be the build's to replace, and its sources)."""
+    from xtrain.data.corpus import check_output, find_sources
     from xtrain.data.loader import list_shards
 
     if data.build_sources:
+        if data.build_dir:
+            check_output(list(data.build_sources), data.build_dir)
         if not find_sources(list(data.build_sources)):
             raise DataError(f"data.build_sources={list(data.build_sources)}: no C/C++ sources found "
                             "(install g++ for /usr/include/c++, or name a directory of C++ code)")
@@ -180,7 +183,8 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
     check_evaluation_steps(cfg)
     check_host(cfg.hardware)
     data, ckpt_dir = cfg.data, checkpoint_dir(cfg, run_dir)
-    remote = [u for u in (data.train_files, data.tokenizer, ckpt_dir, cfg.checkpoint.resume)
+    built = [data.build_dir, *data.build_sources] if data.build_sources else []
+    remote = [u for u in (data.train_files, data.tokenizer, ckpt_dir, cfg.checkpoint.resume, *built)
               if u and not is_local(u)]
     what = ", ".join(sorted({"/".join(u.split("/")[:3]) for u in remote})) or "local paths"
     if remote:

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from xtrain.data.corpus import BuildSpec, ensure_built
+from xtrain.errors import InputError, refuse
 
 
 def main(argv=None) -> None:
@@ -20,7 +21,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     spec = BuildSpec(sources=args.sources, out_dir=args.out, vocab_size=args.vocab_size,
                      chunk_tokens=args.chunk_tokens, val_fraction=args.val_fraction)
-    print(json.dumps(ensure_built(spec), indent=2))
+    try:
+        manifest = ensure_built(spec)
+    except InputError as ex:  # refused (e.g. an output directory holding other files): one line
+        refuse(ex)
+    print(json.dumps(manifest, indent=2))
 
 
 if __name__ == "__main__":

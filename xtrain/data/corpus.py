@@ -5,6 +5,11 @@ file at top-level boundaries (functions, classes, namespaces, declarations) into
 a token budget, descending into namespace/class bodies that are too big; drop exact duplicate
 chunks; hold out whole files for validation; write shards and ``manifest.json`` last (its
 presence marks a complete build).
+
+A build replaces only what is recognisably xtrain's (a directory that is missing or empty, holds
+a build's manifest or marker, or is the build's own staging directory); anything else at the
+output directory, and an output directory overlapping the sources, is refused before a source is
+read (``check_output``).
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from pathlib import Path
 import fsspec
 
 from xtrain.errors import DataError
-from xtrain.paths import as_url, is_local, url_to_fs
+from xtrain.paths import as_url, is_local, protocol, url_to_fs
 
 CPP_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc", ".ipp", ".inl")
 BUILDER_VERSION = 2  # 2: row groups of 1024 rows (larger tokenizer batches)
 ROWS_PER_SHARD = 2048
 ROWS_PER_ROW_GROUP = 1024  # one loader unit: one tokenizer call (bigger calls parallelise better)
+# Written into a build's directory before anything else (and kept): a build written in place (an
+# object store) and killed before its manifest (written last) is still recognised as xtrain's.
+BUILD_MARKER = ".xtrain-corpus"
 
 
 def looks_like_cpp(path: str, head: bytes) -> bool:
@@ -178,16 +186,82 @@ class BuildSpec:
 
 
 def read_manifest(out_dir: str) -> dict | None:
+    """The build's manifest, or None when there is none (or it is not an xtrain build's)."""
     fs, root = url_to_fs(out_dir)
     path = f"{root}/manifest.json"
     if not fs.exists(path):
         return None
-    with fs.open(path, "r") as f:
-        return json.load(f)
+    try:
+        with fs.open(path, "r") as f:
+            manifest = json.load(f)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(manifest, dict) or not {"build_key", "builder_version"} <= manifest.keys():
+        return None
+    return manifest
+
+
+def _where(url: str) -> tuple[str, str]:
+    """(protocol, absolute path) of a local path or URL: local paths resolved (``~``, ``..``,
+    symlinks), so two spellings of one directory compare equal."""
+    fs, path = url_to_fs(url)
+    if is_local(url):
+        return "file", os.path.realpath(path)
+    return protocol(fs), "/" + path.strip("/")
+
+
+def _overlap(out_dir: str, source: str) -> str | None:
+    (out_proto, out), (src_proto, src) = _where(out_dir), _where(source)
+    if out_proto != src_proto:
+        return None
+    if out == src:
+        return "is"
+    common = os.path.commonpath([out, src])
+    return "is inside" if common == src else "contains" if common == out else None
+
+
+def _in_the_way(out_dir: str) -> str | None:
+    """What at ``out_dir`` a build would delete that is not xtrain's, said for a refusal; None when
+    the directory is missing, empty, or a build of xtrain's (its manifest.json or BUILD_MARKER)."""
+    fs, root = url_to_fs(out_dir)
+    root = root.rstrip("/") or "/"
+    if not fs.exists(root):
+        return None
+    if not fs.isdir(root):
+        return "is a file"
+    names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)
+                    if p.rstrip("/") != root})
+    if not names or BUILD_MARKER in names or read_manifest(out_dir) is not None:
+        return None
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    return "holds " + ", ".join(names[:8]) + more
+
+
+def check_output(sources: list[str], out_dir: str) -> None:
+    """Refuse an output directory a build would destroy something in: one that is, lies inside
+    or contains a source directory, or holds anything but a previous xtrain build. Reads no
+    source file."""
+    for source in sources:
+        relation = _overlap(out_dir, source)
+        if relation:
+            raise DataError(
+                f"corpus output directory {out_dir} {relation} the source directory {source}: a "
+                "build replaces its output directory, so it would delete sources; choose an output "
+                "directory outside the sources (--out, or data.build_dir)")
+    found = _in_the_way(out_dir)
+    if found:
+        raise DataError(
+            f"corpus output directory {out_dir} is not an xtrain corpus build (no build "
+            f"manifest.json or {BUILD_MARKER}) and {found}: a build replaces its output directory, "
+            "so it would delete what is there; choose a new or empty directory (--out, or "
+            "data.build_dir), or move that away")
 
 
 def ensure_built(spec: BuildSpec, log=print) -> dict:
-    """Build unless a complete build of the same inputs exists; returns the manifest."""
+    """Build unless a complete build of the same inputs exists; returns the manifest. Refuses
+    (check_output) before reading a source when the output directory is not the build's to
+    replace."""
+    check_output(spec.sources, spec.out_dir)
     files = find_sources(spec.sources)
     if not files:
         raise DataError(f"no C/C++ sources found under {spec.sources}: install g++ (for "
@@ -206,19 +280,45 @@ def ensure_built(spec: BuildSpec, log=print) -> dict:
         manifest = read_manifest(str(out))
         if manifest and manifest.get("build_key") == key:
             return manifest
+        check_output(spec.sources, str(out))  # again: it may have changed while we waited
         log(f"building C++ corpus from {len(files)} files under {spec.sources} -> {out}")
+        # Built aside, then renamed into place: ``out`` only ever holds a complete build, and a
+        # build killed mid-way leaves only its ``<out>.building-<pid>`` directory. That name is
+        # how a partial build is recognised: a builder removes the one of its own pid (left by an
+        # earlier process with that pid) and leaves others' alone (they may be live elsewhere).
         staging = Path(f"{out}.building-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         manifest = build(spec, [url for url, _ in files], key, str(staging))
-        # build, then rename: a reader never sees a half-made corpus
         if out.exists():
+            try:
+                check_output(spec.sources, str(out))  # files may have arrived during the build
+            except DataError:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
             stale = Path(f"{out}.stale-{os.getpid()}")
+            shutil.rmtree(stale, ignore_errors=True)
             out.rename(stale)
             staging.rename(out)
             shutil.rmtree(stale)
         else:
             staging.rename(out)
         return manifest
+
+
+def _claim(sources: list[str], out_dir: str):
+    """Empty ``out_dir`` for a build, once check_output finds it the build's to replace (a stale
+    build in place, or a partial one: a build on an object store is written in place, manifest
+    last). The marker goes in first, so a build killed while clearing it is still xtrain's."""
+    check_output(sources, out_dir)
+    fs, root = url_to_fs(out_dir)
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(f"{root}/{BUILD_MARKER}", "w") as f:
+        json.dump({"builder": "xtrain.data.corpus", "builder_version": BUILDER_VERSION}, f)
+    for path in fs.ls(root, detail=False):
+        path = path.rstrip("/")
+        if path != root.rstrip("/") and path.rsplit("/", 1)[-1] != BUILD_MARKER:
+            fs.rm(path, recursive=True)
+    return fs, root
 
 
 def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
@@ -257,9 +357,7 @@ def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
             splits["val" if url in val_files else "train"].append(chunk)
     rng.shuffle(splits["train"])
 
-    fs, root = url_to_fs(out_dir)
-    if fs.exists(root):
-        fs.rm(root, recursive=True)  # a stale or partial build: its manifest is gone or wrong
+    fs, root = _claim(spec.sources, out_dir)
     save_hf(tok, token_bytes, f"{out_dir}/tokenizer")
     counts = {}
     for split, rows in splits.items():
