@@ -109,6 +109,11 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("resume-run-dir", ["checkpoint.resume={checkpoints}"], {}, "it holds checkpoints: point at one"),
     ("resume-other-model", ["model=d4", "checkpoint.resume={committed}"], {},
      "holds a different model (n_layer 2 -> 4"),
+    ("checkpoint-dir-of-another-run", ["run.name=other", "checkpoint.dir={checkpoints}"], {},
+     "{checkpoints}/step_000002 belongs to run d2-cpu-cpp_local-model.sequence_len_64-"
+     "trainer.device_batch_size_4, not to this run (other): give each run its own checkpoint.dir "
+     "(e.g. .../ckpt/${{run.name}}), or continue that run's training on purpose with "
+     "checkpoint.resume={checkpoints}/step_000002"),
     ("checkpoint-dir-blocked", ["checkpoint.dir={a_file}/ckpt"], {}, "checkpoint.dir {a_file}/ckpt is not writable"),
 ]
 

@@ -56,7 +56,7 @@ def check_compatible(path: str, gpt: GPTConfig) -> None:
                           "start a new run (run.name=...) or restore the model config")
 
 
-def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig,
+def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_name: str | None = None,
                       early: bool = False) -> str | None:
     """The checkpoint a run starts from: ``checkpoint.resume`` (which must be one committed
     checkpoint whose files match its manifest), else the newest such one in ``ckpt_dir`` (newer
@@ -71,14 +71,33 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig,
         found = resume or newest_intact(ckpt_dir)
         if found:
             check_compatible(found, gpt)
+            if not resume:
+                check_same_run(found, run_name)
         return found
     found = latest_checkpoint(ckpt_dir)  # unverified: the run's call verifies it
     try:
         if found:
             check_compatible(found, gpt)
+            check_same_run(found, run_name)
     except CheckpointError:
         return None  # a damaged meta.json: the run's call passes this one over, with a warning
     return found
+
+
+def check_same_run(path: str, run_name: str | None) -> None:
+    """A run continues on its own only from its own checkpoints: refuse one another run wrote
+    (a checkpoint.dir shared by runs or sweep jobs; the name keeps out what does not change the
+    training, e.g. trainer.max_steps, so extending a run still resumes it). Retention would
+    otherwise delete that run's checkpoints too."""
+    try:
+        written_by = read_meta(path)["config"]["run"]["name"]
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
+    if run_name is not None and written_by != run_name:
+        raise ConfigError(
+            f"{path} belongs to run {written_by}, not to this run ({run_name}): give each run its "
+            "own checkpoint.dir (e.g. .../ckpt/${run.name}), or continue that run's training on "
+            f"purpose with checkpoint.resume={path}")
 
 
 def check_named_checkpoint(resume: str, verify: bool = True) -> None:
@@ -194,6 +213,6 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
 
 
 def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str) -> None:
-    resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, early=True)
+    resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, cfg.run.name, early=True)
     check_writable(ckpt_dir)
     check_data(cfg.data)

@@ -165,7 +165,7 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
                      debug_dump(engine.rank, engine.host_rows))
 
 
-def resume_point(ckpt, ckpt_dir: str, gpt, engine: Engine) -> tuple[str | None, int]:
+def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, engine: Engine) -> tuple[str | None, int]:
     """The checkpoint to start from (``checkpoint.resume``, else the newest intact committed one,
     as process 0 sees it: every process must resume from the same step) and its step (0 for a
     fresh run)."""
@@ -174,7 +174,7 @@ def resume_point(ckpt, ckpt_dir: str, gpt, engine: Engine) -> tuple[str | None, 
 
     primary = engine.processes.primary
     resume_from = engine.processes.broadcast(
-        resume_checkpoint(ckpt.resume, ckpt_dir, gpt) if primary else None)
+        resume_checkpoint(ckpt.resume, ckpt_dir, gpt, run_name) if primary else None)
     if not resume_from:
         return None, 0
     if primary:
@@ -265,7 +265,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
                             host_rows=engine.host_rows)
     module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                        token_bytes=tokenizer.token_bytes)
-    resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, engine)
+    resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, cfg.run.name, engine)
     run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
     status = "failed"
     try:
