@@ -220,6 +220,20 @@ def test_tokenizer_vocab_must_match_the_config(corpus, compose_config):
         prepare(cfg.data)
 
 
+def test_the_smallest_vocab_size_allowed_is_the_smallest_tokenizer_xtrain_trains():
+    """data.vocab_size's lower bound (checked at once, before a corpus is built) is the byte-level
+    BPE's floor: every byte and the special tokens, before any merge."""
+    from dataclasses import fields
+
+    from xtrain.config import DataConfig
+    from xtrain.data.tokenizer import SPECIAL_TOKENS
+
+    (vocab,) = [f for f in fields(DataConfig) if f.name == "vocab_size"]
+    floor = vocab.metadata["bounds"]["ge"]
+    tok, _ = train_bpe(["int main() { return 0; }"] * 4, floor)
+    assert floor == 256 + len(SPECIAL_TOKENS) == tok.get_vocab_size()
+
+
 def test_no_cpp_sources_is_a_clear_error(tmp_path, compose_config):
     cfg = compose_config()
     cfg.data.build_sources = [str(tmp_path / "nothing-here")]

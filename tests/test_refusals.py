@@ -65,7 +65,6 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("softcap-0", ["model.softcap=0"], {}, "model.softcap=0: must be > 0"),
     ("vocab-disagrees", ["model.vocab_size=5000"], {}, "model.vocab_size=5000 disagrees with the tokenizer"),
     ("prefetch-0", ["data.prefetch=0"], {}, "data.prefetch=0: must be >= 1"),
-    ("data-vocab-0", ["data.vocab_size=0"], {}, "data.vocab_size=0: must be >= 1"),
     # meshes, sharding rules and engines
     ("cpu-engine-fsdp", ["parallelism=fsdp_tp"], {}, "the cpu engine replicates every parameter"),
     ("mesh-size", ["hardware.engine=xla", "parallelism.data=3"], {"CPU_NUM_DEVICES": "4"},
@@ -109,6 +108,13 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("resume-run-dir", ["checkpoint.resume={checkpoints}"], {}, "it holds checkpoints: point at one"),
     ("resume-other-model", ["model=d4", "checkpoint.resume={committed}"], {},
      "holds a different model (n_layer 2 -> 4"),
+    ("logger-not-selected", ["logger.wandb.project=x"], {},
+     "logger.wandb.project: logger.wandb is not part of this config (null): select it first, "
+     "e.g. logger=[jsonl,wandb]"),
+    ("data-vocab-below-bytes", ["data.vocab_size=10"], {},
+     "data.vocab_size=10: must be >= 257 (a byte-level BPE's 256 bytes and <|bos|>)"),
+    ("sample-top-k", ["mode=sample", "sample.top_k=0"], {}, "sample.top_k=0: must be >= 1"),
+    ("eval-range", ["mode=eval", "sample.temperature=-1"], {}, "sample.temperature=-1: must be >= 0"),
     ("checkpoint-dir-of-another-run", ["run.name=other", "checkpoint.dir={checkpoints}"], {},
      "{checkpoints}/step_000002 belongs to run d2-cpu-cpp_local-model.sequence_len_64-"
      "trainer.device_batch_size_4, not to this run (other): give each run its own checkpoint.dir "

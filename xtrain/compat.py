@@ -290,12 +290,34 @@ def report_refusals(is_refusal, refuse) -> None:
         try:
             return func()
         except Exception as ex:  # noqa: BLE001  (Hydra's contract: report any error)
+            ex = _override_of_an_unset_node(ex) or ex
             if not is_refusal(ex) or hydra_utils._is_env_set("HYDRA_FULL_ERROR"):
                 return original(_raise(ex))
             refuse(ex)
 
     run_and_report._xtrain_original = original
     hydra_utils.run_and_report = run_and_report
+
+
+def _override_of_an_unset_node(ex):
+    """[hydra-core, omegaconf] An override below a null node (``logger.wandb.project=x`` while
+    ``logger.wandb`` is not selected) fails in OmegaConf.update with a bare AssertionError from
+    Hydra's ``_apply_overrides_to_config``; as a refusal naming the key (from that frame's
+    ``key``), or None for any other error."""
+    from xtrain.errors import ConfigError
+
+    if not isinstance(ex, AssertionError):
+        return None
+    tb = ex.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_name != "_apply_overrides_to_config":
+        tb = tb.tb_next
+    key = tb.tb_frame.f_locals.get("key") if tb is not None else None
+    if not isinstance(key, str):
+        return None
+    parent = key.rsplit(".", 1)[0]
+    hint = (f": select it first, e.g. logger=[jsonl,{parent.split('.')[1]}]"
+            if parent.startswith("logger.") else "")
+    return ConfigError(f"{key}: {parent} is not part of this config (null){hint}")
 
 
 def _raise(ex):

@@ -11,7 +11,7 @@ from xtrain.config import Mode, sample_prompts
 from xtrain.hardware import run_devices
 from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
-from xtrain.plan import RunPlan, check_fits, resolve
+from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +27,10 @@ def run(cfg, run_dir: str) -> dict | None:
     """Resolve, check, print the plan, then dispatch on ``cfg.mode``."""
     keeps_log = cfg.mode in (Mode.train, Mode.sample, Mode.eval)
     with ConsoleLog(run_dir if keeps_log else None):
-        # the checkpoint's config decides the model, not this one
-        if cfg.mode == Mode.sample:
-            return sample(cfg, run_dir)
-        if cfg.mode == Mode.eval:
-            return evaluate(cfg, run_dir)
+        # the checkpoint's config decides the model, not this one: no plan, the ranges only
+        if cfg.mode in (Mode.sample, Mode.eval):
+            check_ranges(cfg)
+            return (sample if cfg.mode == Mode.sample else evaluate)(cfg, run_dir)
         plan = plan_run(cfg, run_dir)
         if cfg.mode == Mode.compile:
             return compile_for_tpu(cfg, plan)

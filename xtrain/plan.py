@@ -254,6 +254,13 @@ class RunPlan:
         return "\n".join(lines)
 
 
+def check_ranges(cfg) -> None:
+    """Refuse every value outside the range its schema field declares (all modes)."""
+    problems = out_of_range(cfg, TrainConfig)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def resolve(cfg, devices: int) -> RunPlan:
     """Fill the config's derived (None) fields in place, check everything, return the run's plan.
 
@@ -264,9 +271,7 @@ def resolve(cfg, devices: int) -> RunPlan:
     from xtrain.hardware import check_profile
 
     model, data, hw, trainer = cfg.model, cfg.data, cfg.hardware, cfg.trainer
-    problems = out_of_range(cfg, TrainConfig)
-    if problems:
-        raise ConfigError("; ".join(problems))
+    check_ranges(cfg)
     check_profile(hw)
     check_engine_can_honour(cfg.parallelism, hw.engine)
     if model.vocab_size is None:

@@ -114,7 +114,7 @@ class ModelConfig:
     # Letters (nanochat's): S = sliding window of `window_len`, L = full causal context.
     # Or G = global / L = local: a pattern containing G is read that way.
     window_pattern: str = "L"
-    window_len: int | None = limits(None, ge=1)  # None: sequence_len // 2
+    window_len: int | None = limits(None, ge=1)  # None: sequence_len // 2 (at least 1)
     attention: Attention = Attention.auto
     attention_block: int = limits(512, ge=1)  # block size of the chunked backend
     softcap: float = limits(15.0, gt=0)  # logits = softcap * tanh(logits / softcap)
@@ -144,7 +144,8 @@ class DataConfig:
     holdout_last_shard: bool = False  # nanochat's convention: the last train shard is validation
     tokenizer: str = MISSING  # directory: tokenizer.json (HF) or tokenizer.pkl (tiktoken)
     # the tokenizer's size, known without reading it (for planning)
-    vocab_size: int = limits(MISSING, ge=1)
+    # (at least 256 byte tokens and <|bos|>: xtrain/data/tokenizer.py's byte-level BPE)
+    vocab_size: int = limits(MISSING, ge=257, hint="a byte-level BPE's 256 bytes and <|bos|>")
     sequence_len: int | None = limits(None, ge=1)  # the sequence length this data implies, if any
     # Build-on-first-use (the embedded default): source trees and the directory the corpus and
     # tokenizer are built into (${xtrain_corpus:...} keys it by what it is built from). Empty

@@ -85,9 +85,7 @@ class GPTConfig:
             raise ConfigError(f"model.n_kv_head={model.n_kv_head} must divide n_head={n_head}")
         if model.vocab_size is None or model.sequence_len is None:
             raise ConfigError("model.vocab_size and model.sequence_len must be resolved first")
-        window_len = model.window_len or model.sequence_len // 2
-        if window_len < 1:
-            raise ConfigError(f"model.window_len={model.window_len}: must be >= 1")
+        window_len = model.window_len or max(1, model.sequence_len // 2)  # (set: >= 1 by its limits)
         backend = attention if attention is not None else model.attention
         return cls(n_layer=model.depth, n_head=n_head, n_kv_head=n_kv_head, n_embd=width,
                    vocab_size=model.vocab_size, sequence_len=model.sequence_len,
