@@ -179,6 +179,32 @@ def test_bad_input_is_refused_fast_in_one_line(case, overrides, env, expected, w
     assert tree_digest(world["base"], world["corpus"]) == before  # nothing it did not mean to touch
 
 
+def test_a_checkpoint_trained_with_another_tokenizer_is_not_resumed(world, tmp_path):
+    """Same run name, same vocabulary size, two token ids swapped: the run's checkpoints hold a
+    model whose ids mean other text, and resuming would train on garbage without a word."""
+    import json
+
+    run, tok = tmp_path / "run", tmp_path / "tokenizer"
+    shutil.copytree(Path(world["checkpoints"]).parent, run)
+    shutil.copytree(world["tokenizer"], tok)
+    spec = json.loads((tok / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tok / "tokenizer.json").write_text(json.dumps(spec))
+    corpus = world["corpus"]
+    name = json.loads((run / "checkpoints" / "step_000002" / "meta.json").read_text())["config"]["run"]["name"]
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "trainer.max_steps=4",
+                        f"run.name={name}", "data.build_sources=[]", f"data.tokenizer={tok}",
+                        f"data.train_files={corpus}/train", f"data.val_files={corpus}/val",
+                        f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1].startswith(
+        f"xtrain: checkpoint error: {run}/checkpoints/step_000002 was trained with the tokenizer of "
+        f"{corpus}/tokenizer (sha256 ")
+    assert "its token ids mean other text" in r.stderr and "resuming from" not in r.stdout
+
+
 def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tmp_path):
     """Its value would be in the run's name, .hydra/, multirun.yaml and the process list."""
     value = "hf_" + os.urandom(8).hex()

@@ -11,6 +11,7 @@ divides the summed loss by the bytes the predicted tokens stand for.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 
@@ -26,8 +27,13 @@ BYTE_LEVEL_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+
 
 
 class Tokenizer:
-    def __init__(self, backend, kind: str, token_bytes: np.ndarray, threads: int = 2):
+    """``fingerprint``: the sha256 of the file the vocabulary was read from (checkpoints record
+    it: a model is only resumed with the tokenizer it was trained with)."""
+
+    def __init__(self, backend, kind: str, token_bytes: np.ndarray, threads: int = 2,
+                 fingerprint: str | None = None):
         self.backend, self.kind, self.threads = backend, kind, threads
+        self.fingerprint = fingerprint
         self.token_bytes = np.asarray(token_bytes, dtype=np.int32)
         if kind == "hf":
             self.bos_id = backend.token_to_id(BOS)
@@ -199,14 +205,14 @@ def load_tokenizer(directory: str, threads: int = 2) -> Tokenizer:
 
         from tokenizers import Tokenizer as HFTokenizer
 
-        with fs.open(f"{root}/tokenizer.json", "r") as f:
-            text = f.read()
+        raw = fs.cat_file(f"{root}/tokenizer.json")
+        text, fingerprint = raw.decode(), hashlib.sha256(raw).hexdigest()
         fast = tiktoken_from_hf(json.loads(text))
         if fast is not None:
-            return Tokenizer(fast, "tiktoken", token_bytes, threads)
-        return Tokenizer(HFTokenizer.from_str(text), "hf", token_bytes, threads)
+            return Tokenizer(fast, "tiktoken", token_bytes, threads, fingerprint)
+        return Tokenizer(HFTokenizer.from_str(text), "hf", token_bytes, threads, fingerprint)
     if fs.exists(f"{root}/tokenizer.pkl"):
-        with fs.open(f"{root}/tokenizer.pkl", "rb") as f:
-            enc = load_tiktoken_pickle(f, f"{directory}/tokenizer.pkl")
-        return Tokenizer(enc, "tiktoken", token_bytes, threads)
+        raw = fs.cat_file(f"{root}/tokenizer.pkl")
+        enc = load_tiktoken_pickle(io.BytesIO(raw), f"{directory}/tokenizer.pkl")
+        return Tokenizer(enc, "tiktoken", token_bytes, threads, hashlib.sha256(raw).hexdigest())
     raise DataError(f"{directory}: neither tokenizer.json nor tokenizer.pkl found")

@@ -78,12 +78,14 @@ def build_run_log(cfg, plan: RunPlan, run_dir: str, engine: Engine, start_step: 
     return run_log
 
 
-def run_meta(cfg) -> dict:
-    """What every checkpoint records about the run that wrote it (the config's secrets masked)."""
+def run_meta(cfg, tokenizer_fingerprint: str | None = None) -> dict:
+    """What every checkpoint records about the run that wrote it (the config's secrets masked,
+    the tokenizer's fingerprint)."""
     from xtrain.observe.bundle import mask_secrets
 
     versions = compat.installed_versions(("torch", "lightning"))
-    return {"config": mask_secrets(to_plain(cfg)), "python": platform.python_version(), **versions}
+    return {"config": mask_secrets(to_plain(cfg)), "tokenizer_sha256": tokenizer_fingerprint,
+            "python": platform.python_version(), **versions}
 
 
 def build_profiler(trainer_cfg, run_dir: str):
@@ -151,7 +153,7 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
     checkpointer = PeriodicCheckpoint(
         ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last, ckpt.keep_every, stop=stop,
         report=lambda r: run_log.record("checkpoint", r["step"], {k: v for k, v in r.items() if k != "step"}),
-        meta=run_meta(cfg), timer=timer)
+        meta=run_meta(cfg, tokenizer.fingerprint), timer=timer)
     sampler = SampleCallback(tokenizer, cfg.sample, trainer_cfg.sample_tokens, trainer_cfg.sample_every,
                              run_log, timer, plan.gpt.sequence_len)
     cpp_eval = None
@@ -165,11 +167,13 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
                      debug_dump(engine.rank, engine.host_rows))
 
 
-def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, engine: Engine) -> tuple[str | None, int]:
+def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
+                 engine: Engine) -> tuple[str | None, int]:
     """The checkpoint to start from (``checkpoint.resume``, else the newest intact committed one,
     as process 0 sees it: every process must resume from the same step) and its step (0 for a
-    fresh run)."""
+    fresh run). One trained with another tokenizer is refused: its token ids mean other text."""
     from xtrain.checkpoint.layout import read_meta
+    from xtrain.errors import CheckpointError
     from xtrain.inputs import resume_checkpoint
 
     primary = engine.processes.primary
@@ -177,9 +181,17 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, engine: Engine) -> tup
         resume_checkpoint(ckpt.resume, ckpt_dir, gpt, run_name) if primary else None)
     if not resume_from:
         return None, 0
+    meta = read_meta(resume_from)
+    trained_with = meta.get("tokenizer_sha256")
+    if trained_with and tokenizer.fingerprint and trained_with != tokenizer.fingerprint:
+        raise CheckpointError(
+            f"{resume_from} was trained with the tokenizer of {meta['config']['data']['tokenizer']} "
+            f"(sha256 {trained_with[:12]}), not with this run's (sha256 {tokenizer.fingerprint[:12]}): "
+            "its token ids mean other text; use that run's data config, or start a new run "
+            "(run.name=...)")
     if primary:
         log.info("resuming from %s", resume_from)
-    return resume_from, int(read_meta(resume_from).get("step") or 0)
+    return resume_from, int(meta.get("step") or 0)
 
 
 def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, engine: Engine,
@@ -265,7 +277,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
                             host_rows=engine.host_rows)
     module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                        token_bytes=tokenizer.token_bytes)
-    resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, cfg.run.name, engine)
+    resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, cfg.run.name, tokenizer,
+                                           engine)
     run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
     status = "failed"
     try:
