@@ -73,6 +73,10 @@ def test_loggers_hold_the_metrics_keep_the_wandb_run_across_preemption_and_never
     jsonl = {(r["kind"], r["step"]): r for r in read_jsonl(run_dir / "metrics.jsonl")}
     assert dict(scalars["loss"])[40] == pytest.approx(jsonl[("train", 40)]["loss"], rel=1e-6)
     assert all(r["time"] > 1.7e9 for r in jsonl.values())  # wall clock on every record
+    # training time carries over a resume, as the tokens do (the file holds both processes' records)
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    resumed = next(r for r in train if r["step"] > stopped_at)
+    assert resumed["elapsed_s"] >= max(r["elapsed_s"] for r in train if r["step"] <= stopped_at)
 
     # the key: in no file of the run dir, in nothing printed; the bundle shows it masked
     assert _no_file_holds(run_dir, FAKE_KEY) == []
@@ -208,6 +212,39 @@ def test_eval_scores_reach_every_logger_through_the_run_log(tmp_path, monkeypatc
 
     written = write_run_plots(str(tmp_path))
     assert [Path(p).name for p in written] == ["eval.png"] and _is_png(Path(written[0]))
+
+
+def test_the_logging_fetchs_wait_for_the_device_is_compute_time_not_data_time():
+    """Under XLA the one fetch per logging interval waits for the device to finish the interval's
+    steps. Here a fetch that sleeps stands in for that wait: on XLA:CPU its length depends on
+    the model and the machine, too little to assert on with a test-sized model."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from xtrain.observe.metrics import MetricsLogger
+
+    records = []
+    run_log = SimpleNamespace(record=lambda kind, step, values: records.append(values))
+
+    def device_wait(tensors):
+        time.sleep(0.3)
+        return [float(t) for t in tensors]
+
+    logger = MetricsLogger(run_log, log_every=1, max_steps=3, fetch=device_wait)
+    optimizer = SimpleNamespace(last_lr_multiplier=lambda: torch.tensor(1.0), param_groups=[{"lr": 0.02}])
+    module = SimpleNamespace(last_loss=torch.tensor(2.0), step_stats={"grad_norm": torch.tensor(1.0)},
+                             optimizers=lambda: SimpleNamespace(optimizer=optimizer))
+    trainer = SimpleNamespace(global_step=0, max_steps=3, is_global_zero=True, global_rank=0,
+                              strategy=SimpleNamespace(reduce=lambda x, reduce_op: x))
+    logger.on_train_start(trainer, module)
+    batch = (torch.zeros(2, 1, 9, dtype=torch.long),)
+    for step in (1, 2):
+        logger.on_train_batch_start(trainer, module, batch, 0)
+        trainer.global_step = step
+        logger.on_train_batch_end(trainer, module, None, batch, 0)
+    second = records[1]  # a whole interval: from the first record's fetch to the end of its own
+    assert second["compute_s"] >= 0.3 and second["data_s"] < 0.1, second
 
 
 def test_progress_bar_refreshes_only_when_a_train_record_arrives():

@@ -15,9 +15,10 @@ A train record holds: ``loss``, ``lr`` (the matrix group's), ``grad_norm`` (befo
 ``tokens``, ``tok_per_s`` and ``tok_per_s_per_chip`` (evaluation and sampling time excluded),
 ``mfu`` (FLOPs per token as in xtrain/plan.py, against the peak the run was given), the mean
 step time ``step_s`` split into ``compute_s`` (the step as the host sees it: on the XLA engine
-tracing and dispatch, and waiting for the device where it must), ``checkpoint_s`` (the blocking
-part of saves) and ``data_s`` (the rest: waiting for the next batch and loop overhead), and
-``elapsed_s``/``eta_s``. Validation records hold ``val_loss``, ``val_bpb`` and ``eval_s``.
+tracing and dispatch, and waiting for the device where it must, the logging fetch included),
+``checkpoint_s`` (the blocking part of saves) and ``data_s`` (the rest: waiting for the next
+batch and loop overhead), ``elapsed_s`` (training seconds since the run first started, carried
+over resumes like ``tokens``) and ``eta_s``. Validation records hold ``val_loss``, ``val_bpb`` and ``eval_s``.
 """
 
 from __future__ import annotations
@@ -78,12 +79,17 @@ class MetricsLogger(L.Callback):
         self.tokens = 0  # consumed by the steps so far (this run and the ones it resumed)
         self._tokens0 = 0
         self._compute = 0.0
+        self._elapsed0 = 0.0  # training seconds of the runs this one resumed, up to their checkpoint
 
     def state_dict(self) -> dict:
-        return {"tokens": self.tokens}
+        return {"tokens": self.tokens, "elapsed_s": self._elapsed(time.perf_counter())}
 
     def load_state_dict(self, state: dict) -> None:
         self.tokens = state["tokens"]
+        self._elapsed0 = state.get("elapsed_s", 0.0)  # (checkpoints from before it was recorded)
+
+    def _elapsed(self, now: float) -> float:
+        return self._elapsed0 + (now - self._started if self._started is not None else 0.0)
 
     def on_train_start(self, trainer, pl_module):
         self._started = self._t0 = time.perf_counter()
@@ -111,12 +117,15 @@ class MetricsLogger(L.Callback):
         if not trainer.is_global_zero:
             return
         opt = pl_module.optimizers().optimizer
-        # the one device-to-host transfer of this logging interval
+        # the one device-to-host transfer of this logging interval; under XLA it waits for the
+        # device to finish the interval's steps, which is compute time
         loss, lr_mult, grad_norm = self.fetch([loss, opt.last_lr_multiplier(),
                                                pl_module.step_stats["grad_norm"]])
+        fetched = time.perf_counter()
+        self._compute += fetched - now
         values = {"loss": loss, "lr": float(f"{opt.param_groups[0]['lr'] * lr_mult:.6g}"),
                   "grad_norm": round(grad_norm, 6), "tokens": self.tokens,
-                  **self._rates(step, now), **self.extra()}
+                  **self._rates(step, fetched), **self.extra()}
         self.run_log.record("train", step, values)
 
     def _rates(self, step: int, now: float) -> dict:
@@ -141,7 +150,7 @@ class MetricsLogger(L.Callback):
         else:
             t_from, s_from = self._eta_from
             eta = (now - t_from) / max(step - s_from, 1) * (self.max_steps - step)
-        out["elapsed_s"] = round(now - self._started, 1)
+        out["elapsed_s"] = round(self._elapsed(now), 1)
         if eta is not None:
             out["eta_s"] = round(eta, 1)
         self._t0, self._step0, self._tokens0, self._compute = now, step, self.tokens, 0.0

@@ -2,7 +2,8 @@
 (``hardware.peak_bf16_tflops_per_chip``, per chip); on this machine's CPU it is measured, unless
 the profile sets it, as the best of a few square float32 matmuls (the kernel a step is made of)
 with every thread torch uses. XLA's virtual CPU devices share that one CPU, so its peak is the
-whole run's, not one device's."""
+process's, not one device's; a run of several CPU processes (one per host) has that peak on
+each of them."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def measured_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def run_peak_flops(hardware, devices: int) -> tuple[float, str]:
+def run_peak_flops(hardware, devices: int, processes: int = 1) -> tuple[float, str]:
     """(peak FLOP/s of the whole run, where it comes from); 0 when unknown (no MFU logged)."""
     if hardware.peak_bf16_tflops_per_chip:
         per_chip = hardware.peak_bf16_tflops_per_chip * 1e12
@@ -31,4 +32,5 @@ def run_peak_flops(hardware, devices: int) -> tuple[float, str]:
     if hardware.accelerator_type:
         return 0.0, "unknown (hardware.peak_bf16_tflops_per_chip unset): no MFU"
     flops = measured_cpu_flops()
-    return flops, f"{flops / 1e9:.1f} GFLOP/s, measured (float32 matmul on this CPU)"
+    each = f" x {processes} processes" if processes > 1 else ""
+    return flops * processes, f"{flops / 1e9:.1f} GFLOP/s{each}, measured (float32 matmul on this CPU)"

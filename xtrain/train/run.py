@@ -141,7 +141,7 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
     from xtrain.train.preemption import StopRequest
     from xtrain.train.sampling import SampleCallback
 
-    peak, source = run_peak_flops(cfg.hardware, plan.devices) if engine.rank == 0 else (0.0, "")
+    peak, source = run_peak_flops(cfg.hardware, plan.devices, engine.world) if engine.rank == 0 else (0.0, "")
     if source:
         log.info("MFU peak: %s", source)
     timer, trainer_cfg = PhaseTimer(), cfg.trainer
