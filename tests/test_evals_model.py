@@ -91,7 +91,10 @@ def test_mode_eval_prints_the_scores_of_the_runs_checkpoint(evaluated_run, probl
     assert f"evaluating {evaluated_run}/checkpoints/step_000006 on 2 C++ problems x 1 samples" \
         in r.stdout
     assert "C++ scores at step 6:" in r.stdout and "  cpp_pass_rate: " in r.stdout
-    _check_records(evaluated_run / "cpp_eval" / "step_000006.jsonl", n=1)
+    (records,) = (evaluated_run / "cpp_eval").glob("step_000006-eval-*.jsonl")
+    _check_records(records, n=1)
+    # beside training's records of step 6, which its eval record in metrics.jsonl scored
+    _check_records(evaluated_run / "cpp_eval" / "step_000006.jsonl", n=2)
 
 
 def test_mode_eval_refuses_a_missing_checkpoint(tmp_path):

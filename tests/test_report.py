@@ -72,6 +72,24 @@ def test_report_takes_single_runs_and_chosen_metrics(sweep, tmp_path):
     assert len((tmp_path / "summary.csv").read_text().splitlines()) == 3  # header + 2 runs
 
 
+def test_the_summary_and_the_eval_chart_take_scores_not_timings():
+    """An eval record also holds seconds and tokens/s: "best" of those would be the slowest."""
+    from xtrain.evals.harness import score
+    from xtrain.observe.plots import eval_metrics
+    from xtrain.report import summary_row
+
+    samples = [{"id": "a", "difficulty": "easy", "compiled": True, "outcome": "passed"},
+               {"id": "a", "difficulty": "easy", "compiled": False, "outcome": "compile_error"}]
+    scores = score(samples, [1])
+    records = [{"kind": "eval", "step": 10, **scores, "cpp_eval_seconds": 9.0},
+               {"kind": "eval", "step": 20, **{k: v / 2 for k, v in scores.items()},
+                "cpp_eval_seconds": 1.0, "cpp_generate_tok_per_s": 50.0}]
+    assert eval_metrics(records) == sorted(scores)  # every score, nothing else
+    row = summary_row("run", records, eval_metrics(records))
+    assert row["best cpp_pass_rate"] == scores["cpp_pass_rate"] == 0.5
+    assert not [k for k in row if "seconds" in k or "tok_per_s" in k]
+
+
 def test_report_refuses_an_unknown_metric_and_a_dir_without_runs(sweep, tmp_path):
     r = report(sweep, "--out", tmp_path / "a", "--metrics", "loss,val_bpp")
     assert r.returncode == 2

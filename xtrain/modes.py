@@ -127,7 +127,10 @@ def sample(cfg, run_dir: str) -> dict:
 
 def evaluate(cfg, run_dir: str) -> dict:
     """Score a checkpoint on the C++ benchmark (``eval`` config); print the scores and write one
-    record per sample to ``<run dir>/cpp_eval/step_N.jsonl``."""
+    record per sample to ``<run dir>/cpp_eval/step_N-eval-<time>.jsonl`` (beside training's
+    ``step_N.jsonl``, which its metrics.jsonl record scored)."""
+    import time
+
     from xtrain.evals import prepare
     from xtrain.evals.completions import check_fit, evaluate_model, records_path
 
@@ -135,7 +138,7 @@ def evaluate(cfg, run_dir: str) -> dict:
     problems = prepare(cfg.eval)  # the config, the benchmark file and the compiler, checked
     check_fit(tokenizer, problems, cfg.eval, saved.model.sequence_len)
     model = checkpoint_model(path, saved)
-    records = records_path(run_dir, step)
+    records = records_path(run_dir, step, "eval-" + time.strftime("%Y%m%d-%H%M%S"))
     log.info("evaluating %s on %d C++ problems x %d samples", path, len(problems), cfg.eval.n)
     scores = evaluate_model(model, tokenizer, problems, cfg.eval, records)
     log.info("C++ scores at step %d:\n%s\nrecords: %s", step,

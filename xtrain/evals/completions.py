@@ -57,6 +57,8 @@ def evaluate_model(model, tokenizer, problems: Sequence[Problem], cfg: EvalConfi
     return scores
 
 
-def records_path(run_dir: str, step: int) -> str:
-    """Where an evaluation of the weights at ``step`` writes its per-sample records."""
-    return f"{run_dir.rstrip('/')}/cpp_eval/step_{step:06d}.jsonl"
+def records_path(run_dir: str, step: int, tag: str = "") -> str:
+    """Where an evaluation of the weights at ``step`` writes its per-sample records: training's
+    own at ``step_N.jsonl`` (its eval record in metrics.jsonl scores them), a later one (``tag``)
+    beside it, never over it."""
+    return f"{run_dir.rstrip('/')}/cpp_eval/step_{step:06d}{'-' + tag if tag else ''}.jsonl"

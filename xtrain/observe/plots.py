@@ -37,9 +37,15 @@ def metric_names(records: list[dict]) -> set[str]:
             if k not in NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+# The scores an evaluation record holds (xtrain/evals/harness.py's score()); its other numbers
+# are timings and throughput, where higher is not better.
+SCORE_PREFIXES = ("cpp_compile_rate", "cpp_pass_rate", "cpp_pass@")
+
+
 def eval_metrics(records: list[dict]) -> list[str]:
     """Scores of evaluation records (kind ``eval``), e.g. ``cpp_pass_rate``."""
-    return sorted(metric_names([r for r in records if r.get("kind") == "eval"]))
+    names = metric_names([r for r in records if r.get("kind") == "eval"])
+    return sorted(n for n in names if n.startswith(SCORE_PREFIXES))
 
 
 def series(records: list[dict], metric: str, kind: str | None = None) -> tuple[list, list]:
