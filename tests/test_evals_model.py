@@ -85,6 +85,29 @@ def test_training_goes_on_while_an_evaluation_runs(tmp_path, problem_file):
         _check_records(tmp_path / "cpp_eval" / f"step_{step:06d}.jsonl", n=8)
 
 
+def test_a_stop_does_not_wait_for_a_running_evaluation(tmp_path, problem_file):
+    """SIGTERM while step 3's evaluation (made long: 16 samples of 400 tokens at 512 context)
+    still runs: the run checkpoints and exits at once, abandoning it, instead of holding a
+    preemption's last seconds (and every further signal) until it ends."""
+    import signal
+
+    from conftest import finish, xtrain
+    from test_checkpoint import wait_for_step
+
+    run = tmp_path / "run"
+    proc = xtrain(run, "trainer.max_steps=50", "model.sequence_len=512", "eval.cpp_every=3",
+                  f"eval.cpp_file={problem_file}", "eval.n=16", "eval.max_tokens=400",
+                  "eval.temperature=0.8", "eval.k=[1]")
+    wait_for_step(run, 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc)
+    assert code == 143, err[-3000:]
+    assert "C++ evaluation of step 3 abandoned: the run stopped before it finished" in err
+    records = read_jsonl(run / "metrics.jsonl")
+    assert not [r for r in records if r["kind"] == "eval"]  # not waited for
+    assert "checkpoint committed" in out
+
+
 def test_mode_eval_prints_the_scores_of_the_runs_checkpoint(evaluated_run, problem_file):
     r = _xtrain(evaluated_run, "mode=eval", f"eval.cpp_file={problem_file}", "eval.max_tokens=8")
     assert r.returncode == 0, r.stderr[-3000:]

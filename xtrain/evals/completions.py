@@ -26,9 +26,20 @@ def check_fit(tokenizer, problems: Sequence[Problem], cfg: EvalConfig, sequence_
                       "eval.max_tokens")
 
 
-def model_generate(model, tokenizer, cfg: EvalConfig, stats: dict | None = None) -> Generate:
+class Cancelled(Exception):
+    """The evaluation was called off (its run is stopping) while it generated."""
+
+
+def model_generate(model, tokenizer, cfg: EvalConfig, stats: dict | None = None,
+                   cancel=None) -> Generate:
     """A ``generate(prompts, n)`` for the harness; ``stats`` (when given) receives the
-    ``tokens`` generated and the ``seconds`` spent."""
+    ``tokens`` generated and the ``seconds`` spent. ``cancel`` (a threading.Event) set raises
+    :class:`Cancelled` at the next token."""
+
+    def ended(prompt: str, text: str) -> bool:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the run is stopping")
+        return stop.ended(prompt, text, cfg.eof_markers)
 
     def run(prompts: list[str], n: int) -> list[list[str]]:
         texts, tokens, seconds = [], 0, 0.0
@@ -36,8 +47,7 @@ def model_generate(model, tokenizer, cfg: EvalConfig, stats: dict | None = None)
             one: dict = {}
             texts += generate(model, tokenizer, [prompt], n, max_tokens=cfg.max_tokens,
                               temperature=cfg.temperature, top_k=cfg.top_k, seed=SEED + i,
-                              stop=lambda text, p=prompt: stop.ended(p, text, cfg.eof_markers),
-                              stats=one)
+                              stop=lambda text, p=prompt: ended(p, text), stats=one)
             tokens, seconds = tokens + one["tokens"], seconds + one["seconds"]
         if stats is not None:
             stats.update(tokens=tokens, seconds=seconds)
@@ -47,12 +57,12 @@ def model_generate(model, tokenizer, cfg: EvalConfig, stats: dict | None = None)
 
 
 def evaluate_model(model, tokenizer, problems: Sequence[Problem], cfg: EvalConfig,
-                   records_path: str | None = None) -> dict:
+                   records_path: str | None = None, cancel=None) -> dict:
     """Generate, cut, compile and test; the scores with the generation's tokens/s. Records go
-    to ``records_path`` (any fsspec URL) when given."""
+    to ``records_path`` (any fsspec URL) when given. ``cancel``: see :func:`model_generate`."""
     stats: dict = {}
-    scores, _ = generate_and_evaluate(model_generate(model, tokenizer, cfg, stats), problems, cfg,
-                                      records_path)
+    scores, _ = generate_and_evaluate(model_generate(model, tokenizer, cfg, stats, cancel), problems,
+                                      cfg, records_path)
     scores["cpp_generate_tok_per_s"] = round(stats["tokens"] / max(stats["seconds"], 1e-9), 1)
     return scores
 

@@ -25,7 +25,7 @@ import lightning as L
 from xtrain.checkpoint.io import read_model_weights
 from xtrain.checkpoint.layout import is_committed, step_dir
 from xtrain.evals import prepare
-from xtrain.evals.completions import check_fit, evaluate_model, records_path
+from xtrain.evals.completions import Cancelled, check_fit, evaluate_model, records_path
 from xtrain.model.gpt import GPT
 from xtrain.train.sampling import host_copy
 
@@ -85,8 +85,11 @@ class CppEvalCallback(L.Callback):
     At most one evaluation is in flight: when the next is due while the previous one still runs,
     training waits for the running one first (its record says how long: ``cpp_wait_seconds``),
     so evaluations never pile up when one takes longer than ``eval.cpp_every`` steps. Training
-    also waits for the running one when it ends, normally or by an exception (preemption
-    included), so the last evaluation's record is written before the run's loggers close.
+    also waits for the running one when it ends normally, so the last evaluation's record is
+    written before the run's loggers close; when it ends by an exception (a preemption
+    included), one still generating is called off at its next token, with a warning: on a host
+    CPU a large model's generation takes minutes that a preemption notice does not give (one
+    already judging is waited for: its compiles and runs have time limits).
     Records are written by the training thread only (the background thread hands its scores
     back), in step order with the other records of that step end."""
 
@@ -114,7 +117,8 @@ class CppEvalCallback(L.Callback):
                     log.warning("C++ evaluation of step %d skipped: %s was not committed", step,
                                 checkpoint)
                     return None
-                return evaluate_model(weights, self.tokenizer, self.problems, self.cfg, path)
+                return evaluate_model(weights, self.tokenizer, self.problems, self.cfg, path,
+                                      self.stopping)
 
             self.pending = Pending(step, None, from_checkpoint)
             return
@@ -124,7 +128,7 @@ class CppEvalCallback(L.Callback):
             snapshot = cpu_snapshot(model)
             snapshot_s = time.perf_counter() - t0
         self.pending = Pending(step, snapshot_s, lambda: evaluate_model(
-            snapshot, self.tokenizer, self.problems, self.cfg, path))
+            snapshot, self.tokenizer, self.problems, self.cfg, path, self.stopping))
 
     def collect(self, wait: bool) -> dict | None:
         """Log the pending evaluation's record if it has finished (or, with ``wait``, once it
@@ -156,7 +160,17 @@ class CppEvalCallback(L.Callback):
         self.collect(wait=True)
 
     def on_exception(self, trainer, pl_module, exception):
-        self.stopping.set()  # a checkpoint still awaited may never be committed now
+        # a checkpoint still awaited may never be committed now; a generation stops at its next
+        # token (judging, once started, ends within its compile and run time limits)
+        self.stopping.set()
+        pending = self.pending
+        if pending is not None:
+            pending.thread.join()
+            if isinstance(pending.error, Cancelled):
+                self.pending = None
+                log.warning("C++ evaluation of step %d abandoned: the run stopped before it "
+                            "finished", pending.step)
+                return
         try:
             self.collect(wait=True)
         except Exception as e:  # the run's own exception is the one that propagates
