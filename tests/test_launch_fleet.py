@@ -109,6 +109,35 @@ def test_a_recreation_that_never_gets_ready_is_deleted_and_fails(gcloud, tmp_pat
     assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create", "delete"]
 
 
+def test_a_job_that_stopped_for_its_notice_is_rerun_once_its_vm_goes_down(gcloud, tmp_path, v6e4,
+                                                                          monkeypatch):
+    """The job answered a preemption notice (checkpoint, exit 143) while its VM still said
+    READY; two describes later the VM is PREEMPTED: the fleet recreates it and runs the job
+    again. launch_job is stood in for here (its result is what this decision reads; a job's real
+    answer to a notice is tested in tests/test_notices.py and the e2e fleet tests)."""
+    from xtrain.launcher import fleet
+
+    node = tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])])
+    gcloud.add({**node, "x-states": ["READY", "READY", "READY", "PREEMPTED"]})
+    gcloud.scenario("vm-a", states=["CREATING", "READY"])
+    results = iter([{"preempted": True, "step": 12}, {"step": 40, "loss": 1.25}])
+    monkeypatch.setattr(fleet, "launch_job", lambda *args, **kwargs: next(results))
+    messages = []
+    job = fleet.Job(fleet_cfg(tmp_path), v6e4, [], "run", str(tmp_path / "job"))
+    result = fleet.run_on_vm(job, log=messages.append)
+    assert (result["step"], result["preemptions"]) == (40, 1)
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create"]
+    assert any("vm-a is PREEMPTED: job run preempted" in m for m in messages)
+
+    # a stop the VM outlives (a signal sent by hand) is the job's own: no re-run
+    gcloud.add(node)
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.3)
+    monkeypatch.setattr(fleet, "launch_job", lambda *args, **kwargs: {"preempted": True, "step": 7})
+    result = fleet.run_on_vm(fleet.Job(fleet_cfg(tmp_path), v6e4, [], "run", str(tmp_path / "job")),
+                             log=messages.append)
+    assert (result["step"], result["preempted"], result["preemptions"]) == (7, True, 0)
+
+
 def test_the_queue_gives_requeued_jobs_first_and_placed_jobs_to_their_vm():
     queue = JobQueue(3, placed={2: "vm-b"}, vms=2)
     assert queue.take("vm-a") == 0

@@ -220,9 +220,16 @@ class Vm:
         return min(backoff * 2, self.cfg.capacity_backoff_s * 16)
 
 
+# A job that answers a preemption notice saves a checkpoint and exits 143 while its VM may still
+# be READY (a spot VM is stopped about 30 s after the notice): the fleet watches the VM this long
+# before taking the stop for one that was not a VM's loss (a signal sent by hand).
+VM_DOWN_WAIT_S = 180.0
+
+
 def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
     """Run ``job`` on ``vm`` once. Raises VmLost when the VM went down under it (or was found
-    down while launching), and anything else as the job's own failure."""
+    down while launching, or went down after the job stopped for its notice), and anything else
+    as the job's own failure."""
     env = {**job.cfg.env, **history.relaunching()}
     cfg = derive(job.cfg, tpu=vm.name, pool=[], hosts=[], env=env)
     try:
@@ -235,7 +242,28 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
         if vm_health(state, vm.cfg.queued) != UP:
             raise VmLost(vm.name, state) from e
         raise
+    if result.get("preempted"):
+        wait_for_vm_loss(vm, VM_DOWN_WAIT_S, log)
     return {**result, **history.summary(), "vm": vm.name}
+
+
+def wait_for_vm_loss(vm: Vm, wait_s: float, log=say) -> None:
+    """After the job stopped by a signal (exit 143): raise VmLost if ``vm`` goes down within
+    ``wait_s``; return when it stays up (or gcloud cannot answer)."""
+    log(f"fleet: the job on {vm} stopped for a signal; watching the VM for up to {wait_s:g} s")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            state = vm.state()
+        except LaunchError as e:
+            log(f"fleet: {vm}: {e}; taking the stop as the job's own")
+            return
+        if vm_health(state, vm.cfg.queued) != UP:
+            raise VmLost(vm.name, state)
+        if time.monotonic() >= deadline:
+            log(f"fleet: {vm} is still {state}: the stop was not a preemption")
+            return
+        time.sleep(vm.cfg.poll_s)
 
 
 def preempted(vm: Vm, job: Job, history: Preemptions, lost: VmLost, log=say) -> None:
