@@ -48,6 +48,38 @@ def test_lightning_precision_still_wraps_closures():
     assert callable(wrapped) and wrapped.func.__name__ == "_wrap_closure"
 
 
+def test_lightning_leaves_the_signal_handlers_in_place_during_fit():
+    """Lightning's own SIGTERM handler broadcasts inside the handler (a deadlock during a
+    collective); after keep_signal_handlers the handler in place when fit starts stays."""
+    import signal
+
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen = []
+
+    class Look(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    def ours(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, ours)
+    try:
+        for keep in (False, True):
+            trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, callbacks=[Look()])
+            if keep:
+                compat.keep_signal_handlers(trainer)
+            trainer.fit(BoringModel())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen[0] is not ours  # Lightning's, composed around ours (what the call removes)
+    assert seen[1] is ours
+
+
 def test_lightning_tpu_probe_answers_from_the_pci_bus_without_network():
     from lightning.pytorch.accelerators import XLAAccelerator
 

@@ -259,6 +259,16 @@ def wrap_closure(precision, model, optimizer, closure):
     return partial(precision._wrap_closure, model, optimizer, closure)
 
 
+def keep_signal_handlers(trainer) -> None:
+    """[lightning] Lightning installs SIGTERM/SIGINT handlers of its own when fit starts
+    (``trainer._signal_connector.register_signal_handlers``), composed with those in place. Its
+    SIGTERM part broadcasts over torch.distributed inside the handler: a signal that arrives
+    while the processes wait in a collective before training (a barrier of the loops' set-up)
+    deadlocks them. xtrain's handler (xtrain/train/preemption.py) serves the whole fit, so this
+    trainer skips Lightning's registration."""
+    trainer._signal_connector.register_signal_handlers = lambda: None
+
+
 def quiet_lightning_tpu_probe() -> None:
     """[lightning] Lightning's Trainer logs ``XLAAccelerator.is_available()`` on every construction;
     off-TPU that probe queries the GCE metadata server and, with some TPU_* variables set

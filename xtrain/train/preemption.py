@@ -11,10 +11,11 @@ class StopRequest:
     """A stop request, raised by SIGINT/SIGTERM or by :meth:`request` (any thread), acted on at
     the next agreed step boundary (:meth:`agreed`), after a checkpoint.
 
-    The signal handler replaces Lightning's SIGTERM handling for the whole fit (``install`` again
-    once training has started, where Lightning has put its own handler in): Lightning checks its
-    flag after the step's callbacks and would stop a step later without a checkpoint, or on pods
-    at a step of rank 0's choosing while the other hosts are saving.
+    The signal handler replaces Lightning's SIGTERM handling for the whole fit (Lightning's own
+    is never installed: xtrain.compat.keep_signal_handlers): Lightning checks its flag after the
+    step's callbacks and would stop a step later without a checkpoint, or on pods at a step of
+    rank 0's choosing while the other hosts are saving, and its handler broadcasts over
+    torch.distributed, which deadlocks a signal that arrives during a collective.
 
     ``processes`` (xtrain/engines/processes.py): on several processes a request on any one of
     them stops all of them at the same step (a save is collective). The processes vote at every

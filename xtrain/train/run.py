@@ -204,6 +204,7 @@ def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, en
 
     step_loader = torch.utils.data.DataLoader(loaders.steps, batch_size=None)
     val_loader = torch.utils.data.DataLoader(loaders.val, batch_size=None) if loaders.val else None
+    compat.keep_signal_handlers(trainer)
     callbacks.stop.install()
     watcher = watch(preemption, callbacks.stop)  # None off GCE: no thread, no request
     try:
