@@ -79,6 +79,15 @@ def test_a_checkpoint_without_its_manifest_is_not_intact(tmp_path):
     assert newest_intact(str(tmp_path)) == f"{tmp_path}/step_000001"
 
 
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_started_over(tmp_path):
+    """Starting from step 0 would overwrite them one by one as the run reaches their steps."""
+    for step in (1, 2):
+        _save(str(tmp_path / f"step_{step:06d}"), {"w": torch.ones(3)})
+        (tmp_path / f"step_{step:06d}" / manifest.MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=f"every committed checkpoint in {tmp_path} is damaged"):
+        resume_checkpoint(None, str(tmp_path), gpt=None)
+
+
 class _Payload:
     """Unpickling this runs ``os.system``: what a crafted checkpoint would carry."""
 

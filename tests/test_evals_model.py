@@ -85,11 +85,14 @@ def test_training_goes_on_while_an_evaluation_runs(tmp_path, problem_file):
         _check_records(tmp_path / "cpp_eval" / f"step_{step:06d}.jsonl", n=8)
 
 
-def test_a_stop_does_not_wait_for_a_running_evaluation(tmp_path, problem_file):
+@pytest.mark.parametrize("training", ["running", "waiting"])
+def test_a_stop_does_not_wait_for_a_running_evaluation(tmp_path, problem_file, training):
     """SIGTERM while step 3's evaluation (made long: 16 samples of 400 tokens at 512 context)
-    still runs: the run checkpoints and exits at once, abandoning it, instead of holding a
-    preemption's last seconds (and every further signal) until it ends."""
+    still runs, with training going on (step 5) or waiting for it (at step 6, where the next
+    evaluation is due): the run checkpoints and exits at once, abandoning it, instead of holding
+    a preemption's last seconds (and every further signal) until it ends."""
     import signal
+    import time
 
     from conftest import finish, xtrain
     from test_checkpoint import wait_for_step
@@ -98,7 +101,9 @@ def test_a_stop_does_not_wait_for_a_running_evaluation(tmp_path, problem_file):
     proc = xtrain(run, "trainer.max_steps=50", "model.sequence_len=512", "eval.cpp_every=3",
                   f"eval.cpp_file={problem_file}", "eval.n=16", "eval.max_tokens=400",
                   "eval.temperature=0.8", "eval.k=[1]")
-    wait_for_step(run, 5, proc)
+    wait_for_step(run, 5 if training == "running" else 6, proc)
+    if training == "waiting":
+        time.sleep(1.0)  # step 6's hook is waiting for step 3's evaluation
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc)
     assert code == 143, err[-3000:]

@@ -118,8 +118,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("checkpoint-dir-of-another-run", ["run.name=other", "checkpoint.dir={checkpoints}"], {},
      "{checkpoints}/step_000002 belongs to run d2-cpu-cpp_local-model.sequence_len_64-"
      "trainer.device_batch_size_4, not to this run (other): give each run its own checkpoint.dir "
-     "(e.g. .../ckpt/${{run.name}}), or continue that run's training on purpose with "
-     "checkpoint.resume={checkpoints}/step_000002"),
+     "(e.g. .../ckpt/${{run.name}}); to continue from it on purpose, set "
+     "checkpoint.resume={checkpoints}/step_000002 with a checkpoint.dir of this run's own"),
     ("checkpoint-dir-blocked", ["checkpoint.dir={a_file}/ckpt"], {}, "checkpoint.dir {a_file}/ckpt is not writable"),
 ]
 
@@ -208,14 +208,16 @@ def test_a_checkpoint_trained_with_another_tokenizer_is_not_resumed(world, tmp_p
 def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tmp_path):
     """Its value would be in the run's name, .hydra/, multirun.yaml and the process list."""
     value = "hf_" + os.urandom(8).hex()
-    for args in (["mode=plan", f"+hardware.env.HF_TOKEN={value}"],
-                 ["-m", "mode=plan", f"++hardware.env.MY_API_KEY={value}", "optim.matrix_lr=0.01,0.02"]):
+    for key, name, args in (
+            ("hardware.env.HF_TOKEN", "HF_TOKEN", ["mode=plan", f"+hardware.env.HF_TOKEN={value}"]),
+            ("hardware.env.MY_API_KEY", "MY_API_KEY",
+             ["-m", "mode=plan", f"++hardware.env.MY_API_KEY={value}", "optim.matrix_lr=0.01,0.02"]),
+            ("hardware.env", "HF_TOKEN", ["mode=plan", f"hardware.env={{XLA_FLAGS: x, HF_TOKEN: {value}}}"])):
         r = subprocess.run([sys.executable, "-m", "xtrain", *args], cwd=tmp_path, capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
-        name = args[-1 if args[0] != "-m" else 2].split("=")[0].rsplit(".", 1)[-1]
-        assert r.stderr.startswith(f"xtrain: config error: hardware.env.{name}: a secret is never "
-                                   f"given on the command line") and f"export {name} " in r.stderr
+        assert r.stderr.startswith(f"xtrain: config error: {key}: a secret is never given on the "
+                                   "command line") and f"export {name} " in r.stderr
         assert value not in r.stdout + r.stderr
         assert list(tmp_path.iterdir()) == []  # no outputs/ or multirun/
 

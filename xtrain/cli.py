@@ -76,9 +76,12 @@ def check_no_secret_overrides(args: list[str]) -> None:
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
-        key = arg.split("=", 1)[0].lstrip("+~")
-        name = re.split(r"[./@]", key)[-1]
-        if is_secret_name(name):
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        # the key's last part, and the keys of a dict value (hardware.env={HF_TOKEN:...})
+        names = [re.split(r"[./@]", key)[-1], *re.findall(r"[{,]\s*([A-Za-z_][\w-]*)\s*:", value)]
+        name = next((n for n in names if is_secret_name(n)), None)
+        if name:
             raise ConfigError(
                 f"{key}: a secret is never given on the command line (it would be written to the "
                 f"run's name, .hydra/ and the process list): export {name} in the environment "

@@ -69,6 +69,11 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
         check_named_checkpoint(resume, verify=early)
     if resume or not early:
         found = resume or newest_intact(ckpt_dir)
+        if not found and not resume and committed_checkpoints(ckpt_dir):
+            raise CheckpointError(
+                f"every committed checkpoint in {ckpt_dir} is damaged (each named above): not "
+                "starting over them (a new run would overwrite them step by step); move them "
+                "away, or set checkpoint.resume=PATH")
         if found:
             check_compatible(found, gpt)
             if not resume:
@@ -88,16 +93,18 @@ def check_same_run(path: str, run_name: str | None) -> None:
     """A run continues on its own only from its own checkpoints: refuse one another run wrote
     (a checkpoint.dir shared by runs or sweep jobs; the name keeps out what does not change the
     training, e.g. trainer.max_steps, so extending a run still resumes it). Retention would
-    otherwise delete that run's checkpoints too."""
+    otherwise delete that run's checkpoints too. A checkpoint that names no run passes."""
+    if run_name is None:
+        return
     try:
-        written_by = read_meta(path)["config"]["run"]["name"]
-    except (OSError, KeyError, TypeError, ValueError) as e:
+        written_by = (read_meta(path).get("config") or {}).get("run", {}).get("name")
+    except (OSError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
-    if run_name is not None and written_by != run_name:
+    if written_by is not None and written_by != run_name:
         raise ConfigError(
             f"{path} belongs to run {written_by}, not to this run ({run_name}): give each run its "
-            "own checkpoint.dir (e.g. .../ckpt/${run.name}), or continue that run's training on "
-            f"purpose with checkpoint.resume={path}")
+            "own checkpoint.dir (e.g. .../ckpt/${run.name}); to continue from it on purpose, set "
+            f"checkpoint.resume={path} with a checkpoint.dir of this run's own")
 
 
 def check_named_checkpoint(resume: str, verify: bool = True) -> None:

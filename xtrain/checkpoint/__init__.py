@@ -11,7 +11,8 @@ checkpoint without it is incomplete (a crash mid-save) and is never chosen for r
 whose files no longer match (truncated, altered) is found before loading. Object
 stores have no atomic directory rename, so the marker (as Orbax's ``commit_success.txt``) is the
 commit on every filesystem. Loading is a trust boundary: ``torch.load(weights_only=True)``, DCP
-tensor data and JSON metadata, never pickle.
+tensor data, DCP's pickled ``.metadata`` unpickled with only its own classes allowed
+(xtrain/compat.py, dcp_reader), and JSON; nothing that can run code.
 
 Modules: :mod:`.layout` (paths, discovery, retention), :mod:`.io` (one save or load of one
 checkpoint), :mod:`.manifest` (sizes and checksums: record, verify), :mod:`.async_io`

@@ -56,7 +56,7 @@ class PeriodicCheckpoint(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         if self.stop is not None:
-            self.stop.install()  # take SIGTERM back from Lightning (see StopRequest)
+            self.stop.install()  # (installed before fit already; again costs nothing)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.stop is not None and self.stop.agreed():

@@ -94,9 +94,12 @@ class CppEvalCallback(L.Callback):
     back), in step order with the other records of that step end."""
 
     def __init__(self, eval_cfg, tokenizer, run_log, timer, run_dir: str, sequence_len: int,
-                 checkpoints: str | None = None):
+                 checkpoints: str | None = None, stop=None):
         """``checkpoints``: the checkpoint directory to read each step's weights from (a run of
-        more than one process), or None to snapshot the live model."""
+        more than one process), or None to snapshot the live model. ``stop``: the run's
+        StopRequest (xtrain/train/preemption.py): a stop requested while training waits for an
+        evaluation calls that evaluation off."""
+        self.stop = stop
         self.cfg, self.tokenizer, self.run_log, self.timer = eval_cfg, tokenizer, run_log, timer
         self.run_dir, self.every, self.checkpoints = run_dir, eval_cfg.cpp_every, checkpoints
         self.problems = prepare(eval_cfg)
@@ -138,9 +141,16 @@ class CppEvalCallback(L.Callback):
             return None
         with self.timer.measure("eval"):
             t0 = time.perf_counter()
-            pending.thread.join()
+            while pending.thread.is_alive():
+                pending.thread.join(0.1)
+                if self.stop is not None and self.stop.requested:
+                    self.stopping.set()  # its generation ends at the next token
             waited = time.perf_counter() - t0
         self.pending = None
+        if isinstance(pending.error, Cancelled):
+            log.warning("C++ evaluation of step %d abandoned: the run stopped before it finished",
+                        pending.step)
+            return None
         if pending.error is not None:
             raise pending.error
         if pending.scores is None:  # its checkpoint never came
@@ -163,14 +173,6 @@ class CppEvalCallback(L.Callback):
         # a checkpoint still awaited may never be committed now; a generation stops at its next
         # token (judging, once started, ends within its compile and run time limits)
         self.stopping.set()
-        pending = self.pending
-        if pending is not None:
-            pending.thread.join()
-            if isinstance(pending.error, Cancelled):
-                self.pending = None
-                log.warning("C++ evaluation of step %d abandoned: the run stopped before it "
-                            "finished", pending.step)
-                return
         try:
             self.collect(wait=True)
         except Exception as e:  # the run's own exception is the one that propagates

@@ -162,6 +162,7 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
 
         # on more than one process, a host may hold only its shards: the step's checkpoint then
         cpp_eval = CppEvalCallback(cfg.eval, tokenizer, run_log, timer, run_dir, plan.gpt.sequence_len,
+                                   stop=stop,
                                    checkpoints=ckpt_dir if engine.world > 1 else None)
     return Callbacks(metrics, checkpointer, sampler, stop, checkpoint_io, cpp_eval,
                      debug_dump(engine.rank, engine.host_rows))
