@@ -56,6 +56,7 @@ def test_lightning_leaves_the_signal_handlers_in_place_during_fit():
     import lightning as L
     from lightning.pytorch.demos.boring_classes import BoringModel
 
+    compat.quiet_lightning_tpu_probe()  # as xtrain's trainers do: no TPU metadata query here
     seen = []
 
     class Look(L.Callback):
