@@ -125,8 +125,8 @@ def test_two_processes_judge_cpp_from_the_checkpoint_of_each_evaluated_step(refe
                             f"hydra.run.dir={alone}"], cwd=ROOT, capture_output=True, text=True,
                            timeout=300, env={**os.environ, **ENV})
         assert r.returncode == 0, r.stderr[-3000:]
-        name = f"cpp_eval/step_{step:06d}.jsonl"
-        during, after = read_jsonl(run / name), read_jsonl(alone / name)
+        (alone_records,) = (alone / "cpp_eval").glob(f"step_{step:06d}-eval-*.jsonl")  # mode=eval's
+        during, after = read_jsonl(run / f"cpp_eval/step_{step:06d}.jsonl"), read_jsonl(alone_records)
         assert len(during) == len(PROBLEMS)
         assert [(p["id"], p["code"], p["outcome"]) for p in during] == \
             [(p["id"], p["code"], p["outcome"]) for p in after]
