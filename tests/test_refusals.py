@@ -186,14 +186,14 @@ def test_a_checkpoint_trained_with_another_tokenizer_is_not_resumed(world, tmp_p
 
     run, tok = tmp_path / "run", tmp_path / "tokenizer"
     shutil.copytree(Path(world["checkpoints"]).parent, run)
-    shutil.copytree(world["tokenizer"], tok)
+    saved = json.loads((run / "checkpoints" / "step_000002" / "meta.json").read_text())["config"]
+    shutil.copytree(saved["data"]["tokenizer"], tok)  # the run's own (the cache may hold others)
     spec = json.loads((tok / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     a, b = sorted(vocab, key=vocab.get)[300:302]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (tok / "tokenizer.json").write_text(json.dumps(spec))
-    corpus = world["corpus"]
-    name = json.loads((run / "checkpoints" / "step_000002" / "meta.json").read_text())["config"]["run"]["name"]
+    corpus, name = Path(saved["data"]["tokenizer"]).parent, saved["run"]["name"]
     r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "trainer.max_steps=4",
                         f"run.name={name}", "data.build_sources=[]", f"data.tokenizer={tok}",
                         f"data.train_files={corpus}/train", f"data.val_files={corpus}/val",
