@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_multiprocess import free_port
+
 pytest.importorskip("torch_xla")
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = 4  # per device: 16 rows per global micro-batch over 4 devices; host 1 keeps rows 4..7
@@ -111,3 +113,27 @@ def test_host_1_of_4_keeps_its_rows_feeds_them_per_host_and_writes_nothing_of_ho
     for batch in train:  # [rows, micro-batches, T+1], through the per-host input sharding
         assert batch["tokens"].shape == (ROWS, 1, 65)
         assert batch["minibatch"] is True and batch["spec"] == [["data", "fsdp"], None, None]
+
+
+HEARTBEAT = r"""
+import torch.distributed as dist
+import torch_xla.distributed.xla_backend  # registers xla://
+from xtrain.engines.processes import joined
+
+# torch_xla's own rendezvous, as xtrain/xla/runtime.py's host_processes joins a pod's hosts; on
+# CPU it has one process, so the processes claim a world of 2 whose rank 1 never joins
+dist.init_process_group("gloo", init_method="xla://")
+processes = joined(0, 2, timeout_s=30)
+print("vanished:", processes.vanished())
+processes.close()
+"""
+
+
+def test_the_xla_rendezvous_store_carries_the_heartbeat_that_names_a_vanished_host():
+    """A pod's hosts join through torch_xla's xla:// rendezvous, not env://: the heartbeat must
+    find that store too, or a lost host ends with gloo's anonymous error instead of exit 3."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "MASTER_PORT": str(free_port())}
+    r = subprocess.run([sys.executable, "-c", HEARTBEAT], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "vanished: rank 1 of 2: no heartbeat for 3 s" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -44,9 +45,9 @@ def start(cmd, env=None):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def xtrain_processes(run_dir, *overrides, env=None) -> list[subprocess.Popen]:
+def xtrain_processes(run_dir, *overrides, env=None, port=None) -> list[subprocess.Popen]:
     """Two `python -m xtrain` processes joined by the standard variables."""
-    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()), "WORLD_SIZE": "2"}
     cmd = [sys.executable, "-m", "xtrain", *COMMON, *TWO, *overrides, f"hydra.run.dir={run_dir}"]
     return [start(cmd, {**launch, **(env or {}), "RANK": str(rank)}) for rank in range(2)]
 
@@ -176,3 +177,38 @@ def test_sigkill_of_one_rank_is_named_and_the_newest_checkpoint_resumes(tmp_path
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
     assert f"resuming from {run}/checkpoints/step_{committed[-1]:06d}" in results[0][1]
     assert max(losses(run)) == STEPS
+
+
+def wait_until_joined(port: int, rank: int, deadline: float, procs) -> None:
+    """Until ``rank`` has joined the run: its heartbeat counter is in the rendezvous store
+    (xtrain/engines/processes.py's Heartbeat)."""
+    import torch.distributed as dist
+
+    while True:
+        assert time.time() < deadline and all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+        try:
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=1))
+            if dist.PrefixStore("xtrain-heartbeat", client).check([f"rank{rank}"]):
+                return
+        except (RuntimeError, dist.DistStoreError):  # rank 0 has not started the store yet
+            pass
+        time.sleep(0.01)
+
+
+def test_a_rank_lost_before_training_starts_is_named(tmp_path):
+    """Rank 1 frozen as soon as it has joined, then killed: rank 0 is then in a set-up collective
+    (the shared-storage check, data preparation, the resume point), not in fit, and is told which
+    process is gone (exit 3) as during training."""
+    run, port, timeout = tmp_path / "run", free_port(), 60
+    procs = xtrain_processes(run, f"trainer.collective_timeout_s={timeout}", port=port)
+    wait_until_joined(port, 1, time.time() + 120, procs)
+    procs[1].send_signal(signal.SIGSTOP)  # its heartbeat stops with it
+    time.sleep(1)
+    procs[1].kill()
+    code, _, err = finish_all(procs[:1], timeout=timeout + 30)[0]
+    procs[1].wait()
+    assert code == 3, err[-3000:]
+    assert "xtrain: peer error: lost rank 1 of 2: no heartbeat" in err
+    metrics = run / "metrics.jsonl"  # no step was trained
+    assert not metrics.exists() or not any("loss" in r for r in read_jsonl(metrics))

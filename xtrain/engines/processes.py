@@ -141,15 +141,34 @@ class Heartbeat:
         self._thread.join(timeout=2 * self.INTERVAL_S)
 
 
-def join_gloo(rank: int, world: int, address: str, port: int, timeout_s: float) -> Processes:
+def join_gloo(rank: int, world: int, timeout_s: float) -> Processes:
     """Join the run's processes over gloo (torch's env:// rendezvous: MASTER_ADDR:MASTER_PORT,
-    where rank 0 or torchrun's agent hosts the store) and start the heartbeat."""
+    where rank 0 or torchrun's agent hosts the store)."""
     import torch.distributed as dist
 
-    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=timeout)
-    checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
-    return Processes(rank, world, dist.group.WORLD, checkpoint_group,
-                     Heartbeat(address, port, rank, world))
+                            timeout=timedelta(seconds=timeout_s))
+    return joined(rank, world, timeout_s)
 
+
+def joined(rank: int, world: int, timeout_s: float) -> Processes:
+    """The run's processes once torch's default gloo group is up (either engine's rendezvous):
+    a second group for checkpoint uploads, and the heartbeat through the rendezvous store."""
+    import torch.distributed as dist
+
+    checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    address = store_address()
+    heartbeat = Heartbeat(*address, rank, world) if address else None
+    return Processes(rank, world, dist.group.WORLD, checkpoint_group, heartbeat)
+
+
+def store_address() -> tuple[str, int] | None:
+    """Host and port of the default group's rendezvous store (env:// and torch_xla's xla://
+    both serve a TCPStore, under prefixes); None for a store without an address (torch_xla's
+    dummy store, ``XLA_USE_DUMMY_STORE=1``)."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()  # no public accessor (torch 2.9)
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return (store.host, store.port) if isinstance(store, dist.TCPStore) else None

@@ -195,12 +195,10 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
     return resume_from, int(meta.get("step") or 0)
 
 
-def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, engine: Engine,
-        preemption) -> None:
+def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, preemption) -> None:
     import torch
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from xtrain.errors import PeerLost
     from xtrain.train.notices import watch
 
     step_loader = torch.utils.data.DataLoader(loaders.steps, batch_size=None)
@@ -213,13 +211,6 @@ def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, en
                     ckpt_path=resume_from)
     except SIGTERMException:
         pass  # raised by the checkpoint callback after its save at the step boundary
-    except Exception as e:
-        lost = engine.processes.vanished() if engine.world > 1 else None
-        if lost:  # gloo's own error does not say which process is gone
-            raise PeerLost(f"lost {lost}; this is rank {engine.rank} ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200]}). Run the same command to resume "
-                           "from the newest committed checkpoint") from e
-        raise
     finally:
         if watcher:
             watcher.stop()
@@ -254,8 +245,28 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     engine = build_engine(cfg, plan, run_dir)
     try:
         return train_on(engine, cfg, plan, run_dir)
+    except Exception as e:
+        lost = peer_lost(engine, e)
+        if lost:
+            raise lost from e
+        raise
     finally:
         engine.processes.close()
+
+
+def peer_lost(engine: Engine, error: Exception):
+    """A PeerLost naming the process that vanished, when one did, for a collective's failure
+    anywhere in the run (gloo's own error does not say which process is gone); else None."""
+    from xtrain.errors import InputError, PeerLost
+
+    if engine.world == 1 or isinstance(error, (InputError, PeerLost)):  # own refusals: no wait
+        return None
+    lost = engine.processes.vanished()
+    if not lost:
+        return None
+    return PeerLost(f"lost {lost}; this is rank {engine.rank} ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0][:200]}). Run the same command to resume from "
+                    "the newest committed checkpoint")
 
 
 def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
@@ -288,7 +299,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
         trainer = build_trainer(engine, callbacks.checkpoint_io,
                                 callbacks.all(LoaderState(loaders.train)), plan, trainer_cfg,
                                 loaders.val is not None, run_dir)
-        fit(trainer, module, loaders, resume_from, callbacks, engine, cfg.preemption)
+        fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
         status = "preempted" if callbacks.checkpointer.preempted else "success"
     finally:
         run_log.close(status)

@@ -93,14 +93,13 @@ def host_processes(timeout_s: float):
     """
     import torch_xla.runtime as xr
 
-    from xtrain.engines.processes import Processes
+    from xtrain.engines.processes import Processes, joined
 
     rank, world = xr.process_index(), xr.process_count()
     if world == 1:
         return Processes()
     import torch.distributed as dist
 
-    timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():  # torch_xla's xla:// rendezvous finds the hosts itself
-        dist.init_process_group("gloo", init_method="xla://", timeout=timeout)
-    return Processes(rank, world, dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
+        dist.init_process_group("gloo", init_method="xla://", timeout=timedelta(seconds=timeout_s))
+    return joined(rank, world, timeout_s)
