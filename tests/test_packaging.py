@@ -24,6 +24,7 @@ def test_wheel_contains_every_config_and_module(tmp_path):
         assert f"xtrain/conf/{yaml.relative_to(ROOT / 'conf')}" in names
     for module in (ROOT / "xtrain").rglob("*.py"):
         assert str(module.relative_to(ROOT)) in names, module
-    assert "hydra_plugins/xtrain_launchers/tpu.py" in names  # the launcher plugin
+    for plugin in (ROOT / "launch" / "hydra_plugins").rglob("*.py"):  # launchers, the sweeper
+        assert str(plugin.relative_to(ROOT / "launch")) in names, plugin
     assert "xtrain/evals/cpp_problems.jsonl" in names  # the C++ benchmark
     assert not any(n.startswith("hydra_plugins/__init__") for n in names)  # a namespace package

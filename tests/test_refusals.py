@@ -232,3 +232,21 @@ def test_checkpoints_record_the_config_with_its_secrets_masked(compose_config):
 
 def test_the_documented_exit_code_is_in_the_readme():
     assert f"exit code {EXIT_REFUSED}" in (ROOT / "README.md").read_text()
+
+
+def test_a_sweep_refuses_a_bad_job_before_running_any(tmp_path):
+    """Job 2 of 2 is out of range: the sweep ends before job 1 trains (xtrain/sweeps.py), naming
+    the job and its overrides."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "model=d2", "model.sequence_len=64", "trainer.max_steps=2", "trainer.sample_tokens=0",
+            "trainer.device_batch_size=4,0", f"hydra.sweep.dir={sweep}"]
+    started = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "xtrain", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1] == (
+        "xtrain: config error: sweep job 2 of 2 (model=d2 model.sequence_len=64 trainer.max_steps=2 "
+        "trainer.sample_tokens=0 trainer.device_batch_size=0): trainer.device_batch_size=0: must "
+        "be >= 1; no job was run")
+    assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]  # no job's directory
+    assert time.perf_counter() - started < 30  # before any torch import, let alone a step

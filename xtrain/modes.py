@@ -23,6 +23,17 @@ def plan_run(cfg, where: str) -> RunPlan:
     return plan
 
 
+def check_config(cfg) -> None:
+    """The checks of ``cfg`` alone, nothing read or printed (a sweep runs them on every job before
+    the first: xtrain/sweeps.py); :func:`run` repeats them as the job starts."""
+    if cfg.mode in (Mode.sample, Mode.eval):
+        check_ranges(cfg)
+        return
+    plan = resolve(cfg, run_devices(cfg.hardware))
+    if cfg.mode == Mode.train:
+        check_fits(plan, cfg)
+
+
 def run(cfg, run_dir: str) -> dict | None:
     """Resolve, check, print the plan, then dispatch on ``cfg.mode``."""
     keeps_log = cfg.mode in (Mode.train, Mode.sample, Mode.eval)

@@ -1,1 +1,2 @@
-"""xtrain's Hydra launcher plugins (``hydra/launcher=tpu_vm|tpu_pod``); see launch/README.md."""
+"""xtrain's Hydra plugins: launchers (``hydra/launcher=tpu_vm|tpu_pod``, see launch/README.md)
+and the sweeper (``hydra/sweeper=xtrain``, conf/train.yaml's default)."""

@@ -1,0 +1,36 @@
+"""A sweep (``-m``) checks every job's config before its first job runs: a job refused only when
+its turn came would let the jobs before it run (hours on a TPU) and then end the sweep there.
+
+Hydra's basic sweeper composes each job of a batch first, only to see that it composes; xtrain's
+sweeper (launch/hydra_plugins/xtrain_launchers/sweeper.py) calls :func:`check_jobs` there instead,
+whatever the launcher. What reads paths or storage is still checked by each job when it starts.
+"""
+
+from __future__ import annotations
+
+
+def check_jobs(config_loader, sweep_config, batch) -> None:
+    """Compose each job of ``batch`` (lists of overrides) and run xtrain's checks of its config
+    (xtrain/modes.py's check_config); the first refusal names its job and ends the sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from xtrain.errors import ConfigError, is_refusal
+    from xtrain.modes import check_config
+
+    try:
+        for number, overrides in enumerate(batch, start=1):
+            job = config_loader.load_sweep_config(master_config=sweep_config,
+                                                  sweep_overrides=list(overrides))
+            HydraConfig.instance().set_config(job)  # its resolvers (the run name) see this job
+            with open_dict(job):
+                del job["hydra"]
+            try:
+                check_config(job)
+            except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
+                if not is_refusal(e):
+                    raise
+                raise ConfigError(f"sweep job {number} of {len(batch)} ({' '.join(overrides)}): "
+                                  f"{e}; no job was run") from e
+    finally:
+        HydraConfig.instance().set_config(sweep_config)
