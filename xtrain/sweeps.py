@@ -2,8 +2,9 @@
 its turn came would let the jobs before it run (hours on a TPU) and then end the sweep there.
 
 Hydra's basic sweeper composes each job of a batch first, only to see that it composes; xtrain's
-sweeper (launch/hydra_plugins/xtrain_launchers/sweeper.py) calls :func:`check_jobs` there instead,
-whatever the launcher. What reads paths or storage is still checked by each job when it starts.
+sweeper (``hydra/sweeper=xtrain``: its config in xtrain/config/, its class in
+launch/hydra_plugins/xtrain_launchers/sweeper.py) calls :func:`check_jobs` there instead,
+whatever the launcher. What reads paths or storage is still checked by each job as it starts.
 """
 
 from __future__ import annotations

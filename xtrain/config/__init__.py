@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeperConf
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
@@ -355,9 +356,19 @@ def hydra_subdir(mode) -> str:
     return ".hydra" if mode == Mode.train.value else f".hydra-{mode}"
 
 
+@dataclass
+class SweeperConf(BasicSweeperConf):
+    """``hydra/sweeper=xtrain``: Hydra's basic sweeper that checks every job first (xtrain/sweeps.py)."""
+
+    _target_: str = "hydra_plugins.xtrain_launchers.sweeper.XtrainSweeper"
+
+
 def register() -> None:
     """Register the schemas and resolvers (idempotent)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    # here, not in the plugin: a job launched on a worker composes without xtrain's plugins
+    ConfigStore.instance().store(group="hydra/sweeper", name="xtrain", node=SweeperConf,
+                                 provider="xtrain")
     from xtrain.naming import corpus_dir, run_name, sweep_name
 
     if not OmegaConf.has_resolver("xtrain_run_name"):

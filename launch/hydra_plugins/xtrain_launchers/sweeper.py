@@ -1,22 +1,11 @@
-"""``hydra/sweeper=xtrain`` (conf/train.yaml's default): Hydra's basic sweeper, whose check of a
-batch of jobs before launching them also runs xtrain's checks of each job's config
-(xtrain/sweeps.py). Thin for the same reason as tpu.py: Hydra imports it at every startup.
+"""The class of ``hydra/sweeper=xtrain`` (conf/train.yaml's default): Hydra's basic sweeper, whose
+check of a batch of jobs before launching them also runs xtrain's checks of each job's config.
+Hydra instantiates plugins only from this namespace; the config node is registered by xtrain
+itself (xtrain/config/), so a run composes where this package is not installed (a launched
+job on a worker runs xtrain from its synced tree).
 """
 
-# No `from __future__ import annotations`: see tpu.py.
-from dataclasses import dataclass
-
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper, BasicSweeperConf
-from hydra.core.config_store import ConfigStore
-
-
-@dataclass
-class XtrainSweeperConf(BasicSweeperConf):
-    _target_: str = "hydra_plugins.xtrain_launchers.sweeper.XtrainSweeper"
-
-
-ConfigStore.instance().store(group="hydra/sweeper", name="xtrain", node=XtrainSweeperConf,
-                             provider="xtrain")
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
 
 class XtrainSweeper(BasicSweeper):
