@@ -190,6 +190,27 @@ def test_a_new_start_stops_what_an_earlier_run_of_the_job_left(remote, tmp_path)
     assert len((Path(job.dir) / "starts").read_text().splitlines()) == 2
 
 
+def test_a_pid_recorded_before_a_restart_is_neither_running_nor_signalled(remote, tmp_path):
+    """After a VM restart the job dir's pid may be an unrelated live process group: the dir's boot
+    id (the kernel's, at the start) tells them apart. Here the job itself plays that group, its
+    boot id rewritten as if recorded before a restart."""
+    worker, _, _ = make_worker(remote, tmp_path)
+    job = RemoteJob(worker, "unit")
+    unrelated = start(job, ["sleep", "60"])
+    boot = Path(job.dir) / "boot"
+    assert boot.read_text() == Path("/proc/sys/kernel/random/boot_id").read_text()
+    boot.write_text("0c1d5a6e-0000-4000-8000-000000000000\n")
+    try:
+        assert job.state().state == "lost"  # ended by the restart, no exit code
+        assert job.stop(grace_s=1) is False and live_group(unrelated) != []
+        new = start(job, ["sleep", "60"])  # a new start cleans up only its own boot's job
+        assert live_group(unrelated) != [] and job.state().state == "running"
+        job.stop(grace_s=5)
+        assert live_group(new) == []
+    finally:
+        os.killpg(unrelated, signal.SIGKILL)
+
+
 def test_a_stale_tpu_lock_is_removed_and_a_held_one_refused(remote, tmp_path):
     worker, _, _ = make_worker(remote, tmp_path)
     job = RemoteJob(worker, "unit")

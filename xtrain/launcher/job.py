@@ -3,9 +3,11 @@
 The job runs in its own session (``setsid``), its output going to a log file and its exit code to
 a file, so an SSH drop does not touch it and a later launch finds it again:
 
-    <remote_dir>/jobs/<job>/ run.sh  pid  attempt  starts  log  exit  reported
+    <remote_dir>/jobs/<job>/ run.sh  pid  boot  attempt  starts  log  exit  reported
 
 ``pid`` is the session (and process-group) leader, so a stop signals every process of the job.
+``boot`` is the kernel's boot id when it started: after a VM restart the same pid may belong to
+an unrelated process group, which is then neither reported running nor signalled.
 ``reported`` is written once a launcher has seen the end: a job that ended unwatched (the local
 side was gone) is reported by the next launch instead of being started again.
 """
@@ -23,6 +25,7 @@ q = shlex.quote
 # stay forever where PID 1 does not reap them (some containers).
 GROUP_ALIVE_SH = r"""
 group_alive() { ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {f=1} END {exit !f}'; }
+this_boot() { [ ! -f "$1/boot" ] || [ "$(cat "$1/boot")" = "$(cat /proc/sys/kernel/random/boot_id)" ]; }
 """
 
 # Prints "<state> <exit code or -> <reported 0|1> <attempt or -> <log bytes>" for job dir $1.
@@ -33,7 +36,7 @@ job_state() {
   pid=$(cat "$1/pid" 2>/dev/null)
   if [ -z "$pid" ]; then s=none
   elif [ -f "$1/exit" ]; then s=exited
-  elif group_alive "$pid"; then s=running
+  elif this_boot "$1" && group_alive "$pid"; then s=running
   else s=lost; fi
   printf '%s %s %s %s %s\n' "$s" "$(cat "$1/exit" 2>/dev/null || echo -)" \
     "$([ -f "$1/reported" ] && echo 1 || echo 0)" "$(cat "$1/attempt" 2>/dev/null || echo -)" \
@@ -42,9 +45,10 @@ job_state() {
 """
 
 # SIGTERM to the job's process group (xtrain checkpoints at the next step boundary and exits 143),
-# SIGKILL after the grace period, then wait until the group is gone. Expects $pid and $grace.
+# SIGKILL after the grace period, then wait until the group is gone. Expects $dir (the job's),
+# $pid and $grace.
 STOP_SH = GROUP_ALIVE_SH + r"""
-if group_alive "$pid"; then
+if this_boot "$dir" && group_alive "$pid"; then
   kill -TERM -- "-$pid" 2>/dev/null
   ticks=$(( grace * 5 ))
   while group_alive "$pid"; do
@@ -58,6 +62,7 @@ fi
 # write the exit code; signals go to the whole group, so the trap only keeps this shell waiting.
 RUN_SH = """# xtrain job {job}, attempt {attempt} (written by xtrain/launcher/job.py)
 J={jobdir}
+cat /proc/sys/kernel/random/boot_id > "$J/boot"
 echo $$ > "$J/pid"
 if [ -f "$J/secrets" ]; then set -a; . "$J/secrets"; set +a; rm -f "$J/secrets"; fi
 {exports}
@@ -107,10 +112,10 @@ class RemoteJob:
                                exports="\n".join(f"export {k}={q(str(v))}" for k, v in env.items()),
                                command=" ".join(q(a) for a in command))
         script = "\n".join([
-            f"mkdir -p {d}", f"pid=$(cat {d}/pid 2>/dev/null); grace={int(grace_s)}",
+            f"mkdir -p {d}", f"dir={d}; pid=$(cat {d}/pid 2>/dev/null); grace={int(grace_s)}",
             'if [ -n "$pid" ]; then', STOP_SH, "fi",
             _clear_lock_sh(tpu_lockfile) if tpu_lockfile else "",
-            f"rm -f {d}/exit {d}/reported {d}/pid {d}/secrets",
+            f"rm -f {d}/exit {d}/reported {d}/pid {d}/boot {d}/secrets",
             f"echo {q(attempt)} > {d}/attempt", f'echo "{attempt} $(date +%s.%N)" >> {d}/starts',
             f"(umask 077; cat > {d}/secrets) <<'{_eof(secrets)}'", *_env_lines(secrets), _eof(secrets),
             f"cat > {d}/run.sh <<'XTRAIN_RUN_SH_END'", run_sh.rstrip("\n"), "XTRAIN_RUN_SH_END",
@@ -134,7 +139,7 @@ class RemoteJob:
     def stop(self, grace_s: float) -> bool:
         """SIGTERM, then SIGKILL after ``grace_s``; True when it had to be killed."""
         d = q(self.dir)
-        r = self.worker.run(f"pid=$(cat {d}/pid 2>/dev/null) || exit 0; grace={int(grace_s)}\n"
+        r = self.worker.run(f"dir={d}; pid=$(cat {d}/pid 2>/dev/null) || exit 0; grace={int(grace_s)}\n"
                             + STOP_SH, "stop", timeout=grace_s + 120)
         return "killed" in r.stdout
 
