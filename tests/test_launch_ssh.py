@@ -179,6 +179,17 @@ def test_stop_sends_sigterm_then_sigkill_after_the_grace(remote, tmp_path):
     assert live_group(pid) == []
 
 
+def test_a_job_that_exits_on_sigterm_keeps_its_own_exit_code(remote, tmp_path):
+    """The stop's SIGTERM reaches the wrapper too: its exit code must stay the job's (3 here), not
+    128 + 15, which reads as a preemption. Several rounds: the job and the wrapper race."""
+    worker, _, _ = make_worker(remote, tmp_path)
+    job = RemoteJob(worker, "unit")
+    for _ in range(4):
+        start(job, ["bash", "-c", "trap 'exit 3' TERM; sleep 60 & wait"])
+        job.stop(grace_s=5)
+        assert (job.state().state, job.state().exit_code) == ("exited", 3)
+
+
 def test_a_new_start_stops_what_an_earlier_run_of_the_job_left(remote, tmp_path):
     worker, _, _ = make_worker(remote, tmp_path)
     job = RemoteJob(worker, "unit")

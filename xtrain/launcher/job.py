@@ -59,7 +59,9 @@ fi
 """
 
 # The job's wrapper: records its pid, loads the secrets (then deletes them), and stays alive to
-# write the exit code; signals go to the whole group, so the trap only keeps this shell waiting.
+# write the exit code. Signals go to the whole group: the wrapper survives them (handled by `true`
+# until the job is forked, so the job starts with the default actions; ignored from then on, so
+# that they cannot interrupt `wait`, which would return 128 + signal instead of the job's code).
 RUN_SH = """# xtrain job {job}, attempt {attempt} (written by xtrain/launcher/job.py)
 J={jobdir}
 cat /proc/sys/kernel/random/boot_id > "$J/boot"
@@ -70,7 +72,8 @@ cd {cwd} || exit 97
 trap true TERM INT HUP
 {command} &
 child=$!
-while :; do wait $child; rc=$?; kill -0 $child 2>/dev/null || break; done
+trap '' TERM INT HUP
+wait $child; rc=$?
 echo $rc > "$J/exit.tmp" && mv "$J/exit.tmp" "$J/exit"
 """
 
