@@ -96,6 +96,22 @@ def test_sync_is_incremental_and_mirrors_deletions(remote, tmp_path):
     assert (dest / "pkg" / "__pycache__" / "mod.cpython-311.pyc").exists()  # the worker's own cache
 
 
+def test_sync_copies_names_that_look_like_wildcards(remote, tmp_path):
+    """rsync reads a filter rule with *, ? or [ as a wildcard: such names must still be copied
+    (and a file they would match by accident must not be)."""
+    repo = git_tree(tmp_path / "repo")
+    names = ["pkg/data[1].py", "pkg/star*.py", "pkg/what?.py", "pkg/w[x]\\y.py", "pkg/x\\y.py"]
+    for name in names:
+        (repo / name).write_text("x = 1\n")
+    worker, runner, _ = make_worker(remote, tmp_path)
+    files = code_files(repo, runner)
+    assert set(names) <= set(files)
+    (repo / "pkg" / "data1.py").write_text("not listed\n")  # what data[1].py matches as a wildcard
+    sync(worker.ssh, worker.host, repo, files, worker.code)
+    arrived = {str(p.relative_to(worker.code)) for p in Path(worker.code).rglob("*") if p.is_file()}
+    assert arrived == set(files)
+
+
 def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path):
     """A fresh venv, a small pure-Python package from PyPI: installed, verified, stamped; the same
     spec again installs nothing; a new pin installs again."""

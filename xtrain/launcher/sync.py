@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -67,8 +68,18 @@ def filter_rules(files: list[str]) -> str:
     --delete-excluded, anything else on the worker is deleted, except bytecode caches.
     rsync checks rules in order per file, so a tree of 10,000 files costs about a second."""
     dirs = sorted({str(p) for f in files for p in Path(f).parents if str(p) != "."})
-    rules = ["P __pycache__/"] + [f"+ /{d}/" for d in dirs] + [f"+ /{f}" for f in files] + ["- *"]
+    rules = (["P __pycache__/"] + [f"+ /{_literal(d)}/" for d in dirs]
+             + [f"+ /{_literal(f)}" for f in files] + ["- *"])
     return "\n".join(rules) + "\n"
+
+
+def _literal(path: str) -> str:
+    """``path`` as an rsync pattern that matches only itself. rsync takes a pattern holding any of
+    ``*?[`` as a wildcard (``data[1].py`` would match ``data1.py`` and miss itself, so the file
+    would be deleted on the worker), where a backslash escapes; others it matches literally."""
+    if not any(c in path for c in "*?["):
+        return path
+    return re.sub(r"([\\*?\[])", r"\\\1", path)
 
 
 def sync(ssh, host: str, root: Path, files: list[str], dest: str) -> list[str]:
