@@ -113,8 +113,11 @@ def test_sync_copies_names_that_look_like_wildcards(remote, tmp_path):
 
 
 def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path):
-    """A fresh venv, a small pure-Python package from PyPI: installed, verified, stamped; the same
-    spec again installs nothing; a new pin installs again."""
+    """A venv whose creation stopped short (no pip, as when the VM lacks ensurepip), a small
+    pure-Python package from PyPI: the venv is made afresh, the package installed, verified,
+    stamped; the same spec again installs nothing; a new pin installs again."""
+    subprocess.run([str(BASE_PYTHON), "-m", "venv", "--without-pip", str(tmp_path / "fresh-venv")],
+                   check=True)
     worker, runner, _ = make_worker(remote, tmp_path, venv=str(tmp_path / "fresh-venv"))
     sync_xtrain(worker, runner)  # the check runs the synced xtrain.launcher.envcheck
     spec = EnvSpec(str(BASE_PYTHON), ("six==1.16.0",))

@@ -61,8 +61,13 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
     if spec.install:
         pip = " ".join(q(a) for a in ["-m", "pip", "install", "--disable-pip-version-check",
                                       "--no-input", "--quiet", *spec.pip_args, *spec.requirements])
-        script = (f"set -e\n[ -x {q(venv)}/bin/python ] || {q(spec.base_python)} -m venv {q(venv)}\n"
-                  f"{q(venv)}/bin/python {pip}\n")
+        # none yet, or a venv whose creation stopped short (no pip: ensurepip missing on the
+        # VM) is made afresh; a directory that is not a venv is left to fail in pip
+        script = (f"set -e\nv={q(venv)}\n"
+                  'if ! "$v/bin/python" -m pip --version >/dev/null 2>&1 && '
+                  '{ [ ! -e "$v/bin/python" ] || [ -f "$v/pyvenv.cfg" ]; }; then\n'
+                  f'  {q(spec.base_python)} -m venv --clear "$v"\nfi\n'
+                  f'"$v/bin/python" {pip}\n')
         r = worker.run(script, "install", timeout=None)
         if not r.ok:
             raise LaunchError(f"worker {worker.index} ({worker.host}): installing into {venv} "
