@@ -20,6 +20,7 @@ from tests.sshd import (HOSTS, keygen, live_group, remote, sshd, gcloud,  # noqa
                         tpu_node)
 from xtrain.checkpoint.layout import committed_checkpoints
 from xtrain.cli import config_dir
+from xtrain.errors import EXIT_REFUSED
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch"
@@ -200,11 +201,16 @@ def test_stop_option_stops_the_job_which_checkpoints(remote, tmp_path):
     log = job_dir(remote, "e2e-stop") / "log"
     try:
         wait_for(lambda: log.exists() and "step      5/" in log.read_text(), what="training")
+        # the same run name, another command: refused, not attached to the running job
+        other = run_xtrain(*[a.replace("100000", "99999") for a in args], cwd=tmp_path, timeout=120)
         stop = run_xtrain(*args, "hydra.launcher.stop=true", cwd=tmp_path)
         out, _ = follower.communicate(timeout=300)
     finally:
         if follower.poll() is None:
             os.killpg(follower.pid, signal.SIGKILL)
+    assert other.returncode == EXIT_REFUSED, other.stderr[-2000:]
+    assert "xtrain: config error: job e2e-stop is running on worker 0" in other.stderr
+    assert "with other overrides than these" in other.stderr
     assert stop.returncode == 0 and "stopped job e2e-stop on 1 worker(s)" in stop.stdout
     assert follower.returncode == 0, out[-3000:]
     assert "stopped at a signal (exit 143)" in out

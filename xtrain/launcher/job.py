@@ -3,17 +3,20 @@
 The job runs in its own session (``setsid``), its output going to a log file and its exit code to
 a file, so an SSH drop does not touch it and a later launch finds it again:
 
-    <remote_dir>/jobs/<job>/ run.sh  pid  boot  attempt  starts  log  exit  reported
+    <remote_dir>/jobs/<job>/ run.sh  pid  boot  command  attempt  starts  log  exit  reported
 
 ``pid`` is the session (and process-group) leader, so a stop signals every process of the job.
 ``boot`` is the kernel's boot id when it started: after a VM restart the same pid may belong to
-an unrelated process group, which is then neither reported running nor signalled.
+an unrelated process group, which is then neither reported running nor signalled. ``command``
+is a digest of the job's command line: a launch reattaches only to the job of its own command.
 ``reported`` is written once a launcher has seen the end: a job that ended unwatched (the local
 side was gone) is reported by the next launch instead of being started again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shlex
 from dataclasses import dataclass
 
@@ -28,7 +31,8 @@ group_alive() { ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {f=1
 this_boot() { [ ! -f "$1/boot" ] || [ "$(cat "$1/boot")" = "$(cat /proc/sys/kernel/random/boot_id)" ]; }
 """
 
-# Prints "<state> <exit code or -> <reported 0|1> <attempt or -> <log bytes>" for job dir $1.
+# Prints "<state> <exit code or -> <reported 0|1> <attempt or -> <log bytes> <command digest or ->"
+# for job dir $1.
 # state: none (never started), running, exited, lost (gone without an exit code: killed or the
 # VM restarted).
 STATE_SH = GROUP_ALIVE_SH + r"""
@@ -38,9 +42,9 @@ job_state() {
   elif [ -f "$1/exit" ]; then s=exited
   elif this_boot "$1" && group_alive "$pid"; then s=running
   else s=lost; fi
-  printf '%s %s %s %s %s\n' "$s" "$(cat "$1/exit" 2>/dev/null || echo -)" \
+  printf '%s %s %s %s %s %s\n' "$s" "$(cat "$1/exit" 2>/dev/null || echo -)" \
     "$([ -f "$1/reported" ] && echo 1 || echo 0)" "$(cat "$1/attempt" 2>/dev/null || echo -)" \
-    "$(stat -c %s "$1/log" 2>/dev/null || echo 0)"
+    "$(stat -c %s "$1/log" 2>/dev/null || echo 0)" "$(cat "$1/command" 2>/dev/null || echo -)"
 }
 """
 
@@ -85,12 +89,13 @@ class JobState:
     reported: bool
     attempt: str | None
     log_bytes: int
+    command: str | None  # command_digest of the job's command (None: started before it was kept)
 
     @classmethod
     def parse(cls, line: str) -> "JobState":
-        state, code, reported, attempt, size = line.split()
+        state, code, reported, attempt, size, command = line.split()
         return cls(state, None if code == "-" else int(code), reported == "1",
-                   None if attempt == "-" else attempt, int(size))
+                   None if attempt == "-" else attempt, int(size), None if command == "-" else command)
 
     @property
     def unreported_end(self) -> bool:
@@ -119,7 +124,7 @@ class RemoteJob:
             'if [ -n "$pid" ]; then', STOP_SH, "fi",
             _clear_lock_sh(tpu_lockfile) if tpu_lockfile else "",
             f"rm -f {d}/exit {d}/reported {d}/pid {d}/boot {d}/secrets",
-            f"echo {q(attempt)} > {d}/attempt", f'echo "{attempt} $(date +%s.%N)" >> {d}/starts',
+            f"echo {command_digest(command)} > {d}/command", f"echo {q(attempt)} > {d}/attempt", f'echo "{attempt} $(date +%s.%N)" >> {d}/starts',
             f"(umask 077; cat > {d}/secrets) <<'{_eof(secrets)}'", *_env_lines(secrets), _eof(secrets),
             f"cat > {d}/run.sh <<'XTRAIN_RUN_SH_END'", run_sh.rstrip("\n"), "XTRAIN_RUN_SH_END",
             f"setsid bash {d}/run.sh > {d}/log 2>&1 < /dev/null &",
@@ -149,6 +154,10 @@ class RemoteJob:
     def acknowledge(self) -> None:
         """Mark the end as seen, so the next launch starts afresh instead of reporting it."""
         self.worker.run(f"touch {q(self.dir)}/reported\n", "acknowledge")
+
+
+def command_digest(command: list[str]) -> str:
+    return hashlib.sha256(json.dumps(command).encode()).hexdigest()[:16]
 
 
 def _env_lines(values: dict[str, str]) -> list[str]:

@@ -22,10 +22,11 @@ import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from xtrain.errors import ConfigError
 from xtrain.launcher import secrets as job_secrets
 from xtrain.launcher.env import EnvSpec, ensure_env, requirements
 from xtrain.launcher.gcloud import Gcloud
-from xtrain.launcher.job import JobState, RemoteJob
+from xtrain.launcher.job import JobState, RemoteJob, command_digest
 from xtrain.launcher.logs import LogStream, log_path, tail_lines
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
@@ -67,7 +68,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     if busy:
         raise LaunchError("another xtrain job is running there: " + "; ".join(busy) +
                           " (stop it with its own command plus hydra.launcher.stop=true)")
-    if any(p.job.state == "running" or p.job.unreported_end for p in probes):
+    if reattachable(jobs, probes, overrides, run_name, log):
         attempt = next(p.job.attempt for p in probes if p.job.attempt)
         log(f"launch: job {job_id} (attempt {attempt}) is already on the workers: reattaching")
         offsets = [resume_offset(job_dir, w.index, attempt, p.job.log_bytes)
@@ -86,6 +87,28 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
                   f, indent=1)
     states = follow(jobs, job_dir, offsets, cfg, log, vm_check)
     return result(workers[0], job_id, job_dir, states, log)
+
+
+def reattachable(jobs, probes, overrides, run_name: str, log) -> bool:
+    """Whether the job is on the workers (running, or ended unwatched) with this very command, to
+    be followed instead of started. The run name leaves out what does not change the training
+    (``mode``, ``trainer.max_steps``...), so another command may hold the same job dir: running,
+    it is refused; ended, its end is marked seen and this command starts afresh."""
+    if not any(p.job.state == "running" or p.job.unreported_end for p in probes):
+        return False
+    other = [j.worker for j, p in zip(jobs, probes) if p.job.command not in (
+        None, command_digest(remote_command(j.worker, overrides, run_name, j.job_id)))]
+    if not other:
+        return True
+    if any(p.job.state == "running" for p in probes):
+        raise ConfigError(
+            f"job {jobs[0].job_id} is running on {other[0]} with other overrides than these (its "
+            f"command: {jobs[0].dir}/run.sh there): stop it first (hydra.launcher.stop=true, with "
+            "overrides that give the same run name), or give this job a run.name of its own")
+    log(f"launch: job {jobs[0].job_id} ended unwatched on the workers with other overrides; its "
+        "end is marked seen and this command starts afresh")
+    parallel(lambda j: j.acknowledge(), jobs)
+    return False
 
 
 def job_name(run_name: str) -> str:
