@@ -480,6 +480,21 @@ def test_last_shard_held_out_for_validation(corpus, compose_config):
     assert len(train_shards) == 2 and val_shards == {str(root / "train" / "shard_2.parquet")}
 
 
+def test_one_evaluation_reads_each_validation_document_once(corpus, compose_config):
+    """The held-out shard (200 documents, fewer than the loader buffers) with more evaluation
+    batches than it fills: each document starts a row once; the last batch is padded, never
+    refilled from the split's start."""
+    from xtrain.train.run import build_loaders
+
+    root, docs, tok = corpus
+    cfg = compose_config(["model.sequence_len=48", "trainer.eval_batches=1000"])
+    cfg.data.train_files, cfg.data.holdout_last_shard = str(root / "train"), True
+    loaders = build_loaders(cfg.data, cfg.trainer, 48, tok, rows=2, accum=1)
+    batches = [b.numpy() for b in loaders.val]
+    assert sum(int((b == tok.bos_id).sum()) for b in batches) == len(docs[400:600])
+    assert (batches[-1] == PAD).any() and not any((b == PAD).any() for b in batches[:-1])
+
+
 def _tree(root):
     return {str(p): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
