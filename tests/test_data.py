@@ -21,7 +21,7 @@ from conftest import gcs_filesystem
 from xtrain.data import prepare
 from xtrain.errors import DataError
 from xtrain.data.corpus import chunk_source, top_level_units
-from xtrain.data.loader import PAD, PackedLoader, list_shards
+from xtrain.data.loader import PAD, PackedLoader, index_units, list_shards
 from xtrain.data.tokenizer import BOS, load_tokenizer, save_hf, train_bpe
 
 CPP = """#include <vector>
@@ -493,6 +493,26 @@ def test_one_evaluation_reads_each_validation_document_once(corpus, compose_conf
     batches = [b.numpy() for b in loaders.val]
     assert sum(int((b == tok.bos_id).sum()) for b in batches) == len(docs[400:600])
     assert (batches[-1] == PAD).any() and not any((b == PAD).any() for b in batches[:-1])
+
+
+def test_null_or_non_string_texts_are_refused_naming_the_shard(tmp_path, corpus):
+    """Refused from the footer, before training, where the writer kept statistics; else when the
+    row group is read, still naming it (instead of a TypeError in the tokenizer hours in)."""
+    _, _, tok = corpus
+    texts = ["int a;"] * 30 + [None] + ["int b;"] * 9
+    for name, table, stats in (("stats", pa.table({"text": texts}), True),
+                               ("nostats", pa.table({"text": texts}), False),
+                               ("ints", pa.table({"text": list(range(40))}), True)):
+        (tmp_path / name).mkdir()
+        pq.write_table(table, tmp_path / name / "shard_0.parquet", row_group_size=20,
+                       write_statistics=stats)
+    with pytest.raises(DataError, match=r"stats/shard_0.parquet: row group 1 has 1 null text"):
+        index_units([str(tmp_path / "stats" / "shard_0.parquet")])
+    with pytest.raises(DataError, match="the 'text' column holds int64, not strings"):
+        index_units([str(tmp_path / "ints" / "shard_0.parquet")])
+    loader = PackedLoader(str(tmp_path / "nostats"), tok, seq_len=16, rows=2, loop=False)
+    with pytest.raises(DataError, match=r"nostats/shard_0.parquet: row group 1 has 1 null text"):
+        _take(loader, 1000)
 
 
 def _tree(root):

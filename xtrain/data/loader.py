@@ -49,6 +49,7 @@ def list_shards(files: str) -> list[str]:
 
 def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int]]:
     """(shard, row group) units, reading each footer once; checks each shard up front."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     def footer(url):
@@ -59,6 +60,15 @@ def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int]]:
             raise DataError(f"{url}: not a readable parquet file ({e})") from e
         if "text" not in meta.schema.names:
             raise DataError(f"{url}: no 'text' column (columns: {meta.schema.names})")
+        kind = meta.schema.to_arrow_schema().field("text").type
+        if kind not in (pa.string(), pa.large_string()):
+            raise DataError(f"{url}: the 'text' column holds {kind}, not strings")
+        column = meta.schema.names.index("text")
+        for rg in range(meta.num_row_groups):  # where the writer kept statistics (most do)
+            stats = meta.row_group(rg).column(column).statistics
+            if stats is not None and stats.has_null_count and stats.null_count:
+                raise DataError(f"{url}: row group {rg} has {stats.null_count} null text(s); "
+                                "drop or fill them")
         return [(url, rg) for rg in range(meta.num_row_groups) if meta.row_group(rg).num_rows]
 
     with ThreadPoolExecutor(threads) as pool:
@@ -74,9 +84,12 @@ def read_unit(unit: tuple[str, int]) -> list[str]:
     url, rg = unit
     try:
         with fsspec.open(url, "rb") as f:
-            return pq.ParquetFile(f).read_row_group(rg, columns=["text"]).column("text").to_pylist()
+            texts = pq.ParquetFile(f).read_row_group(rg, columns=["text"]).column("text").to_pylist()
     except Exception as e:
         raise DataError(f"{url}: failed reading row group {rg} ({e})") from e
+    if None in texts:  # a writer without statistics: index_units could not see it
+        raise DataError(f"{url}: row group {rg} has {texts.count(None)} null text(s); drop or fill them")
+    return texts
 
 
 class BestFitBuffer:
