@@ -468,6 +468,11 @@ def test_stale_and_partial_builds_of_xtrains_own_are_still_replaced(tmp_path, co
         mem.rm(root, recursive=True)
 
 
+def test_a_character_of_more_tokens_than_the_budget_stays_whole():
+    """'日' as 3 byte tokens under a budget of 2: its own chunk, not an endless split."""
+    assert chunk_source("a日b", [0, 1, 1, 1, 2], 2) == ["a", "日", "b"]
+
+
 def test_last_shard_held_out_for_validation(corpus, compose_config):
     from xtrain.train.run import build_loaders
 

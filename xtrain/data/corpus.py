@@ -143,7 +143,8 @@ def chunk_source(text: str, token_starts: list[int], budget: int) -> list[str]:
     def add(unit: str, offset: int):
         nonlocal current_tokens
         n = count(offset, offset + len(unit))
-        if n > budget:
+        # one character over budget (bytes the vocabulary never merged) stays whole
+        if n > budget and len(unit) > 1:
             parts = _split_block(unit)
             if parts is None:
                 parts = unit.splitlines(keepends=True)
