@@ -25,7 +25,7 @@ from xtrain.launcher import fleet
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.fleet import DOWN, PENDING, UP, Job, Vm, vm_health
 from xtrain.launcher.launch import VmUnavailable, launch_job
-from xtrain.launcher.pool import JobQueue, run_pool, summary
+from xtrain.launcher.pool import JobQueue, locate, run_pool, summary
 from xtrain.launcher.runner import LaunchError
 from xtrain.observe import preemptions
 
@@ -327,3 +327,53 @@ def test_a_vm_that_refuses_jobs_leaves_the_pool_and_the_others_run_them(
                                        "it: TPU vm-")
         assert "TPU vm-a: it refused job" in str(o.error)
         assert "TPU vm-b: it refused job" in str(o.error)
+
+
+def ended_unwatched(remote, host, job: str) -> None:
+    """What a job of an earlier launch leaves on ``host`` when it ended with nobody watching: an
+    exit code, no ``reported`` mark, its log and its metrics."""
+    done = subprocess.Popen(["true"])
+    done.wait()
+    jobs, run = remote.root(host) / "jobs" / job, remote.root(host) / "runs" / job
+    jobs.mkdir(parents=True)
+    run.mkdir(parents=True)
+    for name, text in {"pid": f"{done.pid}\n", "exit": "0\n", "attempt": "a1\n",
+                       "log": "step    10/10 | loss 2.5000\n"}.items():
+        (jobs / name).write_text(text)
+    (run / "metrics.jsonl").write_text('{"step": 10, "loss": 2.5}\n')
+
+
+def test_a_pool_job_that_ended_unwatched_is_reported_where_it_ran(gcloud, remote, tmp_path,
+                                                                  tpu_profile, monkeypatch):
+    """Both jobs of the sweep ended on vm-b while nobody watched: the relaunch reattaches each
+    there and reports its end (real launch_job over ssh); free vm-a starts nothing."""
+    from xtrain.launcher import launch
+
+    def started_afresh(worker, *args):
+        raise AssertionError(f"a job was set up to start afresh on {worker}")
+
+    monkeypatch.setattr(launch, "prepare", started_afresh)
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [(HOSTS[0], HOSTS[0])]))
+    gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [(HOSTS[1], HOSTS[1])]))
+    cfg = loopback_cfg(remote, tmp_path, hosts=[], pool=["vm-a", "vm-b"])
+    names = ["pool-unwatched-0", "pool-unwatched-1"]  # the first through the probe's own job
+    jobs = [Job(cfg, tpu_profile, [], name, str(tmp_path / name)) for name in names]
+    messages = []
+    try:
+        for name in names:
+            ended_unwatched(remote, HOSTS[1], name)
+        outcomes = run_pool(jobs, log=messages.append)
+        assert [(o.vm, o.state, o.error) for o in outcomes] == [("vm-b", "finished", None)] * 2
+        assert all(o.result["loss"] == 2.5 for o in outcomes)
+        for name in names:
+            assert f"[vm-b] launch: job {name} (attempt a1) is already on the workers: " \
+                   "reattaching" in messages
+            assert (remote.root(HOSTS[1]) / "jobs" / name / "reported").exists()
+            assert "loss 2.5000" in (tmp_path / name / "worker-0.log").read_text()
+        assert not list((remote.root(HOSTS[0]) / "jobs").glob("pool-unwatched-*"))
+        vms = [Vm(name, cfg, tpu_profile) for name in cfg.pool]
+        assert locate(vms, jobs, log=messages.append) == {}  # reported: the next launch starts
+    finally:  # them afresh
+        for name in names:
+            for kind in ("jobs", "runs"):
+                shutil.rmtree(remote.root(HOSTS[1]) / kind / name, ignore_errors=True)

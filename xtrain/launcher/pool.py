@@ -7,8 +7,9 @@ queue: to another VM, or to the same one once it is recreated (``recreate=true``
 (another job or program holds it, unreachable, a failed setup) leaves the pool too, and the job
 goes back to the queue for another VM; once every VM has left, the jobs not run fail, naming
 why each VM left. A job still running on one of the VMs from an earlier launch of the same sweep
-(the local side was gone) is reattached there, never started a second time elsewhere. Each job
-keeps its own Hydra job dir; the end is a summary table.
+(the local side was gone), or ended there unwatched, is reattached there (its end reported),
+never started a second time elsewhere. Each job keeps its own Hydra job dir; the end is a summary
+table.
 """
 
 from __future__ import annotations
@@ -172,28 +173,30 @@ def _restore(vm: Vm, history: Preemptions) -> str | None:
 
 
 def locate(vms: list[Vm], jobs: list[Job], log=say) -> dict[int, str]:
-    """Jobs of this sweep already running on a VM of the pool (an earlier launch of the same
-    command): job index -> VM name. One probe per READY VM; its ``busy`` list names them."""
+    """Jobs of this sweep already on a VM of the pool (an earlier launch of the same command),
+    running or ended unwatched: job index -> VM name. One probe per READY VM; its ``busy`` and
+    ``ended`` lists name them."""
     index = {job_name(j.run_name): i for i, j in enumerate(jobs)}
     cfg, hardware = jobs[0].cfg, jobs[0].hardware
 
-    def running_on(vm: Vm) -> list[str]:
+    def found_on(vm: Vm) -> list[str]:
         node = vm.describe()
         if node is None or vm.health() != UP:
             return []
         target = node_targets(node, cfg.address, hardware)[0]
         worker = Worker(target, Ssh(cfg, vm.runner, vm.log), cfg.remote_dir, cfg.venv)
         probe = worker.probe(job_name(jobs[0].run_name))
-        names = [b.split()[0] for b in probe.busy]
-        return names + ([job_name(jobs[0].run_name)] if probe.job.state == "running" else [])
+        names = [b.split()[0] for b in probe.busy] + probe.ended
+        here = probe.job.state == "running" or probe.job.unreported_end
+        return names + ([job_name(jobs[0].run_name)] if here else [])
 
     placed = {}
-    for vm, names in zip(vms, parallel(running_on, vms)):
+    for vm, names in zip(vms, parallel(found_on, vms)):
         for name in names:
             if name in index:
                 placed[index[name]] = vm.name
-                log(f"fleet: job {jobs[index[name]].run_name} is already running on {vm}: "
-                    "reattaching there")
+                log(f"fleet: job {jobs[index[name]].run_name} is already on {vm} (running, or "
+                    "ended unwatched): reattaching there")
     return placed
 
 
