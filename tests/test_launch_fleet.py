@@ -1,12 +1,16 @@
-"""The spot fleet's local half: VM states, recreation through gcloud, the pool's queue, the
-preemption record, and the refusals before launch. gcloud is the stand-in of tests/sshd.py
-(tests/gcloud_standin.py: it replays VM states from a scenario and records its calls), because
-Google Cloud cannot be reached from here; everything else is real. The end-to-end half, over real
-SSH with real training, is tests/test_launch_fleet_e2e.py."""
+"""The spot fleet's local half: VM states, recreation through gcloud, the pool's queue and its
+VMs' refusals, the preemption record, and the refusals before launch. gcloud is the stand-in of
+tests/sshd.py (tests/gcloud_standin.py: it replays VM states from a scenario and records its
+calls), because Google Cloud cannot be reached from here; the pool's VMs are the loopback hosts
+of tests/sshd.py; everything else is real. The end-to-end half, over real SSH with real
+training, is tests/test_launch_fleet_e2e.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -16,10 +20,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.sshd import HOSTS, gcloud, tpu_node  # noqa: F401  (gcloud is a fixture)
+from tests.sshd import HOSTS, gcloud, remote, sshd, tpu_node  # noqa: F401  (fixtures)
+from xtrain.launcher import fleet
 from xtrain.launcher.config import LauncherConfig
-from xtrain.launcher.fleet import DOWN, PENDING, UP, Vm, vm_health
-from xtrain.launcher.pool import JobQueue, summary
+from xtrain.launcher.fleet import DOWN, PENDING, UP, Job, Vm, vm_health
+from xtrain.launcher.launch import VmUnavailable, launch_job
+from xtrain.launcher.pool import JobQueue, locate, run_pool, summary
 from xtrain.launcher.runner import LaunchError
 from xtrain.observe import preemptions
 
@@ -138,6 +144,14 @@ def test_a_job_that_stopped_for_its_notice_is_rerun_once_its_vm_goes_down(gcloud
     assert (result["step"], result["preempted"], result["preemptions"]) == (7, True, 0)
 
 
+def test_a_vm_takes_the_job_already_on_it_first_and_leaving_keeps_its_reason():
+    queue = JobQueue(3, placed={2: "vm-a"}, vms=2)
+    assert queue.take("vm-a") == 2  # jobs 0 and 1 would find vm-a busy with job 2
+    assert queue.take("vm-a") == 0
+    assert queue.leave("vm-b", "TPU vm-b: it is PREEMPTED") == []
+    assert queue.reasons == ["TPU vm-b: it is PREEMPTED"]
+
+
 def test_the_queue_gives_requeued_jobs_first_and_placed_jobs_to_their_vm():
     queue = JobQueue(3, placed={2: "vm-b"}, vms=2)
     assert queue.take("vm-a") == 0
@@ -213,3 +227,153 @@ def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path,
     assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not remote.exists()  # nothing copied, no directory made
     assert not [c for c in gcloud.calls() if c[3] in ("create", "delete")]
+
+
+@pytest.fixture
+def tpu_profile(compose_config):
+    """A v6e-4 to the launcher (what gcloud describes), CPU for anything that would train: the
+    loopback "VMs" have no TPU."""
+    return compose_config(["hardware=cpu", "hardware.accelerator_type=v6e-4",
+                           "hardware.runtime_version=v2-alpha-tpuv6e"]).hardware
+
+
+def loopback_cfg(remote, tmp_path, **fields):
+    """Launcher fields for the loopback hosts of tests/sshd.py (gcloud's stand-in names them)."""
+    fields = {"zone": ZONE, "poll_s": 0.05, "tpu_lockfile": str(tmp_path / "libtpu_lockfile"),
+              **fields}
+    return OmegaConf.structured(LauncherConfig(**remote.launcher_fields(**fields)))
+
+
+@contextlib.contextmanager
+def another_job(remote, host):
+    """Another sweep's job running on ``host`` (a sleeper leading its own process group)."""
+    other = remote.root(host) / "jobs" / "pool-other"
+    other.mkdir(parents=True, exist_ok=True)
+    sleeper = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    try:
+        (other / "pid").write_text(f"{sleeper.pid}\n")
+        yield sleeper.pid
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        shutil.rmtree(other)
+
+
+@pytest.mark.parametrize("case", ["TPU in use", "unreachable"])
+def test_a_refusal_before_the_job_starts_is_the_vms(remote, tmp_path, tpu_profile, case):
+    """What launch_job refuses before anything of the job runs is a VmUnavailable (the pool gives
+    the job to another VM); a busy worker is the pool test below."""
+    if case == "unreachable":  # nothing listens on 127.0.0.4
+        cfg, expected = loopback_cfg(remote, tmp_path, hosts=["127.0.0.4"], retries=0), \
+            "127.0.0.4:.* unreachable after 1 attempts"
+        holder = None
+    else:  # libtpu's lock held open by another program (tests/test_launch_ssh.py for the script)
+        cfg = loopback_cfg(remote, tmp_path, hosts=[HOSTS[1]])
+        lock = tmp_path / "libtpu_lockfile"
+        lock.write_text("")
+        with open(lock) as f:
+            holder = subprocess.Popen(["sleep", "120"], stdin=f)
+        expected = re.escape(f"the TPU is in use: process {holder.pid} holds {lock}")
+    try:
+        with pytest.raises(VmUnavailable, match=expected):
+            launch_job(cfg, tpu_profile, [], "pool-refused", str(tmp_path / "job"))
+    finally:
+        if holder:
+            holder.kill()
+            holder.wait()
+    assert not (remote.root(HOSTS[1]) / "jobs" / "pool-refused" / "pid").exists()
+
+
+def test_a_vm_that_refuses_jobs_leaves_the_pool_and_the_others_run_them(
+        gcloud, remote, tmp_path, tpu_profile, monkeypatch):
+    """vm-a is busy with another sweep's job: the real launch_job refuses there over ssh. vm-b's
+    jobs are stood in for (0.2 s each; the refusal, not training, is tested here), one of them
+    failing as its own failure. vm-a leaves the pool once, saying why; every job runs on vm-b.
+    Once every VM is busy, the jobs fail naming each VM's reason."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [(HOSTS[0], HOSTS[0])]))
+    gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [(HOSTS[1], HOSTS[1])]))
+    real = fleet.launch_job
+
+    def launch(cfg, hardware, overrides, run_name, *args, **kwargs):
+        if cfg.tpu == "vm-a":
+            return real(cfg, hardware, overrides, run_name, *args, **kwargs)
+        time.sleep(0.2)
+        if run_name == "job-3":
+            raise LaunchError(f"worker 0 ({HOSTS[1]}) failed (exit code 1)")
+        return {"loss": 2.0}
+
+    monkeypatch.setattr(fleet, "launch_job", launch)
+    cfg = loopback_cfg(remote, tmp_path, hosts=[], pool=["vm-a", "vm-b"])
+    jobs = [Job(cfg, tpu_profile, [], f"job-{i}", str(tmp_path / f"job-{i}")) for i in range(5)]
+    messages = []
+    with another_job(remote, HOSTS[0]) as pid:
+        outcomes = run_pool(jobs, log=messages.append)
+        assert [(o.vm, o.state) for o in outcomes] == [("vm-b", "finished")] * 3 + [
+            ("vm-b", "failed"), ("vm-b", "finished")]
+        assert "exit code 1" in str(outcomes[3].error)  # started, then failed: the job's own
+        left = [m for m in messages if "leaves the pool" in m]
+        assert len(left) == 1, messages
+        assert re.match(r"\[vm-a\] fleet: TPU vm-a leaves the pool: it refused job job-\d before "
+                        r"starting it: another xtrain job is running there: worker 0 "
+                        rf"\({HOSTS[0]}\): pool-other pid {pid} ", left[0]), left[0]
+        assert not list((remote.root(HOSTS[0]) / "jobs").glob("job-*"))  # nothing copied there
+
+        with another_job(remote, HOSTS[1]):
+            monkeypatch.setattr(fleet, "launch_job", real)
+            outcomes = run_pool(jobs[:3], log=messages.append)
+    for o, job in zip(outcomes, jobs):
+        assert (o.vm, o.state) == (None, "failed")
+        assert str(o.error).startswith(f"job {job.run_name}: no VM of the pool is left to run "
+                                       "it: TPU vm-")
+        assert "TPU vm-a: it refused job" in str(o.error)
+        assert "TPU vm-b: it refused job" in str(o.error)
+
+
+def ended_unwatched(remote, host, job: str) -> None:
+    """What a job of an earlier launch leaves on ``host`` when it ended with nobody watching: an
+    exit code, no ``reported`` mark, its log and its metrics."""
+    done = subprocess.Popen(["true"])
+    done.wait()
+    jobs, run = remote.root(host) / "jobs" / job, remote.root(host) / "runs" / job
+    jobs.mkdir(parents=True)
+    run.mkdir(parents=True)
+    for name, text in {"pid": f"{done.pid}\n", "exit": "0\n", "attempt": "a1\n",
+                       "log": "step    10/10 | loss 2.5000\n"}.items():
+        (jobs / name).write_text(text)
+    (run / "metrics.jsonl").write_text('{"step": 10, "loss": 2.5}\n')
+
+
+def test_a_pool_job_that_ended_unwatched_is_reported_where_it_ran(gcloud, remote, tmp_path,
+                                                                  tpu_profile, monkeypatch):
+    """Both jobs of the sweep ended on vm-b while nobody watched: the relaunch reattaches each
+    there and reports its end (real launch_job over ssh); free vm-a starts nothing."""
+    from xtrain.launcher import launch
+
+    def started_afresh(worker, *args):
+        raise AssertionError(f"a job was set up to start afresh on {worker}")
+
+    monkeypatch.setattr(launch, "prepare", started_afresh)
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [(HOSTS[0], HOSTS[0])]))
+    gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [(HOSTS[1], HOSTS[1])]))
+    cfg = loopback_cfg(remote, tmp_path, hosts=[], pool=["vm-a", "vm-b"])
+    names = ["pool-unwatched-0", "pool-unwatched-1"]  # the first through the probe's own job
+    jobs = [Job(cfg, tpu_profile, [], name, str(tmp_path / name)) for name in names]
+    messages = []
+    try:
+        for name in names:
+            ended_unwatched(remote, HOSTS[1], name)
+        outcomes = run_pool(jobs, log=messages.append)
+        assert [(o.vm, o.state, o.error) for o in outcomes] == [("vm-b", "finished", None)] * 2
+        assert all(o.result["loss"] == 2.5 for o in outcomes)
+        for name in names:
+            assert f"[vm-b] launch: job {name} (attempt a1) is already on the workers: " \
+                   "reattaching" in messages
+            assert (remote.root(HOSTS[1]) / "jobs" / name / "reported").exists()
+            assert "loss 2.5000" in (tmp_path / name / "worker-0.log").read_text()
+        assert not list((remote.root(HOSTS[0]) / "jobs").glob("pool-unwatched-*"))
+        vms = [Vm(name, cfg, tpu_profile) for name in cfg.pool]
+        assert locate(vms, jobs, log=messages.append) == {}  # reported: the next launch starts
+    finally:  # them afresh
+        for name in names:
+            for kind in ("jobs", "runs"):
+                shutil.rmtree(remote.root(HOSTS[1]) / kind / name, ignore_errors=True)

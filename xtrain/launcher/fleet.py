@@ -228,8 +228,8 @@ VM_DOWN_WAIT_S = 180.0
 
 def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
     """Run ``job`` on ``vm`` once. Raises VmLost when the VM went down under it (or was found
-    down while launching, or went down after the job stopped for its notice), and anything else
-    as the job's own failure."""
+    down while launching, or went down after the job stopped for its notice), VmUnavailable when
+    the READY VM refused the job before it started, and anything else as the job's own failure."""
     env = {**job.cfg.env, **history.relaunching()}
     cfg = derive(job.cfg, tpu=vm.name, pool=[], hosts=[], env=env)
     try:

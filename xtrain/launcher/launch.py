@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +38,12 @@ from xtrain.launcher.worker import Worker
 PREEMPTED = 143  # xtrain's exit code after a SIGTERM checkpoint (128 + SIGTERM)
 
 
+class VmUnavailable(LaunchError):
+    """The workers refused the job before anything of it started (another xtrain job or program
+    holds them, unreachable, missing tools, a failed sync or install): the machine's problem, not
+    the job's. A pool (xtrain/launcher/pool.py) gives the job to another VM."""
+
+
 def say(message: str) -> None:
     print(message, flush=True)
 
@@ -46,7 +53,8 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     """Run ``python -m xtrain <overrides>`` on the workers ``cfg`` names; returns the final metrics
     (and ``preempted``/``stopped`` when the job did not finish). Raises ConfigError for bad input,
     LaunchError when a worker fails or cannot be reached. ``vm_check`` (xtrain/launcher/fleet.py)
-    is called whenever a worker's log stream ends and raises when the VM itself is gone."""
+    is called whenever a worker's log stream ends and raises when the VM itself is gone. A refusal
+    before the job started is a VmUnavailable."""
     t0 = time.perf_counter()
     runner = runner or Runner()
     ssh = Ssh(cfg, runner, log)
@@ -59,25 +67,27 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     workers = [Worker(t, ssh, cfg.remote_dir, cfg.venv)
                for t in resolve_targets(cfg, hardware, Gcloud(runner))]
     job_id = job_name(run_name)
-    probes = parallel(lambda w: w.probe(job_id), workers)
+    with before_start():
+        probes = parallel(lambda w: w.probe(job_id), workers)
     jobs = [RemoteJob(w, job_id) for w in workers]
     os.makedirs(job_dir, exist_ok=True)
     if cfg.stop:
         return stop_job(jobs, probes, cfg.stop_grace_s, log)
     busy = [f"{w}: {b}" for w, p in zip(workers, probes) for b in p.busy]
     if busy:
-        raise LaunchError("another xtrain job is running there: " + "; ".join(busy) +
-                          " (stop it with its own command plus hydra.launcher.stop=true)")
+        raise VmUnavailable("another xtrain job is running there: " + "; ".join(busy) +
+                            " (stop it with its own command plus hydra.launcher.stop=true)")
     if reattachable(jobs, probes, overrides, run_name, log):
         attempt = next(p.job.attempt for p in probes if p.job.attempt)
         log(f"launch: job {job_id} (attempt {attempt}) is already on the workers: reattaching")
         offsets = [resume_offset(job_dir, w.index, attempt, p.job.log_bytes)
                    for w, p in zip(workers, probes)]
     else:
-        done = parallel(lambda w: prepare(w, root, files, spec, probes[w.index].stamp), workers)
-        for w, (sent, env_state) in zip(workers, done):
-            log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
-        attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log)
+        with before_start():
+            done = parallel(lambda w: prepare(w, root, files, spec, probes[w.index].stamp), workers)
+            for w, (sent, env_state) in zip(workers, done):
+                log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
+            attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log)
         log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
             f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
         offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
@@ -109,6 +119,15 @@ def reattachable(jobs, probes, overrides, run_name: str, log) -> bool:
         "end is marked seen and this command starts afresh")
     parallel(lambda j: j.acknowledge(), jobs)
     return False
+
+
+@contextlib.contextmanager
+def before_start():
+    """A LaunchError raised inside left nothing of the job running: raised as VmUnavailable."""
+    try:
+        yield
+    except LaunchError as e:
+        raise VmUnavailable(str(e)) from e
 
 
 def job_name(run_name: str) -> str:

@@ -3,9 +3,13 @@
 One thread per VM takes the next job from one queue, so every VM runs one job at a time and the
 next job goes to the first free VM. A job whose VM is preempted goes back to the front of the
 queue: to another VM, or to the same one once it is recreated (``recreate=true``); without
-``recreate`` the preempted VM leaves the pool. A job still running on one of the VMs from an
-earlier launch of the same sweep (the local side was gone) is reattached there, never started a
-second time elsewhere. Each job keeps its own Hydra job dir; the end is a summary table.
+``recreate`` the preempted VM leaves the pool. A VM that refuses a job before starting it
+(another job or program holds it, unreachable, a failed setup) leaves the pool too, and the job
+goes back to the queue for another VM; once every VM has left, the jobs not run fail, naming
+why each VM left. A job still running on one of the VMs from an earlier launch of the same sweep
+(the local side was gone), or ended there unwatched, is reattached there (its end reported),
+never started a second time elsewhere. Each job keeps its own Hydra job dir; the end is a summary
+table.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from xtrain.launcher.fleet import (UP, Job, Preemptions, Vm, VmLost, attempt, check_known, clock,
-                                   preempted)
-from xtrain.launcher.launch import job_name, parallel, say
+                                   preempted, vm_health)
+from xtrain.launcher.launch import VmUnavailable, job_name, parallel, say
 from xtrain.launcher.runner import LaunchError
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.targets import node_targets
@@ -46,18 +50,22 @@ class JobQueue:
         self.pending = deque(range(count))
         self.placed = dict(placed)  # job -> the VM it already runs on (only that VM takes it)
         self.in_flight, self.alive = 0, vms
+        self.reasons: list[str] = []  # why each VM that left did
         self.cond = threading.Condition()
 
     def take(self, vm: str) -> int | None:
-        """The next job for ``vm``; None once nothing is left to run or to come back."""
+        """The next job for ``vm``, a job already on it first (any other would find it busy);
+        None once nothing is left to run or to come back."""
         with self.cond:
             while True:
-                for i in self.pending:
-                    if self.placed.get(i, vm) == vm:
-                        self.pending.remove(i)
-                        self.placed.pop(i, None)
-                        self.in_flight += 1
-                        return i
+                ready = ([i for i in self.pending if self.placed.get(i) == vm]
+                         + [i for i in self.pending if i not in self.placed])
+                if ready:
+                    i = ready[0]
+                    self.pending.remove(i)
+                    self.placed.pop(i, None)
+                    self.in_flight += 1
+                    return i
                 if not self.pending and not self.in_flight:
                     return None
                 self.cond.wait()
@@ -69,10 +77,12 @@ class JobQueue:
                 self.pending.appendleft(i)
             self.cond.notify_all()
 
-    def leave(self, vm: str) -> list[int]:
-        """``vm`` leaves the pool; returns the jobs nobody is left to run (it was the last)."""
+    def leave(self, vm: str, reason: str = "") -> list[int]:
+        """``vm`` leaves the pool (``reason`` is kept in ``reasons``); returns the jobs nobody is
+        left to run (it was the last)."""
         with self.cond:
             self.alive -= 1
+            self.reasons.append(reason or vm)
             self.placed = {i: v for i, v in self.placed.items() if v != vm}
             orphans = list(self.pending) if self.alive == 0 else []
             if orphans:
@@ -99,29 +109,48 @@ def run_pool(jobs: list[Job], log=say) -> list[Outcome]:
 
 
 def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> None:
-    """One VM's thread: run the next job until none is left; leave the pool when the VM is lost
-    for good (preempted without ``recreate``, or its recreation failed)."""
+    """One VM's thread: run the next job until none is left. The VM leaves the pool when it is
+    lost for good (preempted without ``recreate``, or its recreation failed), or when it refuses
+    a job before starting it (VmUnavailable): that job goes back to the queue for another VM."""
     while (i := queue.take(vm.name)) is not None:
         job, out = jobs[i], outcomes[i]
-        out.vm = vm.name
+        ran_on, out.vm = out.vm, vm.name
         try:
-            if vm.health() == UP:
+            state = vm.state()
+            if vm_health(state, vm.cfg.queued) == UP:
                 out.result, out.error = attempt(vm, job, out.history, vm.log), None
                 queue.finish(i)
                 continue
             queue.finish(i, requeue=True)  # down while idle: the job lost nothing, it waits
+            why = f"it is {state}"
         except VmLost as lost:
             queue.finish(i, requeue=_survives(vm, job, out, lost))
+            why = f"it is {lost.state}"
+        except VmUnavailable as e:  # not the job's failure: recreating would not help either
+            out.vm = ran_on  # it never ran here
+            queue.finish(i, requeue=True)
+            _leave(vm, jobs, queue, outcomes, f"it refused job {job.run_name} before starting "
+                                              f"it: {e}")
+            return
         except Exception as e:  # noqa: BLE001  (the job's own failure, the VM is READY: go on)
             out.error = e
             queue.finish(i)
             continue
-        if not (vm.cfg.recreate and _restored(vm, out.history)):
-            vm.log(f"fleet: {vm} leaves the pool")
-            for orphan in queue.leave(vm.name):
-                outcomes[orphan].error = LaunchError(f"job {jobs[orphan].run_name}: no VM of "
-                                                     "the pool is left to run it")
-            return
+        if vm.cfg.recreate:
+            why = _restore(vm, out.history)
+            if why is None:
+                continue
+        _leave(vm, jobs, queue, outcomes, why)
+        return
+
+
+def _leave(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome], why: str) -> None:
+    """Say once that ``vm`` leaves the pool, and why; if it was the last, the jobs not run fail
+    with every VM's reason."""
+    vm.log(f"fleet: {vm} leaves the pool: {why}")
+    for orphan in queue.leave(vm.name, f"{vm}: {why}"):
+        outcomes[orphan].error = LaunchError(f"job {jobs[orphan].run_name}: no VM of the pool is "
+                                             "left to run it: " + "; ".join(queue.reasons))
 
 
 def _survives(vm: Vm, job: Job, out: Outcome, lost: VmLost) -> bool:
@@ -134,38 +163,40 @@ def _survives(vm: Vm, job: Job, out: Outcome, lost: VmLost) -> bool:
         return False
 
 
-def _restored(vm: Vm, history: Preemptions) -> bool:
+def _restore(vm: Vm, history: Preemptions) -> str | None:
+    """Recreate ``vm``: None once it is READY again, else why it could not be."""
     try:
         vm.restore(history.lost_so_far)
-        return True
+        return None
     except LaunchError as e:
-        vm.log(f"fleet: {vm} could not be recreated: {e}")
-        return False
+        return f"it could not be recreated: {e}"
 
 
 def locate(vms: list[Vm], jobs: list[Job], log=say) -> dict[int, str]:
-    """Jobs of this sweep already running on a VM of the pool (an earlier launch of the same
-    command): job index -> VM name. One probe per READY VM; its ``busy`` list names them."""
+    """Jobs of this sweep already on a VM of the pool (an earlier launch of the same command),
+    running or ended unwatched: job index -> VM name. One probe per READY VM; its ``busy`` and
+    ``ended`` lists name them."""
     index = {job_name(j.run_name): i for i, j in enumerate(jobs)}
     cfg, hardware = jobs[0].cfg, jobs[0].hardware
 
-    def running_on(vm: Vm) -> list[str]:
+    def found_on(vm: Vm) -> list[str]:
         node = vm.describe()
         if node is None or vm.health() != UP:
             return []
         target = node_targets(node, cfg.address, hardware)[0]
         worker = Worker(target, Ssh(cfg, vm.runner, vm.log), cfg.remote_dir, cfg.venv)
         probe = worker.probe(job_name(jobs[0].run_name))
-        names = [b.split()[0] for b in probe.busy]
-        return names + ([job_name(jobs[0].run_name)] if probe.job.state == "running" else [])
+        names = [b.split()[0] for b in probe.busy] + probe.ended
+        here = probe.job.state == "running" or probe.job.unreported_end
+        return names + ([job_name(jobs[0].run_name)] if here else [])
 
     placed = {}
-    for vm, names in zip(vms, parallel(running_on, vms)):
+    for vm, names in zip(vms, parallel(found_on, vms)):
         for name in names:
             if name in index:
                 placed[index[name]] = vm.name
-                log(f"fleet: job {jobs[index[name]].run_name} is already running on {vm}: "
-                    "reattaching there")
+                log(f"fleet: job {jobs[index[name]].run_name} is already on {vm} (running, or "
+                    "ended unwatched): reattaching there")
     return placed
 
 

@@ -19,6 +19,7 @@ class Probe:
     stamp: str | None
     job: JobState
     busy: list[str] = field(default_factory=list)  # other jobs running there: "name pid"
+    ended: list[str] = field(default_factory=list)  # other jobs that ended unwatched: names
 
 
 class Worker:
@@ -53,6 +54,7 @@ class Worker:
             'for d in "$root"/jobs/*/; do n=$(basename "$d")',
             f'  [ "$n" = {q(job_id)} ] && continue',
             '  set -- $(job_state "$d"); [ "$1" = running ] && echo "busy=$n pid $(cat "$d/pid")"',
+            '  [ "$1" = exited ] && [ "$3" = 0 ] && echo "ended=$n"',
             "done", "exit 0", ""])
         r = self.run(script, "probe", timeout=120)
         values: dict[str, list[str]] = {}
@@ -67,7 +69,7 @@ class Worker:
         self.root, self.venv = values["root"][0], values["venv"][0]
         self.code = self.root + "/code"
         return Probe(values.get("stamp", [None])[0], JobState.parse(values["job"][0]),
-                     values.get("busy", []))
+                     values.get("busy", []), values.get("ended", []))
 
 
 def _shell_path(path: str) -> str:
