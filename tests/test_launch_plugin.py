@@ -179,3 +179,16 @@ def test_remote_command_runs_the_jobs_own_overrides_with_a_fixed_name_and_dir():
     assert job_name("d16-v6e4-cpp16k") == "d16-v6e4-cpp16k"
     # names that are not plain paths get a hash, so two of them never share a job directory
     assert job_name("d2-x,[y]").startswith("d2-x_y-") and job_name("d2-x,[y]") != job_name("d2-x[y]")
+
+
+@pytest.mark.parametrize("name", ["a\\b", "it's", "a\\'b", "ends\\", "x,y=z[1]", "two\\\\x'"])
+def test_the_run_name_reaches_the_worker_as_written(name):
+    """The remote command's run name, read back by Hydra's own override parser, is the name."""
+    from types import SimpleNamespace
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from xtrain.launcher.launch import job_name, remote_command
+
+    cmd = remote_command(SimpleNamespace(venv="/r/venv", root="/r"), [], name, job_name(name))
+    assert OverridesParser.create().parse_override(cmd[4]).value() == name

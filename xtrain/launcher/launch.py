@@ -195,7 +195,9 @@ def _hydra_str(value: str) -> str:
     name may hold , [ ] or =)."""
     if re.fullmatch(r"[A-Za-z0-9_./-]+", value):
         return value
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    # Hydra reads a backslash literally except in a run before a quote (or the closing one):
+    # such a run is doubled, and the quote escaped
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: 2 * m[1] + ("\\'" if m[2] else ""), value) + "'"
 
 
 def job_env(cfg, worker, workers) -> dict[str, str]:
