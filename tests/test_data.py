@@ -453,6 +453,7 @@ def test_stale_and_partial_builds_of_xtrains_own_are_still_replaced(tmp_path, co
     mem = fsspec.filesystem("memory")
     root = f"/xtrain-test-{os.getpid()}"
     mem.pipe(f"{root}/src/a.cpp", CPP.encode())
+    mem.pipe(f"{root}/src/b.hpp", b"namespace b { inline int g() { return 2; } }\n")
     mem.pipe(f"{root}/out/{BUILD_MARKER}", b"{}")
     mem.pipe(f"{root}/out/train/shard_00000.parquet", b"half written")
     mem.pipe(f"{root}/foreign/keep.txt", b"keep")
@@ -460,7 +461,7 @@ def test_stale_and_partial_builds_of_xtrains_own_are_still_replaced(tmp_path, co
     try:
         manifest = ensure_built(BuildSpec(sources, f"memory://{root}/out", 300, 256))
         shard = pq.read_table(mem.open(f"{root}/out/train/shard_00000.parquet", "rb"))
-        assert manifest["files"] == 1 and shard.num_rows > 0
+        assert manifest["files"] == 2 and shard.num_rows > 0
         with pytest.raises(DataError, match="holds keep.txt"):
             ensure_built(BuildSpec(sources, f"memory://{root}/foreign", 300, 256))
         assert mem.cat(f"{root}/foreign/keep.txt") == b"keep"

@@ -95,6 +95,9 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("half-tokenizer", ["data.build_sources=[]", "data.tokenizer={half_tokenizer}"], {},
      "needs tokenizer.json (or tokenizer.pkl) and token_bytes.pt"),
     ("no-sources", ["data.build_sources=[{missing}]"], {}, "no C/C++ sources found"),
+    ("one-source", ["data.build_sources=[{one_source}]"], {},
+     "data.build_sources=['{one_source}']: only one C/C++ source file ({one_source}/only.cpp); "
+     "the build holds out whole files for validation, so it needs at least 2"),
     ("unreachable-bucket", ["data=cpp16k", "data.remote_timeout_s=0.5"],
      {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}, "gs://nanochat-training-data-2026: no answer within 0.5 s"),
     # on several hosts the C++ evaluation reads the checkpoint of its step (xtrain/train/cpp_eval.py)
@@ -155,10 +158,13 @@ def world(tmp_path_factory, xtrain_cache):
     half_tokenizer.mkdir()
     shutil.copy(corpus / "tokenizer" / "tokenizer.json", half_tokenizer)
     (base / "empty").mkdir()
+    (base / "one_source").mkdir()
+    (base / "one_source" / "only.cpp").write_text("int main() { return 0; }\n")
     (base / "a_file").write_text("")
     paths = dict(missing=base / "missing", empty=base / "empty", a_file=base / "a_file",
                  checkpoints=checkpoints, committed=committed, uncommitted=uncommitted,
-                 tokenizer=corpus / "tokenizer", one_shard=one_shard, half_tokenizer=half_tokenizer)
+                 tokenizer=corpus / "tokenizer", one_shard=one_shard, half_tokenizer=half_tokenizer,
+                 one_source=base / "one_source")
     return {"base": base, "corpus": corpus, **{k: str(v) for k, v in paths.items()}}
 
 

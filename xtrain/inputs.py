@@ -150,15 +150,13 @@ def check_tokenizer(directory: str) -> None:
 def check_data(data) -> None:
     """The tokenizer and the shards, unless the corpus is built on first use (then its output
     directory, which must be the build's to replace, and its sources)."""
-    from xtrain.data.corpus import check_output, find_sources
+    from xtrain.data.corpus import check_output, checked_sources
     from xtrain.data.loader import list_shards
 
     if data.build_sources:
         if data.build_dir:
             check_output(list(data.build_sources), data.build_dir)
-        if not find_sources(list(data.build_sources)):
-            raise DataError(f"data.build_sources={list(data.build_sources)}: no C/C++ sources found "
-                            "(install g++ for /usr/include/c++, or name a directory of C++ code)")
+        checked_sources(list(data.build_sources))
         return  # the tokenizer and shards are built (or reused) from them
     check_tokenizer(data.tokenizer)
     shards = list_shards(data.train_files)

@@ -258,15 +258,24 @@ def check_output(sources: list[str], out_dir: str) -> None:
             "data.build_dir), or move that away")
 
 
+def checked_sources(roots: list[str]) -> list[tuple[str, str]]:
+    """:func:`find_sources`, refusing fewer than 2 files: validation holds out whole files."""
+    files = find_sources(roots)
+    if not files:
+        raise DataError(f"data.build_sources={roots}: no C/C++ sources found (install g++ for "
+                        "/usr/include/c++, or name a directory of C++ code)")
+    if len(files) < 2:
+        raise DataError(f"data.build_sources={roots}: only one C/C++ source file ({files[0][0]}); "
+                        "the build holds out whole files for validation, so it needs at least 2")
+    return files
+
+
 def ensure_built(spec: BuildSpec, log=print) -> dict:
     """Build unless a complete build of the same inputs exists; returns the manifest. Refuses
     (check_output) before reading a source when the output directory is not the build's to
     replace."""
     check_output(spec.sources, spec.out_dir)
-    files = find_sources(spec.sources)
-    if not files:
-        raise DataError(f"no C/C++ sources found under {spec.sources}: install g++ (for "
-                        "/usr/include/c++) or set data.build_sources to a directory of C++ code")
+    files = checked_sources(spec.sources)
     key = spec.key(files)
     manifest = read_manifest(spec.out_dir)
     if manifest and manifest.get("build_key") == key:
