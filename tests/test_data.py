@@ -508,7 +508,8 @@ def test_null_or_non_string_texts_are_refused_naming_the_shard(tmp_path, corpus)
     texts = ["int a;"] * 30 + [None] + ["int b;"] * 9
     for name, table, stats in (("stats", pa.table({"text": texts}), True),
                                ("nostats", pa.table({"text": texts}), False),
-                               ("ints", pa.table({"text": list(range(40))}), True)):
+                               ("ints", pa.table({"text": list(range(40))}), True),
+                               ("categorical", pa.table({"text": pa.array(["int a;"] * 40).dictionary_encode()}), True)):
         (tmp_path / name).mkdir()
         pq.write_table(table, tmp_path / name / "shard_0.parquet", row_group_size=20,
                        write_statistics=stats)
@@ -516,6 +517,7 @@ def test_null_or_non_string_texts_are_refused_naming_the_shard(tmp_path, corpus)
         index_units([str(tmp_path / "stats" / "shard_0.parquet")])
     with pytest.raises(DataError, match="the 'text' column holds int64, not strings"):
         index_units([str(tmp_path / "ints" / "shard_0.parquet")])
+    assert len(index_units([str(tmp_path / "categorical" / "shard_0.parquet")])) == 2  # strings, encoded
     loader = PackedLoader(str(tmp_path / "nostats"), tok, seq_len=16, rows=2, loop=False)
     with pytest.raises(DataError, match=r"nostats/shard_0.parquet: row group 1 has 1 null text"):
         _take(loader, 1000)

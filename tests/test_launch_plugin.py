@@ -181,7 +181,7 @@ def test_remote_command_runs_the_jobs_own_overrides_with_a_fixed_name_and_dir():
     assert job_name("d2-x,[y]").startswith("d2-x_y-") and job_name("d2-x,[y]") != job_name("d2-x[y]")
 
 
-@pytest.mark.parametrize("name", ["a\\b", "it's", "a\\'b", "ends\\", "x,y=z[1]", "two\\\\x'"])
+@pytest.mark.parametrize("name", ["a\\b", "it's", "a\\'b", "ends\\", "x,y=z[1]", "two\\\\x'", "nl\\\n"])
 def test_the_run_name_reaches_the_worker_as_written(name):
     """The remote command's run name, read back by Hydra's own override parser, is the name."""
     from types import SimpleNamespace

@@ -228,6 +228,18 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
         assert list(tmp_path.iterdir()) == []  # no outputs/ or multirun/
 
 
+def test_a_sweep_runs_from_a_checkout_whose_plugins_are_not_on_the_path(tmp_path):
+    """A checkout run without `make setup`, or a job launched from its synced tree, has launch/
+    (xtrain's Hydra plugins) off the path: a sweep still finds xtrain's sweeper."""
+    code = ("import sys; sys.path[:] = [p for p in sys.path if not p.rstrip('/').endswith('launch')]; "
+            "sys.argv = ['xtrain', *sys.argv[1:]]; from xtrain.cli import main; main()")
+    r = subprocess.run([sys.executable, "-c", code, "-m", "mode=plan", "model=d2,d4",
+                        f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "#0 : mode=plan model=d2" in r.stdout + r.stderr and "#1 : mode=plan model=d4" in r.stdout + r.stderr
+
+
 def test_checkpoints_record_the_config_with_its_secrets_masked(compose_config):
     """A secret a config file put in the run's environment (hardware.env) stays out of meta.json."""
     from xtrain.train.run import run_meta
@@ -242,10 +254,10 @@ def test_the_documented_exit_code_is_in_the_readme():
 
 def test_a_sweep_refuses_a_bad_job_before_running_any(tmp_path):
     """Job 2 of 2 is out of range: the sweep ends before job 1 trains (xtrain/sweeps.py), naming
-    the job and its overrides."""
+    the job and its overrides; also when the sweep is launched one job per batch."""
     sweep = tmp_path / "sweep"
     args = ["-m", "model=d2", "model.sequence_len=64", "trainer.max_steps=2", "trainer.sample_tokens=0",
-            "trainer.device_batch_size=4,0", f"hydra.sweep.dir={sweep}"]
+            "trainer.device_batch_size=4,0", f"hydra.sweep.dir={sweep}", "hydra.sweeper.max_batch_size=1"]
     started = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "xtrain", *args], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)

@@ -63,7 +63,21 @@ def main() -> None:
     except ConfigError as ex:
         refuse(ex)
     sys.argv += secondary_process_overrides()
+    find_plugins()
     _main()
+
+
+def find_plugins() -> None:
+    """[hydra-core] Hydra instantiates a sweeper or launcher only from a class it finds by walking
+    the directories of the ``hydra_plugins`` namespace on the path (an editable install's import
+    hook is not walked). Outside ``make setup`` (a plain checkout, a job launched from its synced
+    tree) launch/ is not on the path: put it there, so that ``-m`` finds xtrain's sweeper
+    (conf/train.yaml's default). A wheel installs the plugins as a directory of their own."""
+    from pathlib import Path
+
+    launch = str(Path(__file__).resolve().parent.parent / "launch")
+    if os.path.isdir(launch) and launch not in sys.path:
+        sys.path.append(launch)
 
 
 def check_no_secret_overrides(args: list[str]) -> None:

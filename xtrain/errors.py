@@ -53,6 +53,12 @@ class LaunchError(RuntimeError):
     kind = "launch"
 
 
+class VmUnavailable(LaunchError):
+    """The workers refused the job before anything of it started (another xtrain job or program
+    holds them, unreachable, missing tools, a failed sync or install): the machine's problem, not
+    the job's. A pool (xtrain/launcher/pool.py) gives the job to another VM."""
+
+
 class PeerLost(RuntimeError):
     """Another process of the run vanished (killed, crashed, its host gone) and the collectives
     cannot go on; the message names it. Re-running the command resumes from the newest

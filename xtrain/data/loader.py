@@ -49,7 +49,6 @@ def list_shards(files: str) -> list[str]:
 
 def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int]]:
     """(shard, row group) units, reading each footer once; checks each shard up front."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     def footer(url):
@@ -61,7 +60,7 @@ def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int]]:
         if "text" not in meta.schema.names:
             raise DataError(f"{url}: no 'text' column (columns: {meta.schema.names})")
         kind = meta.schema.to_arrow_schema().field("text").type
-        if kind not in (pa.string(), pa.large_string()):
+        if not is_text(kind):
             raise DataError(f"{url}: the 'text' column holds {kind}, not strings")
         column = meta.schema.names.index("text")
         for rg in range(meta.num_row_groups):  # where the writer kept statistics (most do)
@@ -76,6 +75,16 @@ def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int]]:
     if not units:
         raise DataError(f"{shards[0]}...: the shards hold no rows")
     return units
+
+
+def is_text(kind) -> bool:
+    """An arrow type that reads as Python strings (plain, large, view, or dictionary-encoded)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    types = pa.types
+    return types.is_string(kind) or types.is_large_string(kind) or types.is_string_view(kind)
 
 
 def read_unit(unit: tuple[str, int]) -> list[str]:

@@ -62,11 +62,12 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
         pip = " ".join(q(a) for a in ["-m", "pip", "install", "--disable-pip-version-check",
                                       "--no-input", "--quiet", *spec.pip_args, *spec.requirements])
         # none yet, or a venv whose creation stopped short (no pip: ensurepip missing on the
-        # VM) is made afresh; a directory that is not a venv is left to fail in pip
+        # VM) is made again, keeping what it holds; a directory that is not a venv is left to
+        # fail in pip
         script = (f"set -e\nv={q(venv)}\n"
                   'if ! "$v/bin/python" -m pip --version >/dev/null 2>&1 && '
                   '{ [ ! -e "$v/bin/python" ] || [ -f "$v/pyvenv.cfg" ]; }; then\n'
-                  f'  {q(spec.base_python)} -m venv --clear "$v"\nfi\n'
+                  f'  {q(spec.base_python)} -m venv "$v"\nfi\n'
                   f'"$v/bin/python" {pip}\n')
         r = worker.run(script, "install", timeout=None)
         if not r.ok:

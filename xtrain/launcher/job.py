@@ -20,7 +20,7 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from xtrain.launcher.runner import LaunchError
+from xtrain.launcher.runner import LaunchError, VmUnavailable
 
 q = shlex.quote
 
@@ -133,8 +133,10 @@ class RemoteJob:
             f"echo started $(cat {d}/pid)"])
         r = self.worker.run(script, "start")
         if not r.ok:
-            raise LaunchError(f"worker {self.worker.index} ({self.worker.host}): could not start "
-                              f"the job: {r.stdout.strip()} {r.stderr.strip()}".strip())
+            # exit 3: the TPU is held by another program (_clear_lock_sh), before anything started
+            error = VmUnavailable if r.returncode == 3 else LaunchError
+            raise error(f"worker {self.worker.index} ({self.worker.host}): could not start "
+                        f"the job: {r.stdout.strip()} {r.stderr.strip()}".strip())
         return int(r.stdout.split()[-1])
 
     def follow(self, offset: int):

@@ -29,19 +29,13 @@ from xtrain.launcher.env import EnvSpec, ensure_env, requirements
 from xtrain.launcher.gcloud import Gcloud
 from xtrain.launcher.job import JobState, RemoteJob, command_digest
 from xtrain.launcher.logs import LogStream, log_path, tail_lines
-from xtrain.launcher.runner import LaunchError, Runner
+from xtrain.launcher.runner import LaunchError, Runner, VmUnavailable
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.sync import code_files, source_root, sync
 from xtrain.launcher.targets import resolve_targets
 from xtrain.launcher.worker import Worker
 
 PREEMPTED = 143  # xtrain's exit code after a SIGTERM checkpoint (128 + SIGTERM)
-
-
-class VmUnavailable(LaunchError):
-    """The workers refused the job before anything of it started (another xtrain job or program
-    holds them, unreachable, missing tools, a failed sync or install): the machine's problem, not
-    the job's. A pool (xtrain/launcher/pool.py) gives the job to another VM."""
 
 
 def say(message: str) -> None:
@@ -73,21 +67,23 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     os.makedirs(job_dir, exist_ok=True)
     if cfg.stop:
         return stop_job(jobs, probes, cfg.stop_grace_s, log)
-    busy = [f"{w}: {b}" for w, p in zip(workers, probes) for b in p.busy]
-    if busy:
-        raise VmUnavailable("another xtrain job is running there: " + "; ".join(busy) +
-                            " (stop it with its own command plus hydra.launcher.stop=true)")
-    if reattachable(jobs, probes, overrides, run_name, log):
+    if reattachable(jobs, probes, overrides, run_name, log):  # whatever else runs there
         attempt = next(p.job.attempt for p in probes if p.job.attempt)
         log(f"launch: job {job_id} (attempt {attempt}) is already on the workers: reattaching")
         offsets = [resume_offset(job_dir, w.index, attempt, p.job.log_bytes)
                    for w, p in zip(workers, probes)]
     else:
+        busy = [f"{w}: {b}" for w, p in zip(workers, probes) for b in p.busy]
+        if busy:
+            raise VmUnavailable("another xtrain job is running there: " + "; ".join(busy) +
+                                " (stop it with its own command plus hydra.launcher.stop=true)")
         with before_start():
             done = parallel(lambda w: prepare(w, root, files, spec, probes[w.index].stamp), workers)
-            for w, (sent, env_state) in zip(workers, done):
-                log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
-            attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log)
+        for w, (sent, env_state) in zip(workers, done):
+            log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
+        # not before_start: a start cut short may have left the job running (job.start raises
+        # VmUnavailable itself where the worker refused it)
+        attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log)
         log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
             f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
         offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
@@ -197,7 +193,7 @@ def _hydra_str(value: str) -> str:
         return value
     # Hydra reads a backslash literally except in a run before a quote (or the closing one):
     # such a run is doubled, and the quote escaped
-    return "'" + re.sub(r"(\\*)('|$)", lambda m: 2 * m[1] + ("\\'" if m[2] else ""), value) + "'"
+    return "'" + re.sub(r"(\\*)('|\Z)", lambda m: 2 * m[1] + ("\\'" if m[2] else ""), value) + "'"
 
 
 def job_env(cfg, worker, workers) -> dict[str, str]:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from xtrain.launcher.fleet import (UP, Job, Preemptions, Vm, VmLost, attempt, check_known, clock,
                                    preempted, vm_health)
-from xtrain.launcher.launch import VmUnavailable, job_name, parallel, say
-from xtrain.launcher.runner import LaunchError
+from xtrain.launcher.launch import job_name, parallel, say
+from xtrain.launcher.runner import LaunchError, VmUnavailable
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.targets import node_targets
 from xtrain.launcher.worker import Worker
@@ -185,7 +185,10 @@ def locate(vms: list[Vm], jobs: list[Job], log=say) -> dict[int, str]:
             return []
         target = node_targets(node, cfg.address, hardware)[0]
         worker = Worker(target, Ssh(cfg, vm.runner, vm.log), cfg.remote_dir, cfg.venv)
-        probe = worker.probe(job_name(jobs[0].run_name))
+        try:
+            probe = worker.probe(job_name(jobs[0].run_name))
+        except LaunchError:  # unreachable, missing tools: refused again when serving, it leaves
+            return []
         names = [b.split()[0] for b in probe.busy] + probe.ended
         here = probe.job.state == "running" or probe.job.unreported_end
         return names + ([job_name(jobs[0].run_name)] if here else [])

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from xtrain.errors import LaunchError  # noqa: F401  (raised by every launcher module)
+from xtrain.errors import LaunchError, VmUnavailable  # noqa: F401  (raised by the launcher modules)
 
 
 @dataclass

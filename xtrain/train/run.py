@@ -7,6 +7,7 @@ samples and checkpoint metadata (``engine.processes`` is the one source of that 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -246,28 +247,28 @@ def train(cfg, plan: RunPlan, run_dir: str) -> dict:
     engine = build_engine(cfg, plan, run_dir)
     try:
         return train_on(engine, cfg, plan, run_dir)
-    except Exception as e:
-        lost = peer_lost(engine, e)
-        if lost:
-            raise lost from e
-        raise
     finally:
         engine.processes.close()
 
 
-def peer_lost(engine: Engine, error: Exception):
-    """A PeerLost naming the process that vanished, when one did, for a collective's failure
-    anywhere in the run (gloo's own error does not say which process is gone); else None."""
+@contextlib.contextmanager
+def naming_lost_peers(engine: Engine):
+    """While the processes work together (set-up, training), an error is re-raised as PeerLost
+    naming the process that vanished, when one did: gloo's own error does not say which. After
+    training, a process that has finished and left is no loss."""
     from xtrain.errors import InputError, PeerLost
 
-    if engine.world == 1 or isinstance(error, (InputError, PeerLost)):  # own refusals: no wait
-        return None
-    lost = engine.processes.vanished()
-    if not lost:
-        return None
-    return PeerLost(f"lost {lost}; this is rank {engine.rank} ({type(error).__name__}: "
-                    f"{str(error).splitlines()[0][:200]}). Run the same command to resume from "
-                    "the newest committed checkpoint")
+    try:
+        yield
+    except Exception as e:
+        if engine.world == 1 or isinstance(e, (InputError, PeerLost)):  # own refusals: no wait
+            raise
+        lost = engine.processes.vanished()
+        if not lost:
+            raise
+        raise PeerLost(f"lost {lost}; this is rank {engine.rank} ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200]}). Run the same command to resume from "
+                       "the newest committed checkpoint") from e
 
 
 def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
@@ -281,31 +282,32 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
 
     trainer_cfg = cfg.trainer
     ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
-    check_shared(ckpt_dir, engine.processes)
-    if cfg.logger.wandb is not None:
-        choose_mode(cfg.logger.wandb.mode)  # online without a key is refused now, not later
-    tokenizer = prepare_data(cfg.data, engine)
-    L.seed_everything(trainer_cfg.seed, verbose=False)
-    loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
-                            rows=engine.global_rows, accum=plan.batch.grad_accum_steps,
-                            host_rows=engine.host_rows)
-    module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
-                       token_bytes=tokenizer.token_bytes)
-    resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, cfg.run.name, tokenizer,
-                                           engine)
-    run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
-    status = "failed"
-    try:
-        callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer)
-        trainer = build_trainer(engine, callbacks.checkpoint_io,
-                                callbacks.all(LoaderState(loaders.train)), plan, trainer_cfg,
-                                loaders.val is not None, run_dir)
-        fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
-        status = "preempted" if callbacks.checkpointer.preempted else "success"
-    finally:
-        run_log.close(status)
-        if engine.rank == 0 and status != "failed":
-            write_plots(run_dir)
+    with naming_lost_peers(engine):
+        check_shared(ckpt_dir, engine.processes)
+        if cfg.logger.wandb is not None:
+            choose_mode(cfg.logger.wandb.mode)  # online without a key is refused now, not later
+        tokenizer = prepare_data(cfg.data, engine)
+        L.seed_everything(trainer_cfg.seed, verbose=False)
+        loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
+                                rows=engine.global_rows, accum=plan.batch.grad_accum_steps,
+                                host_rows=engine.host_rows)
+        module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
+                           token_bytes=tokenizer.token_bytes)
+        resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, cfg.run.name,
+                                               tokenizer, engine)
+        run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
+        status = "failed"
+        try:
+            callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer)
+            trainer = build_trainer(engine, callbacks.checkpoint_io,
+                                    callbacks.all(LoaderState(loaders.train)), plan, trainer_cfg,
+                                    loaders.val is not None, run_dir)
+            fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
+            status = "preempted" if callbacks.checkpointer.preempted else "success"
+        finally:
+            run_log.close(status)
+            if engine.rank == 0 and status != "failed":
+                write_plots(run_dir)
     newest = latest_checkpoint(ckpt_dir)
     if status == "preempted":
         saved = ("checkpoint committed" if callbacks.checkpointer.preemption_saved else

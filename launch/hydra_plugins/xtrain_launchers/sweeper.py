@@ -10,7 +10,11 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
 class XtrainSweeper(BasicSweeper):
     def validate_batch_is_legal(self, batch) -> None:
-        # a batch is the whole sweep unless hydra.sweeper.max_batch_size splits it
+        # called before each batch is launched: the first call checks every batch of the sweep
+        # (hydra.sweeper.max_batch_size may split it), the later ones only compose, as Hydra's
+        if self.batch_index > 1:
+            return super().validate_batch_is_legal(batch)
         from xtrain.sweeps import check_jobs
 
-        check_jobs(self.hydra_context.config_loader, self.config, batch)
+        check_jobs(self.hydra_context.config_loader, self.config,
+                   [job for jobs in self.overrides for job in jobs])
