@@ -15,7 +15,7 @@ LAYERS = [
     ["xtrain.plan", "xtrain.hardware", "xtrain.parallelism", "xtrain.inputs"],
     ["xtrain.engines", "xtrain.xla", "xtrain.observe", "xtrain.evals"],
     ["xtrain.train", "xtrain.preflight"],
-    ["xtrain.modes", "xtrain.launcher", "xtrain.report"],
+    ["xtrain.modes", "xtrain.sweeps", "xtrain.launcher", "xtrain.report"],
     ["xtrain.cli", "xtrain.__main__"],
 ]
 FORBIDDEN = ("launch", "hydra_plugins")  # the Hydra plugin shims import xtrain, never the reverse
