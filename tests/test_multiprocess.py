@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -35,9 +36,17 @@ ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a run's store, which binds it seconds later: one below the kernel's ephemeral
+    range, so that no outgoing connection (gloo's, a store client's) is given it meanwhile."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(1024, low - 10000), low), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address, as the store binds it
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def start(cmd, env=None):
