@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pickle
@@ -14,11 +15,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from conftest import gcs_filesystem
 
 from xtrain.data import prepare
+from xtrain.data.batches import StepBatches
 from xtrain.errors import DataError
 from xtrain.data.corpus import chunk_source, top_level_units
 from xtrain.data.loader import PAD, PackedLoader, index_units, list_shards
@@ -162,6 +165,27 @@ def test_resume_at_step_k_is_bitwise_identical(corpus, k):
     resumed = make()
     resumed.load_state_dict(state)
     assert all(np.array_equal(x, y) for x, y in zip(_take(resumed, 20), uninterrupted[k:]))
+
+
+@pytest.mark.parametrize("k", [1, 4, 6])
+def test_overfitting_resumes_on_the_same_repeated_batches_in_order(corpus, k):
+    root, _, tok = corpus
+    repeat = 3
+
+    def steps():
+        return StepBatches(PackedLoader(str(root / "train"), tok, 48, 2, seed=7), accum=2,
+                           repeat=repeat)
+
+    uninterrupted = list(itertools.islice(steps(), k + 5))
+    # the first `repeat` steps, then them again, in order
+    assert all(torch.equal(uninterrupted[i][0], uninterrupted[i % repeat][0])
+               for i in range(k + 5))
+    assert not torch.equal(uninterrupted[0][0], uninterrupted[1][0])
+    state = json.loads(json.dumps(uninterrupted[k - 1][1]))  # as a checkpoint carries it
+    resumed = steps()
+    resumed.load_state_dict(state)
+    after = [tokens for tokens, _ in itertools.islice(resumed, 5)]
+    assert all(torch.equal(x, y) for x, (y, _) in zip(after, uninterrupted[k:], strict=True))
 
 
 def test_gs_path_gives_the_same_batches_as_local(corpus, gcs_bucket):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -9,8 +11,11 @@ from xtrain.data.loader import PackedLoader
 
 
 class StepBatches(torch.utils.data.IterableDataset):
-    """Yields ``(tokens [rows, accum, T+1], loader_state_after)``: one optimizer step each.
-    ``repeat`` > 0 yields the first ``repeat`` steps over and over (overfitting, to debug).
+    """Yields ``(tokens [rows, accum, T+1], state_after)``: one optimizer step each, with the
+    state to resume after it (:meth:`load_state_dict`).
+    ``repeat`` > 0 yields the first ``repeat`` steps over and over (overfitting, to debug); their
+    state is the loader's position before them and which of them comes next, so a resumed run
+    goes on with the same batches in the same order.
 
     ``rows``: the rows of every packed micro-batch this process keeps. On several processes each
     one packs the whole global batch, in the same order, and keeps its own rows: the batches then
@@ -20,15 +25,25 @@ class StepBatches(torch.utils.data.IterableDataset):
     def __init__(self, loader: PackedLoader, accum: int, repeat: int = 0, rows: slice = slice(None)):
         super().__init__()
         self.loader, self.accum, self.repeat, self.rows = loader, accum, repeat, rows
+        self.replay_next = 0  # with ``repeat``: the index of the repeated step to yield first
+
+    def state_dict(self) -> dict:
+        return {**self.loader.state_dict(), "replay_next": self.replay_next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+        self.replay_next = state.get("replay_next", 0)
 
     def __iter__(self):
-        steps = self._steps()
         if not self.repeat:
-            yield from steps
+            yield from self._steps()
             return
-        first = [next(steps) for _ in range(self.repeat)]
+        start = self.loader.state_dict()
+        first = [tokens for tokens, _ in itertools.islice(self._steps(), self.repeat)]
+        i = self.replay_next % self.repeat
         while True:
-            yield from first
+            yield first[i], {**start, "replay_next": (i + 1) % self.repeat}
+            i = (i + 1) % self.repeat
 
     def _steps(self):
         micro = []

@@ -39,8 +39,7 @@ def build_engine(cfg, plan: RunPlan, run_dir: str) -> Engine:
 
 @dataclass
 class Loaders:
-    train: object  # the PackedLoader (its position is checkpointed)
-    steps: object  # optimizer-step batches for the Trainer
+    steps: object  # optimizer-step batches for the Trainer (their position is checkpointed)
     val: object | None
 
 
@@ -64,7 +63,7 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
                                   prefetch=2, threads=data.tokenizer_threads)
         val = EvalBatches(val_loader, trainer_cfg.eval_batches, host_rows)
     steps = StepBatches(train, accum, repeat=trainer_cfg.overfit_batches, rows=host_rows)
-    return Loaders(train, steps, val)
+    return Loaders(steps, val)
 
 
 def build_run_log(cfg, plan: RunPlan, run_dir: str, engine: Engine, start_step: int):
@@ -300,7 +299,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
         try:
             callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer)
             trainer = build_trainer(engine, callbacks.checkpoint_io,
-                                    callbacks.all(LoaderState(loaders.train)), plan, trainer_cfg,
+                                    callbacks.all(LoaderState(loaders.steps)), plan, trainer_cfg,
                                     loaders.val is not None, run_dir)
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
             status = "preempted" if callbacks.checkpointer.preempted else "success"
