@@ -304,13 +304,6 @@ def test_a_worker_busy_with_another_job_is_refused(remote, tmp_path):
     assert not job_dir(remote, "e2e-busy").exists()
 
 
-def cli_routes_single_runs() -> bool:
-    return "launch_from_hydra" in (ROOT / "xtrain" / "cli.py").read_text()
-
-
-@pytest.mark.skipif(not cli_routes_single_runs(),
-                    reason="xtrain/cli.py does not route single runs to the launcher yet (the lead "
-                           "applies the lines proposed in the launcher report)")
 def test_a_single_run_with_a_remote_launcher_runs_remotely(remote, tmp_path):
     """Without -m Hydra never calls a launcher; xtrain must still run the job remotely."""
     r = run_xtrain(*TINY, "trainer.max_steps=2", "run.name=e2e-single", *remote.overrides(),

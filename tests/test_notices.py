@@ -19,7 +19,7 @@ from conftest import TINY
 from test_checkpoint import finish, wait_for_step, xtrain
 from xtrain.checkpoint.layout import committed_checkpoints
 from xtrain.modes import run
-from xtrain.train.notices import on_gce
+from xtrain.train import notices
 
 PATHS = {"/computeMetadata/v1/instance/preempted": "FALSE",
          "/computeMetadata/v1/instance/maintenance-event": "NONE"}
@@ -120,9 +120,22 @@ def test_a_live_migration_notice_does_not_stop_the_run(metadata_server, tmp_path
     assert last_step(run_dir) == 40
 
 
+@pytest.mark.parametrize("product, gce", [("Google Compute Engine\n", True),
+                                           ("Standard PC (Q35 + ICH9, 2009)\n", False),
+                                           (None, False)])
+def test_a_gce_vm_is_known_by_its_dmi_product_name(tmp_path, monkeypatch, product, gce):
+    dmi = tmp_path / "product_name"
+    if product is not None:  # None: no DMI at all (a container)
+        dmi.write_text(product)
+    monkeypatch.setattr(notices, "_DMI_PRODUCT", dmi)
+    assert notices.on_gce() is gce
+
+
 def test_off_gce_no_watcher_thread_runs(compose_config, tmp_path, monkeypatch):
-    if on_gce():
-        pytest.skip("this machine is a GCE VM: the watcher is meant to run here")
+    # the DMI file of a machine off GCE, whatever machine runs the test
+    dmi = tmp_path / "product_name"
+    dmi.write_text("Standard PC (Q35 + ICH9, 2009)\n")
+    monkeypatch.setattr(notices, "_DMI_PRODUCT", dmi)
     import lightning as L
 
     import xtrain.train.run as run_module
