@@ -46,6 +46,9 @@ def test_run_name_keeps_groups_and_identity_overrides(compose_config):
     assert cfg.run.name == "d2-cpu-cpp_local-optim.matrix_lr_0.01"
     # a model field does, even though its name starts like "mode"
     assert compose_config(["model.sequence_len=64"]).run.name == "d4-cpu-cpp_local-model.sequence_len_64"
+    # how checkpoints are judged is not what is trained: mode=eval finds the trained run
+    assert compose_config(["mode=eval", "eval.max_tokens=64", "eval.n=4"]).run.name == "d4-cpu-cpp_local"
+    assert compose_config(["eval.cpp_every=500"]).run.name == "d4-cpu-cpp_local"
 
 
 def test_overrides_reach_the_fields(compose_config):

@@ -103,6 +103,20 @@ def test_generate_gives_n_texts_per_prompt_with_a_text_stop_hook():
     assert len(stopped[0][0]) == 3
 
 
+def test_the_evaluations_completions_fill_the_context_when_max_tokens_is_unset():
+    from xtrain.config import EvalConfig
+    from xtrain.evals.completions import model_generate
+
+    model = random_model(vocab_size=257, sequence_len=40)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit 0: greedy picks token 0, a NUL, for ever
+    prompt = "int f() {\n"  # 10 characters, BOS first: 29 tokens of room in a 40-token context
+    (texts,) = model_generate(model, CharTokenizer(), EvalConfig())([prompt], 1)
+    assert texts == ["\0" * 29]
+    (texts,) = model_generate(model, CharTokenizer(), EvalConfig(max_tokens=5))([prompt], 1)
+    assert texts == ["\0" * 5]
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("trained")

@@ -21,6 +21,7 @@ NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval
                          "run.", "checkpoint.", "logger", "sample.", "hydra.", "data.prefetch",
                          "data.tokenizer_threads", "data.remote_timeout_s",
                          "trainer.collective_timeout_s", "preemption.",
+                         "eval.",  # how checkpoints are judged, not what is trained
                          # how the same training is compiled and run (same losses, same keys)
                          "compile_cache.", "preflight.", "model.scan", "model.remat",
                          "trainer.compile")

@@ -15,13 +15,14 @@ from xtrain.config import EvalConfig
 from xtrain.evals import stop
 from xtrain.evals.harness import Generate, generate_and_evaluate
 from xtrain.evals.problems import Problem
-from xtrain.model.generate import check_prompts_fit, generate
+from xtrain.model.generate import check_prompts_fit, generate, prompt_ids
 
 SEED = 0  # the same seed at every evaluation: scores of one run differ only by what it learnt
 
 
 def check_fit(tokenizer, problems: Sequence[Problem], cfg: EvalConfig, sequence_len: int) -> None:
-    """Refuse, before any generation, a prompt that leaves no room for ``eval.max_tokens``."""
+    """Refuse, before any generation, a prompt that leaves no room for ``eval.max_tokens`` (or,
+    when None, for one token)."""
     check_prompts_fit(tokenizer, [p.prompt for p in problems], cfg.max_tokens, sequence_len,
                       "eval.max_tokens")
 
@@ -45,7 +46,9 @@ def model_generate(model, tokenizer, cfg: EvalConfig, stats: dict | None = None,
         texts, tokens, seconds = [], 0, 0.0
         for i, prompt in enumerate(prompts):
             one: dict = {}
-            texts += generate(model, tokenizer, [prompt], n, max_tokens=cfg.max_tokens,
+            room = model.config.sequence_len - len(prompt_ids(tokenizer, prompt))
+            max_tokens = cfg.max_tokens or room
+            texts += generate(model, tokenizer, [prompt], n, max_tokens=max_tokens,
                               temperature=cfg.temperature, top_k=cfg.top_k, seed=SEED + i,
                               stop=lambda text, p=prompt: ended(p, text), stats=one)
             tokens, seconds = tokens + one["tokens"], seconds + one["seconds"]

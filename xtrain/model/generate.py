@@ -123,14 +123,15 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return [tokenizer.bos_id] + tokenizer.encode(prompt)
 
 
-def check_prompts_fit(tokenizer, prompts: list[str], max_tokens: int, sequence_len: int,
+def check_prompts_fit(tokenizer, prompts: list[str], max_tokens: int | None, sequence_len: int,
                       field: str) -> None:
-    """Refuse, before generating, prompts that leave no room for ``max_tokens`` (named ``field``)
-    in the model's context."""
+    """Refuse, before generating, prompts that leave no room for ``max_tokens`` (named ``field``;
+    None: at least one token) in the model's context."""
     for prompt in prompts:
         n = len(prompt_ids(tokenizer, prompt))
-        if n + max_tokens > sequence_len:
-            raise ConfigError(f"prompt {prompt!r} ({n} tokens) + {field}={max_tokens} exceed the "
+        if n + (max_tokens or 1) > sequence_len:
+            room = f"{field}={max_tokens}" if max_tokens else "a generated token"
+            raise ConfigError(f"prompt {prompt!r} ({n} tokens) + {room} exceed the "
                               f"model's sequence_len {sequence_len}")
 
 
