@@ -247,6 +247,29 @@ def test_the_logging_fetchs_wait_for_the_device_is_compute_time_not_data_time():
     assert second["compute_s"] >= 0.3 and second["data_s"] < 0.1, second
 
 
+@pytest.mark.parametrize("peak", ["measured", "stated"])
+def test_a_cpu_peak_measured_too_low_is_raised_to_the_fastest_steps(compose_config, tmp_path,
+                                                                    monkeypatch, capsys, peak):
+    """The CPU's peak is measured at start; on a busy machine that figure is too low and MFU
+    would pass 100%. A measured peak is then raised to the fastest interval's rate, said once; a
+    peak the profile states is kept (an MFU over 1 then shows the profile's figure is wrong)."""
+    import xtrain.observe.peak as peak_module
+    from xtrain.modes import run
+
+    # stands in for a measurement taken while the CPU was busy: 1 kFLOP/s, far below any step
+    monkeypatch.setattr(peak_module, "measured_cpu_flops", lambda: 1e3)
+    stated = ["hardware.peak_bf16_tflops_per_chip=1e-9"] if peak == "stated" else []  # 1 kFLOP/s
+    cfg = compose_config(TINY + ["trainer.max_steps=15", *stated], output_dir=str(tmp_path))
+    run(cfg, str(tmp_path))
+    mfu = [r["mfu"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    warned = capsys.readouterr().err.count("above the CPU peak measured at start")
+    assert len(mfu) == 4  # steps 1, 5, 10 and 15
+    if peak == "measured":
+        assert mfu[0] == 1.0 and all(0 < m <= 1 for m in mfu) and warned == 1
+    else:
+        assert min(mfu) > 1e4 and warned == 0
+
+
 def test_progress_bar_refreshes_only_when_a_train_record_arrives():
     from rich.console import Console
 

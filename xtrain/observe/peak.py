@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+MEASURED = "measured (float32 matmul on this CPU)"
+
 
 def measured_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of an ``n x n @ n x n`` float32 matmul on the CPU, best of ``repeats``."""
@@ -25,7 +27,8 @@ def measured_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
 
 
 def run_peak_flops(hardware, devices: int, processes: int = 1) -> tuple[float, str]:
-    """(peak FLOP/s of the whole run, where it comes from); 0 when unknown (no MFU logged)."""
+    """(peak FLOP/s of the whole run, where it comes from); 0 when unknown (no MFU logged). A
+    source ending in :data:`MEASURED` is a measurement, a lower bound (the CPU may have been busy)."""
     if hardware.peak_bf16_tflops_per_chip:
         per_chip = hardware.peak_bf16_tflops_per_chip * 1e12
         return per_chip * devices, f"{hardware.peak_bf16_tflops_per_chip:g} TFLOP/s per chip (profile)"
@@ -33,4 +36,4 @@ def run_peak_flops(hardware, devices: int, processes: int = 1) -> tuple[float, s
         return 0.0, "unknown (hardware.peak_bf16_tflops_per_chip unset): no MFU"
     flops = measured_cpu_flops()
     each = f" x {processes} processes" if processes > 1 else ""
-    return flops * processes, f"{flops / 1e9:.1f} GFLOP/s{each}, measured (float32 matmul on this CPU)"
+    return flops * processes, f"{flops / 1e9:.1f} GFLOP/s{each}, {MEASURED}"

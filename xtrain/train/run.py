@@ -136,7 +136,7 @@ class Callbacks:
 def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: str, run_log,
                     tokenizer) -> Callbacks:
     from xtrain.observe.metrics import MetricsLogger, PhaseTimer
-    from xtrain.observe.peak import run_peak_flops
+    from xtrain.observe.peak import MEASURED, run_peak_flops
     from xtrain.train.checkpointing import PeriodicCheckpoint
     from xtrain.train.debug_dump import debug_dump
     from xtrain.train.preemption import StopRequest
@@ -148,7 +148,8 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
     timer, trainer_cfg = PhaseTimer(), cfg.trainer
     metrics = MetricsLogger(run_log, trainer_cfg.log_every, plan.max_steps, plan.flops_per_token,
                             peak, plan.devices, timer=timer,
-                            extra=engine.counters, fetch=engine.fetch, batch_shares=engine.batch_shares)
+                            extra=engine.counters, fetch=engine.fetch, batch_shares=engine.batch_shares,
+                            peak_measured=source.endswith(MEASURED))
     stop, ckpt = StopRequest(engine.processes), cfg.checkpoint
     checkpoint_io = engine.checkpoint_io(ckpt.retries)
     checkpointer = PeriodicCheckpoint(
