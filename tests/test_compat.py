@@ -81,8 +81,34 @@ def test_lightning_leaves_the_signal_handlers_in_place_during_fit():
     assert seen[1] is ours
 
 
-def test_lightning_tpu_probe_answers_from_the_pci_bus_without_network():
+def test_lightning_tpu_probe_answers_from_the_pci_bus_without_network(monkeypatch):
+    """Lightning's own probe also says False here, but only after querying the GCE metadata
+    server (a ~30 s timeout off GCE): the replacement must be installed, answer what the PCI bus
+    says, and open no connection, neither when called nor when a Trainer is built."""
+    import socket
+
+    import lightning as L
     from lightning.pytorch.accelerators import XLAAccelerator
 
+    attempts = []
+
+    def no_network(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("network blocked by the test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
+
     compat.quiet_lightning_tpu_probe()
-    assert XLAAccelerator.is_available() is False  # no TPU on this machine, and no metadata query
+    compat.quiet_lightning_tpu_probe()  # idempotent: still the one replacement
+    assert getattr(XLAAccelerator.is_available, "_xtrain", False) is True
+    assert XLAAccelerator.is_available() is (compat.tpu_chips_on_pci() > 0)
+    assert XLAAccelerator.is_available() is False  # no TPU on this machine
+    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False)  # logs the probe's answer
+    assert attempts == []
+    # There is no TPU here: stand in for its PCI chips (the replacement reads nothing else).
+    monkeypatch.setattr(compat, "tpu_chips_on_pci", lambda: 4)
+    assert XLAAccelerator.is_available() is True
