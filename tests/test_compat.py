@@ -42,10 +42,50 @@ def test_private_names_exist(module, name):
 
 
 def test_lightning_precision_still_wraps_closures():
+    """The closure SPMDPrecision (xtrain/xla/lightning.py) hands to ``optimizer.step``, in a CPU
+    fit of the same plugin without the XLA compile around the step: it runs Lightning's closure
+    (training step and backward), hands its value back to the optimizer, and only then fires
+    ``on_before_optimizer_step``, with the gradients in place."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
     from lightning.pytorch.plugins.precision import Precision
 
-    wrapped = compat.wrap_closure(Precision(), None, None, lambda: 7)
-    assert callable(wrapped) and wrapped.func.__name__ == "_wrap_closure"
+    compat.quiet_lightning_tpu_probe()
+    events, steps = [], []
+
+    class Wrapping(Precision):  # SPMDPrecision.optimizer_step minus torch_xla.compile
+        def optimizer_step(self, optimizer, model, closure, **kwargs):
+            def lightnings():
+                value = closure()
+                events.append("closure")
+                return value
+
+            wrapped = compat.wrap_closure(self, model, optimizer, lightnings)
+            out = optimizer.step(closure=wrapped, **kwargs)  # SGD returns what its closure did
+            steps.append((out, closure._result.loss))
+            return out
+
+    class Model(BoringModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            events.append(("training_step", out["loss"].item()))
+            return out
+
+        def on_before_optimizer_step(self, optimizer):
+            grads = [p.grad is not None for p in self.parameters()]
+            events.append(("hook", optimizer is self.trainer.optimizers[0], all(grads)))
+
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[Wrapping()])
+    trainer.fit(Model())
+    assert [e if isinstance(e, str) else e[0] for e in events] == [
+        "training_step", "closure", "hook"] * 2
+    assert [e for e in events if e[0] == "hook"] == [("hook", True, True)] * 2
+    losses = [e[1] for e in events if e[0] == "training_step"]
+    assert len(steps) == 2
+    for (out, closure_loss), loss in zip(steps, losses, strict=True):
+        assert out is closure_loss and out.item() == loss  # the closure's value came back
 
 
 def test_lightning_leaves_the_signal_handlers_in_place_during_fit():
@@ -81,8 +121,34 @@ def test_lightning_leaves_the_signal_handlers_in_place_during_fit():
     assert seen[1] is ours
 
 
-def test_lightning_tpu_probe_answers_from_the_pci_bus_without_network():
+def test_lightning_tpu_probe_answers_from_the_pci_bus_without_network(monkeypatch):
+    """Lightning's own probe also says False here, but only after querying the GCE metadata
+    server (a ~30 s timeout off GCE): the replacement must be installed, answer what the PCI bus
+    says, and open no connection, neither when called nor when a Trainer is built."""
+    import socket
+
+    import lightning as L
     from lightning.pytorch.accelerators import XLAAccelerator
 
+    attempts = []
+
+    def no_network(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("network blocked by the test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
+
     compat.quiet_lightning_tpu_probe()
-    assert XLAAccelerator.is_available() is False  # no TPU on this machine, and no metadata query
+    compat.quiet_lightning_tpu_probe()  # idempotent: still the one replacement
+    assert getattr(XLAAccelerator.is_available, "_xtrain", False) is True
+    assert XLAAccelerator.is_available() is (compat.tpu_chips_on_pci() > 0)
+    assert XLAAccelerator.is_available() is False  # no TPU on this machine
+    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False)  # logs the probe's answer
+    assert attempts == []
+    # There is no TPU here: stand in for its PCI chips (the replacement reads nothing else).
+    monkeypatch.setattr(compat, "tpu_chips_on_pci", lambda: 4)
+    assert XLAAccelerator.is_available() is True

@@ -150,8 +150,9 @@ def test_order_is_deterministic_and_seed_dependent(corpus):
     a = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=3), 5)
     b = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=3), 5)
     c = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=4), 5)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    assert len(a) == len(b) == len(c) == 5
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
 
 
 @pytest.mark.parametrize("k", [0, 3, 17])
@@ -164,7 +165,9 @@ def test_resume_at_step_k_is_bitwise_identical(corpus, k):
     state = json.loads(json.dumps(first.state_dict()))  # checkpoints carry it as JSON-able data
     resumed = make()
     resumed.load_state_dict(state)
-    assert all(np.array_equal(x, y) for x, y in zip(_take(resumed, 20), uninterrupted[k:]))
+    after = _take(resumed, 20)
+    assert len(after) == len(uninterrupted[k:]) == 20
+    assert all(np.array_equal(x, y) for x, y in zip(after, uninterrupted[k:], strict=True))
 
 
 @pytest.mark.parametrize("k", [1, 4, 6])
@@ -196,7 +199,8 @@ def test_gs_path_gives_the_same_batches_as_local(corpus, gcs_bucket):
         fs.put_file(str(shard), f"{bucket}/data/train/{shard.name}")
     local = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=2), 8)
     remote = _take(PackedLoader(f"{bucket}/data/train", tok, 48, 2, seed=2), 8)
-    assert all(np.array_equal(x, y) for x, y in zip(local, remote))
+    assert len(local) == len(remote) == 8
+    assert all(np.array_equal(x, y) for x, y in zip(local, remote, strict=True))
 
 
 # --- bad input -------------------------------------------------------------------------------

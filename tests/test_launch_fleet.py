@@ -322,7 +322,7 @@ def test_a_vm_that_refuses_jobs_leaves_the_pool_and_the_others_run_them(
         with another_job(remote, HOSTS[1]):
             monkeypatch.setattr(fleet, "launch_job", real)
             outcomes = run_pool(jobs[:3], log=messages.append)
-    for o, job in zip(outcomes, jobs):
+    for o, job in zip(outcomes, jobs[:3], strict=True):  # one outcome per job asked
         assert (o.vm, o.state) == (None, "failed")
         assert str(o.error).startswith(f"job {job.run_name}: no VM of the pool is left to run "
                                        "it: TPU vm-")

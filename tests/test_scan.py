@@ -142,16 +142,36 @@ def test_scan_refuses_layers_sharded_differently(compose_config):
 
 
 def test_remat_on_the_cpu_engine_gives_the_same_losses(compose_config, tmp_path):
+    """model.remat=true checkpoints each block: its forward starts again in backward (counted
+    by a forward pre-hook on every Block, with grad enabled: validation runs without; a post-hook
+    would miss it, the recomputation stops once it has what backward needs), and the losses are
+    those of the plain run."""
+    import torch
+
+    from xtrain.model.gpt import Block
     from xtrain.modes import run
 
-    losses = {}
-    for remat in ("false", "true"):
-        out = tmp_path / remat
-        cfg = compose_config(TINY + ["trainer.max_steps=8", "trainer.log_every=1",
-                                     f"model.remat={remat}"], output_dir=str(out))
-        run(cfg, str(out))
-        losses[remat] = _losses(read_jsonl(out / "metrics.jsonl"))
+    losses, forwards = {}, {}
+
+    def count(module, args):
+        if isinstance(module, Block) and torch.is_grad_enabled():
+            forwards[remat] += 1
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        for remat in ("false", "true"):
+            forwards[remat] = 0
+            out = tmp_path / remat
+            cfg = compose_config(TINY + ["trainer.max_steps=8", "trainer.log_every=1",
+                                         f"model.remat={remat}"], output_dir=str(out))
+            run(cfg, str(out))
+            losses[remat] = _losses(read_jsonl(out / "metrics.jsonl"))
+    finally:
+        hook.remove()
+    assert len(losses["false"]) == 8
     assert losses["true"] == losses["false"]  # the same float32 ops, recomputed
+    # 8 steps of one micro-batch through d2's 2 blocks; remat runs each block again in backward
+    assert forwards == {"false": 8 * 2, "true": 2 * 8 * 2}
 
 
 def test_scan_is_off_unless_asked_remat_follows_it_and_scan_is_refused_on_the_cpu_engine(compose_config):

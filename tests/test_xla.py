@@ -6,11 +6,14 @@ Each case runs in a child process: the device count is fixed when torch_xla's ru
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import checkpoint_tensors, relative_differences
@@ -61,20 +64,80 @@ def cpu_reference(tmp_path_factory):
     return [r["loss"] for r in res["cpu"]["records"] if "loss" in r]
 
 
-def expected_tiles(spec, mesh):
-    """Tile counts per dim that XLA's HLO sharding shows for a declared spec."""
-    def ways(entry):
-        axes = entry if isinstance(entry, list) else [entry] if entry else []
-        n = 1
-        for a in axes:
-            n *= mesh[a]
-        return n
-    return [ways(e) for e in spec]
+# Worked out by hand from conf/parallelism/*.yaml (not through xtrain.parallelism): the mesh
+# (data, fsdp, tensor) of each parallelism on 4 and 8 devices, and the mesh axis each dim of a
+# d2 weight is split over (None: whole). The mesh numbers devices row-major over
+# data x fsdp x tensor: device = (data * fsdp_size + fsdp) * tensor_size + tensor.
+MESHES = {("dp", 4): (4, 1, 1), ("fsdp", 4): (1, 4, 1), ("fsdp_tp", 4): (1, 2, 2),
+          ("dp", 8): (8, 1, 1), ("fsdp", 8): (1, 8, 1), ("fsdp_tp", 8): (2, 2, 2)}
+D2_WEIGHTS = ["wte.weight", "lm_head.weight"] + [
+    f"blocks.{i}.{w}.weight" for i in range(2)
+    for w in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+# Device ids per tile (rows: tiles of dim 0, columns: tiles of dim 1; innermost, sorted: the
+# replicas over the data axis), spelled out for a few weights.
+TILINGS = {
+    ("fsdp", 4): {"blocks.0.mlp.c_fc.weight": [[0], [1], [2], [3]],
+                  "wte.weight": [[0], [1], [2], [3]]},
+    ("fsdp_tp", 4): {"blocks.0.attn.c_q.weight": [[0, 2], [1, 3]],  # rows over tensor
+                     "blocks.1.attn.c_proj.weight": [[0, 1], [2, 3]],  # rows over fsdp
+                     "blocks.0.mlp.c_fc.weight": [[0, 2], [1, 3]],
+                     "blocks.1.mlp.c_proj.weight": [[0, 1], [2, 3]],
+                     "wte.weight": [[0, 2], [1, 3]]},  # vocabulary over tensor
+    ("fsdp", 8): {"blocks.1.attn.c_k.weight": [[i] for i in range(8)]},
+    ("fsdp_tp", 8): {"blocks.0.attn.c_v.weight": [[[0, 4], [2, 6]], [[1, 5], [3, 7]]],
+                     "blocks.0.mlp.c_proj.weight": [[[0, 4], [1, 5]], [[2, 6], [3, 7]]],
+                     "lm_head.weight": [[[0, 4], [2, 6]], [[1, 5], [3, 7]]]},
+}
+
+
+def declared_split(parallelism, name):
+    if parallelism == "dp":
+        return None
+    if parallelism == "fsdp":
+        return ("fsdp", None)  # every weight's first dim
+    if name.endswith("c_proj.weight"):  # row-parallel: input dim over tensor
+        return ("fsdp", "tensor")
+    return ("tensor", "fsdp")  # q/k/v, fc (column-parallel), wte, lm_head (vocabulary-parallel)
+
+
+def tile_assignment(hlo):
+    """(device ids laid out per tile, whether the last dim is replication) of an HLO tiled
+    sharding string, in its explicit form (``devices=[2,2]0,2,1,3``) or its iota form
+    (``devices=[2,2]<=[2,2]T(1,0)``)."""
+    m = re.fullmatch(r"\{devices=\[([\d,]+)\](\S+)( last_tile_dim_replicate)?\}", hlo)
+    assert m, hlo
+    dims = [int(x) for x in m[1].split(",")]
+    iota = re.fullmatch(r"<=\[([\d,]+)\](?:T\(([\d,]+)\))?", m[2])
+    if iota:
+        ids = np.arange(math.prod(dims)).reshape([int(x) for x in iota[1].split(",")])
+        if iota[2]:
+            ids = ids.transpose([int(x) for x in iota[2].split(",")])
+        ids = ids.reshape(dims)
+    else:
+        ids = np.array([int(x) for x in m[2].split(",")]).reshape(dims)
+    return ids, m[3] is not None
+
+
+def check_split(hlo, split, mesh):
+    """``hlo`` splits each dim of a 2-D weight over the mesh axis ``split`` names for it: a
+    device's tile index along that dim is its coordinate on that axis; the rest is replication."""
+    sizes = dict(zip(("data", "fsdp", "tensor"), mesh))
+    if split is None:
+        assert hlo == "{replicated}", hlo
+        return
+    ids, replicated = tile_assignment(hlo)
+    tiles = [sizes[a] if a else 1 for a in split]
+    assert list(ids.shape[:2]) == tiles, (hlo, split, mesh)
+    assert replicated == (ids.ndim == 3) == (math.prod(mesh) > math.prod(tiles)), hlo
+    assert sorted(ids.flatten().tolist()) == list(range(math.prod(mesh))), hlo
+    for device in range(math.prod(mesh)):
+        coords = dict(zip(sizes, (int(c) for c in np.unravel_index(device, mesh))))
+        where = [int(i) for i in np.argwhere(ids == device)[0][:2]]
+        assert where == [coords[a] if a else 0 for a in split], (hlo, split, device, coords)
 
 
 @pytest.mark.parametrize("devices", [4, 8])
-def test_parallelisms_match_the_cpu_engine_and_shard_as_declared(devices, cpu_reference, tmp_path,
-                                                                 compose_config):
+def test_parallelisms_match_the_cpu_engine_and_shard_as_declared(devices, cpu_reference, tmp_path):
     jobs = []
     for par in ("dp", "fsdp", "fsdp_tp"):
         rows = ROWS // batch_parallel(par, devices)
@@ -85,22 +148,20 @@ def test_parallelisms_match_the_cpu_engine_and_shard_as_declared(devices, cpu_re
         losses = [r["loss"] for r in res["records"] if "loss" in r]
         assert len(losses) == STEPS
         # float32 on both engines; XLA reorders reductions (and shards them), so not bitwise
-        diffs = [abs(a - b) for a, b in zip(losses, cpu_reference)]
+        diffs = [abs(a - b) for a, b in zip(losses, cpu_reference, strict=True)]
         assert max(diffs) < 2e-3, (par, devices, max(diffs))
         assert losses[-1] < losses[0] - 2.0
-        par_cfg = compose_config([f"parallelism={par}"]).parallelism
-        from xtrain.parallelism import mesh_shape, spec_for
-
-        mesh = mesh_shape(par_cfg, devices)
-        for name, hlo in res["summary"]["param_shardings"].items():
-            spec = spec_for(name, par_cfg.rules)
-            if spec is None:
-                assert hlo == "{replicated}", (par, name, hlo)
-                continue
-            tiles = expected_tiles(list(spec), mesh)
-            assert hlo.startswith("{devices=[" + ",".join(map(str, tiles))), (par, name, hlo, tiles)
-            replicated = devices // (tiles[0] * tiles[1])
-            assert ("last_tile_dim_replicate" in hlo) == (replicated > 1), (par, name, hlo)
+        shardings = res["summary"]["param_shardings"]
+        assert sorted(shardings) == sorted(D2_WEIGHTS), (par, shardings)  # every parameter
+        for name, hlo in shardings.items():
+            check_split(hlo, declared_split(par, name), MESHES[par, devices])
+        for name, expected in TILINGS.get((par, devices), {}).items():
+            ids, _ = tile_assignment(shardings[name])
+            if ids.ndim == 3:  # replicas over data: their order is not the point
+                ids = np.sort(ids, axis=-1)
+            assert ids.tolist() == expected, (par, name, shardings[name], expected)
+        if par != "dp":  # sharded, not merely declared
+            assert sum(hlo != "{replicated}" for hlo in shardings.values()) == len(D2_WEIGHTS)
 
 
 def _compile_run(tmp_path, steps, extra=()):
