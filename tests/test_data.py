@@ -509,7 +509,7 @@ def test_last_shard_held_out_for_validation(corpus, compose_config):
     cfg = compose_config(["model.sequence_len=48"])
     cfg.data.train_files, cfg.data.holdout_last_shard = str(root / "train"), True
     loaders = build_loaders(cfg.data, cfg.trainer, 48, tok, rows=2, accum=1)
-    train_shards = {u[0] for u in loaders.train.units}
+    train_shards = {u[0] for u in loaders.steps.loader.units}
     val_shards = {u[0] for u in loaders.val.loader.units}
     assert len(train_shards) == 2 and val_shards == {str(root / "train" / "shard_2.parquet")}
 
