@@ -116,6 +116,9 @@ def test_plan_command_prints_the_reason(tmp_path):
                        timeout=60)
     assert r.returncode == 2
     assert "parameters: 1,081,999,360" in r.stdout and "memory/chip:" in r.stdout
+    # depth 26 x aspect ratio 64 = width 1664, in heads of 128; cpp16k: 16K context, 64K vocab
+    assert ("model: 26 layers, width 1664, 13 heads of 128 (13 for keys and values), vocab 65,536, "
+            "context 16,384") in r.stdout
     assert "does not fit" in r.stderr
     code = ("import sys; sys.argv=['xtrain','hardware=v6e4','model=d16','data=cpp16k','mode=plan',"
             f"'hydra.run.dir={tmp_path}']\nimport xtrain.cli as c\n"

@@ -37,6 +37,10 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("unknown-precision", ["hardware.precision=fp8"], {}, "hardware.precision: Invalid value 'fp8'"),
     ("unknown-experiment", ["+experiment=nope"], {}, "Available options in 'experiment': v5e8_d16_1024"),
     ("experiment-without-plus", ["experiment=v6e4_d16_16k"], {}, "use +experiment=v6e4_d16_16k"),
+    # a base that options extend (conf/hardware/_tpu.yaml) is no option of its own
+    ("base-hardware", ["hardware=_tpu"], {},
+     "hardware=_tpu: a base that the group's options extend, not an option to choose"),
+    ("base-data", ["data=_gcs_nanochat"], {}, "data=_gcs_nanochat: a base that the group's options"),
     # ranges declared beside each field (xtrain/config/)
     ("device-batch-0", ["trainer.device_batch_size=0"], {}, "trainer.device_batch_size=0: must be >= 1"),
     ("device-batch-neg", ["trainer.device_batch_size=-1"], {}, "trainer.device_batch_size=-1: must be >= 1"),
@@ -268,3 +272,14 @@ def test_a_sweep_refuses_a_bad_job_before_running_any(tmp_path):
         "be >= 1; no job was run")
     assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]  # no job's directory
     assert time.perf_counter() - started < 30  # before any torch import, let alone a step
+
+
+def test_a_sweep_refuses_a_base_option_before_running_any(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *TINY, "hardware=cpu,_v6e", "mode=plan",
+                        f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1].startswith("xtrain: config error: sweep job 2 of 2 (")
+    assert "hardware=_v6e: a base that the group's options extend" in r.stderr.splitlines()[-1]
+    assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]  # no job's directory

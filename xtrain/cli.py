@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 from xtrain import compat
-from xtrain.config import register
+from xtrain.config import check_choices, register
 from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.paths import config_dir
 
@@ -38,6 +38,7 @@ def _main(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     try:  # hydra/launcher=tpu_vm|tpu_pod: Hydra calls a launcher only with -m, so route it here
+        check_choices(hc.runtime.choices)
         summary = launch_from_hydra(cfg) if is_remote(hc.launcher) else run(cfg, hc.runtime.output_dir)
     except Exception as ex:  # noqa: BLE001  (refusals end here, in one line; the rest is raised)
         if not is_refusal(ex) or os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -204,8 +204,10 @@ class RunPlan:
         return self.max_steps * self.batch.total_batch_size
 
     def describe(self) -> str:
-        p = self.params
+        p, g = self.params, self.gpt
         lines = [
+            f"model: {g.n_layer} layers, width {g.n_embd}, {g.n_head} heads of {g.head_dim} "
+            f"({g.n_kv_head} for keys and values), vocab {g.vocab_size:,}, context {g.sequence_len:,}",
             f"parameters: {p['total']:,} (embedding {p['embedding']:,}, lm_head {p['lm_head']:,}, "
             f"attention {p['attention']:,}, mlp {p['mlp']:,})",
             f"FLOPs/token (train): {self.flops_per_token:.4g}   attention backend: {self.attention}",

@@ -16,6 +16,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
+    from xtrain.config import check_choices
     from xtrain.errors import ConfigError, is_refusal
     from xtrain.modes import check_config
 
@@ -24,9 +25,11 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
             job = config_loader.load_sweep_config(master_config=sweep_config,
                                                   sweep_overrides=list(overrides))
             HydraConfig.instance().set_config(job)  # its resolvers (the run name) see this job
+            choices = dict(job.hydra.runtime.choices)
             with open_dict(job):
                 del job["hydra"]
             try:
+                check_choices(choices)
                 check_config(job)
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
                 if not is_refusal(e):

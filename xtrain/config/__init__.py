@@ -385,6 +385,19 @@ def register() -> None:
         OmegaConf.register_new_resolver("xtrain_cache", lambda: str(cache_root()))
 
 
+def check_choices(choices) -> None:
+    """Refuse a config group option that is a base (a file named ``_*``, such as
+    conf/hardware/_tpu.yaml): other options extend it, alone it is incomplete. ``choices``:
+    Hydra's group -> option."""
+    from xtrain.errors import ConfigError
+
+    bases = [f"{group}={option}" for group, option in choices.items()
+             if isinstance(option, str) and option.startswith("_")]
+    if bases:
+        raise ConfigError(f"{', '.join(bases)}: a base that the group's options extend, not an "
+                          "option to choose (choose one whose name has no leading _)")
+
+
 def to_plain(cfg) -> dict:
     """A config as plain JSON-ready containers (enums as their names), resolved."""
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
