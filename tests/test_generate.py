@@ -103,7 +103,7 @@ def test_generate_gives_n_texts_per_prompt_with_a_text_stop_hook():
     assert len(stopped[0][0]) == 3
 
 
-def test_the_evaluations_completions_fill_the_context_when_max_tokens_is_unset():
+def test_the_evaluations_completions_fit_the_context_when_max_tokens_is_unset():
     from xtrain.config import EvalConfig
     from xtrain.evals.completions import model_generate
 
@@ -115,6 +115,12 @@ def test_the_evaluations_completions_fill_the_context_when_max_tokens_is_unset()
     assert texts == ["\0" * 29]
     (texts,) = model_generate(model, CharTokenizer(), EvalConfig(max_tokens=5))([prompt], 1)
     assert texts == ["\0" * 5]
+    # a long context: the default budget of 384 tokens, not the 389 the context leaves
+    long_context = random_model(vocab_size=257, sequence_len=400)
+    with torch.no_grad():
+        long_context.lm_head.weight.zero_()
+    (texts,) = model_generate(long_context, CharTokenizer(), EvalConfig())([prompt], 1)
+    assert texts == ["\0" * 384]
 
 
 @pytest.fixture(scope="module")

@@ -272,8 +272,8 @@ class EvalConfig:
     # 0: greedy decoding (then n must be 1: greedy samples are identical)
     temperature: float = limits(0.0, ge=0)
     top_k: int | None = limits(None, ge=1)  # sample among the top_k most likely tokens; None: all
-    # new tokens per completion before the stop rule cuts it; None: as many as the model's
-    # context leaves after the prompt
+    # new tokens per completion before the stop rule cuts it; None: 384, or what the model's
+    # context leaves after the prompt where that is less (a set value must fit: refused otherwise)
     max_tokens: int | None = limits(None, ge=1)
     # Raw text that ends a completion (the tokenizer's document separator as decoded text).
     eof_markers: list[str] = field(default_factory=lambda: ["<|bos|>", "<|endoftext|>"])

@@ -18,6 +18,9 @@ from xtrain.evals.problems import Problem
 from xtrain.model.generate import check_prompts_fit, generate, prompt_ids
 
 SEED = 0  # the same seed at every evaluation: scores of one run differ only by what it learnt
+# eval.max_tokens unset: a completion's budget, cut to what the model's context leaves (an untrained
+# model may never close the function: the budget bounds an evaluation's time)
+DEFAULT_MAX_TOKENS = 384
 
 
 def check_fit(tokenizer, problems: Sequence[Problem], cfg: EvalConfig, sequence_len: int) -> None:
@@ -47,7 +50,7 @@ def model_generate(model, tokenizer, cfg: EvalConfig, stats: dict | None = None,
         for i, prompt in enumerate(prompts):
             one: dict = {}
             room = model.config.sequence_len - len(prompt_ids(tokenizer, prompt))
-            max_tokens = cfg.max_tokens or room
+            max_tokens = cfg.max_tokens or min(DEFAULT_MAX_TOKENS, room)
             texts += generate(model, tokenizer, [prompt], n, max_tokens=max_tokens,
                               temperature=cfg.temperature, top_k=cfg.top_k, seed=SEED + i,
                               stop=lambda text, p=prompt: ended(p, text), stats=one)
