@@ -14,12 +14,15 @@ It records every call (argv, one JSON line each in calls.jsonl) and replays reso
       endpoints    [[internal, external], ...] of the created node (default 127.0.0.2)
       wipe         directories a delete empties: the VM's disk goes with it
       host_key     an sshd host key file a create replaces: a new VM has a new host key
+      authorized_keys  the sshd's AuthorizedKeysFile a create rewrites with the keys of the
+                   create's ``ssh-keys`` metadata for this user: a new VM knows no other key
 
 An unknown name gets gcloud's NOT_FOUND error and exit code 1, like the real one.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -74,6 +77,8 @@ def create(args, flags, name, queued: bool) -> None:
                 os.remove(old)
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True,
                        stdin=subprocess.DEVNULL)
+    if scenario.get("authorized_keys"):
+        write_authorized_keys(scenario["authorized_keys"], flags.get("metadata-from-file", ""))
     version = flags["runtime-version" if queued else "version"]
     states = list(scenario.get("states", []))
     vm = node(flags.get("node-id", name), flags["zone"], flags["accelerator-type"], version,
@@ -87,6 +92,18 @@ def create(args, flags, name, queued: bool) -> None:
         save(os.path.join(STATE, "queued", name + ".json"), {**resource, "x-states": states})
     else:
         save(os.path.join(STATE, "nodes", name + ".json"), {**vm, "x-states": states})
+
+
+def write_authorized_keys(path: str, metadata_files: str) -> None:
+    """The guest agent's part: ``ssh-keys`` lines (``user:key``) of this user become its keys."""
+    files = dict(item.split("=", 1) for item in metadata_files.split(",") if "=" in item)
+    lines = []
+    if "ssh-keys" in files:
+        with open(files["ssh-keys"]) as f:
+            lines = [line.strip() for line in f if line.strip()]
+    user = getpass.getuser()
+    with open(path, "w") as f:
+        f.writelines(line.split(":", 1)[1] + "\n" for line in lines if line.split(":", 1)[0] == user)
 
 
 def describe(path: str, queued: bool) -> None:

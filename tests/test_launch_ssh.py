@@ -53,6 +53,17 @@ def test_first_contact_records_the_host_key_in_xtrains_known_hosts(remote, tmp_p
     assert worker.root == str(tmp_path / "hosts" / HOSTS[0])
 
 
+@pytest.mark.parametrize("public_file", [True, False], ids=["pub-file", "derived"])
+def test_the_key_a_new_vm_gets_is_the_login_users_public_key(tmp_path, public_file):
+    key = keygen(tmp_path / "id")
+    algorithm, body = Path(f"{key}.pub").read_text().split()[:2]
+    if not public_file:
+        Path(f"{key}.pub").unlink()  # ssh-keygen -y derives it from the private key
+    cfg = OmegaConf.structured(LauncherConfig(identity_file=str(key), user="alice"))
+    line = Ssh(cfg, Runner()).authorized_key()
+    assert line.split()[:2] == [f"alice:{algorithm}", body]
+
+
 def test_a_changed_host_key_is_refused_and_rekeyed_only_on_request(remote, tmp_path):
     known = tmp_path / "known_hosts"
     other = Path(f"{keygen(tmp_path / 'other_key')}.pub").read_text().split()

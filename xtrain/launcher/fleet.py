@@ -203,7 +203,7 @@ class Vm:
                 self.log(f"fleet: {self}: creating a {self.hardware.accelerator_type} "
                          f"({self.hardware.runtime_version}{', spot' if cfg.spot else ''})")
                 self.gcloud.create(self.name, cfg.zone, self.hardware, cfg.project, cfg.spot,
-                                   cfg.queued)
+                                   cfg.queued, Ssh(cfg, self.runner, self.log).authorized_key())
                 created = True
             except NoCapacity as e:
                 backoff = self._wait_for_capacity(str(e), backoff, lost_so_far)

@@ -9,6 +9,7 @@ through the launch's :class:`~xtrain.launcher.runner.Runner`.
 from __future__ import annotations
 
 import json
+import tempfile
 
 from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError, Result
@@ -53,16 +54,22 @@ class Gcloud:
             raise LaunchError(f"gcloud describe {name}: unreadable output ({e})") from e
 
     def create(self, name: str, zone: str, hardware, project: str | None = None,
-               spot: bool = True, queued: bool = False) -> None:
+               spot: bool = True, queued: bool = False, ssh_key: str | None = None) -> None:
         """Create a TPU VM (or a queued resource whose node has the same name) of the profile's
-        type and runtime. Raises NoCapacity when the zone has none for it now."""
+        type and runtime; ``ssh_key`` (``user:public key``) goes into its ``ssh-keys`` metadata.
+        Raises NoCapacity when the zone has none for it now."""
         kind = [f"--accelerator-type={hardware.accelerator_type}"]
         if queued:  # queued-resources takes --runtime-version and names its node with --node-id
             kind = [f"--node-id={name}", *kind, f"--runtime-version={hardware.runtime_version}"]
         else:
             kind.append(f"--version={hardware.runtime_version}")
         argv = self._argv("create", name, zone, project, queued) + kind + (["--spot"] if spot else [])
-        r = self.runner.run(argv, timeout=1800, label="gcloud create")
+        with tempfile.NamedTemporaryFile("w", suffix=".ssh-keys") as keys:
+            if ssh_key:  # from a file: gcloud splits --metadata values at commas
+                keys.write(ssh_key + "\n")
+                keys.flush()
+                argv.append(f"--metadata-from-file=ssh-keys={keys.name}")
+            r = self.runner.run(argv, timeout=1800, label="gcloud create")
         if not r.ok:
             error = NoCapacity if any(m.lower() in r.stderr.lower() for m in NO_CAPACITY) else LaunchError
             raise error(f"gcloud could not create TPU {name!r} in {zone}: {_message(r)}")

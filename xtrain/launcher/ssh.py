@@ -48,6 +48,23 @@ class Ssh:
                               "`gcloud compute tpus tpu-vm ssh`)")
         os.makedirs(os.path.dirname(self.known_hosts) or ".", mode=0o700, exist_ok=True)
 
+    def authorized_key(self) -> str:
+        """``user:public key`` for a new VM's ``ssh-keys`` metadata: a VM xtrain creates knows the
+        keys of the project's metadata and of its own, and gcloud put this one in the old VM's own
+        (its first ``tpu-vm ssh``), which went with it."""
+        public = self.identity + ".pub"
+        if os.path.isfile(public):
+            with open(public) as f:
+                key = f.read().strip()
+        else:  # the public half derived from the private key (one without a passphrase)
+            r = self.runner.run(["ssh-keygen", "-y", "-f", self.identity], timeout=30,
+                                label="ssh-keygen")
+            if not r.ok:
+                raise ConfigError(f"hydra.launcher.identity_file={self.cfg.identity_file}: no "
+                                  f"{public}, and ssh-keygen could not derive it: {r.stderr.strip()}")
+            key = r.stdout.strip()
+        return f"{self.user}:{key}"
+
     def options(self) -> list[str]:
         cfg = self.cfg
         opts = {
