@@ -15,7 +15,8 @@ It records every call (argv, one JSON line each in calls.jsonl) and replays reso
       wipe         directories a delete empties: the VM's disk goes with it
       host_key     an sshd host key file a create replaces: a new VM has a new host key
       authorized_keys  the sshd's AuthorizedKeysFile a create rewrites with the keys of the
-                   create's ``ssh-keys`` metadata for this user: a new VM knows no other key
+                   create's ``ssh-keys`` metadata for this user: a new VM knows no other key;
+                   ``keys_after_s`` later (default 0), as a VM's guest agent does after boot
 
 An unknown name gets gcloud's NOT_FOUND error and exit code 1, like the real one.
 """
@@ -78,7 +79,8 @@ def create(args, flags, name, queued: bool) -> None:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True,
                        stdin=subprocess.DEVNULL)
     if scenario.get("authorized_keys"):
-        write_authorized_keys(scenario["authorized_keys"], flags.get("metadata-from-file", ""))
+        write_authorized_keys(scenario["authorized_keys"], flags.get("metadata-from-file", ""),
+                              scenario.get("keys_after_s", 0))
     version = flags["runtime-version" if queued else "version"]
     states = list(scenario.get("states", []))
     vm = node(flags.get("node-id", name), flags["zone"], flags["accelerator-type"], version,
@@ -94,16 +96,23 @@ def create(args, flags, name, queued: bool) -> None:
         save(os.path.join(STATE, "nodes", name + ".json"), {**vm, "x-states": states})
 
 
-def write_authorized_keys(path: str, metadata_files: str) -> None:
-    """The guest agent's part: ``ssh-keys`` lines (``user:key``) of this user become its keys."""
+def write_authorized_keys(path: str, metadata_files: str, after_s: float) -> None:
+    """The guest agent's part: ``ssh-keys`` lines (``user:key``) of this user become its keys,
+    ``after_s`` seconds from now (none until then)."""
     files = dict(item.split("=", 1) for item in metadata_files.split(",") if "=" in item)
     lines = []
     if "ssh-keys" in files:
         with open(files["ssh-keys"]) as f:
             lines = [line.strip() for line in f if line.strip()]
     user = getpass.getuser()
+    keys = "".join(line.split(":", 1)[1] + "\n" for line in lines if line.split(":", 1)[0] == user)
     with open(path, "w") as f:
-        f.writelines(line.split(":", 1)[1] + "\n" for line in lines if line.split(":", 1)[0] == user)
+        f.write("" if after_s else keys)
+    if after_s:  # a detached writer: gcloud's create has returned by then
+        subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(float(sys.argv[1])); "
+                          "open(sys.argv[2], 'w').write(sys.argv[3])", str(after_s), path, keys],
+                         start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def describe(path: str, queued: bool) -> None:

@@ -181,7 +181,7 @@ def test_a_preempted_vm_is_recreated_and_the_rerun_resumes_to_the_same_loss(
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [(HOSTS[0], HOSTS[0])]))
     gcloud.scenario("vm-a", creates=["no-capacity", "ok"], states=["CREATING", "READY"],
                     endpoints=[[HOSTS[0], HOSTS[0]]], host_key=str(fleet.sshd.host_key),
-                    authorized_keys=str(fleet.sshd.dir / "authorized_keys"),
+                    authorized_keys=str(fleet.sshd.dir / "authorized_keys"), keys_after_s=3,
                     wipe=[str(host / d) for d in ("jobs", "runs", "code")])
     old_key = Path(f"{fleet.sshd.host_key}.pub").read_text().split()[1]
     job = vm_job(fleet, tmp_path, compose_config, run + [f"checkpoint.dir={bucket}/resume"],
@@ -215,7 +215,8 @@ def test_a_preempted_vm_is_recreated_and_the_rerun_resumes_to_the_same_loss(
     assert [c[:-1] for c in creates] == 2 * [["compute", "tpus", "tpu-vm", "create", "vm-a",
                                               f"--zone={ZONE}", "--accelerator-type=v6e-4",
                                               "--version=v2-alpha-tpuv6e", "--spot"]]
-    # the login key goes with the new VM (the stand-in then lets only it in, as the VM would)
+    # the login key goes with the new VM (the stand-in lets only it in, 3 s after the create, as
+    # the VM's guest agent would: the launcher waits for it)
     assert all(c[-1].startswith("--metadata-from-file=ssh-keys=") for c in creates)
     verbs = [c[3] for c in gcloud.calls() if c[3] != "describe"]
     assert verbs == ["delete", "create", "create"]

@@ -210,8 +210,23 @@ class Vm:
         ssh = Ssh(cfg, self.runner, self.log)
         for host in sorted(old | self.addresses()):
             ssh.forget(host)
+        for host in sorted(self.addresses()):
+            self._wait_for_login(ssh, host)
         self.log(f"fleet: {self} is READY again, {clock(time.monotonic() - t0)} after the "
                  f"recreation began; {clock(lost_so_far())} lost so far")
+
+    def _wait_for_login(self, ssh: Ssh, host: str) -> None:
+        """A new VM says READY before its guest agent has made the ``ssh-keys`` metadata the
+        user's keys: a refused login is retried for :data:`LOGIN_GRACE_S`."""
+        deadline = time.monotonic() + LOGIN_GRACE_S
+        while True:
+            try:
+                ssh.run(host, "true\n", "login", timeout=60)
+                return
+            except ConfigError:  # the login refused (anything else is no waiting matter)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(LOGIN_POLL_S)
 
     def _wait_for_capacity(self, why: str, backoff: float, lost_so_far) -> float:
         self.log(f"fleet: {self}: no capacity ({why}); retrying in {backoff:g} s, "
@@ -224,6 +239,8 @@ class Vm:
 # be READY (a spot VM is stopped about 30 s after the notice): the fleet watches the VM this long
 # before taking the stop for one that was not a VM's loss (a signal sent by hand).
 VM_DOWN_WAIT_S = 180.0
+# gcloud's own ssh retries a refused login for 50 s after it adds a key; a created VM gets longer
+LOGIN_GRACE_S, LOGIN_POLL_S = 180.0, 5.0
 
 
 def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
