@@ -24,6 +24,7 @@ from tests.sshd import HOSTS, gcloud, remote, sshd, tpu_node  # noqa: F401  (fix
 from xtrain.launcher import fleet
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.fleet import DOWN, PENDING, UP, Job, Vm, vm_health
+from xtrain.launcher.gcloud import NoCapacity, QuotaExceeded, create_failure
 from xtrain.launcher.launch import launch_job
 from xtrain.launcher.pool import JobQueue, locate, run_pool, summary
 from xtrain.launcher.runner import LaunchError, VmUnavailable
@@ -91,6 +92,64 @@ def test_a_preempted_vm_is_deleted_and_recreated_as_the_profile_says(gcloud, tmp
     assert any("vm-a is READY again" in m for m in messages)
     assert known.read_text().splitlines() == [
         "127.0.0.9 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAnotherHostStays"]
+
+
+# What gcloud prints when a create fails, as seen in public reports of real runs (the stand-in
+# replays the first of each kind).
+STOCKOUTS = [
+    'ERROR: (gcloud.compute.tpus.tpu-vm.create) {"code": 8, "message": "There is no more capacity '
+    'in the zone \\"us-central1-c\\"; you can try in another zone where Cloud TPU Nodes are offered '
+    '(see https://cloud.google.com/tpu/docs/regions) [EID: 0x9f48947a7d57c8d]"}',
+    "ERROR: (gcloud.compute.tpus.execution-groups.create) There is no more capacity in the zone "
+    '"europe-west4-a"; you can try in another zone where Cloud TPU Nodes are offered (see '
+    "https://cloud.google.com/tpu/docs/regions) [EID: 0xba393c906974e61]",
+    "ERROR: (gcloud.compute.instances.create) Could not fetch resource:\n---\ncode: "
+    "ZONE_RESOURCE_POOL_EXHAUSTED\nmessage: The zone 'projects/p/zones/us-central1-b' does not "
+    "have enough resources available to fulfill the request.",
+    # a rate quota: the next minute lifts it
+    "ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota exceeded for quota metric "
+    "'Create node requests' and limit 'Create node requests per minute per project' of service "
+    "'tpu.googleapis.com' for consumer 'project_number:123'.",
+]
+QUOTAS = [
+    "ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota limit "
+    "'TPUV6EPreemptiblePerProjectPerRegionForTPUAPI' has been exceeded. Limit: 0 in region "
+    "us-east5.",
+    "ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota "
+    "'TPUV4sPreemptiblePodPerProjectPerRegionForTPUAPI' exhausted. Limit 20800 in region "
+    "us-central2",
+    "ERROR: (gcloud.compute.instances.create) Could not fetch resource:\n - Quota "
+    "'GPUS_ALL_REGIONS' exceeded. Limit: 0.0 globally.",
+    "Code: QUOTA_EXCEEDED\nMessage: Quota 'N2_CPUS' exceeded.",
+]
+
+
+def test_a_create_failure_is_told_apart_as_capacity_quota_or_other():
+    """A stockout is retried (NoCapacity); a quota, RESOURCE_EXHAUSTED as well, is not."""
+    for stderr in STOCKOUTS:
+        assert create_failure(stderr) is NoCapacity, stderr
+    for stderr in QUOTAS:
+        assert create_failure(stderr) is QuotaExceeded, stderr
+    assert create_failure("ERROR: (gcloud.compute.tpus.tpu-vm.create) PERMISSION_DENIED: "
+                          "Permission 'tpu.nodes.create' denied") is LaunchError
+
+
+def test_a_recreation_refused_by_quota_ends_at_once(gcloud, tmp_path, v6e4):
+    """The stand-in's create fails with a quota error (a retry would succeed): the recreation
+    stops at the first create, without waiting the capacity backoff, and says what to do."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="PREEMPTED"))
+    gcloud.scenario("vm-a", creates=["quota", "ok"])
+    messages = []
+    t0 = time.monotonic()
+    with pytest.raises(QuotaExceeded) as e:
+        Vm("vm-a", fleet_cfg(tmp_path, capacity_backoff_s=5, ready_timeout_s=3600), v6e4,
+           log=messages.append).restore()
+    assert time.monotonic() - t0 < 5  # no backoff slept
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create"]
+    assert "quota 'TPUV6EPreemptiblePerProjectPerRegionForTPUAPI'" in str(e.value)
+    assert "Limit: 0 in region asia-northeast1" in str(e.value)
+    assert "request more quota" in str(e.value) and "another zone" in str(e.value)
+    assert not any("no capacity" in m for m in messages)
 
 
 def test_a_suspended_queued_resource_is_recreated_as_one(gcloud, tmp_path, v6e4):

@@ -10,11 +10,12 @@ Whenever a job's log stream or connection ends, the launcher asks gcloud for the
 
 With ``recreate=true`` a preempted VM is deleted (never left FAILED or SUSPENDED, holding quota),
 created again with the profile's accelerator type and runtime version (``--spot``), retried with
-backoff while the zone has no capacity, waited for until READY (bounded by ``ready_timeout_s``),
-set up again by the ordinary launch (its new host key is accepted: xtrain deleted the old VM
-itself), and the job re-run, which resumes from its newest committed checkpoint on GCS. The
-re-run's environment carries the preemption history (xtrain/observe/preemptions.py), so the
-run's metrics record it. xtrain/launcher/pool.py spreads a multirun over several such VMs.
+backoff while the zone has no capacity (a quota the project lacks ends the recreation at once:
+no wait lifts it), waited for until READY (bounded by ``ready_timeout_s``), set up again by the
+ordinary launch (its new host key is accepted: xtrain deleted the old VM itself), and the job
+re-run, which resumes from its newest committed checkpoint on GCS. The re-run's environment
+carries the preemption history (xtrain/observe/preemptions.py), so the run's metrics record it.
+xtrain/launcher/pool.py spreads a multirun over several such VMs.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ class Vm:
     def restore(self, lost_so_far=lambda: 0.0) -> None:
         """Bring the VM back to READY: delete it when it is down, create it again, retry with
         backoff while the zone has no capacity, wait while it comes up; all within
-        ``ready_timeout_s``. Forgets the old VM's host keys and connections."""
+        ``ready_timeout_s``. A create refused by quota raises QuotaExceeded at once. Forgets the
+        old VM's host keys and connections."""
         cfg = self.cfg
         t0, backoff, created = time.monotonic(), cfg.capacity_backoff_s, False
         old = self.addresses()
