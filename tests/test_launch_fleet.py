@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from xtrain.errors import ConfigError
+
 from tests.sshd import HOSTS, gcloud, remote, sshd, tpu_node  # noqa: F401  (fixtures)
 from xtrain.launcher import fleet
 from xtrain.launcher.config import LauncherConfig
@@ -28,6 +30,7 @@ from xtrain.launcher.gcloud import NoCapacity, QuotaExceeded, create_failure
 from xtrain.launcher.launch import launch_job
 from xtrain.launcher.pool import JobQueue, locate, run_pool, summary
 from xtrain.launcher.runner import LaunchError, VmUnavailable
+from xtrain.launcher.targets import node_targets
 from xtrain.observe import preemptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,6 +175,37 @@ def test_a_recreation_that_never_gets_ready_is_deleted_and_fails(gcloud, tmp_pat
                                           r"ready_timeout_s=0.3"):
         Vm("vm-a", fleet_cfg(tmp_path, ready_timeout_s=0.3), v6e4, log=print).restore()
     assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create", "delete"]
+
+
+def by_topology(name: str, kind: str | None, topology: str | None) -> dict:
+    """A node created with ``--type``/``--topology``: no acceleratorType, perhaps an
+    acceleratorConfig {type, topology} (TPU API v2 AcceleratorConfig)."""
+    node = tpu_node(name, ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])])
+    del node["acceleratorType"]
+    node.pop("acceleratorConfig")
+    if kind:
+        node["acceleratorConfig"] = {"type": kind, "topology": topology}
+    return node
+
+
+def test_a_node_without_accelerator_type_is_checked_by_its_accelerator_config(gcloud, tmp_path,
+                                                                             v6e4):
+    """The launch's targets and the fleet's check agree: acceleratorConfig against the profile's
+    topology (v6e:2x2), nothing to compare is no refusal. gcloud is the stand-in."""
+    assert [t.host for t in node_targets(by_topology("a", "V6E", "2x2"), "external", v6e4)] \
+        == [HOSTS[0]]
+    assert len(node_targets(by_topology("a", None, None), "external", v6e4)) == 1
+    expected = "TPU b is a V6E 2x4 (acceleratorConfig), hardware=v6e4 is a v6e-4 (v6e:2x2)"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        node_targets(by_topology("b", "V6E", "2x4"), "external", v6e4)
+    with pytest.raises(ConfigError, match="TPU c is a V5LITE_POD 2x2 "):
+        node_targets(by_topology("c", "V5LITE_POD", "2x2"), "external", v6e4)
+    for name, kind, topology in (("a", "V6E", "2x2"), ("b", "V6E", "2x4"), ("n", None, None)):
+        gcloud.add(by_topology(name, kind, topology))
+    fleet.check_known(Vm("a", fleet_cfg(tmp_path), v6e4), recreate=False)
+    fleet.check_known(Vm("n", fleet_cfg(tmp_path), v6e4), recreate=False)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        fleet.check_known(Vm("b", fleet_cfg(tmp_path), v6e4), recreate=False)
 
 
 def test_a_job_that_stopped_for_its_notice_is_rerun_once_its_vm_goes_down(gcloud, tmp_path, v6e4,

@@ -31,6 +31,7 @@ from xtrain.launcher.launch import launch_job, say
 from xtrain.launcher.logs import log_path
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
+from xtrain.launcher.targets import check_type
 from xtrain.observe.preemptions import launch_env
 
 UP, PENDING, DOWN = "up", "pending", "down"
@@ -351,7 +352,4 @@ def check_known(vm: Vm, recreate: bool) -> None:
                           "a preempted VM)")
     if vm.cfg.queued:  # the queued resource holds its node's spec
         found = (found.get("tpu", {}).get("nodeSpec") or [{}])[0].get("node", {})
-    kind = found.get("acceleratorType", "").rsplit("/", 1)[-1]
-    if kind and vm.hardware.accelerator_type and kind != vm.hardware.accelerator_type:
-        raise ConfigError(f"{vm} is a {kind}, hardware={vm.hardware.name} is a "
-                          f"{vm.hardware.accelerator_type}")
+    check_type(found, vm.hardware, str(vm))
