@@ -5,7 +5,8 @@ FakeGcloud puts it first on PATH). Everything else they use is real: OpenSSH, rs
 It records every call (argv, one JSON line each in calls.jsonl) and replays resources in gcloud's
 ``--format=json`` shapes (TPU API v2 Node and QueuedResource) from its state directory:
 
-    nodes/NAME.json       a TPU VM; a describe prints it
+    nodes/NAME.json       a TPU VM; a describe prints it (its x-states and x-health lists, if
+                          any, give its state and health one describe at a time, the last stays)
     queued/NAME.json      a queued resource (its node is nodes/NAME.json)
     scenarios/NAME.json   what happens to NAME next (all optional):
       creates      outcomes of the next creates, in order: "ok", "no-capacity" (the TPU API's
@@ -118,6 +119,10 @@ def describe(path: str, queued: bool) -> None:
         state = states.pop(0) if len(states) > 1 else states[0]
         resource["state"] = {"state": state} if queued else state
         save(path, {**resource, "x-states": states})
+    healths = resource.get("x-health", [])
+    if healths:  # the node's Node.health, replayed the same way
+        resource["health"] = healths.pop(0) if len(healths) > 1 else healths[0]
+        save(path, {**resource, "x-health": healths})
     print(json.dumps({k: v for k, v in resource.items() if not k.startswith("x-")}, indent=1))
 
 

@@ -52,6 +52,7 @@ def test_vm_states_are_classified_from_the_tables():
     for gone in ("PREEMPTED", "TERMINATED", "STOPPED", "DELETING", "NOT_FOUND", "SOMETHING_NEW"):
         assert vm_health(gone) == DOWN, gone
     assert vm_health("CREATING") == PENDING and vm_health("REPAIRING") == PENDING
+    assert vm_health("UNHEALTHY_MAINTENANCE") == PENDING  # READY, health says maintenance
     assert vm_health("ACTIVE", queued=True) == UP
     for gone in ("SUSPENDED", "SUSPENDING", "FAILED"):
         assert vm_health(gone, queued=True) == DOWN, gone
@@ -101,8 +102,8 @@ def test_a_preempted_vm_is_deleted_and_recreated_as_the_profile_says(gcloud, tmp
 # replays the first of each kind).
 STOCKOUTS = [
     'ERROR: (gcloud.compute.tpus.tpu-vm.create) {"code": 8, "message": "There is no more capacity '
-    'in the zone \\"us-central1-c\\"; you can try in another zone where Cloud TPU Nodes are offered '
-    '(see https://cloud.google.com/tpu/docs/regions) [EID: 0x9f48947a7d57c8d]"}',
+    'in the zone \\"us-central1-c\\"; you can try in another zone where Cloud TPU Nodes are '
+    'offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0x9f48947a7d57c8d]"}',
     "ERROR: (gcloud.compute.tpus.execution-groups.create) There is no more capacity in the zone "
     '"europe-west4-a"; you can try in another zone where Cloud TPU Nodes are offered (see '
     "https://cloud.google.com/tpu/docs/regions) [EID: 0xba393c906974e61]",
@@ -110,8 +111,8 @@ STOCKOUTS = [
     "ZONE_RESOURCE_POOL_EXHAUSTED\nmessage: The zone 'projects/p/zones/us-central1-b' does not "
     "have enough resources available to fulfill the request.",
     # a rate quota: the next minute lifts it
-    "ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota exceeded for quota metric "
-    "'Create node requests' and limit 'Create node requests per minute per project' of service "
+    "ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota exceeded for quota "
+    "metric 'Create node requests' and limit 'Create node requests per minute per project' of service "
     "'tpu.googleapis.com' for consumer 'project_number:123'.",
 ]
 QUOTAS = [
@@ -206,6 +207,26 @@ def test_a_node_without_accelerator_type_is_checked_by_its_accelerator_config(gc
     fleet.check_known(Vm("n", fleet_cfg(tmp_path), v6e4), recreate=False)
     with pytest.raises(ConfigError, match=re.escape(expected)):
         fleet.check_known(Vm("b", fleet_cfg(tmp_path), v6e4), recreate=False)
+
+
+def test_a_ready_node_under_maintenance_is_waited_for_not_used_nor_recreated(gcloud, tmp_path,
+                                                                             v6e4):
+    """state READY with health UNHEALTHY_MAINTENANCE (TPU API Node.health: it resumes once
+    rescheduled) is pending: the launch refuses it, the fleet waits, neither deletes it. The
+    stand-in replays the health, one describe at a time."""
+    node = tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])])
+    maintenance = {**node, "health": "UNHEALTHY_MAINTENANCE"}
+    with pytest.raises(ConfigError, match="TPU vm-a is READY but under maintenance"):
+        node_targets(maintenance, "external", v6e4)
+    gcloud.add({**maintenance, "x-health": ["UNHEALTHY_MAINTENANCE"] * 5 + ["HEALTHY"]})
+    vm = Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=print)
+    assert (vm.state(), vm.health()) == ("UNHEALTHY_MAINTENANCE", PENDING)
+    with pytest.raises(fleet.VmLost, match="TPU vm-a is UNHEALTHY_MAINTENANCE"):
+        vm.check()
+    vm.restore()  # waits through two more maintenance describes (the stand-in counts them)
+    assert (vm.state(), vm.health()) == ("READY", UP)
+    assert not [c for c in gcloud.calls() if c[3] != "describe"]
+    assert len(gcloud.calls()) >= 7
 
 
 def test_a_job_that_stopped_for_its_notice_is_rerun_once_its_vm_goes_down(gcloud, tmp_path, v6e4,

@@ -31,7 +31,7 @@ from xtrain.launcher.launch import launch_job, say
 from xtrain.launcher.logs import log_path
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
-from xtrain.launcher.targets import check_type
+from xtrain.launcher.targets import MAINTENANCE, check_type, node_state
 from xtrain.observe.preemptions import launch_env
 
 UP, PENDING, DOWN = "up", "pending", "down"
@@ -39,8 +39,11 @@ NOT_FOUND = "NOT_FOUND"  # gcloud does not know the name (deleted)
 # TPU API v2 Node.State (cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.nodes):
 # READY is usable, these come up by themselves; every other state (PREEMPTED, TERMINATED,
 # STOPPED, STOPPING, DELETING, HIDDEN, UNKNOWN, ...) means the node must be deleted and recreated.
+# A READY node whose Node.health is UNHEALTHY_MAINTENANCE is not usable yet, and resumes by itself
+# once rescheduled: Vm.state reports it as that (targets.node_state).
 NODE_STATES = {"READY": UP, "CREATING": PENDING, "STARTING": PENDING, "RESTARTING": PENDING,
-               "REIMAGING": PENDING, "REPAIRING": PENDING, "UNHIDING": PENDING}
+               "REIMAGING": PENDING, "REPAIRING": PENDING, "UNHIDING": PENDING,
+               MAINTENANCE: PENDING}
 # QueuedResourceState.State: ACTIVE is usable, these are on their way; SUSPENDING, SUSPENDED
 # (preempted), FAILED (no capacity in time) and DELETING must be deleted and created again.
 QUEUED_STATES = {"ACTIVE": UP, "CREATING": PENDING, "ACCEPTED": PENDING, "PROVISIONING": PENDING,
@@ -146,8 +149,10 @@ class Vm:
         found = self.describe()
         if found is None:
             return NOT_FOUND
+        if not self.cfg.queued:
+            return node_state(found)
         state = found.get("state", "UNKNOWN")
-        return state.get("state", "UNKNOWN") if isinstance(state, dict) else state  # queued: nested
+        return state.get("state", "UNKNOWN") if isinstance(state, dict) else state  # nested
 
     def health(self) -> str:
         return vm_health(self.state(), self.cfg.queued)

@@ -44,7 +44,10 @@ def resolve_targets(cfg, hardware, gcloud) -> list[Target]:
 def node_targets(node: dict, address: str, hardware) -> list[Target]:
     """Workers of a described TPU node; refuses a VM that is not READY or not the profile's type."""
     name = node.get("name", "?").rsplit("/", 1)[-1]
-    state = node.get("state", "UNKNOWN")
+    state = node_state(node)
+    if state == MAINTENANCE:
+        raise ConfigError(f"TPU {name} is READY but under maintenance (health {MAINTENANCE}): it "
+                          "resumes once rescheduled; launch again then")
     if state != "READY":
         raise ConfigError(f"TPU {name} is {state}, not READY (a preempted spot VM must be deleted "
                           "and recreated)")
@@ -61,6 +64,18 @@ def node_targets(node: dict, address: str, hardware) -> list[Target]:
                               "--internal-ips? use hydra.launcher.address=internal from the VPC)")
         targets.append(Target(i, host, internal or host))
     return targets
+
+
+# TPU API v2 Node.health: "under maintenance/priority boost caused rescheduling and will resume
+# running once rescheduled", while the node's state may still say READY.
+MAINTENANCE = "UNHEALTHY_MAINTENANCE"
+
+
+def node_state(node: dict) -> str:
+    """A described node's state, UNHEALTHY_MAINTENANCE in place of READY while its health says so
+    (not yet usable, back by itself)."""
+    state = node.get("state", "UNKNOWN")
+    return MAINTENANCE if state == "READY" and node.get("health") == MAINTENANCE else state
 
 
 # TPU API v2 AcceleratorConfig.Type -> the chip name in a profile's ``topology`` (v6e:2x2).
