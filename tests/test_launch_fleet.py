@@ -61,8 +61,13 @@ def test_vm_states_are_classified_from_the_tables():
 
 
 def fleet_cfg(tmp_path, **fields):
+    """Launcher fields for a VM of the stand-in; its login key is a placeholder (a create puts
+    the public half in the new VM's ssh-keys metadata; these tests never log in)."""
+    identity = tmp_path / "id_fleet"
+    identity.write_text("not a key: never used to log in\n")
+    identity.with_suffix(".pub").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFleetTestKey x\n")
     fields = {"tpu": "vm-a", "zone": ZONE, "recreate": True, "poll_s": 0.05,
-              "capacity_backoff_s": 0.1, "ready_timeout_s": 30,
+              "capacity_backoff_s": 0.1, "ready_timeout_s": 30, "identity_file": str(identity),
               "known_hosts": str(tmp_path / "known_hosts"), **fields}
     return OmegaConf.structured(LauncherConfig(**fields))
 
