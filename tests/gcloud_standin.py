@@ -5,11 +5,13 @@ FakeGcloud puts it first on PATH). Everything else they use is real: OpenSSH, rs
 It records every call (argv, one JSON line each in calls.jsonl) and replays resources in gcloud's
 ``--format=json`` shapes (TPU API v2 Node and QueuedResource) from its state directory:
 
-    nodes/NAME.json       a TPU VM; a describe prints it
+    nodes/NAME.json       a TPU VM; a describe prints it (its x-states and x-health lists, if
+                          any, give its state and health one describe at a time, the last stays)
     queued/NAME.json      a queued resource (its node is nodes/NAME.json)
     scenarios/NAME.json   what happens to NAME next (all optional):
-      creates      outcomes of the next creates, in order: "ok" or "no-capacity" (gcloud's
-                   RESOURCE_EXHAUSTED error); once used up, creates succeed
+      creates      outcomes of the next creates, in order: "ok", "no-capacity" (the TPU API's
+                   stockout, code 8 RESOURCE_EXHAUSTED) or "quota" (a regional quota of 0 chips,
+                   RESOURCE_EXHAUSTED, HTTP 429); once used up, creates succeed
       states       states the created resource goes through, one per describe; the last stays
       endpoints    [[internal, external], ...] of the created node (default 127.0.0.2)
       wipe         directories a delete empties: the VM's disk goes with it
@@ -34,6 +36,8 @@ STATE = os.environ["XTRAIN_FAKE_GCLOUD"]
 NO_CAPACITY = ('{"code": 8, "message": "There is no more capacity in the zone \\"%s\\"; you can '
                'try in another zone where Cloud TPU Nodes are offered (see '
                'https://cloud.google.com/tpu/docs/regions) [EID: 0x5e0b1a2f]"}')
+QUOTA = ("RESOURCE_EXHAUSTED: Quota limit 'TPUV6EPreemptiblePerProjectPerRegionForTPUAPI' has been "
+         "exceeded. Limit: 0 in region %s.")
 
 
 def load(path: str, default=None):
@@ -71,6 +75,8 @@ def create(args, flags, name, queued: bool) -> None:
     save(scenario_path, scenario)
     if outcome == "no-capacity":
         fail(args, NO_CAPACITY % flags["zone"])
+    if outcome == "quota":
+        fail(args, QUOTA % flags["zone"].rsplit("-", 1)[0])
     if scenario.get("host_key"):
         key = scenario["host_key"]
         for old in (key, key + ".pub"):
@@ -122,6 +128,10 @@ def describe(path: str, queued: bool) -> None:
         state = states.pop(0) if len(states) > 1 else states[0]
         resource["state"] = {"state": state} if queued else state
         save(path, {**resource, "x-states": states})
+    healths = resource.get("x-health", [])
+    if healths:  # the node's Node.health, replayed the same way
+        resource["health"] = healths.pop(0) if len(healths) > 1 else healths[0]
+        save(path, {**resource, "x-health": healths})
     print(json.dumps({k: v for k, v in resource.items() if not k.startswith("x-")}, indent=1))
 
 

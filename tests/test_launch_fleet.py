@@ -20,13 +20,17 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from xtrain.errors import ConfigError
+
 from tests.sshd import HOSTS, gcloud, remote, sshd, tpu_node  # noqa: F401  (fixtures)
 from xtrain.launcher import fleet
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.fleet import DOWN, PENDING, UP, Job, Vm, vm_health
+from xtrain.launcher.gcloud import NoCapacity, QuotaExceeded, create_failure
 from xtrain.launcher.launch import launch_job
 from xtrain.launcher.pool import JobQueue, locate, run_pool, summary
 from xtrain.launcher.runner import LaunchError, VmUnavailable
+from xtrain.launcher.targets import node_targets
 from xtrain.observe import preemptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +52,7 @@ def test_vm_states_are_classified_from_the_tables():
     for gone in ("PREEMPTED", "TERMINATED", "STOPPED", "DELETING", "NOT_FOUND", "SOMETHING_NEW"):
         assert vm_health(gone) == DOWN, gone
     assert vm_health("CREATING") == PENDING and vm_health("REPAIRING") == PENDING
+    assert vm_health("UNHEALTHY_MAINTENANCE") == PENDING  # READY, health says maintenance
     assert vm_health("ACTIVE", queued=True) == UP
     for gone in ("SUSPENDED", "SUSPENDING", "FAILED"):
         assert vm_health(gone, queued=True) == DOWN, gone
@@ -56,8 +61,13 @@ def test_vm_states_are_classified_from_the_tables():
 
 
 def fleet_cfg(tmp_path, **fields):
+    """Launcher fields for a VM of the stand-in; its login key is a placeholder (a create puts
+    the public half in the new VM's ssh-keys metadata; these tests never log in)."""
+    identity = tmp_path / "id_fleet"
+    identity.write_text("not a key: never used to log in\n")
+    identity.with_suffix(".pub").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFleetTestKey x\n")
     fields = {"tpu": "vm-a", "zone": ZONE, "recreate": True, "poll_s": 0.05,
-              "capacity_backoff_s": 0.1, "ready_timeout_s": 30,
+              "capacity_backoff_s": 0.1, "ready_timeout_s": 30, "identity_file": str(identity),
               "known_hosts": str(tmp_path / "known_hosts"), **fields}
     return OmegaConf.structured(LauncherConfig(**fields))
 
@@ -93,6 +103,64 @@ def test_a_preempted_vm_is_deleted_and_recreated_as_the_profile_says(gcloud, tmp
         "127.0.0.9 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAnotherHostStays"]
 
 
+# What gcloud prints when a create fails, as seen in public reports of real runs (the stand-in
+# replays the first of each kind).
+STOCKOUTS = [
+    'ERROR: (gcloud.compute.tpus.tpu-vm.create) {"code": 8, "message": "There is no more capacity '
+    'in the zone \\"us-central1-c\\"; you can try in another zone where Cloud TPU Nodes are '
+    'offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0x9f48947a7d57c8d]"}',
+    "ERROR: (gcloud.compute.tpus.execution-groups.create) There is no more capacity in the zone "
+    '"europe-west4-a"; you can try in another zone where Cloud TPU Nodes are offered (see '
+    "https://cloud.google.com/tpu/docs/regions) [EID: 0xba393c906974e61]",
+    "ERROR: (gcloud.compute.instances.create) Could not fetch resource:\n---\ncode: "
+    "ZONE_RESOURCE_POOL_EXHAUSTED\nmessage: The zone 'projects/p/zones/us-central1-b' does not "
+    "have enough resources available to fulfill the request.",
+    # a rate quota: the next minute lifts it
+    "ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota exceeded for quota "
+    "metric 'Create node requests' and limit 'Create node requests per minute per project' of service "
+    "'tpu.googleapis.com' for consumer 'project_number:123'.",
+]
+QUOTAS = [
+    "ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota limit "
+    "'TPUV6EPreemptiblePerProjectPerRegionForTPUAPI' has been exceeded. Limit: 0 in region "
+    "us-east5.",
+    "ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: Quota "
+    "'TPUV4sPreemptiblePodPerProjectPerRegionForTPUAPI' exhausted. Limit 20800 in region "
+    "us-central2",
+    "ERROR: (gcloud.compute.instances.create) Could not fetch resource:\n - Quota "
+    "'GPUS_ALL_REGIONS' exceeded. Limit: 0.0 globally.",
+    "Code: QUOTA_EXCEEDED\nMessage: Quota 'N2_CPUS' exceeded.",
+]
+
+
+def test_a_create_failure_is_told_apart_as_capacity_quota_or_other():
+    """A stockout is retried (NoCapacity); a quota, RESOURCE_EXHAUSTED as well, is not."""
+    for stderr in STOCKOUTS:
+        assert create_failure(stderr) is NoCapacity, stderr
+    for stderr in QUOTAS:
+        assert create_failure(stderr) is QuotaExceeded, stderr
+    assert create_failure("ERROR: (gcloud.compute.tpus.tpu-vm.create) PERMISSION_DENIED: "
+                          "Permission 'tpu.nodes.create' denied") is LaunchError
+
+
+def test_a_recreation_refused_by_quota_ends_at_once(gcloud, tmp_path, v6e4):
+    """The stand-in's create fails with a quota error (a retry would succeed): the recreation
+    stops at the first create, without waiting the capacity backoff, and says what to do."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="PREEMPTED"))
+    gcloud.scenario("vm-a", creates=["quota", "ok"])
+    messages = []
+    t0 = time.monotonic()
+    with pytest.raises(QuotaExceeded) as e:
+        Vm("vm-a", fleet_cfg(tmp_path, capacity_backoff_s=5, ready_timeout_s=3600), v6e4,
+           log=messages.append).restore()
+    assert time.monotonic() - t0 < 5  # no backoff slept
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create"]
+    assert "quota 'TPUV6EPreemptiblePerProjectPerRegionForTPUAPI'" in str(e.value)
+    assert "Limit: 0 in region asia-northeast1" in str(e.value)
+    assert "request more quota" in str(e.value) and "another zone" in str(e.value)
+    assert not any("no capacity" in m for m in messages)
+
+
 def test_a_suspended_queued_resource_is_recreated_as_one(gcloud, tmp_path, v6e4):
     gcloud.add(queued_resource("qr-a", "v6e-4", "SUSPENDED"), queued=True)
     gcloud.scenario("qr-a", states=["WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"])
@@ -113,6 +181,57 @@ def test_a_recreation_that_never_gets_ready_is_deleted_and_fails(gcloud, tmp_pat
                                           r"ready_timeout_s=0.3"):
         Vm("vm-a", fleet_cfg(tmp_path, ready_timeout_s=0.3), v6e4, log=print).restore()
     assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create", "delete"]
+
+
+def by_topology(name: str, kind: str | None, topology: str | None) -> dict:
+    """A node created with ``--type``/``--topology``: no acceleratorType, perhaps an
+    acceleratorConfig {type, topology} (TPU API v2 AcceleratorConfig)."""
+    node = tpu_node(name, ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])])
+    del node["acceleratorType"]
+    node.pop("acceleratorConfig")
+    if kind:
+        node["acceleratorConfig"] = {"type": kind, "topology": topology}
+    return node
+
+
+def test_a_node_without_accelerator_type_is_checked_by_its_accelerator_config(gcloud, tmp_path,
+                                                                             v6e4):
+    """The launch's targets and the fleet's check agree: acceleratorConfig against the profile's
+    topology (v6e:2x2), nothing to compare is no refusal. gcloud is the stand-in."""
+    assert [t.host for t in node_targets(by_topology("a", "V6E", "2x2"), "external", v6e4)] \
+        == [HOSTS[0]]
+    assert len(node_targets(by_topology("a", None, None), "external", v6e4)) == 1
+    expected = "TPU b is a V6E 2x4 (acceleratorConfig), hardware=v6e4 is a v6e-4 (v6e:2x2)"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        node_targets(by_topology("b", "V6E", "2x4"), "external", v6e4)
+    with pytest.raises(ConfigError, match="TPU c is a V5LITE_POD 2x2 "):
+        node_targets(by_topology("c", "V5LITE_POD", "2x2"), "external", v6e4)
+    for name, kind, topology in (("a", "V6E", "2x2"), ("b", "V6E", "2x4"), ("n", None, None)):
+        gcloud.add(by_topology(name, kind, topology))
+    fleet.check_known(Vm("a", fleet_cfg(tmp_path), v6e4), recreate=False)
+    fleet.check_known(Vm("n", fleet_cfg(tmp_path), v6e4), recreate=False)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        fleet.check_known(Vm("b", fleet_cfg(tmp_path), v6e4), recreate=False)
+
+
+def test_a_ready_node_under_maintenance_is_waited_for_not_used_nor_recreated(gcloud, tmp_path,
+                                                                             v6e4):
+    """state READY with health UNHEALTHY_MAINTENANCE (TPU API Node.health: it resumes once
+    rescheduled) is pending: the launch refuses it, the fleet waits, neither deletes it. The
+    stand-in replays the health, one describe at a time."""
+    node = tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])])
+    maintenance = {**node, "health": "UNHEALTHY_MAINTENANCE"}
+    with pytest.raises(ConfigError, match="TPU vm-a is READY but under maintenance"):
+        node_targets(maintenance, "external", v6e4)
+    gcloud.add({**maintenance, "x-health": ["UNHEALTHY_MAINTENANCE"] * 5 + ["HEALTHY"]})
+    vm = Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=print)
+    assert (vm.state(), vm.health()) == ("UNHEALTHY_MAINTENANCE", PENDING)
+    with pytest.raises(fleet.VmLost, match="TPU vm-a is UNHEALTHY_MAINTENANCE"):
+        vm.check()
+    vm.restore()  # waits through two more maintenance describes (the stand-in counts them)
+    assert (vm.state(), vm.health()) == ("READY", UP)
+    assert not [c for c in gcloud.calls() if c[3] != "describe"]
+    assert len(gcloud.calls()) >= 7
 
 
 def test_a_job_that_stopped_for_its_notice_is_rerun_once_its_vm_goes_down(gcloud, tmp_path, v6e4,

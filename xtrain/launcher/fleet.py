@@ -10,11 +10,12 @@ Whenever a job's log stream or connection ends, the launcher asks gcloud for the
 
 With ``recreate=true`` a preempted VM is deleted (never left FAILED or SUSPENDED, holding quota),
 created again with the profile's accelerator type and runtime version (``--spot``), retried with
-backoff while the zone has no capacity, waited for until READY (bounded by ``ready_timeout_s``),
-set up again by the ordinary launch (its new host key is accepted: xtrain deleted the old VM
-itself), and the job re-run, which resumes from its newest committed checkpoint on GCS. The
-re-run's environment carries the preemption history (xtrain/observe/preemptions.py), so the
-run's metrics record it. xtrain/launcher/pool.py spreads a multirun over several such VMs.
+backoff while the zone has no capacity (a quota the project lacks ends the recreation at once:
+no wait lifts it), waited for until READY (bounded by ``ready_timeout_s``), set up again by the
+ordinary launch (its new host key is accepted: xtrain deleted the old VM itself), and the job
+re-run, which resumes from its newest committed checkpoint on GCS. The re-run's environment
+carries the preemption history (xtrain/observe/preemptions.py), so the run's metrics record it.
+xtrain/launcher/pool.py spreads a multirun over several such VMs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from xtrain.launcher.launch import launch_job, say
 from xtrain.launcher.logs import log_path
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
+from xtrain.launcher.targets import MAINTENANCE, check_type, node_state
 from xtrain.observe.preemptions import launch_env
 
 UP, PENDING, DOWN = "up", "pending", "down"
@@ -37,8 +39,11 @@ NOT_FOUND = "NOT_FOUND"  # gcloud does not know the name (deleted)
 # TPU API v2 Node.State (cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.nodes):
 # READY is usable, these come up by themselves; every other state (PREEMPTED, TERMINATED,
 # STOPPED, STOPPING, DELETING, HIDDEN, UNKNOWN, ...) means the node must be deleted and recreated.
+# A READY node whose Node.health is UNHEALTHY_MAINTENANCE is not usable yet, and resumes by itself
+# once rescheduled: Vm.state reports it as that (targets.node_state).
 NODE_STATES = {"READY": UP, "CREATING": PENDING, "STARTING": PENDING, "RESTARTING": PENDING,
-               "REIMAGING": PENDING, "REPAIRING": PENDING, "UNHIDING": PENDING}
+               "REIMAGING": PENDING, "REPAIRING": PENDING, "UNHIDING": PENDING,
+               MAINTENANCE: PENDING}
 # QueuedResourceState.State: ACTIVE is usable, these are on their way; SUSPENDING, SUSPENDED
 # (preempted), FAILED (no capacity in time) and DELETING must be deleted and created again.
 QUEUED_STATES = {"ACTIVE": UP, "CREATING": PENDING, "ACCEPTED": PENDING, "PROVISIONING": PENDING,
@@ -144,8 +149,10 @@ class Vm:
         found = self.describe()
         if found is None:
             return NOT_FOUND
+        if not self.cfg.queued:
+            return node_state(found)
         state = found.get("state", "UNKNOWN")
-        return state.get("state", "UNKNOWN") if isinstance(state, dict) else state  # queued: nested
+        return state.get("state", "UNKNOWN") if isinstance(state, dict) else state  # nested
 
     def health(self) -> str:
         return vm_health(self.state(), self.cfg.queued)
@@ -175,7 +182,8 @@ class Vm:
     def restore(self, lost_so_far=lambda: 0.0) -> None:
         """Bring the VM back to READY: delete it when it is down, create it again, retry with
         backoff while the zone has no capacity, wait while it comes up; all within
-        ``ready_timeout_s``. Forgets the old VM's host keys and connections."""
+        ``ready_timeout_s``. A create refused by quota raises QuotaExceeded at once. Forgets the
+        old VM's host keys and connections."""
         cfg = self.cfg
         t0, backoff, created = time.monotonic(), cfg.capacity_backoff_s, False
         old = self.addresses()
@@ -366,7 +374,4 @@ def check_known(vm: Vm, recreate: bool) -> None:
                           "a preempted VM)")
     if vm.cfg.queued:  # the queued resource holds its node's spec
         found = (found.get("tpu", {}).get("nodeSpec") or [{}])[0].get("node", {})
-    kind = found.get("acceleratorType", "").rsplit("/", 1)[-1]
-    if kind and vm.hardware.accelerator_type and kind != vm.hardware.accelerator_type:
-        raise ConfigError(f"{vm} is a {kind}, hardware={vm.hardware.name} is a "
-                          f"{vm.hardware.accelerator_type}")
+    check_type(found, vm.hardware, str(vm))

@@ -9,18 +9,45 @@ through the launch's :class:`~xtrain.launcher.runner.Runner`.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 
 from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError, Result
 
-# gcloud's words for "no capacity for this request right now": waiting and retrying can help.
+# gcloud's words for "no capacity for this request right now": waiting and retrying can help. The
+# TPU API's stockout reads "There is no more capacity in the zone "Z"; you can try in another
+# zone where Cloud TPU Nodes are offered ..." (code 8, RESOURCE_EXHAUSTED).
 NO_CAPACITY = ("RESOURCE_EXHAUSTED", "no more capacity", "insufficient capacity", "STOCKOUT",
                "ZONE_RESOURCE_POOL_EXHAUSTED", "does not have enough resources")
+# A quota is RESOURCE_EXHAUSTED (HTTP 429) too, but no wait lifts it: "Quota limit
+# 'TPUV6EPreemptiblePerProjectPerRegionForTPUAPI' has been exceeded. Limit: 0 in region
+# us-east5.", "Quota 'TPUV4sPreemptiblePodPerProjectPerRegionForTPUAPI' exhausted.",
+# QUOTA_EXCEEDED. Checked before NO_CAPACITY.
+QUOTA = re.compile(r"quota limit|quota_exceeded|\bquota\b.*\b(exceeded|exhausted)\b",
+                   re.IGNORECASE)
+# ... except a rate quota ("... limit 'Create node requests per minute ...'"): the next minute
+# lifts it, so it is retried like a stockout.
+RATE_QUOTA = re.compile(r"\bper (second|minute)\b", re.IGNORECASE)
+QUOTA_NAME = re.compile(r"\bquota(?: limit)? '([^']+)'", re.IGNORECASE)
 
 
 class NoCapacity(LaunchError):
-    """A create refused because the zone has no capacity (or quota) for it now."""
+    """A create refused because the zone has no capacity for it now: retrying later can help."""
+
+
+class QuotaExceeded(LaunchError):
+    """A create refused by the project's quota: no retry can help, only more quota (or another
+    zone, region or accelerator type)."""
+
+
+def create_failure(stderr: str) -> type[LaunchError]:
+    """The error a failed create's stderr calls for: QuotaExceeded, NoCapacity or LaunchError."""
+    if QUOTA.search(stderr):
+        return NoCapacity if RATE_QUOTA.search(stderr) else QuotaExceeded
+    if any(m.lower() in stderr.lower() for m in NO_CAPACITY):
+        return NoCapacity
+    return LaunchError
 
 
 class Gcloud:
@@ -57,7 +84,8 @@ class Gcloud:
                spot: bool = True, queued: bool = False, ssh_key: str | None = None) -> None:
         """Create a TPU VM (or a queued resource whose node has the same name) of the profile's
         type and runtime; ``ssh_key`` (``user:public key``) goes into its ``ssh-keys`` metadata.
-        Raises NoCapacity when the zone has none for it now."""
+        Raises NoCapacity when the zone has none for it now, QuotaExceeded when the project's
+        quota does not allow it."""
         kind = [f"--accelerator-type={hardware.accelerator_type}"]
         if queued:  # queued-resources takes --runtime-version and names its node with --node-id
             kind = [f"--node-id={name}", *kind, f"--runtime-version={hardware.runtime_version}"]
@@ -71,8 +99,15 @@ class Gcloud:
                 argv.append(f"--metadata-from-file=ssh-keys={keys.name}")
             r = self.runner.run(argv, timeout=1800, label="gcloud create")
         if not r.ok:
-            error = NoCapacity if any(m.lower() in r.stderr.lower() for m in NO_CAPACITY) else LaunchError
-            raise error(f"gcloud could not create TPU {name!r} in {zone}: {_message(r)}")
+            error = create_failure(r.stderr)
+            why = f"gcloud could not create TPU {name!r} in {zone}: {_message(r)}"
+            if error is QuotaExceeded:
+                quota = QUOTA_NAME.search(r.stderr)
+                why += (f" (the project's {'quota ' + repr(quota.group(1)) if quota else 'quota'}"
+                        " allows no such TPU there, and waiting will not change that: request "
+                        "more quota (Google Cloud console, IAM & Admin > Quotas, service Cloud "
+                        "TPU API), or use another zone or accelerator type)")
+            raise error(why)
 
     def delete(self, name: str, zone: str, project: str | None = None, queued: bool = False) -> None:
         """Delete the VM (a queued resource with its node: --force)."""

@@ -44,14 +44,14 @@ def resolve_targets(cfg, hardware, gcloud) -> list[Target]:
 def node_targets(node: dict, address: str, hardware) -> list[Target]:
     """Workers of a described TPU node; refuses a VM that is not READY or not the profile's type."""
     name = node.get("name", "?").rsplit("/", 1)[-1]
-    state = node.get("state", "UNKNOWN")
+    state = node_state(node)
+    if state == MAINTENANCE:
+        raise ConfigError(f"TPU {name} is READY but under maintenance (health {MAINTENANCE}): it "
+                          "resumes once rescheduled; launch again then")
     if state != "READY":
         raise ConfigError(f"TPU {name} is {state}, not READY (a preempted spot VM must be deleted "
                           "and recreated)")
-    kind = node.get("acceleratorType", "").rsplit("/", 1)[-1]
-    if hardware.accelerator_type and kind != hardware.accelerator_type:
-        raise ConfigError(f"TPU {name} is a {kind}, hardware={hardware.name} is a "
-                          f"{hardware.accelerator_type}")
+    check_type(node, hardware, f"TPU {name}")
     if address not in ("external", "internal"):
         raise ConfigError(f"hydra.launcher.address={address!r}: expected external or internal")
     targets = []
@@ -64,3 +64,39 @@ def node_targets(node: dict, address: str, hardware) -> list[Target]:
                               "--internal-ips? use hydra.launcher.address=internal from the VPC)")
         targets.append(Target(i, host, internal or host))
     return targets
+
+
+# TPU API v2 Node.health: "under maintenance/priority boost caused rescheduling and will resume
+# running once rescheduled", while the node's state may still say READY.
+MAINTENANCE = "UNHEALTHY_MAINTENANCE"
+
+
+def node_state(node: dict) -> str:
+    """A described node's state, UNHEALTHY_MAINTENANCE in place of READY while its health says so
+    (not yet usable, back by itself)."""
+    state = node.get("state", "UNKNOWN")
+    return MAINTENANCE if state == "READY" and node.get("health") == MAINTENANCE else state
+
+
+# TPU API v2 AcceleratorConfig.Type -> the chip name in a profile's ``topology`` (v6e:2x2).
+CONFIG_TYPES = {"V2": "v2", "V3": "v3", "V4": "v4", "V5LITE_POD": "v5e", "V5P": "v5p", "V6E": "v6e"}
+
+
+def check_type(node: dict, hardware, what: str) -> None:
+    """Refuse a node (or a queued resource's node spec) of another type than the profile's. A node
+    created with ``--accelerator-type`` has ``acceleratorType`` (v6e-4); one created with
+    ``--type``/``--topology`` may carry only ``acceleratorConfig`` {type: V6E, topology: 2x2},
+    compared with the profile's ``topology``. What the node does not say is not refused."""
+    kind = node.get("acceleratorType", "").rsplit("/", 1)[-1]
+    if kind:
+        if hardware.accelerator_type and kind != hardware.accelerator_type:
+            raise ConfigError(f"{what} is a {kind}, hardware={hardware.name} is a "
+                              f"{hardware.accelerator_type}")
+        return
+    config = node.get("acceleratorConfig") or {}
+    chip, topology = CONFIG_TYPES.get(config.get("type", "")), config.get("topology")
+    wanted = getattr(hardware, "topology", None)
+    if chip and topology and wanted and f"{chip}:{topology}" != wanted:
+        raise ConfigError(f"{what} is a {config['type']} {topology} (acceleratorConfig), "
+                          f"hardware={hardware.name} is a {hardware.accelerator_type or 'TPU'} "
+                          f"({wanted})")
