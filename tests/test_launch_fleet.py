@@ -92,7 +92,9 @@ def test_a_preempted_vm_is_deleted_and_recreated_as_the_profile_says(gcloud, tmp
     assert verbs.count("delete") == 1 and verbs.count("create") == 2
     create = ["compute", "tpus", "tpu-vm", "create", "vm-a", f"--zone={ZONE}",
               "--accelerator-type=v6e-4", "--version=v2-alpha-tpuv6e", "--spot"]
-    assert [c for c in gcloud.calls() if c[3] == "create"] == [create, create]
+    creates = [c for c in gcloud.calls() if c[3] == "create"]
+    assert [c[:-1] for c in creates] == [create, create]  # then the key file (a temporary path)
+    assert all(c[-1].startswith("--metadata-from-file=ssh-keys=") for c in creates)
     assert verbs.index("delete") < verbs.index("create")  # never two VMs holding quota
     assert time.monotonic() - t0 >= 0.1  # waited out the capacity backoff
     assert any("no capacity" in m and "RESOURCE_EXHAUSTED" not in m and "no more capacity" in m
@@ -170,7 +172,7 @@ def test_a_suspended_queued_resource_is_recreated_as_one(gcloud, tmp_path, v6e4)
             "--quiet"] in queued
     assert ["compute", "tpus", "queued-resources", "create", "qr-a", f"--zone={ZONE}",
             "--node-id=qr-a", "--accelerator-type=v6e-4", "--runtime-version=v2-alpha-tpuv6e",
-            "--spot"] in queued
+            "--spot"] in [c[:-1] for c in queued]  # then the ssh-keys file
     assert Vm("qr-a", fleet_cfg(tmp_path, tpu="qr-a", queued=True), v6e4).state() == "ACTIVE"
 
 

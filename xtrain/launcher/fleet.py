@@ -225,16 +225,11 @@ class Vm:
 
     def _wait_for_login(self, ssh: Ssh, host: str) -> None:
         """A new VM says READY before its guest agent has made the ``ssh-keys`` metadata the
-        user's keys: a refused login is retried for :data:`LOGIN_GRACE_S`."""
+        user's keys: while the login is refused, wait (for :data:`LOGIN_GRACE_S` at most). Any
+        other outcome is the launch's to retry or report."""
         deadline = time.monotonic() + LOGIN_GRACE_S
-        while True:
-            try:
-                ssh.run(host, "true\n", "login", timeout=60)
-                return
-            except ConfigError:  # the login refused (anything else is no waiting matter)
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(LOGIN_POLL_S)
+        while ssh.login_refused(host) and time.monotonic() < deadline:
+            time.sleep(LOGIN_POLL_S)
 
     def _wait_for_capacity(self, why: str, backoff: float, lost_so_far) -> float:
         self.log(f"fleet: {self}: no capacity ({why}); retrying in {backoff:g} s, "

@@ -105,6 +105,12 @@ class Ssh:
         return self.retrying(host, lambda: self.runner.run(argv, input=script, timeout=timeout,
                                                            label=label))
 
+    def login_refused(self, host: str) -> bool:
+        """One login attempt, not retried: whether ``host`` refused the key."""
+        r = self.runner.run(["ssh", *self.options(), self.destination(host), "true"], timeout=60,
+                            label="login")
+        return r.returncode == 255 and "Permission denied" in r.stderr
+
     def stream(self, host: str, command: str, label: str):
         """A long-running remote command (no secrets in it) whose output is read as it comes."""
         return self.runner.stream(["ssh", *self.options(), self.destination(host), command], label)
