@@ -1,14 +1,19 @@
 """GCE preemption and maintenance notices (xtrain/train/notices.py).
 
-The GCE metadata server cannot exist here, so a local HTTP server answers its two paths the way
-it documents them: ``Metadata-Flavor: Google`` required, an ``ETag`` on every answer, and
+The GCE metadata server cannot exist here, so a local HTTP server answers its notice paths the
+way it documents them: ``Metadata-Flavor: Google`` required, an ``ETag`` on every answer, and
 ``?wait_for_change=true&last_etag=...`` held open until the value changes (or ``timeout_sec``).
+``instance/upcoming-maintenance`` answers a JSON object, the documented error object when nothing
+is scheduled, or (as a server might) a 404 or another HTTP error.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import threading
+import time
+from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -21,12 +26,26 @@ from xtrain.checkpoint.layout import committed_checkpoints
 from xtrain.modes import run
 from xtrain.train import notices
 
+NOTHING_SCHEDULED = '{ "error": "no notifications have been received yet, try again later" }'
 PATHS = {"/computeMetadata/v1/instance/preempted": "FALSE",
-         "/computeMetadata/v1/instance/maintenance-event": "NONE"}
+         "/computeMetadata/v1/instance/maintenance-event": "NONE",
+         "/computeMetadata/v1/instance/upcoming-maintenance": NOTHING_SCHEDULED}
+
+
+def schedule(status="PENDING", start_in_s=7 * 24 * 3600.0, hours=4, kind="SCHEDULED") -> str:
+    """An upcoming-maintenance answer, fields as the TPU docs list them."""
+    start = datetime.now(timezone.utc) + timedelta(seconds=start_in_s)
+    stamp = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    return json.dumps({"type": kind, "canReschedule": status == "PENDING",
+                       "windowStartTime": stamp(start),
+                       "latestWindowStartTime": stamp(start + timedelta(seconds=1)),
+                       "windowEndTime": stamp(start + timedelta(hours=hours)),
+                       "maintenanceStatus": status})
 
 
 class MetadataServer:
-    """The metadata server's two notice paths, on 127.0.0.1."""
+    """The metadata server's notice paths, on 127.0.0.1. A value None answers 404; a value
+    ``(code, body)`` answers that HTTP error with that body."""
 
     def __init__(self):
         self.values, self.requests = dict(PATHS), []
@@ -39,7 +58,7 @@ class MetadataServer:
                 server.requests.append((url.path, url.query, self.headers.get("Metadata-Flavor")))
                 if self.headers.get("Metadata-Flavor") != "Google":
                     return self.send_error(403)
-                if url.path not in server.values:
+                if server.values.get(url.path) is None:
                     return self.send_error(404)
                 query = parse_qs(url.query)
                 with server.changed:
@@ -48,6 +67,15 @@ class MetadataServer:
                             lambda: server.etag(url.path) != query.get("last_etag", [""])[0],
                             timeout=float(query.get("timeout_sec", ["60"])[0]))
                     value = server.values[url.path]
+                if value is None:
+                    return self.send_error(404)
+                if isinstance(value, tuple):
+                    code, text = value
+                    body = text.encode()
+                    self.send_response(code)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    return self.wfile.write(body)
                 body = value.encode()
                 self.send_response(200)
                 self.send_header("ETag", server.etag(url.path))
@@ -66,7 +94,17 @@ class MetadataServer:
     def etag(self, path: str) -> str:
         return f"etag-{abs(hash(self.values[path]))}"
 
-    def announce(self, key: str, value: str) -> None:
+    def asked(self, key: str) -> int:
+        return sum(path.endswith(f"/instance/{key}") for path, _, _ in self.requests)
+
+    def wait_asked(self, key: str, more: int, timeout: float = 20.0) -> None:
+        """Until ``more`` requests for ``key`` have come after this call."""
+        target, deadline = self.asked(key) + more, time.monotonic() + timeout
+        while self.asked(key) < target:
+            assert time.monotonic() < deadline, f"{key} not asked again"
+            time.sleep(0.02)
+
+    def announce(self, key: str, value) -> None:
         with self.changed:
             self.values[f"/computeMetadata/v1/instance/{key}"] = value
             self.changed.notify_all()
@@ -107,7 +145,8 @@ def test_a_notice_stops_at_the_next_step_with_a_checkpoint(metadata_server, tmp_
     assert [s for s, _ in committed_checkpoints(str(run_dir / "checkpoints"))] == [stopped_at]
     asked = {(path.rsplit("/", 1)[-1], "wait_for_change=true" in query, flavor)
              for path, query, flavor in metadata_server.requests}
-    assert {("preempted", True, "Google"), ("maintenance-event", True, "Google")} <= asked
+    assert {("preempted", True, "Google"), ("maintenance-event", True, "Google"),
+            ("upcoming-maintenance", True, "Google")} <= asked
 
 
 def test_a_live_migration_notice_does_not_stop_the_run(metadata_server, tmp_path):
@@ -118,6 +157,115 @@ def test_a_live_migration_notice_does_not_stop_the_run(metadata_server, tmp_path
     code, out, err = finish(proc)
     assert code == 0 and "stopped" not in out, err[-3000:]
     assert last_step(run_dir) == 40
+
+
+def test_a_maintenance_window_within_the_lead_time_stops_the_run_one_far_ahead_does_not(
+        metadata_server, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = xtrain(run_dir, "trainer.max_steps=400", "trainer.device_batch_size=16",
+                  f"preemption.metadata_url={metadata_server.url}",
+                  "preemption.maintenance_lead_s=600")
+    wait_for_step(run_dir, 5, proc)
+    path = "/computeMetadata/v1/instance/upcoming-maintenance"
+    metadata_server.announce("upcoming-maintenance", schedule(start_in_s=7 * 24 * 3600))
+    far = metadata_server.etag(path)
+    # the watcher read the week-ahead window (its next long poll carries that answer's ETag) and
+    # the run goes on
+    deadline = time.monotonic() + 20
+    while not any(p == path and f"last_etag={far}" in q for p, q, _ in metadata_server.requests):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    assert proc.poll() is None
+    noticed_after = last_step(run_dir)
+    # within the configured lead time (600 s), beyond the default one (300 s)
+    metadata_server.announce("upcoming-maintenance", schedule(start_in_s=400))
+    code, out, err = finish(proc)
+    assert code == 143, err[-3000:]
+    stopped_at = int(re.search(r"at step (\d+): checkpoint committed", out).group(1))
+    assert ("stopped (GCE notice instance/upcoming-maintenance: SCHEDULED PENDING, window starts "
+            in out), out[-3000:]
+    assert noticed_after < stopped_at <= noticed_after + 2, (noticed_after, stopped_at)
+    assert [s for s, _ in committed_checkpoints(str(run_dir / "checkpoints"))] == [stopped_at]
+
+
+def wait_for(reasons: list, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not reasons:
+        assert time.monotonic() < deadline, "no notice"
+        time.sleep(0.02)
+
+
+def test_nothing_scheduled_then_a_schedule_is_still_noticed(metadata_server, monkeypatch):
+    """404s, error statuses and bodies that say nothing is scheduled do not end the watch."""
+    monkeypatch.setattr(notices.NoticeWatcher, "MAINTENANCE_POLL_S", 0.2)
+    key = "upcoming-maintenance"
+    metadata_server.announce(key, None)  # 404
+    reasons = []
+    watcher = notices.NoticeWatcher(metadata_server.url, reasons.append)
+    watcher.start()
+    try:
+        for answer in [None, (503, "unavailable"), (500, NOTHING_SCHEDULED), NOTHING_SCHEDULED,
+                       "<html>not JSON</html>", "", "[]", schedule(start_in_s=7 * 24 * 3600)]:
+            metadata_server.announce(key, answer)
+            metadata_server.wait_asked(key, 2)  # the second one: the first answer was taken in
+            assert reasons == [], answer
+        metadata_server.announce(key, schedule("ONGOING", start_in_s=-60))
+        wait_for(reasons)
+        assert reasons == ["GCE notice instance/upcoming-maintenance: SCHEDULED ONGOING"]
+    finally:
+        watcher.stop()
+
+
+def test_a_pending_window_becomes_a_notice_as_its_start_nears(metadata_server, monkeypatch):
+    """The answer does not change: the clock does (the long poll times out, the start is checked
+    again)."""
+    monkeypatch.setattr(notices.NoticeWatcher, "MAINTENANCE_POLL_S", 0.2)
+    metadata_server.announce("upcoming-maintenance", schedule(start_in_s=6, kind="UNSCHEDULED"))
+    reasons = []
+    watcher = notices.NoticeWatcher(metadata_server.url, reasons.append, maintenance_lead_s=3)
+    watcher.start()
+    try:
+        metadata_server.wait_asked("upcoming-maintenance", 2)
+        assert reasons == []  # 5 to 6 s ahead, more than 3
+        wait_for(reasons)
+        assert reasons[0].startswith("GCE notice instance/upcoming-maintenance: UNSCHEDULED "
+                                     "PENDING, window starts ")
+    finally:
+        watcher.stop()
+
+
+NOW = datetime(2024, 11, 8, 4, 0, tzinfo=timezone.utc)
+
+
+def window(status="PENDING", start="2024-11-15T04:00:00Z", end="2024-11-15T08:00:00Z", **more):
+    fields = {"type": "SCHEDULED", "canReschedule": True, "windowStartTime": start,
+              "latestWindowStartTime": start, "windowEndTime": end, "maintenanceStatus": status}
+    fields.update(more)
+    return json.dumps({k: v for k, v in fields.items() if v is not None})
+
+
+@pytest.mark.parametrize("answer, notice", [
+    ("", False), ("   ", False), ("not JSON", False), ("[]", False), ("null", False),
+    ('"ONGOING"', False), (NOTHING_SCHEDULED, False),
+    ('{"error": "x", "maintenanceStatus": "ONGOING"}', False),  # an error object is never a notice
+    (window(), False),  # a week ahead
+    (window(start="2024-11-08T04:04:59Z"), True),  # 299 s ahead, lead 300 s
+    (window(start="2024-11-08T04:05:00Z"), True),  # exactly the lead time
+    (window(start="2024-11-08T04:05:01Z"), False),
+    (window(start="2024-11-08T04:04:00.123456789Z"), True),  # nanoseconds, as RFC 3339 allows
+    (window(start="2024-11-08T06:04:00+02:00"), True),  # an offset: 04:04 UTC
+    (window(start="2024-11-08T03:59:00Z", end="2024-11-08T08:00:00Z"), True),  # open, not ONGOING
+    (window(start="2024-11-07T23:00:00Z", end="2024-11-08T03:00:00Z"), False),  # ended: stale
+    (window(start="soon"), False), (window(start=None), False), (window(start=7), False),
+    (window("ONGOING"), True), (window("ongoing", start=None, end=None), True),
+    (window("UNKNOWN"), False),
+    (window(type=None, maintenanceType="UNSCHEDULED", start="2024-11-08T04:01:00Z"), True),
+])
+def test_an_upcoming_maintenance_answer_is_a_notice_when_ongoing_or_within_the_lead(answer, notice):
+    reason = notices.maintenance_notice(answer, 300, now=NOW)
+    assert (reason is not None) is notice, reason
+    if notice:
+        assert reason.startswith("instance/upcoming-maintenance: ")
 
 
 @pytest.mark.parametrize("product, gce", [("Google Compute Engine\n", True),

@@ -324,6 +324,11 @@ class PreemptionConfig:
     # elsewhere (no thread, no request).
     metadata_url: str | None = None
     watch_notices: bool = True  # false: rely on SIGTERM alone, even on GCE
+    # Host maintenance (instance/upcoming-maintenance): stop when the maintenance is ONGOING, or
+    # when its window starts within this many seconds (checked every 30 s, so the stop comes
+    # between this and 30 s less ahead of the window). Time for the stop and its checkpoint to
+    # finish before the VM may be taken down; 0: only a window that has started.
+    maintenance_lead_s: float = 300.0
 
 
 @dataclass
