@@ -289,10 +289,11 @@ def test_off_gce_no_watcher_thread_runs(compose_config, tmp_path, monkeypatch):
     import xtrain.train.run as run_module
 
     seen = []
+    earlier = set(threading.enumerate())  # an earlier test's watcher may still finish its poll
 
     class Threads(L.Callback):
         def on_train_batch_end(self, *args):
-            seen.extend(t.name for t in threading.enumerate())
+            seen.extend(t.name for t in threading.enumerate() if t not in earlier)
 
     all_callbacks = run_module.Callbacks.all
     monkeypatch.setattr(run_module.Callbacks, "all", lambda self, s: all_callbacks(self, s) + [Threads()])
