@@ -147,6 +147,17 @@ def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path):
     assert runner.labels().count("install") == 2
 
 
+def test_a_missing_base_python_is_named_before_any_venv_is_made(remote, tmp_path):
+    """A base Python the VM lacks. A bare ``python3.X`` would be installed from apt with
+    passwordless sudo (TPU VMs; not tried here: this machine's packages are not the test's to
+    change); a path is named as the setting to fix."""
+    worker, runner, _ = make_worker(remote, tmp_path, venv=str(tmp_path / "venv"))
+    with pytest.raises(LaunchError, match=r"/nonexistent/python3\.11 is not on this VM "
+                                          r"\(hydra\.launcher\.base_python\)"):
+        ensure_env(worker, EnvSpec("/nonexistent/python3.11", ("six==1.16.0",)), None)
+    assert not (tmp_path / "venv").exists()
+
+
 def test_env_managed_by_hand_is_verified_never_changed(remote, tmp_path):
     worker, runner, _ = make_worker(remote, tmp_path, venv=str(remote.root(HOSTS[0]) / "venv"))
     sync_xtrain(worker, runner)

@@ -67,6 +67,7 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
         script = (f"set -e\nv={q(venv)}\n"
                   'if ! "$v/bin/python" -m pip --version >/dev/null 2>&1 && '
                   '{ [ ! -e "$v/bin/python" ] || [ -f "$v/pyvenv.cfg" ]; }; then\n'
+                  f"{base_python_script(spec.base_python)}"
                   f'  {q(spec.base_python)} -m venv "$v"\nfi\n'
                   f'"$v/bin/python" {pip}\n')
         r = worker.run(script, "install", timeout=None)
@@ -85,6 +86,33 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
     worker.run(f"printf '%s\\n' {q(listing)} > {q(venv)}/xtrain-requirements.txt\n"
                f"echo {spec.stamp} > {q(venv)}/{STAMP}\n", "stamp")
     return "installed"
+
+
+def base_python_script(base_python: str) -> str:
+    """Shell lines that make sure ``base_python`` exists on the worker. A TPU VM's image has
+    the distribution's Python only (Ubuntu 22.04: 3.10), and a VM the fleet recreates is a fresh
+    image: a missing ``pythonX.Y`` is installed with its venv module from apt, where passwordless
+    sudo allows (as on TPU VMs); anything else missing is an error naming the fix."""
+    q = shlex.quote
+    missing = f"{base_python} is not on this VM"
+    if re.fullmatch(r"python3\.\d+", base_python) is None:
+        install = [f"echo {q(missing + ' (hydra.launcher.base_python)')} >&2", "exit 1"]
+    else:
+        packages = f"{base_python} {base_python}-venv"
+        apt = "sudo -n env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q -y"
+        refusal = (f"{missing}, and no apt-get with passwordless sudo installs it: "
+                   f"apt-get install {packages}")
+        install = ["if command -v apt-get >/dev/null 2>&1 && sudo -n true 2>/dev/null; then",
+                   f"  echo {q(f'xtrain: {missing}: installing {packages} from apt')} >&2",
+                   f"  {apt} update >&2",
+                   f"  {apt} install {packages} >&2",
+                   "else",
+                   f"  echo {q(refusal)} >&2",
+                   "  exit 1",
+                   "fi"]
+    lines = [f"if ! command -v {q(base_python)} >/dev/null 2>&1; then",
+             *["  " + line for line in install], "fi"]
+    return "".join(f"  {line}\n" for line in lines)
 
 
 def verify(worker, reqs) -> list[str]:
