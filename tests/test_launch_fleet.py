@@ -62,13 +62,13 @@ def test_vm_states_are_classified_from_the_tables():
 
 def fleet_cfg(tmp_path, **fields):
     """Launcher fields for a VM of the stand-in; its login key is a placeholder (a create puts
-    the public half in the new VM's ssh-keys metadata; these tests never log in)."""
+    the public half in the new VM's ssh-keys metadata; these tests never log in: no login wait)."""
     identity = tmp_path / "id_fleet"
     identity.write_text("not a key: never used to log in\n")
     identity.with_suffix(".pub").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFleetTestKey x\n")
     fields = {"tpu": "vm-a", "zone": ZONE, "recreate": True, "poll_s": 0.05,
               "capacity_backoff_s": 0.1, "ready_timeout_s": 30, "identity_file": str(identity),
-              "known_hosts": str(tmp_path / "known_hosts"), **fields}
+              "known_hosts": str(tmp_path / "known_hosts"), "login_grace_s": 0, **fields}
     return OmegaConf.structured(LauncherConfig(**fields))
 
 
@@ -226,7 +226,10 @@ def test_a_ready_node_under_maintenance_is_waited_for_not_used_nor_recreated(gcl
     with pytest.raises(ConfigError, match="TPU vm-a is READY but under maintenance"):
         node_targets(maintenance, "external", v6e4)
     gcloud.add({**maintenance, "x-health": ["UNHEALTHY_MAINTENANCE"] * 5 + ["HEALTHY"]})
-    vm = Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=print)
+    cfg = fleet_cfg(tmp_path)
+    recorded = f"{HOSTS[0]} ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyOfTheSameVm\n"
+    Path(cfg.known_hosts).write_text(recorded)  # the VM's host key, from an earlier launch
+    vm = Vm("vm-a", cfg, v6e4, log=print)
     assert (vm.state(), vm.health()) == ("UNHEALTHY_MAINTENANCE", PENDING)
     with pytest.raises(fleet.VmLost, match="TPU vm-a is UNHEALTHY_MAINTENANCE"):
         vm.check()
@@ -234,6 +237,16 @@ def test_a_ready_node_under_maintenance_is_waited_for_not_used_nor_recreated(gcl
     assert (vm.state(), vm.health()) == ("READY", UP)
     assert not [c for c in gcloud.calls() if c[3] != "describe"]
     assert len(gcloud.calls()) >= 7
+    assert Path(cfg.known_hosts).read_text() == recorded  # the same VM: its key stays trusted
+
+
+def test_a_login_key_that_cannot_be_read_stops_a_recreation_before_the_delete(gcloud, tmp_path,
+                                                                              v6e4):
+    gcloud.add({**tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]), "state": "PREEMPTED"})
+    cfg = fleet_cfg(tmp_path, identity_file=str(tmp_path / "no_such_key"))
+    with pytest.raises(ConfigError, match="no_such_key.pub, and ssh-keygen could not derive it"):
+        Vm("vm-a", cfg, v6e4).restore()
+    assert not [c for c in gcloud.calls() if c[3] != "describe"]  # the VM is still there
 
 
 def test_a_job_that_stopped_for_its_notice_is_rerun_once_its_vm_goes_down(gcloud, tmp_path, v6e4,
@@ -321,14 +334,16 @@ def cli(*args, env=None, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["local checkpoints", "unknown pool entry", "pod profile in a pool",
-                                  "unknown tpu"])
+                                  "unknown tpu", "no login key to recreate with"])
 def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path, case):
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
     gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [("10.0.0.6", HOSTS[1])]))
     remote = tmp_path / "remote"
+    identity = fleet_cfg(tmp_path).identity_file  # a placeholder pair: never used to log in
+    if case == "no login key to recreate with":
+        identity = str(tmp_path / "no_such_key")
     base = [*TINY, "run.name=fleet-bad", "hydra/launcher=tpu_vm", f"hydra.launcher.zone={ZONE}",
-            f"hydra.launcher.remote_dir='{remote}/{{host}}'",
-            f"hydra.launcher.identity_file={tmp_path / 'no_key_needed_yet'}"]
+            f"hydra.launcher.remote_dir='{remote}/{{host}}'", f"hydra.launcher.identity_file={identity}"]
     multirun = []
     if case == "local checkpoints":
         args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "hydra.launcher.recreate=true"]
@@ -339,10 +354,14 @@ def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path,
     elif case == "pod profile in a pool":
         multirun, args = ["-m"], ["hardware=v4_32", "hydra.launcher.pool=[vm-a,vm-b]"]
         expected = "pools are single-host TPU VMs"
-    else:
+    elif case == "unknown tpu":
         args = ["hardware=v6e4", "hydra.launcher.tpu=vm-typo", "hydra.launcher.recreate=true",
                 "checkpoint.dir=gs://bucket/ckpt"]
         expected = f"gcloud does not know TPU vm-typo in {ZONE}"
+    else:  # a recreated VM gets the login key's public half: unreadable, it is refused up front
+        args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "hydra.launcher.recreate=true",
+                "checkpoint.dir=gs://bucket/ckpt"]
+        expected = f"hydra.launcher.identity_file={identity}: no {identity}.pub, and ssh-keygen"
     r = cli(*multirun, *base, *args, tmp_path=tmp_path)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -20,7 +20,8 @@ import hydra
 from omegaconf import DictConfig
 
 from xtrain import compat
-from xtrain.config import check_choices, register
+from xtrain.config import register
+from xtrain.config.choices import check_choices
 from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.paths import config_dir
 

@@ -16,7 +16,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from xtrain.config import check_choices
+    from xtrain.config.choices import check_choices
     from xtrain.errors import ConfigError, is_refusal
     from xtrain.modes import check_config
 

@@ -328,7 +328,7 @@ class PreemptionConfig:
     # when its window starts within this many seconds (checked every 30 s, so the stop comes
     # between this and 30 s less ahead of the window). Time for the stop and its checkpoint to
     # finish before the VM may be taken down; 0: only a window that has started.
-    maintenance_lead_s: float = 300.0
+    maintenance_lead_s: float = limits(300.0, ge=0)
 
 
 @dataclass
@@ -388,19 +388,6 @@ def register() -> None:
         OmegaConf.register_new_resolver("xtrain_sweep_name", sweep_name)
     if not OmegaConf.has_resolver("xtrain_cache"):  # ${xtrain_cache:}: see xtrain.paths.cache_root
         OmegaConf.register_new_resolver("xtrain_cache", lambda: str(cache_root()))
-
-
-def check_choices(choices) -> None:
-    """Refuse a config group option that is a base (a file named ``_*``, such as
-    conf/hardware/_tpu.yaml): other options extend it, alone it is incomplete. ``choices``:
-    Hydra's group -> option."""
-    from xtrain.errors import ConfigError
-
-    bases = [f"{group}={option}" for group, option in choices.items()
-             if isinstance(option, str) and option.startswith("_")]
-    if bases:
-        raise ConfigError(f"{', '.join(bases)}: a base that the group's options extend, not an "
-                          "option to choose (choose one whose name has no leading _)")
 
 
 def to_plain(cfg) -> dict:

@@ -79,6 +79,9 @@ class LauncherConfig:
     ready_timeout_s: float = 3600.0
     capacity_backoff_s: float = 60.0  # wait after "no capacity", doubled each time, at most 16x
     poll_s: float = 15.0  # between gcloud describes while waiting for a VM
+    # a VM just created may refuse logins (its guest agent writes the ssh-keys metadata after
+    # READY) or not answer them (sshd starting) this long before the launch goes on; 0: no wait
+    login_grace_s: float = 180.0
     # single-host TPU VMs (names, in `zone`) a multirun's jobs are spread over: one job per VM at
     # a time, the next job to the first free VM; a preempted VM's job is requeued
     pool: list[str] = field(default_factory=list)

@@ -31,7 +31,7 @@ from xtrain.launcher.launch import launch_job, say
 from xtrain.launcher.logs import log_path
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
-from xtrain.launcher.targets import MAINTENANCE, check_type, node_state
+from xtrain.launcher.targets import MAINTENANCE, check_type, node_state, node_targets
 from xtrain.observe.preemptions import launch_env
 
 UP, PENDING, DOWN = "up", "pending", "down"
@@ -186,6 +186,8 @@ class Vm:
         old VM's host keys and connections."""
         cfg = self.cfg
         t0, backoff, created = time.monotonic(), cfg.capacity_backoff_s, False
+        ssh = Ssh(cfg, self.runner, self.log)
+        key = ssh.authorized_key()  # before anything is deleted: an unreadable key stops here
         old = self.addresses()
         while True:
             state = self.state()
@@ -211,25 +213,31 @@ class Vm:
                 self.log(f"fleet: {self}: creating a {self.hardware.accelerator_type} "
                          f"({self.hardware.runtime_version}{', spot' if cfg.spot else ''})")
                 self.gcloud.create(self.name, cfg.zone, self.hardware, cfg.project, cfg.spot,
-                                   cfg.queued, Ssh(cfg, self.runner, self.log).authorized_key())
+                                   cfg.queued, key)
                 created = True
             except NoCapacity as e:
                 backoff = self._wait_for_capacity(str(e), backoff, lost_so_far)
-        ssh = Ssh(cfg, self.runner, self.log)
+        if not created:  # the same VM, waited for (maintenance, or on its way up): same keys
+            self.log(f"fleet: {self} is READY again after {clock(time.monotonic() - t0)}; "
+                     f"{clock(lost_so_far())} lost so far")
+            return
         for host in sorted(old | self.addresses()):
             ssh.forget(host)
-        for host in sorted(self.addresses()):
-            self._wait_for_login(ssh, host)
+        self._wait_for_login(ssh)
         self.log(f"fleet: {self} is READY again, {clock(time.monotonic() - t0)} after the "
                  f"recreation began; {clock(lost_so_far())} lost so far")
 
-    def _wait_for_login(self, ssh: Ssh, host: str) -> None:
+    def _wait_for_login(self, ssh: Ssh) -> None:
         """A new VM says READY before its guest agent has made the ``ssh-keys`` metadata the
-        user's keys: while the login is refused, wait (for :data:`LOGIN_GRACE_S` at most). Any
-        other outcome is the launch's to retry or report."""
-        deadline = time.monotonic() + LOGIN_GRACE_S
-        while ssh.login_refused(host) and time.monotonic() < deadline:
-            time.sleep(LOGIN_POLL_S)
+        user's keys, maybe before sshd answers: while its workers refuse the login or do not
+        answer, wait (``login_grace_s`` at most). Any other outcome is the launch's to report."""
+        deadline = time.monotonic() + self.cfg.login_grace_s
+        if self.cfg.login_grace_s <= 0:
+            return
+        node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)  # the node itself
+        for host in [t.host for t in node_targets(node, self.cfg.address, self.hardware)]:
+            while ssh.try_login(host) in ("refused", "unreachable") and time.monotonic() < deadline:
+                time.sleep(LOGIN_POLL_S)
 
     def _wait_for_capacity(self, why: str, backoff: float, lost_so_far) -> float:
         self.log(f"fleet: {self}: no capacity ({why}); retrying in {backoff:g} s, "
@@ -242,8 +250,7 @@ class Vm:
 # be READY (a spot VM is stopped about 30 s after the notice): the fleet watches the VM this long
 # before taking the stop for one that was not a VM's loss (a signal sent by hand).
 VM_DOWN_WAIT_S = 180.0
-# gcloud's own ssh retries a refused login for 50 s after it adds a key; a created VM gets longer
-LOGIN_GRACE_S, LOGIN_POLL_S = 180.0, 5.0
+LOGIN_POLL_S = 5.0  # between login attempts while a new VM's keys are not in place
 
 
 def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
@@ -351,6 +358,7 @@ def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:
     if not (hardware.accelerator_type and hardware.runtime_version):
         raise ConfigError(f"hydra.launcher.recreate=true: hardware={hardware.name} names no "
                           "accelerator_type and runtime_version to create the VM with")
+    Ssh(cfg, Runner()).authorized_key()  # the key a recreated VM gets: readable, or refused now
     if cfg.max_recreates < 0 or cfg.ready_timeout_s <= 0 or cfg.capacity_backoff_s <= 0:
         raise ConfigError("hydra.launcher: max_recreates must be >= 0, ready_timeout_s and "
                           "capacity_backoff_s > 0")

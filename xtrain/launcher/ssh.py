@@ -105,11 +105,19 @@ class Ssh:
         return self.retrying(host, lambda: self.runner.run(argv, input=script, timeout=timeout,
                                                            label=label))
 
-    def login_refused(self, host: str) -> bool:
-        """One login attempt, not retried: whether ``host`` refused the key."""
+    def try_login(self, host: str) -> str:
+        """One login attempt, not retried: "ok", "refused" (the key), "unreachable" (a connection
+        failure) or "failed" (anything else: a changed host key, ...)."""
         r = self.runner.run(["ssh", *self.options(), self.destination(host), "true"], timeout=60,
                             label="login")
-        return r.returncode == 255 and "Permission denied" in r.stderr
+        lowered = r.stderr.lower()
+        if r.ok:
+            return "ok"
+        if r.returncode == 255 and "permission denied" in lowered:
+            return "refused"
+        if r.returncode in (255, 12, -1) and any(s in lowered for s in CONNECTION_FAILURES):
+            return "unreachable"
+        return "failed"
 
     def stream(self, host: str, command: str, label: str):
         """A long-running remote command (no secrets in it) whose output is read as it comes."""

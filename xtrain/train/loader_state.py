@@ -22,4 +22,5 @@ class LoaderState(L.Callback):
         return {"loader": self.state if self.state is not None else self.steps.state_dict()}
 
     def load_state_dict(self, state_dict):
-        self.steps.load_state_dict(state_dict["loader"])
+        self.state = state_dict["loader"]  # until a batch is trained, the resumed position holds
+        self.steps.load_state_dict(self.state)
