@@ -208,16 +208,20 @@ def wait_until_joined(port: int, rank: int, deadline: float, procs) -> None:
 def test_a_rank_lost_before_training_starts_is_named(tmp_path):
     """Rank 1 frozen as soon as it has joined, then killed: rank 0 is then in a set-up collective
     (the shared-storage check, data preparation, the resume point), not in fit, and is told which
-    process is gone (exit 3) as during training."""
-    run, port, timeout = tmp_path / "run", free_port(), 60
-    procs = xtrain_processes(run, f"trainer.collective_timeout_s={timeout}", port=port)
-    wait_until_joined(port, 1, time.time() + 120, procs)
-    procs[1].send_signal(signal.SIGSTOP)  # its heartbeat stops with it
-    time.sleep(1)
-    procs[1].kill()
-    code, _, err = finish_all(procs[:1], timeout=timeout + 30)[0]
-    procs[1].wait()
-    assert code == 3, err[-3000:]
-    assert "xtrain: peer error: lost rank 1 of 2: no heartbeat" in err
-    metrics = run / "metrics.jsonl"  # no step was trained
-    assert not metrics.exists() or not any("loss" in r for r in read_jsonl(metrics))
+    process is gone (exit 3) as during training. Freezing it in time is a race the test can lose
+    on a busy machine (rank 1 already training): such a round is played again, at most 3 times."""
+    for attempt in range(3):
+        run, port, timeout = tmp_path / f"run{attempt}", free_port(), 60
+        procs = xtrain_processes(run, f"trainer.collective_timeout_s={timeout}", port=port)
+        wait_until_joined(port, 1, time.time() + 120, procs)
+        procs[1].send_signal(signal.SIGSTOP)  # its heartbeat stops with it
+        time.sleep(1)
+        procs[1].kill()
+        code, _, err = finish_all(procs[:1], timeout=timeout + 30)[0]
+        procs[1].wait()
+        assert code == 3, err[-3000:]
+        assert "xtrain: peer error: lost rank 1 of 2: no heartbeat" in err
+        metrics = run / "metrics.jsonl"
+        if not metrics.exists() or not any("loss" in r for r in read_jsonl(metrics)):
+            return  # no step was trained: lost in set-up, and named
+    pytest.fail("rank 1 was trained on before it could be frozen, 3 times: set-up was not covered")
