@@ -231,9 +231,9 @@ class Vm:
         """A new VM says READY before its guest agent has made the ``ssh-keys`` metadata the
         user's keys, maybe before sshd answers: while its workers refuse the login or do not
         answer, wait (``login_grace_s`` at most). Any other outcome is the launch's to report."""
-        deadline = time.monotonic() + self.cfg.login_grace_s
         if self.cfg.login_grace_s <= 0:
             return
+        deadline = time.monotonic() + self.cfg.login_grace_s
         node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)  # the node itself
         for host in [t.host for t in node_targets(node, self.cfg.address, self.hardware)]:
             while ssh.try_login(host) in ("refused", "unreachable") and time.monotonic() < deadline:

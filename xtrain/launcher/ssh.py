@@ -32,6 +32,17 @@ CONNECTION_FAILURES = ("connection refused", "timed out", "no route to host", "n
 HOST_KEY_CHANGED = "REMOTE HOST IDENTIFICATION HAS CHANGED"
 
 
+def login_refused(result: Result) -> bool:
+    """ssh reached the host, which refused the key."""
+    return result.returncode == 255 and "Permission denied" in result.stderr
+
+
+def unreachable(result: Result) -> bool:
+    """ssh (or rsync over it) did not reach the host: refused, timed out, reset, unresolved."""
+    lowered = result.stderr.lower()
+    return result.returncode in (255, 12, -1) and any(s in lowered for s in CONNECTION_FAILURES)
+
+
 class Ssh:
     def __init__(self, cfg, runner, log=print):
         self.cfg, self.runner, self.log = cfg, runner, log
@@ -110,14 +121,9 @@ class Ssh:
         failure) or "failed" (anything else: a changed host key, ...)."""
         r = self.runner.run(["ssh", *self.options(), self.destination(host), "true"], timeout=60,
                             label="login")
-        lowered = r.stderr.lower()
         if r.ok:
             return "ok"
-        if r.returncode == 255 and "permission denied" in lowered:
-            return "refused"
-        if r.returncode in (255, 12, -1) and any(s in lowered for s in CONNECTION_FAILURES):
-            return "unreachable"
-        return "failed"
+        return "refused" if login_refused(r) else "unreachable" if unreachable(r) else "failed"
 
     def stream(self, host: str, command: str, label: str):
         """A long-running remote command (no secrets in it) whose output is read as it comes."""
@@ -146,12 +152,11 @@ class Ssh:
         err = result.stderr
         if HOST_KEY_CHANGED in err or "Host key verification failed" in err:
             return self._host_key_changed(host)
-        if "Permission denied" in err and result.returncode == 255:
+        if login_refused(result):
             raise ConfigError(f"{self.destination(host)}: login refused for key {self.identity} "
                               "(hydra.launcher.user / identity_file; gcloud pushes its key on the "
                               "first `gcloud compute tpus tpu-vm ssh`)")
-        lowered = err.lower()
-        if result.returncode in (255, 12, -1) and any(s in lowered for s in CONNECTION_FAILURES):
+        if unreachable(result):
             return err.strip().splitlines()[-1] if err.strip() else f"exit {result.returncode}"
         if result.returncode == 255:
             raise LaunchError(f"{host}: ssh failed: {err.strip() or 'exit 255'}")
