@@ -240,6 +240,22 @@ def test_a_ready_node_under_maintenance_is_waited_for_not_used_nor_recreated(gcl
     assert Path(cfg.known_hosts).read_text() == recorded  # the same VM: its key stays trusted
 
 
+def test_an_active_queued_resource_whose_node_is_under_maintenance_is_waited_for(gcloud,
+                                                                                 tmp_path, v6e4):
+    """A queued resource stays ACTIVE while its node (of the same name) is READY with health
+    UNHEALTHY_MAINTENANCE: the fleet reads the node's health and waits, deleting nothing."""
+    gcloud.add(queued_resource("qr-a", "v6e-4", "ACTIVE"), queued=True)
+    gcloud.add({**tpu_node("qr-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]),
+                "x-health": ["UNHEALTHY_MAINTENANCE"] * 4 + ["HEALTHY"]})
+    vm = Vm("qr-a", fleet_cfg(tmp_path, tpu="qr-a", queued=True), v6e4, log=print)
+    assert (vm.state(), vm.health()) == ("UNHEALTHY_MAINTENANCE", PENDING)
+    with pytest.raises(fleet.VmLost, match="TPU qr-a is UNHEALTHY_MAINTENANCE"):
+        vm.check()
+    vm.restore()  # waits through the node's last maintenance describes
+    assert (vm.state(), vm.health()) == ("ACTIVE", UP)
+    assert not [c for c in gcloud.calls() if c[3] != "describe"]
+
+
 def test_a_login_key_that_cannot_be_read_stops_a_recreation_before_the_delete(gcloud, tmp_path,
                                                                               v6e4):
     gcloud.add({**tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]), "state": "PREEMPTED"})

@@ -47,7 +47,7 @@ NODE_STATES = {"READY": UP, "CREATING": PENDING, "STARTING": PENDING, "RESTARTIN
 # QueuedResourceState.State: ACTIVE is usable, these are on their way; SUSPENDING, SUSPENDED
 # (preempted), FAILED (no capacity in time) and DELETING must be deleted and created again.
 QUEUED_STATES = {"ACTIVE": UP, "CREATING": PENDING, "ACCEPTED": PENDING, "PROVISIONING": PENDING,
-                 "WAITING_FOR_RESOURCES": PENDING}
+                 "WAITING_FOR_RESOURCES": PENDING, MAINTENANCE: PENDING}  # (its node's health)
 
 
 def vm_health(state: str, queued: bool = False) -> str:
@@ -152,7 +152,13 @@ class Vm:
         if not self.cfg.queued:
             return node_state(found)
         state = found.get("state", "UNKNOWN")
-        return state.get("state", "UNKNOWN") if isinstance(state, dict) else state  # nested
+        state = state.get("state", "UNKNOWN") if isinstance(state, dict) else state  # nested
+        if state != "ACTIVE":
+            return state
+        # an ACTIVE resource's node (of the same name) carries the health: under maintenance it
+        # is no more usable than a node of its own
+        node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
+        return MAINTENANCE if node is not None and node_state(node) == MAINTENANCE else state
 
     def health(self) -> str:
         return vm_health(self.state(), self.cfg.queued)
