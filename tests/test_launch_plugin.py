@@ -129,9 +129,18 @@ def test_a_pod_profile_needs_tpu_pod(compose_config):
 
 def test_code_files_are_tracked_and_untracked_not_ignored_minus_secrets_and_data(tmp_path):
     root = git_tree(tmp_path / "repo")
+    assert code_files(root, Runner()) == [".gitignore", "new_untracked.py", "pkg/mod.py"]
+    secret = ["secrets.yaml", "prod.env", "hf_token", "token.txt", "api_key.txt", "db-password.txt",
+              ".aws/credentials", ".ssh/config", ".kube/config", ".docker/config.json",
+              ".huggingface/token", "cache.pkl", "ckpt/step_1/tensors/__0_0.distcp",
+              "ckpt/step_1/tensors/.metadata", "outputs2/.hydra/config.yaml", "store.jks"]
+    code = ["pkg/secrets.py", "pkg/tokenizer.py", "conf/tokenizer.yaml", "pkg/passwords_check.py"]
+    for rel in secret + code:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x\n")
     files = code_files(root, Runner())
-    assert files == [".gitignore", "new_untracked.py", "pkg/mod.py"]
-    assert code_files(root, Runner(), exclude=["new_*"]) == [".gitignore", "pkg/mod.py"]
+    assert files == sorted([".gitignore", "new_untracked.py", "pkg/mod.py", *code])
+    assert code_files(root, Runner(), exclude=["new_*"]) == [f for f in files if f != "new_untracked.py"]
     rules = filter_rules(files)
     assert "+ /pkg/\n" in rules and "+ /pkg/mod.py\n" in rules and rules.endswith("- *\n")
 

@@ -21,7 +21,7 @@ from xtrain.errors import ConfigError
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.env import EnvSpec, ensure_env
 from xtrain.launcher.job import RemoteJob
-from xtrain.launcher.runner import LaunchError, Runner
+from xtrain.launcher.runner import LaunchError, Result, Runner
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.sync import code_files, sync
 from xtrain.launcher.targets import Target
@@ -86,6 +86,23 @@ def test_an_unreachable_host_is_a_clear_error_after_the_retries(remote, tmp_path
     assert f"127.0.0.4:{remote.sshd.port} unreachable after 3 attempts" in str(e.value)
     assert "Connection refused" in str(e.value)
     assert time.perf_counter() - t0 >= 0.3 + 0.6  # backoff 0.3 s, then doubled
+
+
+def test_a_host_name_the_resolver_does_not_know_is_refused_at_once(tmp_path):
+    """ssh's answer for a name DNS says does not exist, recorded (a real lookup of a made-up
+    name may instead time out where no resolver answers, which is retried): refused on the first
+    attempt, not retried; a resolver that did not answer is retried."""
+    cfg = OmegaConf.structured(LauncherConfig(hosts=["nohost.invalid"], retries=3, backoff_s=0.01))
+    ssh = Ssh(cfg, Runner(), print)
+    answers = iter([Result(255, "", "ssh: Could not resolve hostname nohost.invalid: Temporary "
+                                    "failure in name resolution\r\n"),
+                    Result(255, "", "ssh: Could not resolve hostname nohost.invalid: Name or "
+                                    "service not known\r\n")])
+    calls = []
+    with pytest.raises(ConfigError, match="nohost.invalid: no such host .*Name or service not "
+                                          "known.*hydra.launcher.hosts"):
+        ssh.retrying("nohost.invalid", lambda: calls.append(1) or next(answers))
+    assert len(calls) == 2  # the unanswered lookup retried once, the unknown name not at all
 
 
 def test_sync_is_incremental_and_mirrors_deletions(remote, tmp_path):

@@ -29,6 +29,9 @@ CONNECTION_FAILURES = ("connection refused", "timed out", "no route to host", "n
                        "connection reset", "connection closed", "kex_exchange_identification",
                        "broken pipe", "connection unexpectedly closed", "could not resolve hostname",
                        "temporary failure in name resolution")
+# ...except a name the resolver answered does not exist (EAI_NONAME): no retry brings it into being.
+# "Temporary failure in name resolution" (EAI_AGAIN: the resolver did not answer) is retried.
+UNKNOWN_NAME = "name or service not known"
 HOST_KEY_CHANGED = "REMOTE HOST IDENTIFICATION HAS CHANGED"
 
 
@@ -156,6 +159,9 @@ class Ssh:
             raise ConfigError(f"{self.destination(host)}: login refused for key {self.identity} "
                               "(hydra.launcher.user / identity_file; gcloud pushes its key on the "
                               "first `gcloud compute tpus tpu-vm ssh`)")
+        if result.returncode == 255 and UNKNOWN_NAME in err.lower():
+            raise ConfigError(f"{host}: no such host ({err.strip().splitlines()[-1]}); check "
+                              "hydra.launcher.hosts")
         if unreachable(result):
             return err.strip().splitlines()[-1] if err.strip() else f"exit {result.returncode}"
         if result.returncode == 255:

@@ -2,8 +2,9 @@
 rsync over ssh. Incremental (rsync skips files whose size and mtime match), and exact: a file
 deleted locally is deleted on the worker, so a removed module cannot linger there.
 
-Never synced, whatever git says: .git, virtual environments, run outputs, caches, dotenv and key
-files, and data formats (``ALWAYS_EXCLUDED``); a file over ``max_file_mb`` is refused before
+Never synced, whatever git says: .git, virtual environments, run outputs, caches, dotenv, key and
+credential files (and folders such as .ssh and .aws), secret-named files, pickles, checkpoints and
+data formats (``ALWAYS_EXCLUDED``); a file over ``max_file_mb`` is refused before
 anything is copied, because data does not belong in the code tree.
 """
 
@@ -24,9 +25,15 @@ ALWAYS_EXCLUDED = (
     "node_modules", "outputs", "multirun", "wandb",
     ".env", ".env.*", "*.pem", "*.key", "*.p12", "id_rsa*", "id_ecdsa*", "id_ed25519*", ".netrc",
     "credentials*.json", "*service*account*.json", "*credentials*.json", "*key*.json",
-    ".envrc", ".git-credentials", ".boto", ".pgpass", ".pypirc", ".npmrc",
-    "*.parquet", "*.arrow", "*.pt", "*.ckpt", "*.safetensors", "*.npy", "*.npz",
-)
+    ".envrc", ".git-credentials", ".boto", ".pgpass", ".pypirc", ".npmrc", "*.env",
+    ".ssh", ".aws", ".azure", ".kube", ".docker", ".gnupg", ".huggingface", ".config",
+    "*.jks", "*.pfx", "*.keystore", "*.pkl", "*.pickle",
+    "*.parquet", "*.arrow", "*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.npy", "*.npz",
+    "*.distcp", ".metadata", ".hydra", "lightning_logs",  # (torch.distributed checkpoint files)
+) + tuple(  # secret-named files (hf_token, secrets.yaml, db-password.txt), not code (secrets.py)
+    f"*{word}{suffix}" for word in ("secret", "secrets", "token", "tokens", "password", "passwords",
+                                    "api_key", "apikey", "credential", "credentials")
+    for suffix in ("", ".json", ".yaml", ".yml", ".txt", ".toml", ".ini", ".cfg", ".conf"))
 
 
 def source_root(source: str | None) -> Path:
