@@ -230,6 +230,16 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
                                    "command line") and f"export {name} " in r.stderr
         assert value not in r.stdout + r.stderr
         assert list(tmp_path.iterdir()) == []  # no outputs/ or multirun/
+    # a value of a secret's form, under a key that says nothing
+    for key, arg in (("hydra.launcher.pip_args", "hydra.launcher.pip_args=['--index-url=https://ci:"
+                                                 f"{value}@pypi.example.com/simple']"),
+                     ("hardware.env.GH_LOGIN", f"+hardware.env.GH_LOGIN=ghp_{'A1b2' * 9}")):
+        r = subprocess.run([sys.executable, "-m", "xtrain", "mode=plan", arg], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+        assert r.stderr.startswith(f"xtrain: config error: {key}: a secret is never given on the "
+                                   "command line") and "environment variable" in r.stderr
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_a_sweep_runs_from_a_checkout_whose_plugins_are_not_on_the_path(tmp_path):

@@ -146,21 +146,21 @@ def test_code_state_records_the_diff_or_the_installed_version(tmp_path):
 
 
 def test_secrets_a_launcher_forwarded_are_masked_whatever_their_names():
-    """hydra.launcher.secrets may name any variable (HF_PAT says nothing of a secret): the launcher
+    """hydra.launcher.secrets may name any variable (HF_LOGIN says nothing of a secret): the launcher
     sends the list of names with the values, and the job masks each of them."""
     from xtrain.launcher import secrets
     from xtrain.observe.bundle import SECRET_NAMES_VAR, mask_secrets, relevant_env
 
-    env = {"HF_PAT": "hf_patvalue0123", "GOOGLE_SA_JSON": '{"private_key": "pk0123456789"}'}
+    env = {"HF_LOGIN": "hf_patvalue0123", "GOOGLE_SA_JSON": '{"private_key": "pk0123456789"}'}
     with pytest.MonkeyPatch.context() as mp:
         for name in secrets.ALWAYS:
             mp.delenv(name, raising=False)
         for name, value in env.items():
             mp.setenv(name, value)
-        sent = secrets.collect(["HF_PAT", "GOOGLE_SA_JSON"])
-    assert sent[SECRET_NAMES_VAR].split(",") == ["HF_PAT", "GOOGLE_SA_JSON"]
+        sent = secrets.collect(["HF_LOGIN", "GOOGLE_SA_JSON"])
+    assert sent[SECRET_NAMES_VAR].split(",") == ["HF_LOGIN", "GOOGLE_SA_JSON"]
     job_env = {**sent, "XLA_FLAGS": "--x"}
-    assert relevant_env(job_env) == {"GOOGLE_SA_JSON": "***", "HF_PAT": "***",
+    assert relevant_env(job_env) == {"GOOGLE_SA_JSON": "***", "HF_LOGIN": "***",
                                      SECRET_NAMES_VAR: "***", "XLA_FLAGS": "--x"}  # its name says secret
     assert mask_secrets({"run": {"name": "x-hf_patvalue0123"}}, job_env) == {"run": {"name": "x-***"}}
     assert relevant_env(env) == env  # not forwarded: nothing says they are secrets
@@ -178,6 +178,22 @@ def test_secrets_are_masked_by_name_and_by_value():
                       "notes": ["uses ***"], "api_key": "***", "checkpoint": {"keep_last": 2}}
     assert relevant_env(env) == {"HF_TOKEN": "***", "PJRT_DEVICE": "CPU", "WANDB_API_KEY": "***",
                                  "XLA_FLAGS": "--x"}
+
+
+def test_values_of_a_secrets_form_are_masked_whatever_their_keys():
+    """A private index's token in a URL, and access keys of fixed formats (made up here), under
+    keys and in environments that say nothing of secrets; look-alikes stay."""
+    from xtrain.observe.bundle import SECRET_WORDS, mask_secrets
+
+    github, hf = "ghp_" + "A1b2" * 9, "hf_" + "Xy9" * 11
+    config = {"pip_args": ["--index-url=https://ci:s3cr3tT0k@pypi.example.com/simple"],
+              "env": {"GH_LOGIN": github, "NOTE": f"made with {hf}"}, "aws": "AKIA" + "Q7" * 8,
+              "keep": ["https://pypi.org/simple", "gs://bucket/runs", "git@github.com:o/r.git",
+                       "hf_hub", "ghp_short", "sk-learn", "step_000020"]}
+    assert mask_secrets(config, environ={}) == {
+        "pip_args": ["--index-url=https://***@pypi.example.com/simple"],
+        "env": {"GH_LOGIN": "***", "NOTE": "made with ***"}, "aws": "***", "keep": config["keep"]}
+    assert "pat" in SECRET_WORDS and mask_secrets({"GH_PAT": "x"}, environ={}) == {"GH_PAT": "***"}
 
 
 def test_a_gs_run_dir_gets_metrics_console_log_bundle_and_plots(gcs_bucket, compose_config, tmp_path):

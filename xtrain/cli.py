@@ -87,7 +87,7 @@ def check_no_secret_overrides(args: list[str]) -> None:
     Hydra writes anything: its value would land in the run's name and directory, .hydra/,
     multirun.yaml, W&B's record of the command, remote command lines and the process list.
     Secrets come from the environment (hydra.launcher.secrets forwards them to TPU VMs)."""
-    from xtrain.observe.bundle import is_secret_name
+    from xtrain.observe.bundle import has_secret_value, is_secret_name
 
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
@@ -97,8 +97,9 @@ def check_no_secret_overrides(args: list[str]) -> None:
         # the key's last part, and the keys of a dict value (hardware.env={HF_TOKEN:...})
         names = [re.split(r"[./@]", key)[-1], *re.findall(r"[{,]\s*([A-Za-z_][\w-]*)\s*:", value)]
         name = next((n for n in names if is_secret_name(n)), None)
-        if name:
+        if name or has_secret_value(value):
+            export = f"export {name}" if name else "pass it through an environment variable"
             raise ConfigError(
                 f"{key}: a secret is never given on the command line (it would be written to the "
-                f"run's name, .hydra/ and the process list): export {name} in the environment "
+                f"run's name, .hydra/ and the process list): {export} in the environment "
                 "instead; hydra.launcher.secrets=[...] forwards such variables to TPU VMs")

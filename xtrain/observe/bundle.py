@@ -28,7 +28,11 @@ from xtrain.paths import url_to_fs
 
 MASK = "***"
 SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential",
-                "credentials", "auth"}
+                "credentials", "auth", "pat"}
+# Values that are secrets whatever their key: a URL's user:password@ (a private package index's
+# token), and the fixed formats of GitHub, Hugging Face, OpenAI-style and AWS access keys.
+SECRET_VALUE = re.compile(r"://[^/\s:@]+:[^/\s@]+@|\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}"
+                          r"|hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{30,}|AKIA[0-9A-Z]{16})\b")
 ENV_PREFIXES = ("XLA_", "PJRT_", "TPU_", "LIBTPU", "JAX_", "CPU_NUM_DEVICES", "WANDB_", "XTRAIN_",
                 "OMP_", "MKL_", "TORCH", "PYTORCH", "CUDA_", "GCSFS_", "STORAGE_EMULATOR_HOST",
                 "GOOGLE_", "CLOUDSDK_", "HYDRA_", "PYTHONPATH", "PYTHONHASHSEED", "HF_")
@@ -40,8 +44,12 @@ def is_secret_name(name: str) -> bool:
     return any(word in SECRET_WORDS for word in re.split(r"[^a-z0-9]+", name.lower()))
 
 
+def has_secret_value(text: str) -> bool:
+    return SECRET_VALUE.search(text) is not None
+
+
 # Names of the variables a launcher forwarded as secrets (hydra.launcher.secrets may name any
-# variable, e.g. HF_PAT): their values are masked whatever the names say.
+# variable, e.g. HF_LOGIN): their values are masked whatever the names say.
 SECRET_NAMES_VAR = "XTRAIN_SECRET_NAMES"
 
 
@@ -54,8 +62,8 @@ def secret_values(environ=os.environ) -> set[str]:
 
 def mask_secrets(obj, environ=os.environ, key: str = ""):
     """A copy of nested dicts/lists (or a string) with secrets replaced by ``***``: values under
-    secret-looking keys, and wherever a string holds the value of a secret environment
-    variable."""
+    secret-looking keys, wherever a string holds the value of a secret environment variable, and
+    values of a secret's form (:data:`SECRET_VALUE`)."""
     secrets = secret_values(environ)
 
     def walk(x, name):
@@ -68,6 +76,7 @@ def mask_secrets(obj, environ=os.environ, key: str = ""):
                 return MASK
             for secret in secrets:
                 x = x.replace(secret, MASK)
+            x = SECRET_VALUE.sub(lambda m: "://" + MASK + "@" if m[0].startswith("://") else MASK, x)
         return x
 
     return walk(obj, key)
