@@ -28,6 +28,9 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     # Hydra composition: unknown options, keys, types, choices
     ("unknown-option", ["hardware=v9x"], {}, "Available options in 'hardware': cpu, cpu2, v4_32"),
     ("unknown-model", ["model=d3"], {}, "Could not find 'model/d3'"),
+    ("unknown-logger", ["logger=[jsonl,wandbb]"], {},  # a list-valued group: Hydra names no options
+     "Could not load 'logger/wandbb'; available options in 'logger': jsonl, many_loggers, "
+     "tensorboard, wandb"),
     ("unknown-key", ["optim.lrr=1"], {}, "optim.lrr: Key 'lrr' not in 'OptimConfig'"),
     ("wrong-type", ["trainer.max_steps=abc"], {}, "trainer.max_steps: Value 'abc'"),
     ("bad-override", ["trainer.max_steps=[1"], {}, "cannot parse override 'trainer.max_steps=[1'"),

@@ -3,7 +3,9 @@ the CLI and the launchers report it, and a run that lost one of its processes.""
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
 EXIT_REFUSED = 2  # every refused input: config, data, checkpoint, environment
 EXIT_LAUNCH_FAILED = 1  # a remote launch failed (a worker's job, an unreachable host)
@@ -94,7 +96,17 @@ def one_line(ex: BaseException) -> str:
     if getattr(ex, "override", None):  # an override Hydra's grammar cannot parse
         text.insert(0, f"cannot parse override {ex.override!r}")
     items = [line.strip() for line in lines if line.startswith("\t") and not line.strip().startswith("_")]
+    missing = re.search(r"Could not load '(\w+)/[^']*'", str(ex))
+    if missing and not items:  # an entry of a list-valued group (logger=[jsonl,wandbb]): Hydra lists
+        text = [t.rstrip(".") for t in text] + [f"available options in '{missing[1]}'"]  # none
+        items = _options(missing[1])
     return "xtrain: config error: " + "; ".join(text) + (": " + ", ".join(items) if items else "")
+
+
+def _options(group: str) -> list[str]:
+    from xtrain.paths import config_dir
+
+    return sorted(p.stem for p in Path(config_dir(), group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
 def refuse(ex: BaseException) -> None:
