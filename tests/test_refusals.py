@@ -106,7 +106,7 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "data.build_sources=['{one_source}']: only one C/C++ source file ({one_source}/only.cpp); "
      "the build holds out whole files for validation, so it needs at least 2"),
     ("unreachable-bucket", ["data=cpp16k", "data.remote_timeout_s=0.5"],
-     {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}, "gs://nanochat-training-data-2026: no answer within 0.5 s"),
+     {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}, "storage error: gs://nanochat-training-data-2026: no answer within 0.5 s"),
     # on several hosts the C++ evaluation reads the checkpoint of its step (xtrain/train/cpp_eval.py)
     ("cpp-eval-between-checkpoints", ["hardware=cpu2", "eval.cpp_every=3", "checkpoint.every=2"], {},
      "eval.cpp_every=3 on 2 hosts: the evaluation reads the weights of the checkpoint of its step, "

@@ -30,6 +30,12 @@ class DataError(InputError):
     kind = "data"
 
 
+class StorageError(InputError):
+    """Remote storage (a bucket) that does not answer in time, or fails; names the URL."""
+
+    kind = "storage"
+
+
 class CheckpointError(InputError):
     """A checkpoint to resume from is missing, incomplete or of another model; names the path."""
 

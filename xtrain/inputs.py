@@ -15,7 +15,7 @@ from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_checkpoints,
                                       latest_checkpoint, read_meta)
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
-                           warn)
+                           StorageError, warn)
 from xtrain.hardware import tpu_chips_on_this_host
 from xtrain.model.config import GPTConfig
 from xtrain.paths import is_local, url_to_fs
@@ -182,13 +182,13 @@ def within(seconds: float, what: str, check) -> None:
     worker.start()
     worker.join(seconds)
     if worker.is_alive():
-        raise DataError(f"{what}: no answer within {seconds:g} s (network, or credentials: "
+        raise StorageError(f"{what}: no answer within {seconds:g} s (network, or credentials: "
                         "gcloud auth application-default login); data.remote_timeout_s sets the wait")
     error = outcome.get("error")
     if isinstance(error, InputError):
         raise error
     if error is not None:
-        raise DataError(f"{what}: {type(error).__name__}: {error}") from error
+        raise StorageError(f"{what}: {type(error).__name__}: {error}") from error
 
 
 def check_evaluation_steps(cfg) -> None:
