@@ -105,6 +105,9 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("one-source", ["data.build_sources=[{one_source}]"], {},
      "data.build_sources=['{one_source}']: only one C/C++ source file ({one_source}/only.cpp); "
      "the build holds out whole files for validation, so it needs at least 2"),
+    ("built-corpus-elsewhere", ["data.train_files=/nonexistent/x"], {},  # data=cpp_local builds
+     "but data.train_files=/nonexistent/x reads elsewhere: to read shards of your own, also set "
+     "data.build_sources=null"),
     ("unreachable-bucket", ["data=cpp16k", "data.remote_timeout_s=0.5"],
      {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}, "storage error: gs://nanochat-training-data-2026: no answer within 0.5 s"),
     # on several hosts the C++ evaluation reads the checkpoint of its step (xtrain/train/cpp_eval.py)

@@ -154,6 +154,13 @@ def check_data(data) -> None:
     from xtrain.data.loader import list_shards
 
     if data.build_sources:
+        elsewhere = [f"data.{k}={data[k]}" for k in ("train_files", "val_files", "tokenizer")
+                     if data[k] and data.build_dir and not str(data[k]).startswith(str(data.build_dir))]
+        if elsewhere:
+            raise ConfigError(
+                f"data.build_sources is set, so the corpus is built into data.build_dir="
+                f"{data.build_dir}, but {', '.join(elsewhere)} reads elsewhere: to read shards "
+                "of your own, also set data.build_sources=null")
         if data.build_dir:
             check_output(list(data.build_sources), data.build_dir)
         checked_sources(list(data.build_sources))
