@@ -46,6 +46,10 @@ def preempt_and_resume(tmp_path, ckpt_root=None, env=None, extra=()):
     assert "checkpoint committed" in out and "val loss" not in out  # no validation in the notice
     stopped_at = max(losses(tmp_path / "preempted"))
     assert 20 <= stopped_at < 40
+    # why, last, for the launcher: a signal (run by hand: no launcher attempt)
+    stop = read_jsonl(tmp_path / "preempted" / "metrics.jsonl")[-1]
+    assert {k: v for k, v in stop.items() if k != "time"} == {
+        "step": stopped_at, "kind": "stop", "stopped_for": "signal", "stop_reason": "SIGTERM"}
     code, out, err = finish(xtrain(tmp_path / "preempted", *steps, env=env))  # the same command
     assert code == 0, err[-3000:]
     assert f"step_{stopped_at:06d}" in out  # resumed from the preemption checkpoint
@@ -147,7 +151,7 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):
     assert "step " not in out
 
 
-def _vote(rank: int, world: int, init: str, out_dir: str) -> None:
+def _vote(rank: int, world: int, init: str, out_dir: str, notice_on: int | None) -> None:
     """One host of test_a_signal_on_one_host_stops_every_host: a step boundary per vote."""
     import json
 
@@ -162,25 +166,33 @@ def _vote(rank: int, world: int, init: str, out_dir: str) -> None:
     votes = [stop.agreed(), stop.agreed()]
     if rank == 1:  # the preemption notice reaches one host only, during a step
         os.kill(os.getpid(), signal.SIGTERM)
+    if rank == notice_on:  # a GCE notice to another host, during the same step
+        stop.notice("GCE notice instance/upcoming-maintenance: SCHEDULED ONGOING")
     votes += [stop.agreed(), stop.agreed()]
     stop.settle()
     stop.uninstall()
     dist.destroy_process_group()
-    Path(out_dir, f"{rank}.json").write_text(json.dumps(votes))
+    Path(out_dir, f"{rank}.json").write_text(json.dumps([votes, stop.stopped_for, stop.reason]))
 
 
-def test_a_signal_on_one_host_stops_every_host(tmp_path):
+@pytest.mark.parametrize("notice_on", [None, 2])
+def test_a_signal_on_one_host_stops_every_host(tmp_path, notice_on):
     """Hosts must save the preemption checkpoint at the same step (DCP saves are collective):
     three gloo processes, SIGTERM to one of them, all three agree to stop at the same boundary.
     The vote of one boundary is read at the next (it overlaps a step), so the stop comes one
-    boundary after the signal."""
+    boundary after the signal. Every host agrees on why too: a GCE notice on any host makes it
+    the VM's stop (rank 0 records it for the launcher), though only the host told has a reason."""
     import json
 
     import torch.multiprocessing as mp
 
-    mp.spawn(_vote, args=(3, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=3)
-    votes = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
-    assert votes == [[False, False, False, True]] * 3
+    mp.spawn(_vote, args=(3, f"file://{tmp_path}/rendezvous", str(tmp_path), notice_on), nprocs=3)
+    outcomes = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    assert [votes for votes, _, _ in outcomes] == [[False, False, False, True]] * 3
+    why = "signal" if notice_on is None else "notice"
+    assert [stopped_for for _, stopped_for, _ in outcomes] == [why] * 3
+    notice = "GCE notice instance/upcoming-maintenance: SCHEDULED ONGOING"
+    assert [reason for _, _, reason in outcomes] == [None, "SIGTERM", notice if notice_on else None]
 
 
 def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):

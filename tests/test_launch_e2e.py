@@ -216,6 +216,10 @@ def test_stop_option_stops_the_job_which_checkpoints(remote, tmp_path):
     assert "stopped at a signal (exit 143)" in out
     result = json.loads((tmp_path / "multirun" / "e2e-stop" / "result.json").read_text())
     assert result["preempted"] is True
+    # the run's stop record, from this attempt (its id reached the job), says why
+    launched = json.loads((tmp_path / "multirun" / "e2e-stop" / "launch.json").read_text())
+    assert (result["stopped_for"], result["stop_reason"], result["attempt"]) == (
+        "signal", "SIGTERM", launched["attempt"])
     assert list((remote.root(HOSTS[0]) / "runs" / "e2e-stop" / "checkpoints").glob("*/COMMITTED"))
     assert (job_dir(remote, "e2e-stop") / "reported").exists()
 

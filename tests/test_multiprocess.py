@@ -157,6 +157,10 @@ def test_sigterm_to_rank_1_stops_both_at_one_step_and_resumes_bitwise(reference,
     stopped_at = stop_step(out0)
     assert stop_step(out1) == stopped_at and 8 <= stopped_at < STEPS
     assert [s for s, _ in committed_checkpoints(str(run / "checkpoints"))] == [stopped_at]
+    # rank 0 records why, agreed over the processes; the signal's name stayed with rank 1
+    stop = read_jsonl(run / "metrics.jsonl")[-1]
+    assert (stop["kind"], stop["step"], stop["stopped_for"]) == ("stop", stopped_at, "signal")
+    assert "stop_reason" not in stop
     results = finish_all(xtrain_processes(run))  # the same command again
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
     assert f"resuming from {run}/checkpoints/step_{stopped_at:06d}" in results[0][1]

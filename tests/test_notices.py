@@ -10,7 +10,9 @@ is scheduled, or (as a server might) a 404 or another HTTP error.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -20,11 +22,13 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from conftest import TINY
+from conftest import TINY, read_jsonl
 from test_checkpoint import finish, wait_for_step, xtrain
 from xtrain.checkpoint.layout import committed_checkpoints
 from xtrain.modes import run
+from xtrain.observe.preemptions import ATTEMPT, stop_record
 from xtrain.train import notices
+from xtrain.train.preemption import StopRequest
 
 NOTHING_SCHEDULED = '{ "error": "no notifications have been received yet, try again later" }'
 PATHS = {"/computeMetadata/v1/instance/preempted": "FALSE",
@@ -121,8 +125,6 @@ def metadata_server():
 
 
 def last_step(run_dir: Path) -> int:
-    from conftest import read_jsonl
-
     return max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r)
 
 
@@ -140,6 +142,11 @@ def test_a_notice_stops_at_the_next_step_with_a_checkpoint(metadata_server, tmp_
     assert code == 143, err[-3000:]
     stopped_at = int(re.search(r"at step (\d+): checkpoint committed", out).group(1))
     assert f"stopped (GCE notice instance/{key}={value})" in out
+    # the run says why it stopped, last, where the launcher reads it (no launcher: no attempt)
+    stop = read_jsonl(run_dir / "metrics.jsonl")[-1]
+    assert {k: v for k, v in stop.items() if k != "time"} == {
+        "step": stopped_at, "kind": "stop", "stopped_for": "notice",
+        "stop_reason": f"GCE notice instance/{key}={value}"}
     # the step running when the notice came, or at worst the one after it
     assert noticed_after < stopped_at <= noticed_after + 2, (noticed_after, stopped_at)
     assert [s for s, _ in committed_checkpoints(str(run_dir / "checkpoints"))] == [stopped_at]
@@ -193,6 +200,37 @@ def wait_for(reasons: list, timeout: float = 10.0) -> None:
     while not reasons:
         assert time.monotonic() < deadline, "no notice"
         time.sleep(0.02)
+
+
+def test_a_stop_is_the_vms_when_a_notice_asked_for_it_whatever_came_first():
+    """What xtrain/train/run.py records for the launcher: a GCE notice's stop (the fleet re-runs
+    it), not a signal's (the fleet re-runs it only if the VM goes down)."""
+    def stopped(*requests):
+        stop = StopRequest()
+        stop.install()
+        try:
+            assert not stop.agreed() and stop.stopped_for is None
+            for request in requests:
+                request(stop)
+            return stop.agreed(), stop.stopped_for, stop.reason
+        finally:
+            stop.uninstall()
+
+    def sigterm(stop):
+        os.kill(os.getpid(), signal.SIGTERM)  # through the handler the run installs
+
+    def notice(stop):
+        stop.notice("GCE notice instance/preempted=TRUE")
+
+    assert stopped(sigterm) == (True, "signal", "SIGTERM")
+    assert stopped(sigterm, sigterm) == (True, "signal", "SIGTERM")
+    assert stopped(notice) == (True, "notice", "GCE notice instance/preempted=TRUE")
+    assert stopped(sigterm, notice) == (True, "notice", "GCE notice instance/preempted=TRUE")
+    assert stopped(notice, sigterm) == (True, "notice", "GCE notice instance/preempted=TRUE")
+    assert stop_record("notice", "GCE notice x", {ATTEMPT: "20250101-a1"}) == {
+        "stopped_for": "notice", "stop_reason": "GCE notice x", "attempt": "20250101-a1"}
+    # another process was told (its reason stays there); run by hand: no attempt
+    assert stop_record("signal", None, {}) == {"stopped_for": "signal"}
 
 
 def test_nothing_scheduled_then_a_schedule_is_still_noticed(metadata_server, monkeypatch):

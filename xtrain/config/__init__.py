@@ -327,7 +327,8 @@ class PreemptionConfig:
     # Host maintenance (instance/upcoming-maintenance): stop when the maintenance is ONGOING, or
     # when its window starts within this many seconds (checked every 30 s, so the stop comes
     # between this and 30 s less ahead of the window). Time for the stop and its checkpoint to
-    # finish before the VM may be taken down; 0: only a window that has started.
+    # finish before the VM may be taken down; 0: only a window that has started. The fleet
+    # launcher watches the VM this much longer after a notice's stop (xtrain/launcher/fleet.py).
     maintenance_lead_s: float = limits(300.0, ge=0)
 
 

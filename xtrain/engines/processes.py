@@ -1,6 +1,6 @@
 """The processes of a run, one per host, and what they do together outside the training step:
-a barrier, a broadcast from process 0, an any-of vote that does not stall a step, and naming a
-process that vanished.
+a barrier, a broadcast from process 0, a vote (the largest value: any-of for flags) that does
+not stall a step, and naming a process that vanished.
 
 Both engines use it: the CPU engine joins its processes over gloo itself (:func:`join_gloo`);
 the XLA engine uses the gloo group torch_xla creates through ``xla://`` (xtrain/xla/runtime.py).
@@ -46,20 +46,21 @@ class Processes:
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
-    def vote(self, flag: bool):
-        """Start combining ``flag`` with every process's, True if any is True, without waiting;
-        returns a function that waits for the result (the same on every process)."""
+    def vote(self, value: int):
+        """Start combining ``value`` (a flag, or a small non-negative int) with every process's:
+        the largest, so a flag is set if any process set it; without waiting. Returns a function
+        that waits for the result (an int, the same on every process)."""
         if self.group is None:
-            return lambda: flag
+            return lambda: int(value)
         import torch
         import torch.distributed as dist
 
-        votes = torch.tensor([int(flag)])
+        votes = torch.tensor([int(value)])
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
-        def result() -> bool:
+        def result() -> int:
             work.wait()
-            return bool(votes.item())
+            return int(votes.item())
 
         return result
 

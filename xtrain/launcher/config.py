@@ -69,7 +69,9 @@ class LauncherConfig:
     # profile), set it up again and re-run the job, which resumes from its newest committed
     # checkpoint; needs checkpoint.dir=gs://... (a recreated VM starts with an empty disk)
     recreate: bool = False
-    max_recreates: int = 3  # preemptions one job may survive (each re-runs it); then it fails
+    # preemptions one job may survive (each re-runs it); then it fails. A stop for a GCE notice
+    # on a VM that stayed up counts as one (xtrain/launcher/fleet.py, NoticeStop)
+    max_recreates: int = 3
     spot: bool = True  # create VMs with --spot
     # the VM is the node of a queued resource of the same name (gcloud compute tpus
     # queued-resources): its state is the queued resource's (SUSPENDED: preempted), and it is

@@ -6,7 +6,10 @@ Whenever a job's log stream or connection ends, the launcher asks gcloud for the
 - the VM is not READY (PREEMPTED, TERMINATED, ...; a queued resource SUSPENDED): a preemption;
 - the VM is READY and the job's process exited non-zero: a failure of the job, reported as such;
 - the VM is READY and the process still runs: the network dropped; the launcher reattaches
-  (``follow`` in xtrain/launcher/launch.py).
+  (``follow`` in xtrain/launcher/launch.py);
+- the job stopped itself after a checkpoint (exit 143): a preemption if the VM goes down soon
+  after, else the job's own stop; but one its run says was for a GCE notice is re-run all the
+  same (:func:`attempt`).
 
 With ``recreate=true`` a preempted VM is deleted (never left FAILED or SUSPENDED, holding quota),
 created again with the profile's accelerator type and runtime version (``--spot``), retried with
@@ -32,7 +35,7 @@ from xtrain.launcher.logs import log_path
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.targets import MAINTENANCE, check_type, node_state, node_targets
-from xtrain.observe.preemptions import launch_env
+from xtrain.observe.preemptions import NOTICE, launch_env
 
 UP, PENDING, DOWN = "up", "pending", "down"
 NOT_FOUND = "NOT_FOUND"  # gcloud does not know the name (deleted)
@@ -57,11 +60,19 @@ def vm_health(state: str, queued: bool = False) -> str:
 
 
 class VmLost(LaunchError):
-    """The job's VM is no longer READY: a preemption, not a failure of the job."""
+    """The job's VM is no longer READY: a preemption, not a failure of the job. ``seen_at``: when
+    the job was lost (default now; the job's own stop, when it stopped before its VM went)."""
 
-    def __init__(self, vm: str, state: str):
-        super().__init__(f"TPU {vm} is {state}")
-        self.vm, self.state, self.seen_at = vm, state, time.monotonic()
+    def __init__(self, vm: str, state: str, seen_at: float | None = None, why: str = ""):
+        self.why = why or f"is {state}"
+        super().__init__(f"TPU {vm} {self.why}")
+        self.vm, self.state, self.seen_at = vm, state, seen_at or time.monotonic()
+
+
+class NoticeStop(VmLost):
+    """The job stopped for a GCE notice and its VM stayed READY past the notice's lead (maintenance
+    cancelled, done by live migration, or still to come): a preemption whose VM needs no recreation,
+    counted like one, so ``max_recreates`` bounds a VM that keeps sending notices."""
 
 
 @dataclass
@@ -74,6 +85,7 @@ class Job:
     run_name: str
     job_dir: str  # the local (Hydra) job dir
     checkpoint_dir: str | None = None  # for the give-up message
+    notice_lead_s: float = 0.0  # preemption.maintenance_lead_s: a notice precedes the VM's loss
 
 
 @dataclass
@@ -252,17 +264,19 @@ class Vm:
         return min(backoff * 2, self.cfg.capacity_backoff_s * 16)
 
 
-# A job that answers a preemption notice saves a checkpoint and exits 143 while its VM may still
-# be READY (a spot VM is stopped about 30 s after the notice): the fleet watches the VM this long
-# before taking the stop for one that was not a VM's loss (a signal sent by hand).
+# A job stopped by a signal saves a checkpoint and exits 143 while its VM may still be READY (a
+# spot VM is stopped about 30 s after its SIGTERM): the fleet watches the VM this long before
+# taking the stop for one that was not a VM's loss (a signal sent by hand). After a GCE notice it
+# watches the job's maintenance lead longer (a window may start that long after the notice).
 VM_DOWN_WAIT_S = 180.0
 LOGIN_POLL_S = 5.0  # between login attempts while a new VM's keys are not in place
 
 
 def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
     """Run ``job`` on ``vm`` once. Raises VmLost when the VM went down under it (or was found
-    down while launching, or went down after the job stopped for its notice), VmUnavailable when
-    the READY VM refused the job before it started, and anything else as the job's own failure."""
+    down while launching, or went down after the job stopped for a signal or a notice),
+    NoticeStop when the job stopped for a GCE notice and the VM stayed up, VmUnavailable when the
+    READY VM refused the job before it started, and anything else as the job's own failure."""
     env = {**job.cfg.env, **history.relaunching()}
     cfg = derive(job.cfg, tpu=vm.name, pool=[], hosts=[], env=env)
     try:
@@ -275,34 +289,39 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
         if vm_health(state, vm.cfg.queued) != UP:
             raise VmLost(vm.name, state) from e
         raise
-    if result.get("preempted"):
-        wait_for_vm_loss(vm, VM_DOWN_WAIT_S, log)
+    if result.get("preempted"):  # the run's stop record says why (xtrain/observe/preemptions.py)
+        notice = result.get("stopped_for") == NOTICE
+        wait_for_vm_loss(vm, VM_DOWN_WAIT_S + (job.notice_lead_s if notice else 0.0), log, notice)
     return {**result, **history.summary(), "vm": vm.name}
 
 
-def wait_for_vm_loss(vm: Vm, wait_s: float, log=say) -> None:
-    """After the job stopped by a signal (exit 143): raise VmLost if ``vm`` goes down within
-    ``wait_s``; return when it stays up (or gcloud cannot answer)."""
-    log(f"fleet: the job on {vm} stopped for a signal; watching the VM for up to {wait_s:g} s")
-    deadline = time.monotonic() + wait_s
+def wait_for_vm_loss(vm: Vm, wait_s: float, log=say, notice: bool = False) -> None:
+    """After the job stopped (exit 143) for a signal or, with ``notice``, a GCE notice: raise
+    VmLost (lost since the stop) if ``vm`` goes down within ``wait_s``. Otherwise a notice's stop
+    raises NoticeStop and a signal's returns: it was the job's own."""
+    log(f"fleet: the job on {vm} stopped for {'a GCE notice' if notice else 'a signal'}; "
+        f"watching the VM for up to {wait_s:g} s")
+    stopped = time.monotonic()
     while True:
         try:
             state = vm.state()
-        except LaunchError as e:
-            log(f"fleet: {vm}: {e}; taking the stop as the job's own")
-            return
+        except LaunchError as e:  # no verdict: the VM is taken as up
+            state = f"up as far as is known ({e})"
+            break
         if vm_health(state, vm.cfg.queued) != UP:
-            raise VmLost(vm.name, state)
-        if time.monotonic() >= deadline:
-            log(f"fleet: {vm} is still {state}: the stop was not a preemption")
-            return
+            raise VmLost(vm.name, state, stopped)
+        if time.monotonic() - stopped >= wait_s:
+            break
         time.sleep(vm.cfg.poll_s)
+    if notice:
+        raise NoticeStop(vm.name, state, stopped, f"is still {state} after the job's GCE notice")
+    log(f"fleet: {vm} is still {state}: the stop was the job's own, not a preemption")
 
 
 def preempted(vm: Vm, job: Job, history: Preemptions, lost: VmLost, log=say) -> None:
     """Record the preemption and log it; raises LaunchError when the job's budget is spent."""
     history.record(lost, job)
-    log(f"fleet: {vm} is {lost.state}: job {job.run_name} preempted{_at(history)} (preemption "
+    log(f"fleet: {lost}: job {job.run_name} preempted{_at(history)} (preemption "
         f"{history.count}); {clock(history.lost_so_far())} lost so far")
     if history.count > job.cfg.max_recreates:
         where = f" (its checkpoints stay in {job.checkpoint_dir})" if job.checkpoint_dir else ""
@@ -317,7 +336,8 @@ def _at(history: Preemptions) -> str:
 
 def run_on_vm(job: Job, log=say) -> dict:
     """``hydra.launcher.tpu=NAME``: run the job there; with ``recreate``, recreate the VM when it
-    is preempted (or found preempted) and re-run the job until it ends or the budget is spent."""
+    is preempted (or found preempted) and re-run the job until it ends or the budget is spent (a
+    job stopped for a GCE notice is re-run on the same VM when that stayed up: NoticeStop)."""
     vm = Vm(job.cfg.tpu, job.cfg, job.hardware, log=log)
     history = Preemptions()
     if job.cfg.recreate:
@@ -330,9 +350,9 @@ def run_on_vm(job: Job, log=say) -> dict:
         except VmLost as lost:
             preempted(vm, job, history, lost, log)
             if not job.cfg.recreate:
-                raise LaunchError(f"{vm} is {lost.state}: job {job.run_name} was preempted"
-                                  f"{_at(history)}; run the same command once the VM is back, or "
-                                  "add hydra.launcher.recreate=true to recreate it and resume "
+                raise LaunchError(f"{lost}: job {job.run_name} was preempted{_at(history)}; "
+                                  "run the same command once the VM is READY, or add "
+                                  "hydra.launcher.recreate=true to recreate it and resume "
                                   "unattended") from None
         vm.restore(history.lost_so_far)
         log(f"fleet: re-running {job.run_name} on {vm} (it resumes from its newest committed "

@@ -35,7 +35,7 @@ def prepare_from_hydra(cfg) -> Job:
     check_job(launcher, cfg.hardware, cfg.checkpoint.dir)
     return Job(copy.deepcopy(launcher), copy.deepcopy(cfg.hardware), list(hc.overrides.task),
                cfg.run.name, hc.runtime.output_dir,
-               checkpoint_dir(cfg, "<run dir on the VM>"))
+               checkpoint_dir(cfg, "<run dir on the VM>"), cfg.preemption.maintenance_lead_s)
 
 
 def run_prepared(job: Job) -> dict:

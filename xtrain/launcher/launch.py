@@ -34,6 +34,7 @@ from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.sync import code_files, source_root, sync
 from xtrain.launcher.targets import resolve_targets
 from xtrain.launcher.worker import Worker
+from xtrain.observe.preemptions import ATTEMPT, NOTICE
 
 PREEMPTED = 143  # xtrain's exit code after a SIGTERM checkpoint (128 + SIGTERM)
 
@@ -45,10 +46,10 @@ def say(message: str) -> None:
 def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Runner | None = None,
                log=say, vm_check=None) -> dict:
     """Run ``python -m xtrain <overrides>`` on the workers ``cfg`` names; returns the final metrics
-    (and ``preempted``/``stopped`` when the job did not finish). Raises ConfigError for bad input,
-    LaunchError when a worker fails or cannot be reached. ``vm_check`` (xtrain/launcher/fleet.py)
-    is called whenever a worker's log stream ends and raises when the VM itself is gone. A refusal
-    before the job started is a VmUnavailable."""
+    (and ``preempted``, with the run's ``stopped_for``, or ``stopped`` when the job did not
+    finish). Raises ConfigError for bad input, LaunchError when a worker fails or cannot be
+    reached. ``vm_check`` (xtrain/launcher/fleet.py) is called whenever a worker's log stream ends
+    and raises when the VM itself is gone. A refusal before the job started is a VmUnavailable."""
     t0 = time.perf_counter()
     runner = runner or Runner()
     ssh = Ssh(cfg, runner, log)
@@ -92,7 +93,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
                    "remote_job_dir": jobs[0].dir, "remote_run_dir": run_dir(workers[0], job_id)},
                   f, indent=1)
     states = follow(jobs, job_dir, offsets, cfg, log, vm_check)
-    return result(workers[0], job_id, job_dir, states, log)
+    return result(workers[0], job_id, job_dir, states, log, attempt)
 
 
 def reattachable(jobs, probes, overrides, run_name: str, log) -> bool:
@@ -154,7 +155,7 @@ def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, lo
     def start(job):
         try:
             return job.start(commands[job.worker.index], job.worker.code,
-                             job_env(cfg, job.worker, workers), secret_values, attempt,
+                             job_env(cfg, job.worker, workers, attempt), secret_values, attempt,
                              cfg.stop_grace_s, lockfile)
         except (LaunchError, OSError) as e:
             return e
@@ -196,9 +197,9 @@ def _hydra_str(value: str) -> str:
     return "'" + re.sub(r"(\\*)('|\Z)", lambda m: 2 * m[1] + ("\\'" if m[2] else ""), value) + "'"
 
 
-def job_env(cfg, worker, workers) -> dict[str, str]:
+def job_env(cfg, worker, workers, attempt: str) -> dict[str, str]:
     """torch.distributed's standard variables (worker 0 coordinates) plus xtrain's own."""
-    return {"XTRAIN_WORKER": str(worker.index), "RANK": str(worker.index),
+    return {"XTRAIN_WORKER": str(worker.index), ATTEMPT: attempt, "RANK": str(worker.index),
             "WORLD_SIZE": str(len(workers)), "MASTER_ADDR": workers[0].internal,
             "MASTER_PORT": str(cfg.coordinator_port), "PYTHONUNBUFFERED": "1",
             "PYTHONPYCACHEPREFIX": worker.root + "/pycache",
@@ -291,19 +292,23 @@ def describe(state: JobState) -> str:
     return f"exit code {state.exit_code}"
 
 
-def result(worker0, job_id: str, job_dir: str, states, log) -> dict:
-    """Final metrics: every metrics.jsonl row of rank 0 folded, later values winning."""
+def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dict:
+    """Final metrics: every metrics.jsonl row of rank 0 folded, later values winning; a ``stop``
+    record only from this ``attempt`` (an earlier one's would say why that one stopped)."""
     r = worker0.run(f"cat {shlex.quote(run_dir(worker0, job_id))}/metrics.jsonl 2>/dev/null\n",
                     "metrics")
     with open(os.path.join(job_dir, "metrics.jsonl"), "w") as f:
         f.write(r.stdout)
     final: dict = {}
     for line in r.stdout.splitlines():
-        final.update(json.loads(line))
+        row = json.loads(line)
+        if row.get("kind") != "stop" or row.get("attempt") == attempt:
+            final.update(row)
     final["remote_run_dir"] = run_dir(worker0, job_id)
     if any(s.exit_code == PREEMPTED for s in states):
         final["preempted"] = True
-        log("launch: the job stopped at a signal (exit 143) after its checkpoint; run the same "
+        why = "for a GCE notice" if final.get("stopped_for") == NOTICE else "at a signal"
+        log(f"launch: the job stopped {why} (exit 143) after its checkpoint; run the same "
             "command to resume")
     with open(os.path.join(job_dir, "result.json"), "w") as f:
         json.dump(final, f, indent=1)

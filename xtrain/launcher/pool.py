@@ -3,10 +3,11 @@
 One thread per VM takes the next job from one queue, so every VM runs one job at a time and the
 next job goes to the first free VM. A job whose VM is preempted goes back to the front of the
 queue: to another VM, or to the same one once it is recreated (``recreate=true``); without
-``recreate`` the preempted VM leaves the pool. A VM that refuses a job before starting it
-(another job or program holds it, unreachable, a failed setup) leaves the pool too, and the job
-goes back to the queue for another VM; once every VM has left, the jobs not run fail, naming
-why each VM left. A job still running on one of the VMs from an earlier launch of the same sweep
+``recreate`` the preempted VM leaves the pool. A job that stopped for its VM's GCE notice while
+the VM stayed up (fleet.NoticeStop) is handled the same way, the VM needing no recreation. A VM
+that refuses a job before starting it (another job or program holds it, unreachable, a failed
+setup) leaves the pool too, and the job goes back to the queue for another VM; once every VM has
+left, the jobs not run fail, naming why each VM left. A job still running on one of the VMs from an earlier launch of the same sweep
 (the local side was gone), or ended there unwatched, is reattached there (its end reported),
 never started a second time elsewhere. Each job keeps its own Hydra job dir; the end is a summary
 table.
@@ -123,9 +124,9 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
                 continue
             queue.finish(i, requeue=True)  # down while idle: the job lost nothing, it waits
             why = f"it is {state}"
-        except VmLost as lost:
+        except VmLost as lost:  # a NoticeStop too: the job goes back to the queue
             queue.finish(i, requeue=_survives(vm, job, out, lost))
-            why = f"it is {lost.state}"
+            why = f"it {lost.why}"
         except VmUnavailable as e:  # not the job's failure: recreating would not help either
             out.vm = ran_on  # it never ran here
             queue.finish(i, requeue=True)

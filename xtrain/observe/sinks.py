@@ -2,8 +2,9 @@
 any Lightning logger (:class:`LightningSink`: W&B, TensorBoard) and the console
 (xtrain/observe/console.py). :class:`RunLog` hands each record to all of them.
 
-A record is a flat dict with ``step``, ``kind`` (train, val, eval, checkpoint, sample) and
-``time`` (Unix seconds). Records are written from rank 0 only, from the training thread and from
+A record is a flat dict with ``step``, ``kind`` (train, val, eval, checkpoint, sample, preemption:
+a re-run's, stop: why a run stopped before its end, xtrain/observe/preemptions.py) and ``time``
+(Unix seconds). Records are written from rank 0 only, from the training thread and from
 the checkpoint upload thread, so writes are serialised by a lock.
 """
 
@@ -15,7 +16,7 @@ import time
 
 from xtrain.paths import is_local, url_to_fs
 
-KINDS = ("train", "val", "eval", "checkpoint", "sample", "preemption")
+KINDS = ("train", "val", "eval", "checkpoint", "sample", "preemption", "stop")
 
 
 class Sink:

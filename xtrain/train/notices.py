@@ -24,7 +24,9 @@ Three keys are watched, each by a daemon thread:
   fill it in gets the notice (its thread ends if the key does not exist).
 
 A notice becomes the same request as SIGTERM: stop at the next agreed step boundary, checkpoint,
-exit 143 (xtrain/train/preemption.py). Off GCE nothing is started (:func:`watch`).
+exit 143 (xtrain/train/preemption.py), except that the run records it as a notice's stop: the
+launcher then waits for the VM's loss the maintenance lead longer, and re-runs the job even if
+the VM stays up (xtrain/launcher/fleet.py). Off GCE nothing is started (:func:`watch`).
 
 Hand-written on purpose: google-auth's metadata client is private API (``_metadata``) and its
 on-GCE probe makes network round trips; this is a few dozen lines of urllib.
@@ -107,7 +109,7 @@ def watch(cfg, stop) -> NoticeWatcher | None:
     url = cfg.metadata_url or (GCE_METADATA_URL if on_gce() else None)
     if url is None:
         return None
-    watcher = NoticeWatcher(url, stop.request, maintenance_lead_s=cfg.maintenance_lead_s)
+    watcher = NoticeWatcher(url, stop.notice, maintenance_lead_s=cfg.maintenance_lead_s)
     watcher.start()
     return watcher
 

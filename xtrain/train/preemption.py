@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import signal
 
+from xtrain.observe.preemptions import NOTICE, SIGNAL
+
+# what stopped the run, weakest first: the processes agree on the strongest (a vote of indices),
+# so a GCE notice on any host makes the whole run's stop the VM's, not the job's own
+CAUSES = (None, SIGNAL, NOTICE)
+
 
 class StopRequest:
     """A stop request, raised by SIGINT/SIGTERM or by :meth:`request` (any thread), acted on at
@@ -23,10 +29,15 @@ class StopRequest:
     the vote is in flight while the TPUs compute; on the CPU engine it queues behind DDP's
     gradient all-reduce on the same gloo group (about a millisecond a step: BENCHMARKS.md, "stop
     agreement"). A request is acted on one or two steps after it arrives.
+
+    ``stopped_for`` is set when the processes agree to stop: SIGNAL or NOTICE (:data:`CAUSES`),
+    a notice on any process winning; xtrain/train/run.py records it for the launcher.
     """
 
     def __init__(self, processes=None):
         self.reason: str | None = None
+        self.cause: str | None = None  # this process's: CAUSES
+        self.stopped_for: str | None = None  # every process's, agreed
         self.processes = processes
         self._previous = {}
         self._pending = None  # the vote started at the previous step boundary
@@ -35,10 +46,15 @@ class StopRequest:
     def requested(self) -> bool:
         return self.reason is not None
 
-    def request(self, reason: str) -> None:
-        """Ask the run to stop; the first reason is kept (for the final message)."""
-        if self.reason is None:
-            self.reason = reason
+    def request(self, reason: str, cause: str = SIGNAL) -> None:
+        """Ask the run to stop; the first reason is kept (for the final message), unless a GCE
+        notice follows a signal: the stop is then the VM's."""
+        if CAUSES.index(cause) > CAUSES.index(self.cause):
+            self.reason, self.cause = reason, cause
+
+    def notice(self, reason: str) -> None:
+        """A GCE notice (xtrain/train/notices.py): the VM is about to stop or go into maintenance."""
+        self.request(reason, NOTICE)
 
     def install(self) -> None:
         """Handle SIGINT/SIGTERM from now on; ``uninstall`` restores the first call's handlers."""
@@ -58,9 +74,13 @@ class StopRequest:
         """Whether to stop now; call at every step boundary, on every process. True on every
         process at the same step once any of them was asked to stop."""
         if self.processes is None or self.processes.world == 1:
-            return self.requested
-        pending, self._pending = self._pending, self.processes.vote(self.requested)
-        return pending is not None and pending()
+            agreed = CAUSES.index(self.cause)
+        else:
+            pending, self._pending = self._pending, self.processes.vote(CAUSES.index(self.cause))
+            agreed = pending() if pending is not None else 0
+        if agreed:
+            self.stopped_for = CAUSES[agreed]
+        return bool(agreed)
 
     def settle(self) -> None:
         """Wait for the vote in flight (at the end of training: every process has one)."""

@@ -276,6 +276,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
 
     from xtrain.checkpoint.layout import check_shared, latest_checkpoint
     from xtrain.inputs import checkpoint_dir
+    from xtrain.observe.preemptions import stop_record
     from xtrain.observe.wandb_run import choose_mode
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
@@ -304,6 +305,9 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
                                     loaders.val is not None, run_dir)
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
             status = "preempted" if callbacks.checkpointer.preempted else "success"
+            if status == "preempted":  # why, for the launcher (xtrain/observe/preemptions.py)
+                run_log.record("stop", trainer.global_step, stop_record(callbacks.stop.stopped_for,
+                                                                        callbacks.stop.reason))
         finally:
             run_log.close(status)
             if engine.rank == 0 and status != "failed":

@@ -119,7 +119,7 @@ class SPMDStrategy(SingleDeviceStrategy):
         """A host-side decision agreed by every host: all of them (``all``) or any of them."""
         if all:
             return not self.processes.vote(not decision)()
-        return self.processes.vote(decision)()
+        return bool(self.processes.vote(decision)())
 
     def model_to_device(self) -> None:
         from xtrain.xla.layers import install_layer_loop

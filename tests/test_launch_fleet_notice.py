@@ -1,0 +1,177 @@
+"""A job that stopped itself (exit 143) for a GCE notice, as its run's ``stop`` record says: the
+fleet takes the stop for the VM's (xtrain/launcher/fleet.py ``attempt``). It watches the VM the
+job's maintenance lead longer than after a signal; a VM that goes down meanwhile is a preemption,
+one that stays up gets the job again (counted against max_recreates). A signal's stop keeps its
+rule: a preemption only if the VM goes down within VM_DOWN_WAIT_S.
+
+gcloud is the stand-in of tests/sshd.py, replaying the VM's states one describe at a time;
+launch_job is stood in for (its result is what the decision reads: the run's real stop records
+are tested in tests/test_notices.py and tests/test_checkpoint.py, and how they reach the result
+below and in tests/test_launch_e2e.py). The waits are shrunk through VM_DOWN_WAIT_S and
+``notice_lead_s`` (preemption.maintenance_lead_s) instead of slept for minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tests.sshd import HOSTS, gcloud, tpu_node  # noqa: F401  (fixtures)
+from tests.test_launch_fleet import ZONE, fleet_cfg
+from xtrain.launcher import fleet, pool
+from xtrain.launcher.job import JobState
+from xtrain.launcher.launch import result
+from xtrain.launcher.runner import LaunchError
+
+NOTICE = {"preempted": True, "step": 12, "stopped_for": "notice",
+          "stop_reason": "GCE notice instance/upcoming-maintenance: SCHEDULED PENDING"}
+SIGNAL = {"preempted": True, "step": 12, "stopped_for": "signal", "stop_reason": "SIGTERM"}
+FINISHED = {"step": 40, "loss": 1.25}
+
+
+@pytest.fixture
+def v6e4(compose_config):
+    return compose_config(["hardware=v6e4"]).hardware
+
+
+def stand_in(monkeypatch, results, gcloud=None, node=None, states_then=None) -> list[dict]:
+    """launch_job answering ``results`` in turn; the first call sets the VM's states from then on
+    (``states_then``, one per describe). Returns each call's job environment."""
+    envs = []
+
+    def launch(cfg, *args, **kwargs):
+        envs.append(dict(cfg.env))
+        if states_then and len(envs) == 1:
+            gcloud.add({**node, "x-states": states_then})
+        return next(results)
+
+    monkeypatch.setattr(fleet, "launch_job", launch)
+    return envs
+
+
+def changes(gcloud) -> list[str]:
+    return [c[3] for c in gcloud.calls() if c[3] != "describe"]
+
+
+def test_a_notice_stop_whose_vm_stays_up_past_the_lead_is_rerun_on_the_same_vm(
+        gcloud, tmp_path, v6e4, monkeypatch):
+    """The maintenance was cancelled (or done by live migration): the VM stays READY past
+    VM_DOWN_WAIT_S plus the lead, and the job runs again there, not recreated, as a preemption."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.2)
+    envs = stand_in(monkeypatch, iter([NOTICE, FINISHED]))
+    messages = []
+    job = fleet.Job(fleet_cfg(tmp_path), v6e4, [], "run", str(tmp_path / "job"), notice_lead_s=0.4)
+    t0 = time.monotonic()
+    out = fleet.run_on_vm(job, log=messages.append)
+    assert time.monotonic() - t0 >= 0.6  # watched VM_DOWN_WAIT_S + the lead, not less
+    assert (out["step"], out["loss"], out["preemptions"]) == (40, 1.25, 1)
+    assert changes(gcloud) == []  # the same VM, neither deleted nor created
+    assert "fleet: the job on TPU vm-a stopped for a GCE notice; watching the VM for up to 0.6 s" \
+        in messages
+    assert any(m.startswith("fleet: TPU vm-a is still READY after the job's GCE notice: job run "
+                            "preempted (preemption 1)") for m in messages), messages
+    assert "fleet: re-running run on TPU vm-a (it resumes from its newest committed checkpoint)" \
+        in messages
+    assert envs[1]["XTRAIN_PREEMPTIONS"] == "1" and float(envs[1]["XTRAIN_TIME_LOST_S"]) >= 0.6
+
+
+@pytest.mark.parametrize("stopped_for", ["notice", "signal"])
+def test_a_vm_down_after_the_signal_wait_but_within_the_lead_preempted_a_notice_stop_only(
+        gcloud, tmp_path, v6e4, monkeypatch, stopped_for):
+    """The VM goes down at the fourth describe after the stop: later than VM_DOWN_WAIT_S (0 here:
+    a signal's watch looks once), within the notice's lead (30 s). A notice's stop is then a
+    preemption (the VM recreated, the job re-run); a signal's is the job's own, as before."""
+    node = tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])])
+    gcloud.add(node)
+    gcloud.scenario("vm-a", states=["CREATING", "READY"])
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.0)
+    stop = NOTICE if stopped_for == "notice" else SIGNAL
+    stand_in(monkeypatch, iter([stop, FINISHED]), gcloud, node,
+             states_then=["READY", "READY", "READY", "PREEMPTED"])
+    messages = []
+    job = fleet.Job(fleet_cfg(tmp_path), v6e4, [], "run", str(tmp_path / "job"), notice_lead_s=30)
+    out = fleet.run_on_vm(job, log=messages.append)
+    if stopped_for == "notice":
+        assert (out["step"], out["preemptions"]) == (40, 1)
+        assert changes(gcloud) == ["delete", "create"]
+        assert any("fleet: TPU vm-a is PREEMPTED: job run preempted (preemption 1)" in m
+                   for m in messages), messages
+    else:
+        assert (out["step"], out["preempted"], out["preemptions"]) == (12, True, 0)
+        assert changes(gcloud) == []
+        assert "fleet: TPU vm-a is still READY: the stop was the job's own, not a preemption" \
+            in messages
+
+
+def test_a_vm_that_keeps_sending_notices_ends_the_job_after_max_recreates(
+        gcloud, tmp_path, v6e4, monkeypatch):
+    """Every run of the job stops for a notice at once (a maintenance window open for hours) and
+    the VM stays up: each re-run counts as a preemption, so the loop ends with the budget."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.0)
+    envs = stand_in(monkeypatch, iter([NOTICE] * 10))
+    job = fleet.Job(fleet_cfg(tmp_path, max_recreates=2), v6e4, [], "run", str(tmp_path / "job"))
+    with pytest.raises(LaunchError, match=r"^job run: preempted 3 times, more than "
+                                          r"hydra.launcher.max_recreates=2: giving up"):
+        fleet.run_on_vm(job, log=lambda m: None)
+    assert len(envs) == 3 and changes(gcloud) == []
+
+
+@pytest.mark.parametrize("recreate", [True, False])
+def test_a_pool_job_stopped_for_a_notice_runs_again(gcloud, tmp_path, v6e4, monkeypatch,
+                                                    recreate):
+    """In a pool the job goes back to the queue: to the same VM with ``recreate`` (nothing to
+    recreate: it is READY), else to another VM, the noticed one leaving the pool."""
+    for name, host in (("vm-a", HOSTS[0]), ("vm-b", HOSTS[1])):
+        gcloud.add(tpu_node(name, ZONE, "v6e-4", [(host, host)]))
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.0)
+    monkeypatch.setattr(pool, "locate", lambda *args, **kwargs: {})  # no earlier launch to find
+    vms = ["vm-a"] if recreate else ["vm-a", "vm-b"]
+    ran_on = []
+
+    def launch(cfg, *args, **kwargs):
+        ran_on.append(cfg.tpu)
+        return NOTICE if len(ran_on) == 1 else FINISHED
+
+    monkeypatch.setattr(fleet, "launch_job", launch)
+    cfg = fleet_cfg(tmp_path, tpu=None, pool=vms, recreate=recreate)
+    messages = []
+    (outcome,) = pool.run_pool([fleet.Job(cfg, v6e4, [], "run", str(tmp_path / "job"))],
+                               log=messages.append)
+    assert (outcome.state, outcome.history.count, outcome.result["step"]) == ("finished", 1, 40)
+    assert changes(gcloud) == []
+    if recreate:
+        assert ran_on == ["vm-a", "vm-a"]
+    else:
+        assert ran_on[0] != ran_on[1]  # vm-b takes it once vm-a is busy or gone
+        noticed = ran_on[0]
+        assert (f"[{noticed}] fleet: TPU {noticed} leaves the pool: it is still READY after the "
+                "job's GCE notice") in messages
+
+
+def test_a_jobs_result_says_why_only_this_attempt_stopped(tmp_path):
+    """metrics.jsonl outlives a start of the job (a re-run on the same VM appends to it): a stop
+    record of an earlier attempt must not speak for this one (which may have been killed by a
+    signal before training, writing none)."""
+    rows = [{"step": 5, "kind": "train", "loss": 3.0},
+            {"step": 5, "kind": "stop", "stopped_for": "notice", "attempt": "a1"},
+            {"step": 9, "kind": "train", "loss": 2.5},
+            {"step": 9, "kind": "stop", "stopped_for": "signal", "stop_reason": "SIGTERM",
+             "attempt": "a2"}]
+    stopped = [JobState("exited", 143, False, None, 0, None)]
+
+    def folded(attempt: str, upto: int = len(rows)) -> dict:
+        metrics = "".join(json.dumps(r) + "\n" for r in rows[:upto])  # `cat metrics.jsonl`
+        worker0 = SimpleNamespace(root="/remote", run=lambda *args: SimpleNamespace(stdout=metrics))
+        return result(worker0, "run", str(tmp_path), stopped, lambda m: None, attempt)
+
+    assert folded("a2")["stopped_for"] == "signal"
+    assert folded("a1", upto=2)["stopped_for"] == "notice"
+    # a third start killed before it trained: neither earlier stop is its own
+    third = folded("a3")
+    assert (third["preempted"], third["step"], third["loss"]) == (True, 9, 2.5)
+    assert "stopped_for" not in third and "stop_reason" not in third
