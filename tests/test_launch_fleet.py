@@ -25,7 +25,8 @@ from xtrain.errors import ConfigError
 from tests.sshd import HOSTS, gcloud, remote, sshd, tpu_node  # noqa: F401  (fixtures)
 from xtrain.launcher import fleet
 from xtrain.launcher.config import LauncherConfig
-from xtrain.launcher.fleet import DOWN, PENDING, UP, Job, Vm, vm_health
+from xtrain.launcher.fleet import Job
+from xtrain.launcher.vm import DOWN, PENDING, UP, Vm, VmLost, vm_health
 from xtrain.launcher.gcloud import NoCapacity, QuotaExceeded, create_failure
 from xtrain.launcher.launch import launch_job
 from xtrain.launcher.pool import JobQueue, locate, run_pool, summary
@@ -231,7 +232,7 @@ def test_a_ready_node_under_maintenance_is_waited_for_not_used_nor_recreated(gcl
     Path(cfg.known_hosts).write_text(recorded)  # the VM's host key, from an earlier launch
     vm = Vm("vm-a", cfg, v6e4, log=print)
     assert (vm.state(), vm.health()) == ("UNHEALTHY_MAINTENANCE", PENDING)
-    with pytest.raises(fleet.VmLost, match="TPU vm-a is UNHEALTHY_MAINTENANCE"):
+    with pytest.raises(VmLost, match="TPU vm-a is UNHEALTHY_MAINTENANCE"):
         vm.check()
     vm.restore()  # waits through two more maintenance describes (the stand-in counts them)
     assert (vm.state(), vm.health()) == ("READY", UP)
@@ -249,7 +250,7 @@ def test_an_active_queued_resource_whose_node_is_under_maintenance_is_waited_for
                 "x-health": ["UNHEALTHY_MAINTENANCE"] * 4 + ["HEALTHY"]})
     vm = Vm("qr-a", fleet_cfg(tmp_path, tpu="qr-a", queued=True), v6e4, log=print)
     assert (vm.state(), vm.health()) == ("UNHEALTHY_MAINTENANCE", PENDING)
-    with pytest.raises(fleet.VmLost, match="TPU qr-a is UNHEALTHY_MAINTENANCE"):
+    with pytest.raises(VmLost, match="TPU qr-a is UNHEALTHY_MAINTENANCE"):
         vm.check()
     vm.restore()  # waits through the node's last maintenance describes
     assert (vm.state(), vm.health()) == ("ACTIVE", UP)

@@ -1,7 +1,7 @@
 """Spot TPU VMs: tell a preemption from a failed job or a network drop, and survive it.
 
 Whenever a job's log stream or connection ends, the launcher asks gcloud for the VM's state
-(:func:`vm_health`, over the state tables below):
+(xtrain/launcher/vm.py):
 
 - the VM is not READY (PREEMPTED, TERMINATED, ...; a queued resource SUSPENDED): a preemption;
 - the VM is READY and the job's process exited non-zero: a failure of the job, reported as such;
@@ -29,45 +29,13 @@ import time
 from dataclasses import dataclass
 
 from xtrain.errors import ConfigError, InputError
-from xtrain.launcher.gcloud import Gcloud, NoCapacity
 from xtrain.launcher.launch import launch_job, say
 from xtrain.launcher.logs import log_path
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
-from xtrain.launcher.targets import MAINTENANCE, check_type, node_state, node_targets
+from xtrain.launcher.targets import check_type
+from xtrain.launcher.vm import UP, Vm, VmLost, clock, vm_health
 from xtrain.observe.preemptions import NOTICE, launch_env
-
-UP, PENDING, DOWN = "up", "pending", "down"
-NOT_FOUND = "NOT_FOUND"  # gcloud does not know the name (deleted)
-# TPU API v2 Node.State (cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.nodes):
-# READY is usable, these come up by themselves; every other state (PREEMPTED, TERMINATED,
-# STOPPED, STOPPING, DELETING, HIDDEN, UNKNOWN, ...) means the node must be deleted and recreated.
-# A READY node whose Node.health is UNHEALTHY_MAINTENANCE is not usable yet, and resumes by itself
-# once rescheduled: Vm.state reports it as that (targets.node_state).
-NODE_STATES = {"READY": UP, "CREATING": PENDING, "STARTING": PENDING, "RESTARTING": PENDING,
-               "REIMAGING": PENDING, "REPAIRING": PENDING, "UNHIDING": PENDING,
-               MAINTENANCE: PENDING}
-# QueuedResourceState.State: ACTIVE is usable, these are on their way; SUSPENDING, SUSPENDED
-# (preempted), FAILED (no capacity in time) and DELETING must be deleted and created again.
-QUEUED_STATES = {"ACTIVE": UP, "CREATING": PENDING, "ACCEPTED": PENDING, "PROVISIONING": PENDING,
-                 "WAITING_FOR_RESOURCES": PENDING, MAINTENANCE: PENDING}  # (its node's health)
-
-
-def vm_health(state: str, queued: bool = False) -> str:
-    """UP (a job can run there), PENDING (coming up by itself) or DOWN (preempted, failed or
-    gone: any job there is lost, and the VM must be recreated)."""
-    return (QUEUED_STATES if queued else NODE_STATES).get(state, DOWN)
-
-
-class VmLost(LaunchError):
-    """The job's VM is no longer READY: a preemption, not a failure of the job. ``seen_at``: when
-    the job was lost (default now; the job's own stop, when it stopped before its VM went)."""
-
-    def __init__(self, vm: str, state: str, seen_at: float | None = None, why: str = ""):
-        self.why = why or f"is {state}"
-        super().__init__(f"TPU {vm} {self.why}")
-        self.vm, self.state, self.seen_at = vm, state, seen_at or time.monotonic()
-
 
 class NoticeStop(VmLost):
     """The job stopped for a GCE notice and its VM stayed READY past the notice's lead (maintenance
@@ -138,138 +106,11 @@ def derive(cfg, **changes):
     return OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), **changes})
 
 
-def clock(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m // 60}h{m % 60:02d}m{s:02d}s" if m >= 60 else f"{m}m{s:02d}s"
-
-
-class Vm:
-    """One TPU VM (or queued resource) by name, through gcloud: its state, and its recreation."""
-
-    def __init__(self, name: str, cfg, hardware, runner: Runner | None = None, log=say):
-        self.name, self.cfg, self.hardware, self.log = name, cfg, hardware, log
-        self.runner = runner or Runner()
-        self.gcloud = Gcloud(self.runner)
-
-    def __repr__(self) -> str:
-        return f"TPU {self.name}"
-
-    def describe(self) -> dict | None:
-        return self.gcloud.find(self.name, self.cfg.zone, self.cfg.project, self.cfg.queued)
-
-    def state(self) -> str:
-        found = self.describe()
-        if found is None:
-            return NOT_FOUND
-        if not self.cfg.queued:
-            return node_state(found)
-        state = found.get("state", "UNKNOWN")
-        state = state.get("state", "UNKNOWN") if isinstance(state, dict) else state  # nested
-        if state != "ACTIVE":
-            return state
-        # an ACTIVE resource's node (of the same name) carries the health: under maintenance it
-        # is no more usable than a node of its own
-        node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
-        return MAINTENANCE if node is not None and node_state(node) == MAINTENANCE else state
-
-    def health(self) -> str:
-        return vm_health(self.state(), self.cfg.queued)
-
-    def check(self) -> None:
-        """``vm_check`` for launch_job: raises VmLost when the VM is not READY. A gcloud that
-        cannot answer gives no verdict: the job is then polled over ssh as usual."""
-        try:
-            state = self.state()
-        except LaunchError as e:
-            self.log(f"fleet: {self}: {e}; asking the worker instead")
-            return
-        if vm_health(state, self.cfg.queued) != UP:
-            raise VmLost(self.name, state)
-
-    def addresses(self) -> set[str]:
-        """Every address of the node's workers (a recreated VM may get the old ones back)."""
-        try:
-            node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
-        except LaunchError:
-            return set()
-        return {a for e in (node or {}).get("networkEndpoints", [])
-                for a in (e.get("ipAddress"), e.get("accessConfig", {}).get("externalIp")) if a}
-
-    # Long: one loop over the VM's state, because every step (delete, create, wait) can end in
-    # any state and the deadline and backoff span them all.
-    def restore(self, lost_so_far=lambda: 0.0) -> None:
-        """Bring the VM back to READY: delete it when it is down, create it again, retry with
-        backoff while the zone has no capacity, wait while it comes up; all within
-        ``ready_timeout_s``. A create refused by quota raises QuotaExceeded at once. After a
-        create, forgets the old VM's host keys and connections and waits for the new one's login."""
-        cfg = self.cfg
-        t0, backoff, created = time.monotonic(), cfg.capacity_backoff_s, False
-        ssh = Ssh(cfg, self.runner, self.log)
-        key = ssh.authorized_key()  # before anything is deleted: an unreadable key stops here
-        old = self.addresses()
-        while True:
-            state = self.state()
-            health = vm_health(state, cfg.queued)
-            if health == UP:
-                break
-            waited = time.monotonic() - t0
-            if waited > cfg.ready_timeout_s:
-                if created:  # a VM nobody uses would run up its cost unattended
-                    self.gcloud.delete(self.name, cfg.zone, cfg.project, cfg.queued)
-                raise LaunchError(f"{self} is still {state} after {clock(waited)} "
-                                  f"(hydra.launcher.ready_timeout_s={cfg.ready_timeout_s:g})")
-            if health == PENDING or state == "DELETING":  # on its way up, or out
-                time.sleep(cfg.poll_s)
-                continue
-            if state != NOT_FOUND:
-                self.log(f"fleet: {self} is {state}: deleting it")
-                self.gcloud.delete(self.name, cfg.zone, cfg.project, cfg.queued)
-                if created:  # it failed on its way up: the zone has no capacity for it
-                    backoff = self._wait_for_capacity(state, backoff, lost_so_far)
-                continue
-            try:
-                self.log(f"fleet: {self}: creating a {self.hardware.accelerator_type} "
-                         f"({self.hardware.runtime_version}{', spot' if cfg.spot else ''})")
-                self.gcloud.create(self.name, cfg.zone, self.hardware, cfg.project, cfg.spot,
-                                   cfg.queued, key)
-                created = True
-            except NoCapacity as e:
-                backoff = self._wait_for_capacity(str(e), backoff, lost_so_far)
-        if not created:  # the same VM, waited for (maintenance, or on its way up): same keys
-            self.log(f"fleet: {self} is READY again after {clock(time.monotonic() - t0)}; "
-                     f"{clock(lost_so_far())} lost so far")
-            return
-        for host in sorted(old | self.addresses()):
-            ssh.forget(host)
-        self._wait_for_login(ssh)
-        self.log(f"fleet: {self} is READY again, {clock(time.monotonic() - t0)} after the "
-                 f"recreation began; {clock(lost_so_far())} lost so far")
-
-    def _wait_for_login(self, ssh: Ssh) -> None:
-        """A new VM says READY before its guest agent has made the ``ssh-keys`` metadata the
-        user's keys, maybe before sshd answers: while its workers refuse the login or do not
-        answer, wait (``login_grace_s`` at most). Any other outcome is the launch's to report."""
-        if self.cfg.login_grace_s <= 0:
-            return
-        deadline = time.monotonic() + self.cfg.login_grace_s
-        node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)  # the node itself
-        for host in [t.host for t in node_targets(node, self.cfg.address, self.hardware)]:
-            while ssh.try_login(host) in ("refused", "unreachable") and time.monotonic() < deadline:
-                time.sleep(LOGIN_POLL_S)
-
-    def _wait_for_capacity(self, why: str, backoff: float, lost_so_far) -> float:
-        self.log(f"fleet: {self}: no capacity ({why}); retrying in {backoff:g} s, "
-                 f"{clock(lost_so_far())} lost so far")
-        time.sleep(backoff)
-        return min(backoff * 2, self.cfg.capacity_backoff_s * 16)
-
-
 # A job stopped by a signal saves a checkpoint and exits 143 while its VM may still be READY (a
 # spot VM is stopped about 30 s after its SIGTERM): the fleet watches the VM this long before
 # taking the stop for one that was not a VM's loss (a signal sent by hand). After a GCE notice it
 # watches the job's maintenance lead longer (a window may start that long after the notice).
 VM_DOWN_WAIT_S = 180.0
-LOGIN_POLL_S = 5.0  # between login attempts while a new VM's keys are not in place
 
 
 def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:

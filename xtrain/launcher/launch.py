@@ -48,8 +48,8 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     """Run ``python -m xtrain <overrides>`` on the workers ``cfg`` names; returns the final metrics
     (and ``preempted``, with the run's ``stopped_for``, or ``stopped`` when the job did not
     finish). Raises ConfigError for bad input, LaunchError when a worker fails or cannot be
-    reached. ``vm_check`` (xtrain/launcher/fleet.py) is called whenever a worker's log stream ends
-    and raises when the VM itself is gone. A refusal before the job started is a VmUnavailable."""
+    reached. ``vm_check`` (xtrain/launcher/vm.py, Vm.check) is called whenever a worker's log
+    stream ends and raises when the VM itself is gone. A refusal before the job started is a VmUnavailable."""
     t0 = time.perf_counter()
     runner = runner or Runner()
     ssh = Ssh(cfg, runner, log)

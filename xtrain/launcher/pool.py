@@ -19,11 +19,11 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from xtrain.launcher.fleet import (UP, Job, Preemptions, Vm, VmLost, attempt, check_known, clock,
-                                   preempted, vm_health)
+from xtrain.launcher.fleet import Job, Preemptions, attempt, check_known, preempted
 from xtrain.launcher.launch import job_name, parallel, say
 from xtrain.launcher.runner import LaunchError, VmUnavailable
 from xtrain.launcher.ssh import Ssh
+from xtrain.launcher.vm import UP, Vm, VmLost, clock, vm_health
 from xtrain.launcher.targets import node_targets
 from xtrain.launcher.worker import Worker
 
