@@ -7,9 +7,9 @@ queue: to another VM, or to the same one once it is recreated (``recreate=true``
 the VM stayed up (fleet.NoticeStop) is handled the same way, the VM needing no recreation. A VM
 that refuses a job before starting it (another job or program holds it, unreachable, a failed
 setup) leaves the pool too, and the job goes back to the queue for another VM; once every VM has
-left, the jobs not run fail, naming why each VM left. A job still running on one of the VMs from an earlier launch of the same sweep
-(the local side was gone), or ended there unwatched, is reattached there (its end reported),
-never started a second time elsewhere. Each job keeps its own Hydra job dir; the end is a summary
+left, the jobs not run fail, naming why each VM left. A job still running on one of the VMs
+from an earlier launch of the same sweep (the local side was gone), or ended there unwatched, is
+reattached there (its end reported), never started a second time elsewhere. Each job keeps its own Hydra job dir; the end is a summary
 table.
 """
 
