@@ -6,7 +6,8 @@ through ``state.pt`` with references, ``meta.json``, every file's size and check
 only what its devices hold (torch_xla's SPMD planners); ``process_group`` spans the hosts (None
 on one host). The first host (``rank`` 0) writes ``state.pt``, ``meta.json`` and, once DCP
 reports every host done, the marker. On remote storage each host copies only the DCP files that
-hold what it loads, plus DCP's metadata (:class:`StagingReader`).
+hold what it loads, plus DCP's metadata (:class:`StagingReader`). A data file DCP's metadata
+names outside the checkpoint is refused (a checkpoint is untrusted input), before any is read.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from xtrain import compat
 from xtrain.checkpoint import manifest
-from xtrain.checkpoint.layout import COMMIT_MARKER, remove
+from xtrain.checkpoint.layout import COMMIT_MARKER, check_dcp_files, remove
 from xtrain.errors import warn
 from xtrain.paths import url_to_fs
 
@@ -152,14 +153,29 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
     skeleton = torch.load(io.BytesIO(fs.cat_file(f"{root}/state.pt")), map_location="cpu",
                           weights_only=True)  # a checkpoint is untrusted input
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
-        tensors = _read_tensors(fs, f"{root}/tensors", staging, targets, sharded, process_group)
+        tensors = _read_tensors(fs, path, staging, targets, sharded, process_group)
     return join_tensors(skeleton, tensors)
 
 
-SafeFileSystemReader = compat.dcp_reader(FileSystemReader)  # DCP's metadata unpickled restricted
+class CheckedReader(compat.dcp_reader(FileSystemReader)):
+    """DCP's file reader, its metadata unpickled with only DCP's own classes allowed
+    (xtrain/compat.py, dcp_reader), and every data file that metadata names checked to be one
+    DCP writes (xtrain/checkpoint/layout.py, check_dcp_files), on every read of it (DCP reads it
+    again inside ``dcp.load``). ``checkpoint`` names the checkpoint in a refusal."""
+
+    def __init__(self, path: str, checkpoint: str | None = None):
+        super().__init__(path)
+        self.checkpoint = checkpoint or str(path)
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = super().read_metadata(*args, **kwargs)
+        storage = metadata.storage_data
+        check_dcp_files(self.checkpoint, [getattr(info, "relative_path", info) for info in
+                                          storage.values()] if isinstance(storage, dict) else [storage])
+        return metadata
 
 
-class StagingReader(SafeFileSystemReader):
+class StagingReader(CheckedReader):
     """DCP's file reader over a local copy of a remote DCP directory, made on demand: DCP's
     metadata first, then only the files that hold what this process's load plan reads (on a pod,
     a host's own shards), never every host's files.
@@ -168,8 +184,8 @@ class StagingReader(SafeFileSystemReader):
     reads here (fsspec 2026.9, gcsfs 2026.10, GCS emulator); whole-file copies do not.
     """
 
-    def __init__(self, fs, remote_dir: str, staging: str):
-        super().__init__(staging)
+    def __init__(self, fs, remote_dir: str, staging: str, checkpoint: str | None = None):
+        super().__init__(staging, checkpoint or remote_dir)
         self.remote_fs, self.remote_dir, self.staging = fs, remote_dir.rstrip("/"), staging
         self.copied: list[str] = []  # file names, in the order they were copied
         self._where: dict = {}
@@ -189,6 +205,7 @@ class StagingReader(SafeFileSystemReader):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_data(self, plan, planner):
+        # names checked as the metadata was read: plain file names, staged inside ``staging``
         for name in sorted({self._where[item.storage_index].relative_path for item in plan.items}):
             self._copy(name)
         return super().read_data(plan, planner)
@@ -201,7 +218,7 @@ def read_tensors(path: str, prefix: str) -> dict:
     if not fs.exists(f"{root}/{COMMIT_MARKER}"):
         raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
-        return _read_tensors(fs, f"{root}/tensors", staging, None, False, None, prefix)
+        return _read_tensors(fs, path, staging, None, False, None, prefix)
 
 
 MODEL_PREFIX = "/state_dict/model."  # where the model's weights sit in a saved state
@@ -213,13 +230,22 @@ def read_model_weights(path: str) -> dict:
     return {k[len(MODEL_PREFIX):]: v for k, v in read_tensors(path, MODEL_PREFIX).items()}
 
 
-def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, process_group,
-                  prefix: str = "") -> dict:
-    import torch.distributed.checkpoint as dcp
+def _reader(fs, path: str, staging: str) -> CheckedReader:
+    """The reader of the checkpoint at ``path``'s tensors/: in place on a local disk, else
+    through copies in ``staging``."""
     from fsspec.implementations.local import LocalFileSystem
 
-    local = isinstance(fs, LocalFileSystem)
-    reader = SafeFileSystemReader(directory) if local else StagingReader(fs, directory, staging)
+    directory = f"{url_to_fs(str(path))[1]}/tensors"
+    if isinstance(fs, LocalFileSystem):
+        return CheckedReader(directory, str(path))
+    return StagingReader(fs, directory, staging, str(path))
+
+
+def _read_tensors(fs, path: str, staging: str, targets, sharded: bool, process_group,
+                  prefix: str = "") -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    reader = _reader(fs, path, staging)
     stored = reader.read_metadata().state_dict_metadata
     tensors = dict(targets or {})
     for key, info in stored.items():
