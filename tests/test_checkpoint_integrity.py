@@ -103,12 +103,13 @@ class _Payload:
 def test_a_crafted_dcp_metadata_pickle_runs_no_code_and_is_refused(tmp_path):
     """DCP unpickles tensors/.metadata with plain pickle.load (torch 2.9): xtrain reads it
     allowing only the classes DCP's metadata of tensors is made of, on every path that reads
-    a checkpoint (resume and the model's weights for sampling and the C++ evaluation)."""
+    a checkpoint (resume and the model's weights for sampling and the C++ evaluation, and the
+    check made before a model is built), and refuses it as a CheckpointError (one line, exit 2)."""
     import pickle
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from xtrain.checkpoint.io import read, read_model_weights
+    from xtrain.checkpoint.io import check_loadable, read, read_model_weights
 
     ckpt, marker = tmp_path / "step_000001", tmp_path / "code-ran"
     _save(str(ckpt), {"w": torch.ones(3)})
@@ -117,8 +118,9 @@ def test_a_crafted_dcp_metadata_pickle_runs_no_code_and_is_refused(tmp_path):
     assert read(str(ckpt))["state_dict"]["w"].tolist() == [1.0, 1.0, 1.0]  # allowed: a real one
 
     metadata_file.write_bytes(pickle.dumps(_Payload(marker)))
-    for load in (read, read_model_weights):
-        with pytest.raises(pickle.UnpicklingError, match=r"refers to posix\.system.*refused"):
+    for load in (read, read_model_weights, check_loadable):
+        with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: tensors/ refused \(checkpoint "
+                           r"metadata refers to posix\.system.*refused"):
             load(str(ckpt))
     assert not marker.exists()
 
@@ -126,7 +128,7 @@ def test_a_crafted_dcp_metadata_pickle_runs_no_code_and_is_refused(tmp_path):
     metadata = pickle.loads(genuine)  # the file written above: trusted here
     metadata.state_dict_metadata["/state_dict/w"] = BytesStorageMetadata()
     metadata_file.write_bytes(pickle.dumps(metadata))
-    with pytest.raises(pickle.UnpicklingError, match="BytesStorageMetadata"):
+    with pytest.raises(CheckpointError, match="BytesStorageMetadata"):
         read(str(ckpt))
 
 

@@ -1,5 +1,6 @@
 """A checkpoint is untrusted input (a bucket others write to, a directory copied from elsewhere):
-no file name it holds reaches outside it."""
+no file name it holds reaches outside it, and a crafted pickle is refused in one line before
+anything is built."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ import json
 import os
 import pickle
 import re
+import shutil
 import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import gcs_filesystem
+from conftest import finish, gcs_filesystem, xtrain
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
-from xtrain.checkpoint.io import read, read_model_weights
-from xtrain.errors import CheckpointError
+from xtrain.checkpoint.io import check_loadable, read, read_model_weights
+from xtrain.errors import EXIT_REFUSED, CheckpointError
 from xtrain.inputs import newest_intact, resume_checkpoint
 from xtrain.paths import url_to_fs
 
@@ -44,7 +48,17 @@ def _point_metadata_at(path: str, name: str) -> None:
     _reseal(path)
 
 
-LOADS = (read, read_model_weights)  # resume, sampling and the C++ evaluation
+class _Payload:
+    """Unpickling this runs ``touch <marker>``: what a crafted checkpoint would carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+LOADS = (read, read_model_weights, check_loadable)  # resume, sampling/C++ eval, the early check
 
 
 @pytest.mark.parametrize("kind", ["relative", "absolute", "nested"])
@@ -119,3 +133,44 @@ def test_only_the_file_names_dcp_writes_pass():
     for bad in ("__0_0.distcp/", ".metadata", "x__0_0.distcp", "__0_0.distcp\n", None):
         with pytest.raises(CheckpointError):
             check_dcp_files("ckpt", [bad])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A finished tiny run (checkpoints at steps 2 and 4)."""
+    run = tmp_path_factory.mktemp("world") / "run"
+    code, _, err = finish(xtrain(run, "trainer.max_steps=4", "checkpoint.every=2"))
+    assert code == 0, err[-3000:]
+    return {"run": run}
+
+
+def _tree(root: Path) -> dict:
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("mode, crafted", [("train", ".metadata"), ("train", "state.pt"),
+                                           ("sample", ".metadata"), ("sample", "state.pt")])
+def test_a_crafted_checkpoint_is_refused_in_one_line_before_anything_is_built(world, tmp_path, mode, crafted):
+    """Pickled code in DCP's metadata or in state.pt, its manifest made to match: exit 2, one line
+    naming the checkpoint, no code run, no model built, nothing written."""
+    ckpt, marker = tmp_path / "crafted" / "step_000004", tmp_path / "code-ran"
+    shutil.copytree(world["run"] / "checkpoints" / "step_000004", ckpt)
+    if crafted == ".metadata":
+        (ckpt / "tensors" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    else:
+        torch.save({"global_step": 4, "x": _Payload(marker)}, ckpt / "state.pt")
+    _reseal(str(ckpt))
+    before = _tree(tmp_path / "crafted")
+    started = time.perf_counter()
+    code, out, err = finish(xtrain(tmp_path / "run", f"mode={mode}", "trainer.max_steps=6",
+                                   f"checkpoint.resume={ckpt}"))
+    seconds = time.perf_counter() - started
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == EXIT_REFUSED, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"xtrain: checkpoint error: checkpoint {ckpt}: "
+                                                   f"{'tensors/' if crafted == '.metadata' else 'state.pt'} refused (")
+    assert "posix.system" in lines[0] and "weights_only" not in lines[0]
+    assert not marker.exists() and _tree(tmp_path / "crafted") == before
+    assert "MFU peak" not in out and "sampling" not in out  # built nothing: refused up front
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert seconds < 20, f"refused after {seconds:.1f} s"

@@ -62,9 +62,10 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
     checkpoint whose files match its manifest), else the newest such one in ``ckpt_dir`` (newer
     corrupt ones warned about and passed over), else None; checked against the configured model.
     Each checkpoint's checksums are read once: by the ``early`` call (:func:`check_inputs`) for
-    ``checkpoint.resume``, so a bad one is refused before any work; by the run's call for the
-    newest one (the early call checks that one's model unverified, and leaves one whose
-    meta.json is unreadable to the run's call)."""
+    ``checkpoint.resume``, so a bad one is refused before any work (and one that cannot be
+    loaded safely, which imports torch); by the run's call for the newest one (the early call
+    checks that one's model unverified, and leaves one whose meta.json is unreadable to the
+    run's call)."""
     if resume:
         check_named_checkpoint(resume, verify=early)
     if resume or not early:
@@ -78,6 +79,10 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
             check_compatible(found, gpt)
             if not resume:
                 check_same_run(found, run_name)
+        if resume and early:
+            from xtrain.checkpoint.io import check_loadable
+
+            check_loadable(resume)
         return found
     found = latest_checkpoint(ckpt_dir)  # unverified: the run's call verifies it
     try:

@@ -6,8 +6,11 @@ through ``state.pt`` with references, ``meta.json``, every file's size and check
 only what its devices hold (torch_xla's SPMD planners); ``process_group`` spans the hosts (None
 on one host). The first host (``rank`` 0) writes ``state.pt``, ``meta.json`` and, once DCP
 reports every host done, the marker. On remote storage each host copies only the DCP files that
-hold what it loads, plus DCP's metadata (:class:`StagingReader`). A data file DCP's metadata
-names outside the checkpoint is refused (a checkpoint is untrusted input), before any is read.
+hold what it loads, plus DCP's metadata (:class:`StagingReader`).
+
+A checkpoint is untrusted input: a file it cannot be loaded from safely (pickled code in
+``state.pt`` or DCP's metadata, a data file named outside it) is refused with a
+:class:`~xtrain.errors.CheckpointError` naming it, before anything of it is read or copied.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import sys
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -26,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from xtrain import compat
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import COMMIT_MARKER, check_dcp_files, remove
-from xtrain.errors import warn
+from xtrain.errors import CheckpointError, warn
 from xtrain.paths import url_to_fs
 
 # Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it each time.
@@ -150,11 +155,59 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
     fs, root = url_to_fs(str(path))
     if not fs.exists(f"{root}/{COMMIT_MARKER}"):
         raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
-    skeleton = torch.load(io.BytesIO(fs.cat_file(f"{root}/state.pt")), map_location="cpu",
-                          weights_only=True)  # a checkpoint is untrusted input
+    skeleton = _load_state(fs, root, path)
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
         tensors = _read_tensors(fs, path, staging, targets, sharded, process_group)
     return join_tensors(skeleton, tensors)
+
+
+def check_loadable(path: str) -> None:
+    """Refuse (CheckpointError) a checkpoint that :func:`read` would refuse for what its
+    ``state.pt`` or DCP metadata holds, reading only those two small files: run before a model
+    is built or data prepared, so a crafted checkpoint is turned away in seconds."""
+    fs, root = url_to_fs(str(path))
+    _load_state(fs, root, path)
+    with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging, _refusals(path):
+        _reader(fs, path, staging).read_metadata()
+
+
+def _load_state(fs, root: str, path: str):
+    """``state.pt``, loaded with ``weights_only=True``: plain data and tensors, never code."""
+    data = fs.cat_file(f"{root}/state.pt")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # untrusted input
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path}: state.pt refused ({_reason(e)}): only plain "
+                              "data and tensors are loaded from a checkpoint") from e
+
+
+def _reason(error: BaseException) -> str:
+    """An unpickling error in one line, without torch's advice to load with
+    ``weights_only=False`` (which would run the file's code)."""
+    # torch 2.9: the reason follows "WeightsUnpickler error:", its advice "Please use"
+    text = str(error).split("WeightsUnpickler error:")[-1].split(" Please use")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line
+             and not line.strip().startswith(("Weights only load failed", "Check the documentation"))]
+    return " ".join(lines)[:300] or type(error).__name__
+
+
+@contextmanager
+def _refusals(path: str):
+    """Unpickling refusals (DCP's metadata, a tensor's pickle), raised directly or wrapped by DCP
+    in a CheckpointException (a BaseException), as one CheckpointError naming ``path``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (pickle.UnpicklingError, EOFError, CheckpointError, CheckpointException) as e:
+        causes = [f[0] for f in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        refused = next((c for c in causes if isinstance(c, CheckpointError)), None)
+        if refused is not None and refused is not e:
+            raise refused from e
+        cause = next((c for c in causes if isinstance(c, (pickle.UnpicklingError, EOFError))), None)
+        if cause is None:
+            raise
+        raise CheckpointError(f"checkpoint {path}: tensors/ refused ({_reason(cause)})") from e
 
 
 class CheckedReader(compat.dcp_reader(FileSystemReader)):
@@ -246,13 +299,14 @@ def _read_tensors(fs, path: str, staging: str, targets, sharded: bool, process_g
     import torch.distributed.checkpoint as dcp
 
     reader = _reader(fs, path, staging)
-    stored = reader.read_metadata().state_dict_metadata
-    tensors = dict(targets or {})
-    for key, info in stored.items():
-        if key not in tensors and key.startswith(prefix):
-            tensors[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
-    dcp.load(tensors, storage_reader=reader, planner=_planner(sharded, "load"),
-             **_dcp_kwargs(process_group))
+    with _refusals(path):
+        stored = reader.read_metadata().state_dict_metadata
+        tensors = dict(targets or {})
+        for key, info in stored.items():
+            if key not in tensors and key.startswith(prefix):
+                tensors[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        dcp.load(tensors, storage_reader=reader, planner=_planner(sharded, "load"),
+                 **_dcp_kwargs(process_group))
     return tensors
 
 
