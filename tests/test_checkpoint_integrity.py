@@ -270,6 +270,7 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_and_the_same_command_resumes
         data.write_bytes(data.read_bytes()[:-4096])
     else:
         _flip_a_bit(data, data.stat().st_size // 2)
+    damaged = data.read_bytes()
     code, out, err = finish(xtrain(run_dir, *command))  # the same command again
     assert code == 0, err[-3000:]
     assert f"xtrain: warning: checkpoint {ckpts}/step_000020 is corrupt (tensors/{data.name} " in err
@@ -277,3 +278,8 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_and_the_same_command_resumes
     assert f"resuming from {ckpts}/step_000010" in out
     assert losses(run_dir) == first  # steps 11-20 again, the same losses
     assert_same_tensors(checkpoint_tensors(ckpts / "step_000020"), checkpoint_tensors(tmp_path / "intact_20"))
+    # the damaged one is kept for inspection, renamed aside (not deleted by the new step 20)
+    (aside,) = ckpts.glob("step_000020.corrupt-*")
+    assert (aside / "tensors" / data.name).read_bytes() == damaged
+    assert f"xtrain: warning: checkpoint {ckpts}/step_000020 (corrupt, passed over) renamed aside " \
+           f"to {aside}: kept for inspection, not deleted" in err

@@ -1,6 +1,6 @@
 """A checkpoint is untrusted input (a bucket others write to, a directory copied from elsewhere):
-no file name it holds reaches outside it, and a crafted pickle is refused in one line before
-anything is built."""
+no file name it holds reaches outside it, a crafted pickle is refused in one line before anything
+is built, and no committed checkpoint is ever deleted by a resume or a save, only renamed aside."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import finish, gcs_filesystem, xtrain
+from conftest import assert_same_tensors, checkpoint_tensors, finish, gcs_filesystem, xtrain
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
 from xtrain.checkpoint.io import check_loadable, read, read_model_weights
+from xtrain.checkpoint.layout import committed_checkpoints, set_aside, step_dirs
 from xtrain.errors import EXIT_REFUSED, CheckpointError
 from xtrain.inputs import newest_intact, resume_checkpoint
 from xtrain.paths import url_to_fs
@@ -137,11 +138,23 @@ def test_only_the_file_names_dcp_writes_pass():
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A finished tiny run (checkpoints at steps 2 and 4)."""
+    """A finished tiny run (checkpoints at steps 2 and 4), run a second time unchanged."""
     run = tmp_path_factory.mktemp("world") / "run"
     code, _, err = finish(xtrain(run, "trainer.max_steps=4", "checkpoint.every=2"))
     assert code == 0, err[-3000:]
-    return {"run": run}
+    inode = (run / "checkpoints" / "step_000004" / "state.pt").stat().st_ino
+    code, out, err = finish(xtrain(run, "trainer.max_steps=4", "checkpoint.every=2"))
+    assert code == 0 and "resuming from" in out, err[-3000:]
+    return {"run": run, "rerun_err": err, "inode": inode}
+
+
+def test_a_finished_run_run_again_leaves_its_checkpoints_as_they_are(world):
+    """Nothing is trained (Lightning skips a fit loop already at max_steps), so nothing is saved:
+    the newest checkpoint is neither written again nor renamed aside."""
+    ckpts = world["run"] / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000004"]
+    assert (ckpts / "step_000004" / "state.pt").stat().st_ino == world["inode"]
+    assert "warning" not in world["rerun_err"]
 
 
 def _tree(root: Path) -> dict:
@@ -174,3 +187,63 @@ def test_a_crafted_checkpoint_is_refused_in_one_line_before_anything_is_built(wo
     assert "MFU peak" not in out and "sampling" not in out  # built nothing: refused up front
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert seconds < 20, f"refused after {seconds:.1f} s"
+
+
+def test_resuming_behind_the_runs_own_commits_is_refused_unless_rewound(world, tmp_path):
+    """checkpoint.* overrides keep the run's name and so its directory: resuming step 2 there
+    trained on over step 4, and the save at step 4 deleted the committed one. Refused up front
+    (naming it and the ways out); with checkpoint.rewind=true the newer one is renamed aside."""
+    run = tmp_path / "run"
+    shutil.copytree(world["run"], run)
+    ckpts = run / "checkpoints"
+    before = _tree(ckpts)
+    original = checkpoint_tensors(ckpts / "step_000004")
+    resume = [f"checkpoint.resume={ckpts}/step_000002", "trainer.max_steps=6", "checkpoint.every=2"]
+    started = time.perf_counter()
+    code, out, err = finish(xtrain(run, *resume))
+    assert code == EXIT_REFUSED, err[-3000:]
+    assert err.strip() == (
+        f"xtrain: checkpoint error: checkpoint.resume={ckpts}/step_000002 is older than the "
+        f"committed checkpoints in {ckpts} (step_000004), which this run would replace as it "
+        "reached their steps: continue from the newest (without checkpoint.resume), train this "
+        "branch elsewhere (run.name=... or checkpoint.dir=...), delete them, or set "
+        "checkpoint.rewind=true (they are then renamed aside, kept)")
+    assert time.perf_counter() - started < 20 and "MFU peak" not in out
+    assert _tree(ckpts) == before
+
+    code, out, err = finish(xtrain(run, *resume, "checkpoint.rewind=true"))
+    assert code == 0, err[-3000:]
+    (aside,) = ckpts.glob("step_000004.rewound-*")
+    assert f"xtrain: warning: checkpoint {ckpts}/step_000004 (newer than the step checkpoint.rewind " \
+           f"resumes from) renamed aside to {aside}: kept for inspection, not deleted" in err
+    assert_same_tensors(checkpoint_tensors(aside), original)  # whole, as it was
+    assert [s for s, _ in committed_checkpoints(str(ckpts))] == [4, 6]  # the rewound run's own
+
+
+def test_a_save_over_a_committed_checkpoint_renames_it_aside(tmp_path, capfd):
+    """A save never deletes a commit at its step (a retried upload, a run racing another): the
+    old one is renamed aside, whole and out of discovery's sight. A torn attempt is removed."""
+    ckpt = tmp_path / "step_000003"
+    _save(str(ckpt), {"w": torch.ones(4)})
+    _save(str(ckpt), {"w": torch.full((4,), 2.0)})
+    (aside,) = tmp_path.glob("step_000003.replaced-*")
+    assert f"xtrain: warning: checkpoint {ckpt} was already committed: moved aside to {aside} " \
+           "(kept, not deleted)" in capfd.readouterr().err
+    assert read(str(aside))["state_dict"]["w"].tolist() == [1.0] * 4
+    assert read(str(ckpt))["state_dict"]["w"].tolist() == [2.0] * 4
+    assert [path for _, path, _ in step_dirs(str(tmp_path))] == [str(ckpt)]
+    (ckpt / "COMMITTED").unlink()  # torn: never committed, nothing to keep
+    _save(str(ckpt), {"w": torch.full((4,), 3.0)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", aside.name]
+
+
+def test_on_gcs_a_checkpoint_is_set_aside_whole(gcs_bucket):
+    """Object stores have no rename: a server-side copy, then the original removed."""
+    bucket, _ = gcs_bucket
+    url = f"{bucket}/ckpt/step_000003"
+    _save(url, {"w": torch.arange(6.0)})
+    aside = set_aside(url, "corrupt")
+    assert aside.startswith(f"{url}.corrupt-")
+    assert committed_checkpoints(f"{bucket}/ckpt") == []
+    assert read(aside)["state_dict"]["w"].tolist() == list(range(6))
+    assert manifest.problems(aside) == []

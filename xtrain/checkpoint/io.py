@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from xtrain import compat
 from xtrain.checkpoint import manifest
-from xtrain.checkpoint.layout import COMMIT_MARKER, check_dcp_files, remove
+from xtrain.checkpoint.layout import COMMIT_MARKER, check_dcp_files, is_committed, remove, set_aside
 from xtrain.errors import CheckpointError, warn
 from xtrain.paths import url_to_fs
 
@@ -123,7 +123,10 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
 
     fs, root = url_to_fs(path)
     if rank == 0:
-        if fs.exists(root):  # a torn attempt at this step, or a damaged or abandoned commit
+        if is_committed(path):  # never deleted: a commit is kept, moved aside (and said so)
+            warn(f"checkpoint {path} was already committed: moved aside to "
+                 f"{set_aside(path, 'replaced')} (kept, not deleted); writing this step anew")
+        elif fs.exists(root):  # a torn attempt at this step (never committed)
             remove(path)
         fs.makedirs(root, exist_ok=True)
     _barrier(process_group)

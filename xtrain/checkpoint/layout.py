@@ -1,6 +1,7 @@
 """Where checkpoints live and which ones count: step directories, the commit marker, discovery
-of committed checkpoints, retention, the file names a checkpoint may name (it is untrusted
-input), and the up-front check that a directory is writable."""
+of committed checkpoints, retention, setting a committed one aside instead of deleting it, the
+file names a checkpoint may name (it is untrusted input), and the up-front check that a
+directory is writable."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 import os
 import re
 import socket
+import time
 import uuid
 
 from xtrain.errors import CheckpointError, ConfigError
-from xtrain.paths import url_to_fs
+from xtrain.paths import as_url, is_local, url_to_fs
 
 COMMIT_MARKER = "COMMITTED"
-_STEP_DIR = re.compile(r"step_(\d+)$")
+_STEP_DIR = re.compile(r"step_(\d+)$")  # a set-aside copy (step_000020.corrupt-...) does not match
 # The data files DCP's file writer names (torch 2.9, torch/distributed/checkpoint/filesystem.py:
 # f"{prefix}{n}{DEFAULT_SUFFIX}", prefix "__<rank>_", suffix ".distcp"): a plain name in tensors/.
 DCP_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
@@ -105,6 +107,25 @@ def check_inside(checkpoint: str, names) -> None:
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def set_aside(path: str, reason: str) -> str:
+    """Move a checkpoint directory out of discovery's sight, kept whole for inspection:
+    ``step_000020`` becomes ``step_000020.<reason>-<UTC time>``; returns the new path. A rename on
+    a local disk; elsewhere (object stores have none) a server-side copy, then :func:`remove`."""
+    fs, root = url_to_fs(path)
+    stamp, n = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), 1
+    aside = f"{root.rstrip('/')}.{reason}-{stamp}"
+    while fs.exists(aside):
+        n += 1
+        aside = f"{root.rstrip('/')}.{reason}-{stamp}-{n}"
+    if is_local(path):
+        fs.mv(root, aside, recursive=True)
+    else:
+        fs.copy(root, aside, recursive=True)
+        remove(path)
+    fs.invalidate_cache()
+    return aside if is_local(path) else as_url(fs, aside)
 
 
 def check_writable(directory: str) -> None:
