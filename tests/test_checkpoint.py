@@ -251,13 +251,18 @@ def test_retention_keeps_last_k_and_every_nth():
 
 
 def test_checkpoint_loading_never_unpickles(tmp_path):
-    """A state.pt holding a pickled object is refused (weights_only), even if committed."""
+    """A state.pt holding a pickled object is refused (weights_only), even if committed, in one
+    line without torch's advice to load it with weights_only=False."""
+    from xtrain.errors import CheckpointError
+
     d = tmp_path / "step_000001"
     d.mkdir()
     torch.save({"x": argparse.Namespace(a=1)}, d / "state.pt")  # any non-tensor class
     (d / COMMIT_MARKER).write_text("")
-    with pytest.raises(Exception, match="Weights only load failed"):
+    with pytest.raises(CheckpointError, match=rf"checkpoint {d}: state.pt refused \(.*argparse"
+                       r"\.Namespace.*\): only plain data and tensors are loaded") as refused:
         FsspecCheckpointIO().load_checkpoint(str(d))
+    assert "\n" not in str(refused.value) and "weights_only" not in str(refused.value)
 
 
 def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_path, monkeypatch):

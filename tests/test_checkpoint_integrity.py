@@ -103,12 +103,13 @@ class _Payload:
 def test_a_crafted_dcp_metadata_pickle_runs_no_code_and_is_refused(tmp_path):
     """DCP unpickles tensors/.metadata with plain pickle.load (torch 2.9): xtrain reads it
     allowing only the classes DCP's metadata of tensors is made of, on every path that reads
-    a checkpoint (resume and the model's weights for sampling and the C++ evaluation)."""
+    a checkpoint (resume and the model's weights for sampling and the C++ evaluation, and the
+    check made before a model is built), and refuses it as a CheckpointError (one line, exit 2)."""
     import pickle
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from xtrain.checkpoint.io import read, read_model_weights
+    from xtrain.checkpoint.io import check_loadable, read, read_model_weights
 
     ckpt, marker = tmp_path / "step_000001", tmp_path / "code-ran"
     _save(str(ckpt), {"w": torch.ones(3)})
@@ -117,8 +118,9 @@ def test_a_crafted_dcp_metadata_pickle_runs_no_code_and_is_refused(tmp_path):
     assert read(str(ckpt))["state_dict"]["w"].tolist() == [1.0, 1.0, 1.0]  # allowed: a real one
 
     metadata_file.write_bytes(pickle.dumps(_Payload(marker)))
-    for load in (read, read_model_weights):
-        with pytest.raises(pickle.UnpicklingError, match=r"refers to posix\.system.*refused"):
+    for load in (read, read_model_weights, check_loadable):
+        with pytest.raises(CheckpointError, match=rf"checkpoint {ckpt}: tensors/ refused \(checkpoint "
+                           r"metadata refers to posix\.system.*refused"):
             load(str(ckpt))
     assert not marker.exists()
 
@@ -126,7 +128,7 @@ def test_a_crafted_dcp_metadata_pickle_runs_no_code_and_is_refused(tmp_path):
     metadata = pickle.loads(genuine)  # the file written above: trusted here
     metadata.state_dict_metadata["/state_dict/w"] = BytesStorageMetadata()
     metadata_file.write_bytes(pickle.dumps(metadata))
-    with pytest.raises(pickle.UnpicklingError, match="BytesStorageMetadata"):
+    with pytest.raises(CheckpointError, match="BytesStorageMetadata"):
         read(str(ckpt))
 
 
@@ -268,6 +270,7 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_and_the_same_command_resumes
         data.write_bytes(data.read_bytes()[:-4096])
     else:
         _flip_a_bit(data, data.stat().st_size // 2)
+    damaged = data.read_bytes()
     code, out, err = finish(xtrain(run_dir, *command))  # the same command again
     assert code == 0, err[-3000:]
     assert f"xtrain: warning: checkpoint {ckpts}/step_000020 is corrupt (tensors/{data.name} " in err
@@ -275,3 +278,8 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_and_the_same_command_resumes
     assert f"resuming from {ckpts}/step_000010" in out
     assert losses(run_dir) == first  # steps 11-20 again, the same losses
     assert_same_tensors(checkpoint_tensors(ckpts / "step_000020"), checkpoint_tensors(tmp_path / "intact_20"))
+    # the damaged one is kept for inspection, renamed aside (not deleted by the new step 20)
+    (aside,) = ckpts.glob("step_000020.corrupt-*")
+    assert (aside / "tensors" / data.name).read_bytes() == damaged
+    assert f"xtrain: warning: checkpoint {ckpts}/step_000020 (corrupt, passed over) renamed aside " \
+           f"to {aside}: kept for inspection, not deleted" in err

@@ -101,10 +101,13 @@ def dcp_reader(reader_class):
 
     class SafeReader(reader_class):
         def read_metadata(self, *args, **kwargs):
-            from torch.distributed.checkpoint.metadata import StorageMeta
+            from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
             with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
                 metadata = MetadataUnpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(f"checkpoint metadata holds a {type(metadata).__name__}, "
+                                             "not DCP's Metadata: refused")
             if getattr(metadata, "storage_meta", None) is None:  # as DCP's own read_metadata
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

@@ -57,14 +57,15 @@ def check_compatible(path: str, gpt: GPTConfig) -> None:
 
 
 def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_name: str | None = None,
-                      early: bool = False) -> str | None:
+                      early: bool = False, rewind: bool = False) -> str | None:
     """The checkpoint a run starts from: ``checkpoint.resume`` (which must be one committed
-    checkpoint whose files match its manifest), else the newest such one in ``ckpt_dir`` (newer
-    corrupt ones warned about and passed over), else None; checked against the configured model.
-    Each checkpoint's checksums are read once: by the ``early`` call (:func:`check_inputs`) for
-    ``checkpoint.resume``, so a bad one is refused before any work; by the run's call for the
-    newest one (the early call checks that one's model unverified, and leaves one whose
-    meta.json is unreadable to the run's call)."""
+    checkpoint whose files match its manifest, and, unless ``rewind``, not older than a commit in
+    ``ckpt_dir``), else the newest such one in ``ckpt_dir`` (newer corrupt ones warned about and
+    passed over), else None; checked against the configured model. Each checkpoint's checksums
+    are read once: by the ``early`` call (:func:`check_inputs`) for ``checkpoint.resume``, so a
+    bad one is refused before any work (and one that cannot be loaded safely, which imports
+    torch); by the run's call for the newest one (the early call checks that one's model
+    unverified, and leaves one whose meta.json is unreadable to the run's call)."""
     if resume:
         check_named_checkpoint(resume, verify=early)
     if resume or not early:
@@ -78,6 +79,12 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
             check_compatible(found, gpt)
             if not resume:
                 check_same_run(found, run_name)
+            elif not rewind:
+                check_not_behind(resume, ckpt_dir)
+        if resume and early:
+            from xtrain.checkpoint.io import check_loadable
+
+            check_loadable(resume)
         return found
     found = latest_checkpoint(ckpt_dir)  # unverified: the run's call verifies it
     try:
@@ -107,6 +114,27 @@ def check_same_run(path: str, run_name: str | None) -> None:
             f"checkpoint.resume={path} with a checkpoint.dir of this run's own")
 
 
+def newer_commits(path: str, directory: str) -> list[str]:
+    """The committed checkpoints in ``directory`` past the step of the checkpoint at ``path``."""
+    step = int(read_meta(path).get("step") or 0)
+    return [p for s, p in committed_checkpoints(directory) if s > step]
+
+
+def check_not_behind(resume: str, ckpt_dir: str) -> None:
+    """Refuse to resume from an older step than the checkpoints this run would write over: each
+    would be replaced as training reached its step (``checkpoint.*`` overrides keep the run's
+    name, so its directory)."""
+    newer = newer_commits(resume, ckpt_dir)
+    if newer:
+        names = ", ".join(p.rstrip("/").rsplit("/", 1)[-1] for p in newer)
+        raise CheckpointError(
+            f"checkpoint.resume={resume} is older than the committed checkpoints in {ckpt_dir} "
+            f"({names}), which this run would replace as it reached their steps: continue from the "
+            "newest (without checkpoint.resume), train this branch elsewhere (run.name=... or "
+            "checkpoint.dir=...), delete them, or set checkpoint.rewind=true (they are then "
+            "renamed aside, kept)")
+
+
 def check_named_checkpoint(resume: str, verify: bool = True) -> None:
     """Refuse a ``checkpoint.resume`` that is not one committed checkpoint or, with ``verify``,
     whose files no longer match its manifest."""
@@ -127,7 +155,8 @@ def check_named_checkpoint(resume: str, verify: bool = True) -> None:
 def newest_intact(directory: str) -> str | None:
     """The newest committed checkpoint in ``directory`` whose files still match its manifest. A
     newer committed one that does not (truncated, altered: the storage broke after the commit) is
-    named in a warning and passed over, left in place for inspection."""
+    named in a warning and passed over; a training run then renames it aside, kept for inspection
+    (xtrain/train/run.py, resume_point)."""
     for _, path in reversed(committed_checkpoints(directory)):
         found = manifest.problems(path)
         if not found:
@@ -225,6 +254,7 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
 
 
 def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str) -> None:
-    resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, cfg.run.name, early=True)
+    resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, cfg.run.name, early=True,
+                      rewind=cfg.checkpoint.rewind)
     check_writable(ckpt_dir)
     check_data(cfg.data)

@@ -76,18 +76,23 @@ def show_plan(cfg, plan: RunPlan) -> None:
 def checkpoint_to_read(cfg, run_dir: str) -> str:
     """``checkpoint.resume``, else the newest committed checkpoint of the run whose files match
     its manifest (a damaged newer one is warned about and passed over); refused (with the path)
-    when there is none, or the one named is not committed or damaged."""
+    when there is none, the one named is not committed or damaged, or either cannot be loaded
+    safely (xtrain/checkpoint/io.py, check_loadable)."""
     from xtrain.errors import InputError
     from xtrain.inputs import check_named_checkpoint, newest_intact
 
+    from xtrain.checkpoint.io import check_loadable
+
     if cfg.checkpoint.resume:
         check_named_checkpoint(cfg.checkpoint.resume)
-        return cfg.checkpoint.resume
-    directory = cfg.checkpoint.dir or f"{run_dir.rstrip('/')}/checkpoints"
-    path = newest_intact(directory)
-    if path is None:
-        raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} (train "
-                         "this run first, or set checkpoint.resume=PATH)")
+        path = cfg.checkpoint.resume
+    else:
+        directory = cfg.checkpoint.dir or f"{run_dir.rstrip('/')}/checkpoints"
+        path = newest_intact(directory)
+        if path is None:
+            raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} "
+                             "(train this run first, or set checkpoint.resume=PATH)")
+    check_loadable(path)  # before the tokenizer, the data or the model
     return path
 
 

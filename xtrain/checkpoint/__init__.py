@@ -12,7 +12,11 @@ whose files no longer match (truncated, altered) is found before loading. Object
 stores have no atomic directory rename, so the marker (as Orbax's ``commit_success.txt``) is the
 commit on every filesystem. Loading is a trust boundary: ``torch.load(weights_only=True)``, DCP
 tensor data, DCP's pickled ``.metadata`` unpickled with only its own classes allowed
-(xtrain/compat.py, dcp_reader), and JSON; nothing that can run code.
+(xtrain/compat.py, dcp_reader), and JSON; nothing that can run code. No name a checkpoint holds
+reaches outside it: the data files DCP's metadata names must be plain DCP file names, the
+manifest's entries paths inside the checkpoint (:mod:`.layout`); anything else is refused
+(CheckpointError) before a file is read or downloaded. Only retention deletes a committed
+checkpoint: one in the way (corrupt, rewound past, or at the step being saved) is renamed aside.
 
 Modules: :mod:`.layout` (paths, discovery, retention), :mod:`.io` (one save or load of one
 checkpoint), :mod:`.manifest` (sizes and checksums: record, verify), :mod:`.async_io`

@@ -7,6 +7,10 @@ only what its devices hold (torch_xla's SPMD planners); ``process_group`` spans 
 on one host). The first host (``rank`` 0) writes ``state.pt``, ``meta.json`` and, once DCP
 reports every host done, the marker. On remote storage each host copies only the DCP files that
 hold what it loads, plus DCP's metadata (:class:`StagingReader`).
+
+A checkpoint is untrusted input: a file it cannot be loaded from safely (pickled code in
+``state.pt`` or DCP's metadata, a data file named outside it) is refused with a
+:class:`~xtrain.errors.CheckpointError` naming it, before anything of it is read or copied.
 """
 
 from __future__ import annotations
@@ -14,18 +18,20 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import sys
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from xtrain import compat
 from xtrain.checkpoint import manifest
-from xtrain.checkpoint.layout import COMMIT_MARKER, remove
-from xtrain.errors import warn
+from xtrain.checkpoint.layout import COMMIT_MARKER, check_dcp_files, is_committed, remove, set_aside
+from xtrain.errors import CheckpointError, warn
 from xtrain.paths import url_to_fs
 
 # Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it each time.
@@ -117,7 +123,10 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
 
     fs, root = url_to_fs(path)
     if rank == 0:
-        if fs.exists(root):  # a torn attempt at this step, or a damaged or abandoned commit
+        if is_committed(path):  # never deleted: a commit is kept, moved aside (and said so)
+            warn(f"checkpoint {path} was already committed: moved aside to "
+                 f"{set_aside(path, 'replaced')} (kept, not deleted); writing this step anew")
+        elif fs.exists(root):  # a torn attempt at this step (never committed)
             remove(path)
         fs.makedirs(root, exist_ok=True)
     _barrier(process_group)
@@ -149,17 +158,80 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
     fs, root = url_to_fs(str(path))
     if not fs.exists(f"{root}/{COMMIT_MARKER}"):
         raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
-    skeleton = torch.load(io.BytesIO(fs.cat_file(f"{root}/state.pt")), map_location="cpu",
-                          weights_only=True)  # a checkpoint is untrusted input
+    skeleton = _load_state(fs, root, path)
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
-        tensors = _read_tensors(fs, f"{root}/tensors", staging, targets, sharded, process_group)
+        tensors = _read_tensors(fs, path, staging, targets, sharded, process_group)
     return join_tensors(skeleton, tensors)
 
 
-SafeFileSystemReader = compat.dcp_reader(FileSystemReader)  # DCP's metadata unpickled restricted
+def check_loadable(path: str) -> None:
+    """Refuse (CheckpointError) a checkpoint that :func:`read` would refuse for what its
+    ``state.pt`` or DCP metadata holds, reading only those two small files: run before a model
+    is built or data prepared, so a crafted checkpoint is turned away in seconds."""
+    fs, root = url_to_fs(str(path))
+    _load_state(fs, root, path)
+    with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging, _refusals(path):
+        _reader(fs, path, staging).read_metadata()
 
 
-class StagingReader(SafeFileSystemReader):
+def _load_state(fs, root: str, path: str):
+    """``state.pt``, loaded with ``weights_only=True``: plain data and tensors, never code."""
+    data = fs.cat_file(f"{root}/state.pt")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # untrusted input
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path}: state.pt refused ({_reason(e)}): only plain "
+                              "data and tensors are loaded from a checkpoint") from e
+
+
+def _reason(error: BaseException) -> str:
+    """An unpickling error in one line, without torch's advice to load with
+    ``weights_only=False`` (which would run the file's code)."""
+    # torch 2.9: the reason follows "WeightsUnpickler error:", its advice "Please use"
+    text = str(error).split("WeightsUnpickler error:")[-1].split(" Please use")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line
+             and not line.strip().startswith(("Weights only load failed", "Check the documentation"))]
+    return " ".join(lines)[:300] or type(error).__name__
+
+
+@contextmanager
+def _refusals(path: str):
+    """Unpickling refusals (DCP's metadata, a tensor's pickle), raised directly or wrapped by DCP
+    in a CheckpointException (a BaseException), as one CheckpointError naming ``path``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (pickle.UnpicklingError, EOFError, CheckpointError, CheckpointException) as e:
+        causes = [f[0] for f in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        refused = next((c for c in causes if isinstance(c, CheckpointError)), None)
+        if refused is not None and refused is not e:
+            raise refused from e
+        cause = next((c for c in causes if isinstance(c, (pickle.UnpicklingError, EOFError))), None)
+        if cause is None:
+            raise
+        raise CheckpointError(f"checkpoint {path}: tensors/ refused ({_reason(cause)})") from e
+
+
+class CheckedReader(compat.dcp_reader(FileSystemReader)):
+    """DCP's file reader, its metadata unpickled with only DCP's own classes allowed
+    (xtrain/compat.py, dcp_reader), and every data file that metadata names checked to be one
+    DCP writes (xtrain/checkpoint/layout.py, check_dcp_files), on every read of it (DCP reads it
+    again inside ``dcp.load``). ``checkpoint`` names the checkpoint in a refusal."""
+
+    def __init__(self, path: str, checkpoint: str | None = None):
+        super().__init__(path)
+        self.checkpoint = checkpoint or str(path)
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = super().read_metadata(*args, **kwargs)
+        storage = metadata.storage_data
+        check_dcp_files(self.checkpoint, [getattr(info, "relative_path", info) for info in
+                                          storage.values()] if isinstance(storage, dict) else [storage])
+        return metadata
+
+
+class StagingReader(CheckedReader):
     """DCP's file reader over a local copy of a remote DCP directory, made on demand: DCP's
     metadata first, then only the files that hold what this process's load plan reads (on a pod,
     a host's own shards), never every host's files.
@@ -168,8 +240,8 @@ class StagingReader(SafeFileSystemReader):
     reads here (fsspec 2026.9, gcsfs 2026.10, GCS emulator); whole-file copies do not.
     """
 
-    def __init__(self, fs, remote_dir: str, staging: str):
-        super().__init__(staging)
+    def __init__(self, fs, remote_dir: str, staging: str, checkpoint: str | None = None):
+        super().__init__(staging, checkpoint or remote_dir)
         self.remote_fs, self.remote_dir, self.staging = fs, remote_dir.rstrip("/"), staging
         self.copied: list[str] = []  # file names, in the order they were copied
         self._where: dict = {}
@@ -189,6 +261,7 @@ class StagingReader(SafeFileSystemReader):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_data(self, plan, planner):
+        # names checked as the metadata was read: plain file names, staged inside ``staging``
         for name in sorted({self._where[item.storage_index].relative_path for item in plan.items}):
             self._copy(name)
         return super().read_data(plan, planner)
@@ -201,7 +274,7 @@ def read_tensors(path: str, prefix: str) -> dict:
     if not fs.exists(f"{root}/{COMMIT_MARKER}"):
         raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
-        return _read_tensors(fs, f"{root}/tensors", staging, None, False, None, prefix)
+        return _read_tensors(fs, path, staging, None, False, None, prefix)
 
 
 MODEL_PREFIX = "/state_dict/model."  # where the model's weights sit in a saved state
@@ -213,20 +286,30 @@ def read_model_weights(path: str) -> dict:
     return {k[len(MODEL_PREFIX):]: v for k, v in read_tensors(path, MODEL_PREFIX).items()}
 
 
-def _read_tensors(fs, directory: str, staging: str, targets, sharded: bool, process_group,
-                  prefix: str = "") -> dict:
-    import torch.distributed.checkpoint as dcp
+def _reader(fs, path: str, staging: str) -> CheckedReader:
+    """The reader of the checkpoint at ``path``'s tensors/: in place on a local disk, else
+    through copies in ``staging``."""
     from fsspec.implementations.local import LocalFileSystem
 
-    local = isinstance(fs, LocalFileSystem)
-    reader = SafeFileSystemReader(directory) if local else StagingReader(fs, directory, staging)
-    stored = reader.read_metadata().state_dict_metadata
-    tensors = dict(targets or {})
-    for key, info in stored.items():
-        if key not in tensors and key.startswith(prefix):
-            tensors[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
-    dcp.load(tensors, storage_reader=reader, planner=_planner(sharded, "load"),
-             **_dcp_kwargs(process_group))
+    directory = f"{url_to_fs(str(path))[1]}/tensors"
+    if isinstance(fs, LocalFileSystem):
+        return CheckedReader(directory, str(path))
+    return StagingReader(fs, directory, staging, str(path))
+
+
+def _read_tensors(fs, path: str, staging: str, targets, sharded: bool, process_group,
+                  prefix: str = "") -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    reader = _reader(fs, path, staging)
+    with _refusals(path):
+        stored = reader.read_metadata().state_dict_metadata
+        tensors = dict(targets or {})
+        for key, info in stored.items():
+            if key not in tensors and key.startswith(prefix):
+                tensors[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        dcp.load(tensors, storage_reader=reader, planner=_planner(sharded, "load"),
+                 **_dcp_kwargs(process_group))
     return tensors
 
 

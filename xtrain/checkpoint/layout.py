@@ -1,5 +1,7 @@
 """Where checkpoints live and which ones count: step directories, the commit marker, discovery
-of committed checkpoints, retention, and the up-front check that a directory is writable."""
+of committed checkpoints, retention, setting a committed one aside instead of deleting it, the
+file names a checkpoint may name (it is untrusted input), and the up-front check that a
+directory is writable."""
 
 from __future__ import annotations
 
@@ -7,13 +9,17 @@ import json
 import os
 import re
 import socket
+import time
 import uuid
 
-from xtrain.errors import ConfigError
-from xtrain.paths import url_to_fs
+from xtrain.errors import CheckpointError, ConfigError
+from xtrain.paths import as_url, is_local, url_to_fs
 
 COMMIT_MARKER = "COMMITTED"
-_STEP_DIR = re.compile(r"step_(\d+)$")
+_STEP_DIR = re.compile(r"step_(\d+)$")  # a set-aside copy (step_000020.corrupt-...) does not match
+# The data files DCP's file writer names (torch 2.9, torch/distributed/checkpoint/filesystem.py:
+# f"{prefix}{n}{DEFAULT_SUFFIX}", prefix "__<rank>_", suffix ".distcp"): a plain name in tensors/.
+DCP_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
 
 
 def step_dir(directory: str, step: int) -> str:
@@ -73,6 +79,53 @@ def remove(path: str) -> None:
     if fs.exists(f"{root}/{COMMIT_MARKER}"):
         fs.rm(f"{root}/{COMMIT_MARKER}")
     fs.rm(root, recursive=True)
+
+
+def check_dcp_files(checkpoint: str, names) -> None:
+    """Refuse DCP metadata naming a data file DCP does not write: its ``relative_path`` is joined
+    to the directory read from (and, on remote storage, to the local staging directory written
+    to), so ``../../x`` or an absolute path would read or write outside the checkpoint."""
+    for name in names:
+        if not (isinstance(name, str) and DCP_DATA_FILE.fullmatch(name)):
+            raise CheckpointError(
+                f"checkpoint {checkpoint}: tensors/.metadata names the data file {_shown(name)}, "
+                "not one DCP writes (__<rank>_<n>.distcp): refused before reading any (a "
+                "checkpoint is untrusted input)")
+
+
+def check_inside(checkpoint: str, names) -> None:
+    """Refuse manifest entries that are not relative paths inside the checkpoint directory (an
+    absolute path, ``..``, an empty part): verifying would read whatever they point at."""
+    for name in names:
+        parts = name.split("/") if isinstance(name, str) else [""]
+        if any(p in ("", ".", "..") for p in parts) or "\\" in name or "\0" in name:
+            raise CheckpointError(
+                f"checkpoint {checkpoint}: manifest.json lists {_shown(name)}, not a path inside "
+                "the checkpoint: refused before reading any (a checkpoint is untrusted input)")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def set_aside(path: str, reason: str) -> str:
+    """Move a checkpoint directory out of discovery's sight, kept whole for inspection:
+    ``step_000020`` becomes ``step_000020.<reason>-<UTC time>``; returns the new path. A rename on
+    a local disk; elsewhere (object stores have none) a server-side copy, then :func:`remove`."""
+    fs, root = url_to_fs(path)
+    stamp, n = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), 1
+    aside = f"{root.rstrip('/')}.{reason}-{stamp}"
+    while fs.exists(aside):
+        n += 1
+        aside = f"{root.rstrip('/')}.{reason}-{stamp}-{n}"
+    if is_local(path):
+        fs.mv(root, aside, recursive=True)
+    else:
+        fs.copy(root, aside, recursive=True)
+        remove(path)
+    fs.invalidate_cache()
+    return aside if is_local(path) else as_url(fs, aside)
 
 
 def check_writable(directory: str) -> None:

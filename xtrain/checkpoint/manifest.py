@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 
+from xtrain.checkpoint.layout import check_inside
 from xtrain.paths import url_to_fs
 
 MANIFEST = "manifest.json"
@@ -63,15 +64,19 @@ def write(fs, root: str, entries: dict) -> None:
 
 def problems(path: str) -> list[str]:
     """How the checkpoint at ``path`` differs from its manifest (empty: intact). One without a
-    manifest cannot be verified and counts as damaged (every commit writes one first)."""
+    manifest cannot be verified and counts as damaged (every commit writes one first). A
+    manifest naming a file outside the checkpoint is refused (CheckpointError), nothing read."""
     fs, root = url_to_fs(path)
     fs.invalidate_cache()  # gcsfs caches object metadata: a stale size would hide a truncation
     if not fs.exists(f"{root}/{MANIFEST}"):
         return [f"{MANIFEST} missing"]
     try:
         recorded = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))["files"]
-    except (ValueError, KeyError, TypeError) as e:
+        if not all(isinstance(w, dict) and isinstance(w.get("size"), int) for w in recorded.values()):
+            raise TypeError("an entry without a size")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         return [f"{MANIFEST} unreadable ({type(e).__name__}: {e})"]
+    check_inside(path, recorded)
     found = []
     for rel, want in sorted(recorded.items()):
         if not fs.exists(f"{root}/{rel}"):

@@ -245,6 +245,9 @@ class CheckpointConfig:
     # also keep every checkpoint whose step is a multiple of this; 0: none; 1: all
     keep_every: int = limits(0, ge=0)
     resume: str | None = None  # explicit checkpoint dir to start from; None: newest in `dir`
+    # resume from an older step than `dir` holds: its newer commits are renamed aside (kept), not
+    # refused (the default: training on would replace them as it reached their steps)
+    rewind: bool = False
     # upload attempts after a storage error (backoff 1, 2, 4, ... s); then warn
     retries: int = limits(5, ge=0)
 

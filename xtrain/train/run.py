@@ -174,14 +174,17 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
                  engine: Engine) -> tuple[str | None, int]:
     """The checkpoint to start from (``checkpoint.resume``, else the newest intact committed one,
     as process 0 sees it: every process must resume from the same step) and its step (0 for a
-    fresh run). One trained with another tokenizer is refused: its token ids mean other text."""
+    fresh run). One trained with another tokenizer is refused: its token ids mean other text.
+    Commits in ``ckpt_dir`` past that step (corrupt ones passed over, or those a
+    ``checkpoint.rewind`` goes back from) are renamed aside by process 0, never deleted."""
     from xtrain.checkpoint.layout import read_meta
     from xtrain.errors import CheckpointError
     from xtrain.inputs import resume_checkpoint
+    from xtrain.train.checkpointing import set_aside_newer
 
     primary = engine.processes.primary
     resume_from = engine.processes.broadcast(
-        resume_checkpoint(ckpt.resume, ckpt_dir, gpt, run_name) if primary else None)
+        resume_checkpoint(ckpt.resume, ckpt_dir, gpt, run_name, rewind=ckpt.rewind) if primary else None)
     if not resume_from:
         return None, 0
     meta = read_meta(resume_from)
@@ -194,6 +197,7 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
             "(run.name=...)")
     if primary:
         log.info("resuming from %s", resume_from)
+        set_aside_newer(resume_from, ckpt_dir, "rewound" if ckpt.resume else "corrupt")
     return resume_from, int(meta.get("step") or 0)
 
 

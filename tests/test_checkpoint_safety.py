@@ -1,0 +1,249 @@
+"""A checkpoint is untrusted input (a bucket others write to, a directory copied from elsewhere):
+no file name it holds reaches outside it, a crafted pickle is refused in one line before anything
+is built, and no committed checkpoint is ever deleted by a resume or a save, only renamed aside."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_same_tensors, checkpoint_tensors, finish, gcs_filesystem, xtrain
+from xtrain.checkpoint import manifest
+from xtrain.checkpoint.async_io import FsspecCheckpointIO
+from xtrain.checkpoint.io import check_loadable, read, read_model_weights
+from xtrain.checkpoint.layout import committed_checkpoints, set_aside, step_dirs
+from xtrain.errors import EXIT_REFUSED, CheckpointError
+from xtrain.inputs import newest_intact, resume_checkpoint
+from xtrain.paths import url_to_fs
+
+
+def _save(path: str, tensors: dict, step: int = 3) -> None:
+    io = FsspecCheckpointIO(retries=0)
+    io.save_checkpoint({"state_dict": tensors, "global_step": step}, path)
+    assert io.wait() is not None
+
+
+def _reseal(path: str) -> None:
+    """Record the files as they are now in manifest.json, as whoever crafted them would."""
+    fs, root = url_to_fs(path)
+    recorded = json.loads(fs.cat_file(f"{root}/{manifest.MANIFEST}"))["files"]
+    manifest.write(fs, root, manifest.describe(fs, root, list(recorded)))
+
+
+def _point_metadata_at(path: str, name: str) -> None:
+    """Every storage item of the checkpoint's DCP metadata names the data file ``name``."""
+    fs, root = url_to_fs(path)
+    metadata = pickle.loads(fs.cat_file(f"{root}/tensors/.metadata"))  # written by this test: trusted
+    for info in metadata.storage_data.values():
+        info.relative_path = name
+    fs.pipe_file(f"{root}/tensors/.metadata", pickle.dumps(metadata))
+    _reseal(path)
+
+
+class _Payload:
+    """Unpickling this runs ``touch <marker>``: what a crafted checkpoint would carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+LOADS = (read, read_model_weights, check_loadable)  # resume, sampling/C++ eval, the early check
+
+
+@pytest.mark.parametrize("kind", ["relative", "absolute", "nested"])
+def test_dcp_metadata_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, kind):
+    """DCP joins each item's relative_path to the directory it reads: without the check a local
+    load returned the tensors of any file the path named (here another checkpoint's)."""
+    ckpt, other = tmp_path / "run" / "step_000003", tmp_path / "other" / "step_000003"
+    _save(str(ckpt), {"w": torch.ones(4)})
+    _save(str(other), {"w": torch.full((4,), 7.0)})
+    (target,) = (other / "tensors").glob("*.distcp")
+    name = {"relative": os.path.relpath(target, ckpt / "tensors"), "absolute": str(target),
+            "nested": f"sub/{target.name}"}[kind]
+    _point_metadata_at(str(ckpt), name)
+    for load in LOADS:
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"checkpoint {ckpt}: tensors/.metadata names the data file '{name}', not one DCP writes")):
+            load(str(ckpt))
+
+
+def test_through_gcs_a_traversal_name_is_refused_before_any_download(tmp_path, gcs_bucket, monkeypatch):
+    """On remote storage each data file is downloaded into a local staging directory under its
+    metadata name: ``../../x`` wrote any file the user can write (the reviewer's proof of concept,
+    through the emulator). Only DCP's own metadata file is fetched before the refusal."""
+    bucket, _ = gcs_bucket
+    url = f"{bucket}/evil/step_000003"
+    _save(url, {"w": torch.ones(4)})
+    fs = gcs_filesystem(bucket)
+    data = fs.cat_file(f"{url}/tensors/__0_0.distcp")
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # staging: tmp/xtrain-ckpt-*/
+    name, planted = "../../pwned", tmp_path / "pwned"
+    fs.pipe_file(f"{url}/tensors/{name}", data)  # what the crafted checkpoint serves there
+    _point_metadata_at(url, name)
+    fetched = []
+    real_get = fs.get_file  # an instance attribute (fsspec's sync wrapper); xtrain's instance too
+    monkeypatch.setattr(fs, "get_file", lambda rpath, lpath, **kw: fetched.append(rpath) or real_get(rpath, lpath, **kw))
+    for load in LOADS:
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"checkpoint {url}: tensors/.metadata names the data file '{name}', not one DCP writes")):
+            load(url)
+    assert not planted.exists()
+    assert fetched and all(p.endswith("/tensors/.metadata") for p in fetched)
+
+
+@pytest.mark.parametrize("entry", ["../step_000001/state.pt", "/etc/hostname", "tensors/../../x",
+                                   "tensors//.metadata", "../../dev/zero"])
+def test_a_manifest_entry_outside_the_checkpoint_is_refused_unread(tmp_path, monkeypatch, entry):
+    """Verifying a checkpoint reads every file its manifest lists: ``../../dev/zero`` read forever,
+    any other name read a file outside the checkpoint. Refused, naming both, before any read."""
+    run = tmp_path / "run"
+    _save(str(run / "step_000001"), {"w": torch.ones(4)})
+    ckpt = run / "step_000002"
+    _save(str(ckpt), {"w": torch.ones(4)})
+    recorded = json.loads((ckpt / manifest.MANIFEST).read_text())
+    recorded["files"][entry] = {"size": 5, "crc32c": "AAAAAA=="}
+    (ckpt / manifest.MANIFEST).write_text(json.dumps(recorded))
+    monkeypatch.setattr(manifest, "describe", lambda *a: pytest.fail("a file was read"))
+    refusal = re.escape(f"checkpoint {ckpt}: manifest.json lists '{entry}', not a path inside the checkpoint")
+    with pytest.raises(CheckpointError, match=refusal):
+        manifest.problems(str(ckpt))
+    with pytest.raises(CheckpointError, match=refusal):
+        resume_checkpoint(str(ckpt), str(tmp_path / "new"), gpt=None, early=True)
+    with pytest.raises(CheckpointError, match=refusal):  # the run's own newest: not passed over
+        newest_intact(str(run))
+
+
+def test_only_the_file_names_dcp_writes_pass():
+    """The names DCP's writer gives (one file per process here; torch 2.9) pass the check."""
+    from xtrain.checkpoint.layout import check_dcp_files
+
+    check_dcp_files("ckpt", ["__0_0.distcp", "__15_3.distcp"])
+    for bad in ("__0_0.distcp/", ".metadata", "x__0_0.distcp", "__0_0.distcp\n", None):
+        with pytest.raises(CheckpointError):
+            check_dcp_files("ckpt", [bad])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A finished tiny run (checkpoints at steps 2 and 4), run a second time unchanged."""
+    run = tmp_path_factory.mktemp("world") / "run"
+    code, _, err = finish(xtrain(run, "trainer.max_steps=4", "checkpoint.every=2"))
+    assert code == 0, err[-3000:]
+    inode = (run / "checkpoints" / "step_000004" / "state.pt").stat().st_ino
+    code, out, err = finish(xtrain(run, "trainer.max_steps=4", "checkpoint.every=2"))
+    assert code == 0 and "resuming from" in out, err[-3000:]
+    return {"run": run, "rerun_err": err, "inode": inode}
+
+
+def test_a_finished_run_run_again_leaves_its_checkpoints_as_they_are(world):
+    """Nothing is trained (Lightning skips a fit loop already at max_steps), so nothing is saved:
+    the newest checkpoint is neither written again nor renamed aside."""
+    ckpts = world["run"] / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000004"]
+    assert (ckpts / "step_000004" / "state.pt").stat().st_ino == world["inode"]
+    assert "warning" not in world["rerun_err"]
+
+
+def _tree(root: Path) -> dict:
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("mode, crafted", [("train", ".metadata"), ("train", "state.pt"),
+                                           ("sample", ".metadata"), ("sample", "state.pt")])
+def test_a_crafted_checkpoint_is_refused_in_one_line_before_anything_is_built(world, tmp_path, mode, crafted):
+    """Pickled code in DCP's metadata or in state.pt, its manifest made to match: exit 2, one line
+    naming the checkpoint, no code run, no model built, nothing written."""
+    ckpt, marker = tmp_path / "crafted" / "step_000004", tmp_path / "code-ran"
+    shutil.copytree(world["run"] / "checkpoints" / "step_000004", ckpt)
+    if crafted == ".metadata":
+        (ckpt / "tensors" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    else:
+        torch.save({"global_step": 4, "x": _Payload(marker)}, ckpt / "state.pt")
+    _reseal(str(ckpt))
+    before = _tree(tmp_path / "crafted")
+    started = time.perf_counter()
+    code, out, err = finish(xtrain(tmp_path / "run", f"mode={mode}", "trainer.max_steps=6",
+                                   f"checkpoint.resume={ckpt}"))
+    seconds = time.perf_counter() - started
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == EXIT_REFUSED, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"xtrain: checkpoint error: checkpoint {ckpt}: "
+                                                   f"{'tensors/' if crafted == '.metadata' else 'state.pt'} refused (")
+    assert "posix.system" in lines[0] and "weights_only" not in lines[0]
+    assert not marker.exists() and _tree(tmp_path / "crafted") == before
+    assert "MFU peak" not in out and "sampling" not in out  # built nothing: refused up front
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert seconds < 20, f"refused after {seconds:.1f} s"
+
+
+def test_resuming_behind_the_runs_own_commits_is_refused_unless_rewound(world, tmp_path):
+    """checkpoint.* overrides keep the run's name and so its directory: resuming step 2 there
+    trained on over step 4, and the save at step 4 deleted the committed one. Refused up front
+    (naming it and the ways out); with checkpoint.rewind=true the newer one is renamed aside."""
+    run = tmp_path / "run"
+    shutil.copytree(world["run"], run)
+    ckpts = run / "checkpoints"
+    before = _tree(ckpts)
+    original = checkpoint_tensors(ckpts / "step_000004")
+    resume = [f"checkpoint.resume={ckpts}/step_000002", "trainer.max_steps=6", "checkpoint.every=2"]
+    started = time.perf_counter()
+    code, out, err = finish(xtrain(run, *resume))
+    assert code == EXIT_REFUSED, err[-3000:]
+    assert err.strip() == (
+        f"xtrain: checkpoint error: checkpoint.resume={ckpts}/step_000002 is older than the "
+        f"committed checkpoints in {ckpts} (step_000004), which this run would replace as it "
+        "reached their steps: continue from the newest (without checkpoint.resume), train this "
+        "branch elsewhere (run.name=... or checkpoint.dir=...), delete them, or set "
+        "checkpoint.rewind=true (they are then renamed aside, kept)")
+    assert time.perf_counter() - started < 20 and "MFU peak" not in out
+    assert _tree(ckpts) == before
+
+    code, out, err = finish(xtrain(run, *resume, "checkpoint.rewind=true"))
+    assert code == 0, err[-3000:]
+    (aside,) = ckpts.glob("step_000004.rewound-*")
+    assert f"xtrain: warning: checkpoint {ckpts}/step_000004 (newer than the step checkpoint.rewind " \
+           f"resumes from) renamed aside to {aside}: kept for inspection, not deleted" in err
+    assert_same_tensors(checkpoint_tensors(aside), original)  # whole, as it was
+    assert [s for s, _ in committed_checkpoints(str(ckpts))] == [4, 6]  # the rewound run's own
+
+
+def test_a_save_over_a_committed_checkpoint_renames_it_aside(tmp_path, capfd):
+    """A save never deletes a commit at its step (a retried upload, a run racing another): the
+    old one is renamed aside, whole and out of discovery's sight. A torn attempt is removed."""
+    ckpt = tmp_path / "step_000003"
+    _save(str(ckpt), {"w": torch.ones(4)})
+    _save(str(ckpt), {"w": torch.full((4,), 2.0)})
+    (aside,) = tmp_path.glob("step_000003.replaced-*")
+    assert f"xtrain: warning: checkpoint {ckpt} was already committed: moved aside to {aside} " \
+           "(kept, not deleted)" in capfd.readouterr().err
+    assert read(str(aside))["state_dict"]["w"].tolist() == [1.0] * 4
+    assert read(str(ckpt))["state_dict"]["w"].tolist() == [2.0] * 4
+    assert [path for _, path, _ in step_dirs(str(tmp_path))] == [str(ckpt)]
+    (ckpt / "COMMITTED").unlink()  # torn: never committed, nothing to keep
+    _save(str(ckpt), {"w": torch.full((4,), 3.0)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", aside.name]
+
+
+def test_on_gcs_a_checkpoint_is_set_aside_whole(gcs_bucket):
+    """Object stores have no rename: a server-side copy, then the original removed."""
+    bucket, _ = gcs_bucket
+    url = f"{bucket}/ckpt/step_000003"
+    _save(url, {"w": torch.arange(6.0)})
+    aside = set_aside(url, "corrupt")
+    assert aside.startswith(f"{url}.corrupt-")
+    assert committed_checkpoints(f"{bucket}/ckpt") == []
+    assert read(aside)["state_dict"]["w"].tolist() == list(range(6))
+    assert manifest.problems(aside) == []
