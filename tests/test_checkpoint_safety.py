@@ -192,7 +192,8 @@ def test_a_crafted_checkpoint_is_refused_in_one_line_before_anything_is_built(wo
 def test_resuming_behind_the_runs_own_commits_is_refused_unless_rewound(world, tmp_path):
     """checkpoint.* overrides keep the run's name and so its directory: resuming step 2 there
     trained on over step 4, and the save at step 4 deleted the committed one. Refused up front
-    (naming it and the ways out); with checkpoint.rewind=true the newer one is renamed aside."""
+    (naming it and the ways out); with checkpoint.rewind=true the newer one is renamed aside,
+    once: run again, the command continues the rewound run's own work."""
     run = tmp_path / "run"
     shutil.copytree(world["run"], run)
     ckpts = run / "checkpoints"
@@ -218,6 +219,11 @@ def test_resuming_behind_the_runs_own_commits_is_refused_unless_rewound(world, t
            f"resumes from) renamed aside to {aside}: kept for inspection, not deleted" in err
     assert_same_tensors(checkpoint_tensors(aside), original)  # whole, as it was
     assert [s for s, _ in committed_checkpoints(str(ckpts))] == [4, 6]  # the rewound run's own
+    # the same command again (a re-run after a stop) continues the rewound run's work
+    code, out, err = finish(xtrain(run, resume[0], "trainer.max_steps=8", "checkpoint.every=2",
+                                   "checkpoint.rewind=true"))
+    assert code == 0 and f"resuming from {ckpts}/step_000006" in out, err[-3000:]
+    assert len(list(ckpts.glob("step_*.rewound-*"))) == 1 and "renamed aside" not in err
 
 
 def test_a_save_over_a_committed_checkpoint_renames_it_aside(tmp_path, capfd):
@@ -247,3 +253,19 @@ def test_on_gcs_a_checkpoint_is_set_aside_whole(gcs_bucket):
     assert committed_checkpoints(f"{bucket}/ckpt") == []
     assert read(aside)["state_dict"]["w"].tolist() == list(range(6))
     assert manifest.problems(aside) == []
+
+
+def test_a_run_started_from_a_checkpoint_elsewhere_resumes_its_own_newer_work(world, tmp_path):
+    """A fine-tune (checkpoint.resume of another run's checkpoint) stopped after committing step 4
+    and run again with the same command: its own newer checkpoint wins over the starting point,
+    neither refused nor trained again from step 2 (the fleet's re-run after a preemption)."""
+    start = world["run"] / "checkpoints" / "step_000002"
+    run, args = tmp_path / "finetune", [f"checkpoint.resume={start}", "checkpoint.every=2"]
+    code, out, err = finish(xtrain(run, *args, "trainer.max_steps=4"))
+    assert code == 0 and f"resuming from {start}" in out, err[-3000:]
+    code, out, err = finish(xtrain(run, *args, "trainer.max_steps=6"))
+    assert code == 0, err[-3000:]
+    own = run / "checkpoints"
+    assert f"checkpoint.resume={start} started this run; its own checkpoints are newer" in out
+    assert f"resuming from {own}/step_000004" in out and "renamed aside" not in err
+    assert [s for s, _ in committed_checkpoints(str(own))] == [4, 6]

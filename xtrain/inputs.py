@@ -59,13 +59,16 @@ def check_compatible(path: str, gpt: GPTConfig) -> None:
 def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_name: str | None = None,
                       early: bool = False, rewind: bool = False) -> str | None:
     """The checkpoint a run starts from: ``checkpoint.resume`` (which must be one committed
-    checkpoint whose files match its manifest, and, unless ``rewind``, not older than a commit in
-    ``ckpt_dir``), else the newest such one in ``ckpt_dir`` (newer corrupt ones warned about and
+    checkpoint whose files match its manifest and, unless ``rewind``, not older than a commit in
+    ``ckpt_dir``; it gives way to commits a run started from it wrote there: the same command
+    run again continues its own work), else the newest such one in ``ckpt_dir`` (newer corrupt ones warned about and
     passed over), else None; checked against the configured model. Each checkpoint's checksums
     are read once: by the ``early`` call (:func:`check_inputs`) for ``checkpoint.resume``, so a
     bad one is refused before any work (and one that cannot be loaded safely, which imports
     torch); by the run's call for the newest one (the early call checks that one's model
     unverified, and leaves one whose meta.json is unreadable to the run's call)."""
+    if resume and continued(resume, ckpt_dir):
+        resume = None  # the same command run again (after a stop): its own newer work wins
     if resume:
         check_named_checkpoint(resume, verify=early)
     if resume or not early:
@@ -112,6 +115,21 @@ def check_same_run(path: str, run_name: str | None) -> None:
             f"{path} belongs to run {written_by}, not to this run ({run_name}): give each run its "
             "own checkpoint.dir (e.g. .../ckpt/${run.name}); to continue from it on purpose, set "
             f"checkpoint.resume={path} with a checkpoint.dir of this run's own")
+
+
+def continued(resume: str, directory: str) -> bool:
+    """Whether a commit in ``directory`` was trained by a run started from ``resume`` (its
+    meta.json's config says so): this run's own work since, which a re-run of the same command
+    continues instead of starting (or rewinding) again, also once retention has deleted
+    ``resume`` itself (a rewind's starting point in the same directory)."""
+    for _, path in reversed(committed_checkpoints(directory)):
+        try:
+            started_from = ((read_meta(path).get("config") or {}).get("checkpoint") or {}).get("resume")
+        except (OSError, TypeError, ValueError, AttributeError):
+            continue  # an unreadable meta.json: the run's own resume passes it over
+        if started_from == resume:
+            return True
+    return False
 
 
 def newer_commits(path: str, directory: str) -> list[str]:

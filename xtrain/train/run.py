@@ -196,8 +196,11 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
             "its token ids mean other text; use that run's data config, or start a new run "
             "(run.name=...)")
     if primary:
+        if ckpt.resume and resume_from != ckpt.resume:
+            log.info("checkpoint.resume=%s started this run; its own checkpoints are newer",
+                     ckpt.resume)
         log.info("resuming from %s", resume_from)
-        set_aside_newer(resume_from, ckpt_dir, "rewound" if ckpt.resume else "corrupt")
+        set_aside_newer(resume_from, ckpt_dir, "rewound" if resume_from == ckpt.resume else "corrupt")
     return resume_from, int(meta.get("step") or 0)
 
 
