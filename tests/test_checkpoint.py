@@ -278,6 +278,7 @@ def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_
     use_gcs_emulator(monkeypatch, server.url, tmp_path / "gcloud")
     fs = gcs_filesystem("gs://outage")
     fs.mkdir("outage")
+    proc = None
     try:
         # checkpoints 10 (before the outage), 20 (cut by it), 30 (a background one after it) and
         # 40; every save holds 1 s between its state and its commit (the fault-injection pause)
@@ -313,6 +314,9 @@ def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_
         assert fs.exists("outage/ckpt/step_000020/tensors/.metadata")  # the retried tensors too
         assert not (ROOT / "outage").exists()
     finally:
+        if proc and proc.poll() is None:  # a failed wait: the run would go on retrying
+            proc.kill()
+            proc.wait()
         if server.proc and server.proc.poll() is None:
             server.stop()
         gcsfs.GCSFileSystem.clear_instance_cache()
