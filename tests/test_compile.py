@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_tensors, checkpoint_tensors, read_jsonl
+from conftest import assert_same_tensors, checkpoint_tensors, compose_cfg, read_jsonl
 from test_checkpoint import finish, losses, preempt_and_resume, xtrain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,7 +224,10 @@ def test_a_fresh_machine_finds_the_compiled_step_in_the_bucket(tmp_path, gcs_buc
     pytest.importorskip("torch_xla")
     bucket, server = gcs_bucket
     env = {"STORAGE_EMULATOR_HOST": server.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-    remote = [f"compile_cache.dir={bucket}/xla_cache"]
+    # each machine has its own (empty) cache; the corpus is the session's, built once, not
+    # again per machine: what is on trial is only the compile cache
+    corpus = f"data.build_dir={compose_cfg(XLA_RUN).data.build_dir}"
+    remote = [f"compile_cache.dir={bucket}/xla_cache", corpus]
     first, out = _xla_run(tmp_path, "first", [*XLA_RUN, *remote],
                           {**env, "XTRAIN_CACHE": str(tmp_path / "vm1")})
     pushed = [int(n) for n in re.findall(r"(\d+) new entries pushed to gs://xtrain-test/xla_cache", out)]

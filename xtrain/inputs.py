@@ -42,13 +42,22 @@ def check_host(hw) -> None:
             f"{found}: pick the profile of this VM")
 
 
-def check_compatible(path: str, gpt: GPTConfig) -> None:
-    """Refuse a checkpoint whose model differs in shape from the configured one."""
+def saved_meta(path: str) -> dict:
+    """A checkpoint's meta.json, read once for the checks below; refused when unreadable."""
+    try:
+        return read_meta(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
+
+
+def check_compatible(path: str, gpt: GPTConfig, meta: dict) -> None:
+    """Refuse a checkpoint whose model (in its ``meta``, see :func:`saved_meta`) differs in
+    shape from the configured one."""
     from omegaconf import OmegaConf
 
     try:
-        saved_model = OmegaConf.create(read_meta(path)["config"]["model"])
-    except (OSError, KeyError, ValueError) as e:
+        saved_model = OmegaConf.create(meta["config"]["model"])
+    except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
     diff = gpt.differences(GPTConfig.from_model(saved_model))
     if diff:
@@ -79,9 +88,10 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
                 "starting over them (a new run would overwrite them step by step); move them "
                 "away, or set checkpoint.resume=PATH")
         if found:
-            check_compatible(found, gpt)
+            meta = saved_meta(found)
+            check_compatible(found, gpt, meta)
             if not resume:
-                check_same_run(found, run_name)
+                check_same_run(found, run_name, meta)
             elif not rewind:
                 check_not_behind(resume, ckpt_dir)
         if resume and early:
@@ -92,23 +102,25 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
     found = latest_checkpoint(ckpt_dir)  # unverified: the run's call verifies it
     try:
         if found:
-            check_compatible(found, gpt)
-            check_same_run(found, run_name)
+            meta = saved_meta(found)
+            check_compatible(found, gpt, meta)
+            check_same_run(found, run_name, meta)
     except CheckpointError:
         return None  # a damaged meta.json: the run's call passes this one over, with a warning
     return found
 
 
-def check_same_run(path: str, run_name: str | None) -> None:
+def check_same_run(path: str, run_name: str | None, meta: dict) -> None:
     """A run continues on its own only from its own checkpoints: refuse one another run wrote
     (a checkpoint.dir shared by runs or sweep jobs; the name keeps out what does not change the
     training, e.g. trainer.max_steps, so extending a run still resumes it). Retention would
-    otherwise delete that run's checkpoints too. A checkpoint that names no run passes."""
+    otherwise delete that run's checkpoints too. A checkpoint that names no run (in its
+    ``meta``) passes."""
     if run_name is None:
         return
     try:
-        written_by = (read_meta(path).get("config") or {}).get("run", {}).get("name")
-    except (OSError, TypeError, ValueError, AttributeError) as e:
+        written_by = (meta.get("config") or {}).get("run", {}).get("name")
+    except (TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
     if written_by is not None and written_by != run_name:
         raise ConfigError(

@@ -314,8 +314,9 @@ def _read_tensors(fs, path: str, staging: str, targets, sharded: bool, process_g
 
 
 def _fault_injection_pause() -> None:
-    """Tests kill the process in the middle of a save: XTRAIN_FAULT_SAVE_PAUSE=seconds holds the
-    save between the state and the commit marker, and announces it on stderr."""
+    """Tests kill the process (or cut its storage) in the middle of a save:
+    XTRAIN_FAULT_SAVE_PAUSE=seconds holds the save between the state and the commit marker, and
+    announces it on stderr."""
     pause = float(os.environ.get("XTRAIN_FAULT_SAVE_PAUSE", "0"))
     if pause:
         print("xtrain-fault: checkpoint state written, commit pending", file=sys.stderr, flush=True)
