@@ -70,8 +70,8 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
     """The checkpoint a run starts from: ``checkpoint.resume`` (which must be one committed
     checkpoint whose files match its manifest and, unless ``rewind``, not older than a commit in
     ``ckpt_dir``; it gives way to commits a run started from it wrote there: the same command
-    run again continues its own work), else the newest such one in ``ckpt_dir`` (newer corrupt ones warned about and
-    passed over), else None; checked against the configured model. Each checkpoint's checksums
+    run again continues its own work), else the newest such one in ``ckpt_dir`` (newer corrupt
+    ones warned about and passed over), else None; checked against the configured model. Each checkpoint's checksums
     are read once: by the ``early`` call (:func:`check_inputs`) for ``checkpoint.resume``, so a
     bad one is refused before any work (and one that cannot be loaded safely, which imports
     torch); by the run's call for the newest one (the early call checks that one's model
@@ -130,17 +130,16 @@ def check_same_run(path: str, run_name: str | None, meta: dict) -> None:
 
 
 def continued(resume: str, directory: str) -> bool:
-    """Whether a commit in ``directory`` was trained by a run started from ``resume`` (its
-    meta.json's config says so): this run's own work since, which a re-run of the same command
-    continues instead of starting (or rewinding) again, also once retention has deleted
-    ``resume`` itself (a rewind's starting point in the same directory)."""
+    """Whether the newest commit in ``directory`` (with a readable meta.json) was trained by a
+    run started from ``resume``, as its config says: this run's own work since, which a re-run of
+    the same command continues instead of starting (or rewinding) again, also once retention has
+    deleted ``resume`` itself (a rewind's starting point in the same directory)."""
     for _, path in reversed(committed_checkpoints(directory)):
         try:
-            started_from = ((read_meta(path).get("config") or {}).get("checkpoint") or {}).get("resume")
+            config = read_meta(path).get("config") or {}
+            return (config.get("checkpoint") or {}).get("resume") == resume
         except (OSError, TypeError, ValueError, AttributeError):
-            continue  # an unreadable meta.json: the run's own resume passes it over
-        if started_from == resume:
-            return True
+            continue  # unreadable: the run's own resume passes it over
     return False
 
 
