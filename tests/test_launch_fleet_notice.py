@@ -175,3 +175,39 @@ def test_a_jobs_result_says_why_only_this_attempt_stopped(tmp_path):
     third = folded("a3")
     assert (third["preempted"], third["step"], third["loss"]) == (True, 9, 2.5)
     assert "stopped_for" not in third and "stop_reason" not in third
+
+
+def test_without_recreate_a_notice_stop_whose_vm_stays_up_is_reported_not_failed(
+        gcloud, tmp_path, v6e4, monkeypatch):
+    """Without recreate nothing is re-run: the stopped job's result is the launch's (exit 143 at
+    the command line: run it again to resume), not an error telling to wait for a READY VM."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.1)
+    envs = stand_in(monkeypatch, iter([NOTICE]))
+    messages = []
+    job = fleet.Job(fleet_cfg(tmp_path, recreate=False), v6e4, [], "run", str(tmp_path / "job"),
+                    notice_lead_s=0.1)
+    out = fleet.run_on_vm(job, log=messages.append)
+    assert (out["preempted"], out["step"], out["stopped_for"]) == (True, 12, "notice")
+    assert len(envs) == 1 and changes(gcloud) == []
+    assert any("the job stopped for its notice; run the same command to resume" in m
+               for m in messages), messages
+
+
+def test_a_gcloud_that_cannot_answer_during_the_watch_gives_no_verdict_before_its_end(
+        gcloud, tmp_path, v6e4):
+    """gcloud failing while the VM is watched after a notice's stop (its answers are a stand-in's
+    here, failing by hand: the real CLI cannot run here) is asked again until the wait is over;
+    the job is not re-run at once, into the same notice."""
+    vm = fleet.Vm("vm-a", fleet_cfg(tmp_path), v6e4)
+    asked = []
+
+    def state():
+        asked.append(time.monotonic())
+        raise LaunchError("gcloud: deadline exceeded")
+
+    vm.state = state
+    t0 = time.monotonic()
+    with pytest.raises(fleet.NoticeStop, match="up as far as is known"):
+        fleet.wait_for_vm_loss(vm, 0.3, log=print, notice=True)
+    assert time.monotonic() - t0 >= 0.3 and len(asked) >= 3

@@ -9,7 +9,7 @@ Whenever a job's log stream or connection ends, the launcher asks gcloud for the
   (``follow`` in xtrain/launcher/launch.py);
 - the job stopped itself after a checkpoint (exit 143): a preemption if the VM goes down soon
   after, else the job's own stop; but one its run says was for a GCE notice is re-run all the
-  same (:func:`attempt`).
+  same with ``recreate`` (:func:`attempt`, :class:`NoticeStop`).
 
 With ``recreate=true`` a preempted VM is deleted (never left FAILED or SUSPENDED, holding quota),
 created again with the profile's accelerator type and runtime version (``--spot``), retried with
@@ -37,10 +37,14 @@ from xtrain.launcher.targets import check_type
 from xtrain.launcher.vm import UP, Vm, VmLost, clock, vm_health
 from xtrain.observe.preemptions import NOTICE, launch_env
 
+
 class NoticeStop(VmLost):
     """The job stopped for a GCE notice and its VM stayed READY past the notice's lead (maintenance
     cancelled, done by live migration, or still to come): a preemption whose VM needs no recreation,
-    counted like one, so ``max_recreates`` bounds a VM that keeps sending notices."""
+    counted like one, so ``max_recreates`` bounds a VM that keeps sending notices. ``result``: the
+    stopped job's, reported as it is when the launch does not re-run jobs (no ``recreate``)."""
+
+    result: dict = {}
 
 
 @dataclass
@@ -130,10 +134,16 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
         if vm_health(state, vm.cfg.queued) != UP:
             raise VmLost(vm.name, state) from e
         raise
+    result = {**result, **history.summary(), "vm": vm.name}
     if result.get("preempted"):  # the run's stop record says why (xtrain/observe/preemptions.py)
         notice = result.get("stopped_for") == NOTICE
-        wait_for_vm_loss(vm, VM_DOWN_WAIT_S + (job.notice_lead_s if notice else 0.0), log, notice)
-    return {**result, **history.summary(), "vm": vm.name}
+        try:
+            wait_for_vm_loss(vm, VM_DOWN_WAIT_S + (job.notice_lead_s if notice else 0.0), log,
+                             notice)
+        except NoticeStop as stop:
+            stop.result = result  # what a launch without recreate reports
+            raise
+    return result
 
 
 def wait_for_vm_loss(vm: Vm, wait_s: float, log=say, notice: bool = False) -> None:
@@ -146,11 +156,11 @@ def wait_for_vm_loss(vm: Vm, wait_s: float, log=say, notice: bool = False) -> No
     while True:
         try:
             state = vm.state()
-        except LaunchError as e:  # no verdict: the VM is taken as up
+        except LaunchError as e:  # no verdict: asked again until the wait is over
             state = f"up as far as is known ({e})"
-            break
-        if vm_health(state, vm.cfg.queued) != UP:
-            raise VmLost(vm.name, state, stopped)
+        else:
+            if vm_health(state, vm.cfg.queued) != UP:
+                raise VmLost(vm.name, state, stopped)
         if time.monotonic() - stopped >= wait_s:
             break
         time.sleep(vm.cfg.poll_s)
@@ -189,6 +199,10 @@ def run_on_vm(job: Job, log=say) -> dict:
         try:
             return attempt(vm, job, history, log)
         except VmLost as lost:
+            if isinstance(lost, NoticeStop) and not job.cfg.recreate:
+                log(f"fleet: {lost}: the job stopped for its notice; run the same command to "
+                    "resume (hydra.launcher.recreate=true re-runs it unattended)")
+                return lost.result
             preempted(vm, job, history, lost, log)
             if not job.cfg.recreate:
                 raise LaunchError(f"{lost}: job {job.run_name} was preempted{_at(history)}; "
