@@ -224,6 +224,8 @@ def test_resuming_behind_the_runs_own_commits_is_refused_unless_rewound(world, t
                                    "checkpoint.rewind=true"))
     assert code == 0 and f"resuming from {ckpts}/step_000006" in out, err[-3000:]
     assert len(list(ckpts.glob("step_*.rewound-*"))) == 1 and "renamed aside" not in err
+    assert f"xtrain: warning: checkpoint.rewind=true: {ckpts} already holds this command's own " \
+           "work since" in err
 
 
 def test_a_save_over_a_committed_checkpoint_renames_it_aside(tmp_path, capfd):

@@ -49,6 +49,20 @@ def test_run_name_keeps_groups_and_identity_overrides(compose_config):
     # how checkpoints are judged is not what is trained: mode=eval finds the trained run
     assert compose_config(["mode=eval", "eval.max_tokens=64", "eval.n=4"]).run.name == "d4-cpu-cpp_local"
     assert compose_config(["eval.cpp_every=500"]).run.name == "d4-cpu-cpp_local"
+    # no path separators, and nothing storage tools read as a pattern (a checkpoint.dir of
+    # gs://b/${run.name} is removed from by retention)
+    name = compose_config(["data.train_files='gs://b/t/[0-9]*?.parquet'"]).run.name
+    assert name == "d4-cpu-cpp_local-data.train_files__gs:__b_t__0-9___.parquet_"
+
+
+def test_a_checkpoint_dir_with_pattern_characters_is_refused(tmp_path):
+    from xtrain.checkpoint.layout import check_writable
+    from xtrain.errors import ConfigError
+
+    for directory in (f"{tmp_path}/runs/[a]", "gs://bucket/runs/x*"):
+        with pytest.raises(ConfigError, match=r"holds one of \*\?\[\]: fsspec reads paths"):
+            check_writable(directory)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_overrides_reach_the_fields(compose_config):

@@ -102,7 +102,7 @@ def one_line(ex: BaseException) -> str:
     if getattr(ex, "override", None):  # an override Hydra's grammar cannot parse
         text.insert(0, f"cannot parse override {ex.override!r}")
     items = [line.strip() for line in lines if line.startswith("\t") and not line.strip().startswith("_")]
-    missing = re.search(r"Could not load '(\w+)/[^']*'", str(ex))
+    missing = re.search(r"Could not load '([\w/]+)/[^'/]+'", str(ex))
     if missing and not items:  # an entry of a list-valued group (logger=[jsonl,wandbb]): Hydra lists
         text = [t.rstrip(".") for t in text] + [f"available options in '{missing[1]}'"]  # none
         items = _options(missing[1])

@@ -213,7 +213,8 @@ def check_data(data) -> None:
 
     if data.build_sources:
         elsewhere = [f"data.{k}={data[k]}" for k in ("train_files", "val_files", "tokenizer")
-                     if data[k] and data.build_dir and not str(data[k]).startswith(str(data.build_dir))]
+                     if data[k] and data.build_dir
+                     and not str(data[k]).startswith(str(data.build_dir).rstrip("/") + "/")]
         if elsewhere:
             raise ConfigError(
                 f"data.build_sources is set, so the corpus is built into data.build_dir="

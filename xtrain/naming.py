@@ -12,6 +12,7 @@ readable prefix and a hash of the whole (the full override list is in ``.hydra/o
 from __future__ import annotations
 
 import hashlib
+import re
 
 from xtrain.paths import cache_root
 
@@ -46,7 +47,8 @@ def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
         if key in GROUPS_IN_NAME:
             given[key] = value  # as written: a sweep's command keeps its list (model=d12,d16)
         elif not (key.startswith("hydra.") or (neutral and not sweep)):
-            extra.append(override.lstrip("+~").replace("/", "_").replace("=", "_"))
+            # path separators, and characters storage tools read as patterns (*?[]) or quote
+            extra.append(re.sub(r"[/=*?\[\]\s'\"\\]", "_", override.lstrip("+~")))
     parts = [given.get(group, choices.get(group)) for group in GROUPS_IN_NAME]
     return shorten("-".join(str(p) for p in parts + sorted(extra) if p))
 

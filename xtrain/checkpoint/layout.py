@@ -20,6 +20,7 @@ _STEP_DIR = re.compile(r"step_(\d+)$")  # a set-aside copy (step_000020.corrupt-
 # The data files DCP's file writer names (torch 2.9, torch/distributed/checkpoint/filesystem.py:
 # f"{prefix}{n}{DEFAULT_SUFFIX}", prefix "__<rank>_", suffix ".distcp"): a plain name in tensors/.
 DCP_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
+GLOB_CHARACTERS = re.compile(r"[*?\[\]]")  # fsspec's and gcsfs's rm, copy and find expand them
 
 
 def step_dir(directory: str, step: int) -> str:
@@ -123,14 +124,25 @@ def set_aside(path: str, reason: str) -> str:
         fs.mv(root, aside, recursive=True)
     else:
         fs.copy(root, aside, recursive=True)
+        fs.invalidate_cache()
+        if _sizes(fs, aside) != _sizes(fs, root):  # fsspec's copy skips what it cannot find
+            raise CheckpointError(f"checkpoint {path}: its copy to {aside} is incomplete; the "
+                                  "original is kept (remove the copy)")
         remove(path)
     fs.invalidate_cache()
     return aside if is_local(path) else as_url(fs, aside)
 
 
+def _sizes(fs, root: str) -> dict[str, int]:
+    return {p[len(root):]: info["size"] for p, info in fs.find(root, detail=True).items()}
+
+
 def check_writable(directory: str) -> None:
     """Fail before training (and a TPU compile) when checkpoints cannot be written to
     ``directory``: a missing bucket, no permission, a file in the way."""
+    if GLOB_CHARACTERS.search(directory):
+        raise ConfigError(f"checkpoint.dir {directory} holds one of *?[]: fsspec reads paths "
+                          "with them as patterns (a removal by retention could match others)")
     fs, root = url_to_fs(directory)
     probe = f"{root.rstrip('/')}/.write-probe-{socket.gethostname()}-{os.getpid()}"
     try:

@@ -178,7 +178,7 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
     Commits in ``ckpt_dir`` past that step (corrupt ones passed over, or those a
     ``checkpoint.rewind`` goes back from) are renamed aside by process 0, never deleted."""
     from xtrain.checkpoint.layout import read_meta
-    from xtrain.errors import CheckpointError
+    from xtrain.errors import CheckpointError, warn
     from xtrain.inputs import resume_checkpoint
     from xtrain.train.checkpointing import set_aside_newer
 
@@ -199,6 +199,10 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
         if ckpt.resume and resume_from != ckpt.resume:
             log.info("checkpoint.resume=%s started this run; its own checkpoints are newer",
                      ckpt.resume)
+            if ckpt.rewind:
+                warn(f"checkpoint.rewind=true: {ckpt_dir} already holds this command's own work "
+                     f"since {ckpt.resume}, which it continues; to rewind again, move its newer "
+                     "checkpoints away (or use another run.name)")
         log.info("resuming from %s", resume_from)
         set_aside_newer(resume_from, ckpt_dir, "rewound" if resume_from == ckpt.resume else "corrupt")
     return resume_from, int(meta.get("step") or 0)
