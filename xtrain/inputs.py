@@ -13,7 +13,7 @@ import threading
 
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_checkpoints,
-                                      latest_checkpoint, read_meta)
+                                      latest_checkpoint, newer_commits, read_meta)
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
                            StorageError, warn)
 from xtrain.hardware import tpu_chips_on_this_host
@@ -94,7 +94,7 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
             if not resume:
                 check_same_run(found, run_name, meta)
             elif not rewind:
-                check_not_behind(resume, ckpt_dir)
+                check_not_behind(resume, int(meta.get("step") or 0), ckpt_dir)
         if resume and early:
             from xtrain.checkpoint.io import check_loadable
 
@@ -144,17 +144,11 @@ def continued(resume: str, directory: str) -> bool:
     return False
 
 
-def newer_commits(path: str, directory: str) -> list[str]:
-    """The committed checkpoints in ``directory`` past the step of the checkpoint at ``path``."""
-    step = int(read_meta(path).get("step") or 0)
-    return [p for s, p in committed_checkpoints(directory) if s > step]
-
-
-def check_not_behind(resume: str, ckpt_dir: str) -> None:
+def check_not_behind(resume: str, step: int, ckpt_dir: str) -> None:
     """Refuse to resume from an older step than the checkpoints this run would write over: each
     would be replaced as training reached its step (``checkpoint.*`` overrides keep the run's
     name, so its directory)."""
-    newer = newer_commits(resume, ckpt_dir)
+    newer = newer_commits(ckpt_dir, step)
     if newer:
         names = ", ".join(p.rstrip("/").rsplit("/", 1)[-1] for p in newer)
         raise CheckpointError(

@@ -78,16 +78,15 @@ def checkpoint_to_read(cfg, run_dir: str) -> str:
     its manifest (a damaged newer one is warned about and passed over); refused (with the path)
     when there is none, the one named is not committed or damaged, or either cannot be loaded
     safely (xtrain/checkpoint/io.py, check_loadable)."""
-    from xtrain.errors import InputError
-    from xtrain.inputs import check_named_checkpoint, newest_intact
-
     from xtrain.checkpoint.io import check_loadable
+    from xtrain.errors import InputError
+    from xtrain.inputs import check_named_checkpoint, checkpoint_dir, newest_intact
 
     if cfg.checkpoint.resume:
         check_named_checkpoint(cfg.checkpoint.resume)
         path = cfg.checkpoint.resume
     else:
-        directory = cfg.checkpoint.dir or f"{run_dir.rstrip('/')}/checkpoints"
+        directory = checkpoint_dir(cfg, run_dir)
         path = newest_intact(directory)
         if path is None:
             raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} "

@@ -58,6 +58,11 @@ def is_committed(path: str) -> bool:
     return fs.exists(f"{root}/{COMMIT_MARKER}")
 
 
+def newer_commits(directory: str, step: int) -> list[str]:
+    """The committed checkpoints in ``directory`` past ``step``."""
+    return [p for s, p in committed_checkpoints(directory) if s > step]
+
+
 def read_meta(path: str) -> dict:
     """A checkpoint's meta.json (the run's resolved config, versions, step)."""
     fs, root = url_to_fs(str(path))

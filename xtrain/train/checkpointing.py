@@ -10,19 +10,18 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
-from xtrain.checkpoint.layout import set_aside, stale_checkpoints, step_dir, step_dirs
+from xtrain.checkpoint.layout import newer_commits, set_aside, stale_checkpoints, step_dir, step_dirs
 from xtrain.errors import warn
-from xtrain.inputs import newer_commits
 from xtrain.train.preemption import StopRequest
 
 
-def set_aside_newer(resume_from: str, directory: str, reason: str) -> None:
+def set_aside_newer(step: int, directory: str, reason: str) -> None:
     """Rename aside (``step_N.<reason>-<time>``, kept, out of discovery's sight) the commits in
-    ``directory`` past the step the run resumes from: each would otherwise be replaced when the
-    run reached its step, and a later resume would pick it over the run's own newer work."""
+    ``directory`` past ``step``, the one the run resumes from: each would otherwise be replaced
+    when the run reached its step, and a later resume would pick it over the run's own newer work."""
     why = {"corrupt": "corrupt, passed over", "rewound": "newer than the step checkpoint.rewind "
            "resumes from"}.get(reason, reason)
-    for path in newer_commits(resume_from, directory):
+    for path in newer_commits(directory, step):
         warn(f"checkpoint {path} ({why}) renamed aside to {set_aside(path, reason)}: kept for "
              "inspection, not deleted")
 

@@ -195,6 +195,7 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
             f"(sha256 {trained_with[:12]}), not with this run's (sha256 {tokenizer.fingerprint[:12]}): "
             "its token ids mean other text; use that run's data config, or start a new run "
             "(run.name=...)")
+    step = int(meta.get("step") or 0)
     if primary:
         if ckpt.resume and resume_from != ckpt.resume:
             log.info("checkpoint.resume=%s started this run; its own checkpoints are newer",
@@ -204,8 +205,8 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
                      f"since {ckpt.resume}, which it continues; to rewind again, move its newer "
                      "checkpoints away (or use another run.name)")
         log.info("resuming from %s", resume_from)
-        set_aside_newer(resume_from, ckpt_dir, "rewound" if resume_from == ckpt.resume else "corrupt")
-    return resume_from, int(meta.get("step") or 0)
+        set_aside_newer(step, ckpt_dir, "rewound" if resume_from == ckpt.resume else "corrupt")
+    return resume_from, step
 
 
 def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, preemption) -> None:
