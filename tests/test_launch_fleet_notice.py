@@ -115,10 +115,14 @@ def test_a_vm_that_keeps_sending_notices_ends_the_job_after_max_recreates(
     monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.0)
     envs = stand_in(monkeypatch, iter([NOTICE] * 10))
     job = fleet.Job(fleet_cfg(tmp_path, max_recreates=2), v6e4, [], "run", str(tmp_path / "job"))
+    messages = []
     with pytest.raises(LaunchError, match=r"^job run: preempted 3 times, more than "
                                           r"hydra.launcher.max_recreates=2: giving up"):
-        fleet.run_on_vm(job, log=lambda m: None)
+        fleet.run_on_vm(job, log=messages.append)
     assert len(envs) == 3 and changes(gcloud) == []
+    # between the runs the VM was never down: not said to be "READY again"
+    assert sum("is still READY after the job's GCE notice" in m for m in messages) == 3, messages
+    assert not any("READY again" in m for m in messages), messages
 
 
 @pytest.mark.parametrize("recreate", [True, False])

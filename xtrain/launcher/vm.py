@@ -116,11 +116,13 @@ class Vm:
         ssh = Ssh(cfg, self.runner, self.log)
         key = ssh.authorized_key()  # before anything is deleted: an unreadable key stops here
         old = self.addresses()
+        was_down = False
         while True:
             state = self.state()
             health = vm_health(state, cfg.queued)
             if health == UP:
                 break
+            was_down = True
             waited = time.monotonic() - t0
             if waited > cfg.ready_timeout_s:
                 if created:  # a VM nobody uses would run up its cost unattended
@@ -144,9 +146,10 @@ class Vm:
                 created = True
             except NoCapacity as e:
                 backoff = self._wait_for_capacity(str(e), backoff, lost_so_far)
-        if not created:  # the same VM, waited for (maintenance, or on its way up): same keys
-            self.log(f"fleet: {self} is READY again after {clock(time.monotonic() - t0)}; "
-                     f"{clock(lost_so_far())} lost so far")
+        if not created:  # the same VM, waited for or never down (a notice's stop): same keys
+            if was_down:
+                self.log(f"fleet: {self} is READY again after {clock(time.monotonic() - t0)}; "
+                         f"{clock(lost_so_far())} lost so far")
             return
         for host in sorted(old | self.addresses()):
             ssh.forget(host)
