@@ -32,6 +32,7 @@ RUN_TIMEOUT = 2.0
 PROMPT = """#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <cstdio>
 #include <cstdlib>
@@ -91,6 +92,23 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
         # into the compiler message (the compiler runs in the sandbox as well)
         "include_dev_zero": ("#include \"/dev/zero\"\n}\n", "compile_error"),
         "include_secret": ("#include \"/etc/shadow\"\n}\n", "compile_error"),
+        # RAM-backed dirs filled (100 MiB in files under the size limit each), and /dev written
+        "fill_memory_dirs": ("  static char block[1 << 19];\n"
+                             "  if (std::fopen(\"/dev/made-up\", \"w\") != nullptr) return 42;\n"
+                             "  const char* dirs[] = {\"/tmp\", \"/dev/shm\"};\n"
+                             "  for (const char* dir : dirs) {\n"
+                             "    int i = 0;\n    for (; i < 200; ++i) {\n"
+                             "      char name[64];\n"
+                             "      std::snprintf(name, sizeof name, \"%s/f%d\", dir, i);\n"
+                             "      FILE* f = std::fopen(name, \"w\");\n"
+                             "      if (!f || std::fwrite(block, 1, sizeof block, f) != sizeof block"
+                             " || std::fclose(f) != 0) break;\n    }\n"
+                             "    if (i == 200) return 42;\n  }\n  return 41;\n}\n",
+                             "wrong_answer"),
+        # nested deeper than Python's recursion limit: its dir must still be deleted
+        "deep_dirs": ("  for (int d = 0; d < 3000; ++d)\n"
+                      "    if (mkdir(\"d\", 0700) != 0 || chdir(\"d\") != 0) return 41;\n"
+                      "  return 42;\n}\n", "passed"),
         # A daemon that leaves the process group: the program itself passes, the daemon must
         # still be gone afterwards.
         "escaping_daemon": ("  if (fork() == 0) {\n    setsid();\n"
@@ -257,6 +275,50 @@ def test_auto_without_bubblewrap_falls_back_and_says_why(tmp_path, monkeypatch, 
     box.close()
     assert box.mode == "rlimits"
     assert "bwrap not found (apt-get install bubblewrap)" in capfd.readouterr().err
+
+
+def test_without_root_and_bubblewrap_auto_refuses_and_rlimits_says_what_it_risks(
+        tmp_path, monkeypatch, capfd):
+    """Without root the fallback has no private uid: programs would run as this user, so auto
+    refuses (at start, naming the ways out); an explicit rlimits runs and says so. Tests run as
+    root here: geteuid stands in for a non-root xtrain."""
+    monkeypatch.setenv("PATH", _path_without_bwrap(tmp_path))
+    monkeypatch.setattr(sandbox_module, "_warned", [])
+    monkeypatch.setattr(sandbox_module.os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match=r"^eval.sandbox=auto: bwrap not found .* without root "
+                                          r".*sudo apt-get install bubblewrap.*eval.sandbox=rlimits"):
+        Sandbox(EvalConfig(sandbox="auto"), 1)
+    box = Sandbox(EvalConfig(sandbox="rlimits"), 1)
+    box.close()
+    assert box.mode == "rlimits" and box._free == [None]  # no uid of its own
+    assert "a daemon it starts may outlive it, running as this user" in capfd.readouterr().err
+
+
+def test_a_session_dir_its_program_locked_is_deleted_without_root():
+    """Without root, a dir the program took every permission from is given them back and
+    deleted. Tests run as root: a forked child switched to an unused uid is the non-root xtrain."""
+    uid = uid_range()[0] - 7
+    base = Path(tempfile.mkdtemp(prefix="xtrain-test-remove-"))
+    session = base / "session"
+    locked = session / "box" / "locked"
+    locked.mkdir(parents=True)
+    (locked / "file").write_text("x")
+    for path in (base, session, session / "box", locked, locked / "file"):
+        os.chown(path, uid, uid)
+    locked.chmod(0)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child only switches uid and deletes: no pytest code runs there
+            try:
+                os.setgid(uid)
+                os.setuid(uid)
+                sandbox_module._remove(session)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert not session.exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_uid_slots_are_private_and_released():

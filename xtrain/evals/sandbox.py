@@ -16,13 +16,22 @@ compiler message). Every command runs
   program printing forever dies of SIGXFSZ instead of filling a pipe or the disk;
 - inside bubblewrap (``bwrap``, Debian package ``bubblewrap``), the well-kept tool Flatpak uses:
   new user, PID, network, IPC and UTS namespaces (no network at all, not even loopback), a
-  read-only view of /usr only (no /root, /home, /work, /etc secrets), a private /tmp, the session
-  dir as the only writable path, killed with its parent.
+  read-only view of /usr only (no /root, /home, /work, /etc secrets), a read-only /dev, a
+  private /tmp and /dev/shm in RAM, each capped at the compiler's file size limit, the session
+  dir as the only other writable path, killed with its parent.
 
-Fallback (``eval.sandbox=rlimits``, or ``auto`` when bwrap is missing or cannot create
+What the limits do not bound: the address space is per process, so a program's processes
+together may hold up to ``max_processes`` x ``run_memory_mb``; the session dir is on the host's
+temp filesystem, where the file size limit caps each file, not their number (CPU time bounds
+how much a program writes).
+
+Fallback (``eval.sandbox=rlimits``, or ``auto`` as root when bwrap is missing or cannot create
 namespaces): everything above except the bubblewrap layer, plus ``unshare --user --net`` when the
 kernel allows it. The program then sees the real filesystem with its uid's rights (world-writable
 dirs such as /tmp are writable) and shares the PID namespace; a one-line warning says so.
+Without root there is no private uid either: the program would run as this process's user, able
+to change that user's files (checkpoints, keys) and, without unshare, to read this process's
+environment (secrets). ``auto`` refuses that; only an explicit ``eval.sandbox=rlimits`` runs it.
 """
 
 from __future__ import annotations
@@ -120,6 +129,7 @@ class Sandbox:
         raise RuntimeError(f"C++ sandbox: all {_UID_CANDIDATES} sandbox uids are in use")
 
     def _choose_mode(self) -> str:
+        root = os.geteuid() == 0
         if self.cfg.sandbox in ("auto", "bwrap"):
             bwrap = shutil.which("bwrap")
             self._bwrap = [] if bwrap is None else self._bwrap_argv(bwrap)
@@ -129,13 +139,22 @@ class Sandbox:
                 return "bwrap"
             if self.cfg.sandbox == "bwrap":
                 raise ConfigError(f"eval.sandbox=bwrap: {problem}")
+            if not root:
+                raise ConfigError(
+                    f"eval.sandbox=auto: {problem}, and without root the fallback would run the "
+                    "generated programs as this user, able to change its files; install "
+                    "bubblewrap (sudo apt-get install bubblewrap), or accept that with "
+                    "eval.sandbox=rlimits")
             self.missing.append(problem)
         self._unshare = ["unshare", "--user", "--net", "--"]
         if self._probe(self._unshare + ["/usr/bin/true"]) is not None:
             self._unshare = []
             self.missing.append("no network isolation (unshare --user --net not permitted)")
+            if not root:
+                self.missing.append("the program may read this process's environment (secrets)")
+        outlives = "a daemon it starts may outlive it" + ("" if root else ", running as this user")
         self.missing.append("no read-only filesystem view (the program may write wherever its "
-                            "uid may) and no PID namespace")
+                            f"uid may) and no PID namespace ({outlives})")
         return "rlimits"
 
     def _probe_bwrap(self) -> str | None:
@@ -172,7 +191,10 @@ class Sandbox:
         prefix = Path(os.path.realpath(gxx)).parent.parent if gxx else None
         if prefix and not str(prefix).startswith("/usr"):  # a toolchain installed elsewhere
             argv += ["--ro-bind", str(prefix), str(prefix)]
-        return argv + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        # RAM-backed and writable: sized, or a program could fill the host's memory
+        size = str(limits_for(self.cfg, compile=True).file_kb << 10)
+        return argv + ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm",
+                       "--remount-ro", "/dev", "--size", size, "--tmpfs", "/tmp"]
 
     def _inside(self, box: Path) -> list[str]:
         """The command prefix that puts a program inside the sandbox, working in ``box``."""
@@ -201,7 +223,7 @@ class Sandbox:
                 if uid is not None:
                     _kill_all_of(uid)
                 if root is not None:
-                    shutil.rmtree(root, ignore_errors=True)
+                    _remove(root)
             finally:
                 with self._lock:
                     self._free.append(uid)
@@ -266,6 +288,24 @@ def _as_user(uid: int | None) -> dict:
 def _minimal_env() -> dict[str, str]:
     # Nothing of this process's environment (tokens, keys) reaches the sandbox.
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+def _remove(root: Path) -> None:
+    """Delete a session dir whatever its program left there. GNU rm, not shutil.rmtree: rmtree
+    recurses once per directory level, and a program can nest dirs deeper than Python's
+    recursion limit. Without root, a dir whose permissions the program took away is given them
+    back first (chmod skips symlinks while it recurses)."""
+    def rm():
+        subprocess.run(["rm", "-rf", "--", str(root)], env=_minimal_env(), capture_output=True,
+                       check=False)
+    rm()
+    if root.exists():
+        subprocess.run(["chmod", "-R", "u+rwx", "--", str(root)], env=_minimal_env(),
+                       capture_output=True, check=False)
+        rm()
+    if root.exists():
+        print(f"xtrain: warning: C++ eval sandbox: could not delete {root}", file=sys.stderr,
+              flush=True)
 
 
 def _read(path: Path) -> str:
