@@ -19,7 +19,8 @@ from tests.sshd import (BASE_PYTHON, HOSTS, git_tree, keygen, live_group, remote
                         sshd)
 from xtrain.errors import ConfigError
 from xtrain.launcher.config import LauncherConfig
-from xtrain.launcher.env import EnvSpec, ensure_env
+from xtrain.launcher import env
+from xtrain.launcher.env import EnvSpec, ensure_env, system_tools_script
 from xtrain.launcher.job import RemoteJob
 from xtrain.launcher.runner import LaunchError, Result, Runner
 from xtrain.launcher.ssh import Ssh
@@ -140,10 +141,11 @@ def test_sync_copies_names_that_look_like_wildcards(remote, tmp_path):
     assert arrived == set(files)
 
 
-def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path):
+def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path, monkeypatch):
     """A venv whose creation stopped short (no pip, as when the VM lacks ensurepip), a small
     pure-Python package from PyPI: the venv is made afresh, the package installed, verified,
-    stamped; the same spec again installs nothing; a new pin installs again."""
+    stamped; the same spec again installs nothing; a new pin installs again, and a system tool
+    the worker lacks (one that exists nowhere) is named in what the install says."""
     subprocess.run([str(BASE_PYTHON), "-m", "venv", "--without-pip", str(tmp_path / "fresh-venv")],
                    check=True)
     worker, runner, _ = make_worker(remote, tmp_path, venv=str(tmp_path / "fresh-venv"))
@@ -159,9 +161,48 @@ def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path):
     assert ensure_env(worker, spec, stamp) == "unchanged"
     assert len(runner.calls) == before  # not even a call
     newer = EnvSpec(str(BASE_PYTHON), ("six==1.17.0",))
-    assert ensure_env(worker, newer, stamp) == "installed"
+    monkeypatch.setattr(env, "SYSTEM_TOOLS", {"xtrain-test-absent": "xtrain-test-absent-package"})
+    state = ensure_env(worker, newer, stamp)
+    assert state.startswith("installed; xtrain: warning: ") and \
+        "xtrain-test-absent-package" in state, state
     assert subprocess.run(version, capture_output=True, text=True).stdout.strip() == "1.17.0"
     assert runner.labels().count("install") == 2
+
+
+@pytest.mark.parametrize("case", ["present", "installed", "no sudo", "apt fails"])
+def test_a_missing_system_tool_is_installed_from_apt_or_named(tmp_path, monkeypatch, case):
+    """The install script's lines for SYSTEM_TOOLS, run by bash on a PATH of stand-ins: apt-get
+    and sudo are fakes that record their arguments (this machine's packages are not the test's
+    to change); a tool that cannot be installed is a warning, not a failed install."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    fakes = {"apt-get": f'echo "apt-get $*" >> {calls}; [ "$XTRAIN_TEST_APT" = ok ]',
+             "sudo": 'shift; [ "$1" = env ] && shift 2; "$@"'}  # -n [env VAR=...] command...
+    if case == "present":
+        fakes["xtrain-test-tool"] = "true"
+    for name, body in fakes.items():
+        if name == "sudo" and case == "no sudo":
+            continue
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setattr(env, "SYSTEM_TOOLS", {"xtrain-test-tool": "xtrain-test-package"})
+    script = "set -e\n" + system_tools_script() + "echo done\n"
+    ran = subprocess.run(["/bin/bash", "-c", script], capture_output=True, text=True,
+                         env={"PATH": str(bin_dir),
+                              "XTRAIN_TEST_APT": "fail" if case == "apt fails" else "ok"})
+    assert ran.returncode == 0 and ran.stdout == "done\n", ran
+    apt = calls.read_text().splitlines() if calls.exists() else []
+    if case in ("present", "no sudo"):
+        assert apt == []
+    else:
+        assert apt[0].endswith(" update") and (case == "apt fails" or apt[1].endswith(
+            " install xtrain-test-package")), apt
+    warning = {"present": None, "installed": None,
+               "no sudo": "xtrain: warning: xtrain-test-tool is not on this VM, and no apt-get "
+                          "with passwordless sudo installs it: apt-get install xtrain-test-package",
+               "apt fails": "xtrain: warning: installing xtrain-test-package failed"}[case]
+    assert (warning in ran.stderr) if warning else "warning" not in ran.stderr, ran.stderr
 
 
 def test_a_missing_base_python_is_named_before_any_venv_is_made(remote, tmp_path):

@@ -7,6 +7,8 @@ idempotent: a stamp (a hash of the base Python, the requirements and the pip arg
 in the venv and read by the worker probe, so an unchanged environment costs no extra call; when
 it differs, pip installs, the versions are verified, and only then is the stamp written.
 With ``install=false`` the environment (managed by hand) is only verified, never changed.
+The install also brings the system tools jobs use (:data:`SYSTEM_TOOLS`) from apt, where
+passwordless sudo allows (as on TPU VMs); where not, it says so and goes on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from pathlib import Path
 from xtrain.launcher.runner import LaunchError
 
 STAMP = ".xtrain-stamp"
+# Tools the jobs use from the system, and their Debian package: bubblewrap is the C++
+# evaluation's sandbox (xtrain/evals/sandbox.py), which refuses to run without it unless root.
+SYSTEM_TOOLS = {"bwrap": "bubblewrap"}
 
 
 def requirements(root: Path, pins: dict) -> list[str]:
@@ -49,12 +54,14 @@ class EnvSpec:
 
     @property
     def stamp(self) -> str:
-        blob = json.dumps([self.base_python, sorted(self.requirements), list(self.pip_args)])
+        blob = json.dumps([self.base_python, sorted(self.requirements), list(self.pip_args),
+                           sorted(SYSTEM_TOOLS.items())])
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
-    """Make ``worker.venv`` satisfy ``spec``; returns what was done: unchanged, installed, verified."""
+    """Make ``worker.venv`` satisfy ``spec``; returns what was done (unchanged, installed,
+    verified), with the install's warnings."""
     if spec.install and found_stamp == spec.stamp:
         return "unchanged"
     venv, q = worker.venv, shlex.quote
@@ -69,11 +76,13 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
                   '{ [ ! -e "$v/bin/python" ] || [ -f "$v/pyvenv.cfg" ]; }; then\n'
                   f"{base_python_script(spec.base_python)}"
                   f'  {q(spec.base_python)} -m venv "$v"\nfi\n'
+                  f"{system_tools_script()}"
                   f'"$v/bin/python" {pip}\n')
         r = worker.run(script, "install", timeout=None)
         if not r.ok:
             raise LaunchError(f"worker {worker.index} ({worker.host}): installing into {venv} "
                               f"failed:\n{_tail(r.stderr or r.stdout)}")
+        warnings = [line for line in r.stderr.splitlines() if line.startswith("xtrain: warning:")]
     problems = verify(worker, spec.requirements)
     if problems:
         hint = "" if spec.install else " (hydra.launcher.install=false: fix it by hand, or let " \
@@ -85,7 +94,7 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
     listing = "\n".join(spec.requirements)
     worker.run(f"printf '%s\\n' {q(listing)} > {q(venv)}/xtrain-requirements.txt\n"
                f"echo {spec.stamp} > {q(venv)}/{STAMP}\n", "stamp")
-    return "installed"
+    return "; ".join(["installed", *warnings])
 
 
 def base_python_script(base_python: str) -> str:
@@ -93,25 +102,53 @@ def base_python_script(base_python: str) -> str:
     the distribution's Python only (Ubuntu 22.04: 3.10), and a VM the fleet recreates is a fresh
     image: a missing ``pythonX.Y`` is installed with its venv module from apt, where passwordless
     sudo allows (as on TPU VMs); anything else missing is an error naming the fix."""
-    q = shlex.quote
     missing = f"{base_python} is not on this VM"
     if re.fullmatch(r"python3\.\d+", base_python) is None:
-        install = [f"echo {q(missing + ' (hydra.launcher.base_python)')} >&2", "exit 1"]
+        install = [f"echo {shlex.quote(missing + ' (hydra.launcher.base_python)')} >&2", "exit 1"]
     else:
         packages = f"{base_python} {base_python}-venv"
-        apt = "sudo -n env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q -y"
         refusal = (f"{missing}, and no apt-get with passwordless sudo installs it: "
                    f"apt-get install {packages}")
-        install = ["if command -v apt-get >/dev/null 2>&1 && sudo -n true 2>/dev/null; then",
-                   f"  echo {q(f'xtrain: {missing}: installing {packages} from apt')} >&2",
-                   f"  {apt} update >&2",
-                   f"  {apt} install {packages} >&2",
-                   "else",
-                   f"  echo {q(refusal)} >&2",
-                   "  exit 1",
-                   "fi"]
-    lines = [f"if ! command -v {q(base_python)} >/dev/null 2>&1; then",
-             *["  " + line for line in install], "fi"]
+        install = _apt_install(missing, packages, [f"echo {shlex.quote(refusal)} >&2", "exit 1"])
+    return _indent(_if_missing(base_python, install))
+
+
+def system_tools_script() -> str:
+    """Shell lines that install :data:`SYSTEM_TOOLS` missing on the worker, where apt and
+    passwordless sudo allow; otherwise a warning (the job that needs one says so at its start)."""
+    lines = []
+    for tool, package in SYSTEM_TOOLS.items():
+        missing = f"{tool} is not on this VM"
+        warning = (f"xtrain: warning: {missing}, and no apt-get with passwordless sudo installs "
+                   f"it: apt-get install {package}")
+        failed = f"xtrain: warning: installing {package} failed"
+        lines += _if_missing(tool, _apt_install(missing, package, [
+            f"echo {shlex.quote(warning)} >&2"], or_else=f"echo {shlex.quote(failed)} >&2"))
+    return _indent(lines)
+
+
+def _if_missing(command: str, lines: list[str]) -> list[str]:
+    return [f"if ! command -v {shlex.quote(command)} >/dev/null 2>&1; then",
+            *["  " + line for line in lines], "fi"]
+
+
+def _apt_install(missing: str, packages: str, without_apt: list[str],
+                 or_else: str = "") -> list[str]:
+    """Install ``packages`` from apt with passwordless sudo (as on TPU VMs), else ``without_apt``;
+    ``or_else`` runs when apt fails (by default the script's ``set -e`` stops it)."""
+    apt = "sudo -n env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q -y"
+    steps = [f"{apt} update >&2", f"{apt} install {packages} >&2"]
+    if or_else:
+        steps = [f"{{ {' && '.join(steps)}; }} || {{ {or_else}; }}"]
+    return ["if command -v apt-get >/dev/null 2>&1 && sudo -n true 2>/dev/null; then",
+            f"  echo {shlex.quote(f'xtrain: {missing}: installing {packages} from apt')} >&2",
+            *["  " + step for step in steps],
+            "else",
+            *["  " + line for line in without_apt],
+            "fi"]
+
+
+def _indent(lines: list[str]) -> str:
     return "".join(f"  {line}\n" for line in lines)
 
 
