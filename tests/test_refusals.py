@@ -32,6 +32,15 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "Could not load 'logger/wandbb'; available options in 'logger': jsonl, many_loggers, "
      "tensorboard, wandb"),
     ("unknown-key", ["optim.lrr=1"], {}, "optim.lrr: Key 'lrr' not in 'OptimConfig'"),
+    # '+' adds a key Hydra's schema check would refuse without it; nothing would read it
+    ("added-unknown-key", ["+trainer.max_step=5"], {},
+     "trainer.max_step (did you mean trainer.max_steps?): the config has no such key"),
+    ("added-unknown-top-key", ["+foo=1"], {}, "foo: the config has no such key"),
+    # a run's name is one directory: not outputs/ itself, not outside it (checked before Hydra
+    # makes it), nor once an interpolation is resolved
+    ("run-name-empty", ["run.name="], {}, "run.name='': a run's name must be one plain directory"),
+    ("run-name-climbs", ["run.name=../escaped"], {}, "run.name='../escaped': a run's name must"),
+    ("run-name-interpolated", ["run.name=d${{model.depth}}/x"], {}, "run.name='d2/x': a run's"),
     ("wrong-type", ["trainer.max_steps=abc"], {}, "trainer.max_steps: Value 'abc'"),
     ("bad-override", ["trainer.max_steps=[1"], {}, "cannot parse override 'trainer.max_steps=[1'"),
     ("unknown-mode", ["mode=nope"], {}, "mode: Invalid value 'nope'"),

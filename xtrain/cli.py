@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from xtrain import compat
 from xtrain.config import register
-from xtrain.config.choices import check_choices
+from xtrain.config.choices import check_choices, check_known_keys
 from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.paths import config_dir
 
@@ -36,10 +36,13 @@ def _main(cfg: DictConfig) -> None:
 
     from xtrain.launcher import is_remote, launch_from_hydra
     from xtrain.modes import run
+    from xtrain.naming import check_run_name
 
     hc = HydraConfig.get()
     try:  # hydra/launcher=tpu_vm|tpu_pod: Hydra calls a launcher only with -m, so route it here
         check_choices(hc.runtime.choices)
+        check_known_keys(cfg)
+        check_run_name(cfg.run.name)  # resolved: it may interpolate
         summary = launch_from_hydra(cfg) if is_remote(hc.launcher) else run(cfg, hc.runtime.output_dir)
     except Exception as ex:  # noqa: BLE001  (refusals end here, in one line; the rest is raised)
         if not is_refusal(ex) or os.environ.get("HYDRA_FULL_ERROR") == "1":
@@ -62,6 +65,7 @@ def secondary_process_overrides(env=os.environ) -> list[str]:
 def main() -> None:
     try:
         check_no_secret_overrides(sys.argv[1:])
+        check_run_name_overrides(sys.argv[1:])
     except ConfigError as ex:
         refuse(ex)
     sys.argv += secondary_process_overrides()
@@ -80,6 +84,17 @@ def find_plugins() -> None:
     launch = str(Path(__file__).resolve().parent.parent / "launch")
     if os.path.isdir(launch) and launch not in sys.path:
         sys.path.append(launch)
+
+
+def check_run_name_overrides(args: list[str]) -> None:
+    """Refuse a ``run.name=`` that is no plain directory name before Hydra makes that directory
+    (one that interpolates is checked once resolved, in _main)."""
+    from xtrain.naming import check_run_name
+
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+~") == "run.name" and "${" not in value:
+            check_run_name(value)
 
 
 def check_no_secret_overrides(args: list[str]) -> None:

@@ -53,6 +53,18 @@ def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
     return shorten("-".join(str(p) for p in parts + sorted(extra) if p))
 
 
+def check_run_name(name: str) -> None:
+    """A run's name is one directory under outputs/ (and in checkpoint dirs): refuse one that
+    would be outputs/ itself, climb out of it, nest, or be read as a pattern by storage tools."""
+    from xtrain.errors import ConfigError
+
+    if not name.strip() or name != name.strip() or name in (".", "..") or \
+            re.search(r"[/\\*?\[\]]", name):
+        raise ConfigError(f"run.name={name!r}: a run's name must be one plain directory name: "
+                          "not empty, no leading or trailing spaces, none of / \\ * ? [ ], "
+                          "not . or ..")
+
+
 def run_name() -> str:
     """The ``${xtrain_run_name:}`` resolver: the name of the job Hydra is composing."""
     from hydra.core.hydra_config import HydraConfig

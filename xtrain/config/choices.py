@@ -14,3 +14,34 @@ def check_choices(choices) -> None:
     if bases:
         raise ConfigError(f"{', '.join(bases)}: a base that the group's options extend, not an "
                           "option to choose (choose one whose name has no leading _)")
+
+
+def check_known_keys(cfg) -> None:
+    """Refuse keys the schema does not have. Hydra's ``+key=value`` adds a key even to a typed
+    section, where nothing reads it: ``+trainer.max_step=5`` would train the default number of
+    steps. Free-form maps (``hardware.env``) take any key."""
+    unknown = _unknown_keys(cfg, "")
+    if unknown:
+        raise ConfigError("; ".join(unknown) + ": the config has no such key (a '+' override adds "
+                          "keys only to free-form maps such as hardware.env)")
+
+
+def _unknown_keys(node, path: str) -> list[str]:
+    import dataclasses
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    out = []
+    schema = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(schema):
+        names = [f.name for f in dataclasses.fields(schema)]
+        for key in node:
+            if key not in names:
+                near = difflib.get_close_matches(str(key), names, n=1)
+                out.append(f"{path}{key}" + (f" (did you mean {path}{near[0]}?)" if near else ""))
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            out += _unknown_keys(child, f"{path}{key}.")
+    return out
