@@ -45,6 +45,10 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("bad-override", ["trainer.max_steps=[1"], {}, "cannot parse override 'trainer.max_steps=[1'"),
     ("unknown-mode", ["mode=nope"], {}, "mode: Invalid value 'nope'"),
     ("unknown-attention", ["model.attention=nope"], {}, "model.attention: Invalid value 'nope'"),
+    ("flash-on-cpu", ["model.attention=flash"], {},
+     "model.attention=flash: the Pallas kernels need a TPU (hardware.engine=cpu)"),
+    ("sample-no-prompts", ["mode=sample", "sample.prompts=[]"], {},
+     "sample.prompts=[]: nothing to sample"),
     ("unknown-engine", ["hardware.engine=gpu"], {}, "hardware.engine: Invalid value 'gpu'"),
     ("unknown-precision", ["hardware.precision=fp8"], {}, "hardware.precision: Invalid value 'fp8'"),
     ("unknown-experiment", ["+experiment=nope"], {}, "Available options in 'experiment': v5e8_d16_1024"),
@@ -116,7 +120,7 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "the build holds out whole files for validation, so it needs at least 2"),
     ("built-corpus-elsewhere", ["data.train_files=/nonexistent/x"], {},  # data=cpp_local builds
      "but data.train_files=/nonexistent/x reads elsewhere: to read shards of your own, also set "
-     "data.build_sources=null"),
+     "data.build_sources=[]"),
     ("unreachable-bucket", ["data=cpp16k", "data.remote_timeout_s=0.5"],
      {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}, "storage error: gs://nanochat-training-data-2026: no answer within 0.5 s"),
     # on several hosts the C++ evaluation reads the checkpoint of its step (xtrain/train/cpp_eval.py)
@@ -228,6 +232,17 @@ def test_a_checkpoint_trained_with_another_tokenizer_is_not_resumed(world, tmp_p
         f"xtrain: checkpoint error: {run}/checkpoints/step_000002 was trained with the tokenizer of "
         f"{corpus}/tokenizer (sha256 ")
     assert "its token ids mean other text" in r.stderr and "resuming from" not in r.stdout
+
+
+def test_a_run_resumed_past_its_last_step_says_it_has_nothing_to_train(world, tmp_path):
+    """trainer.max_steps below the newest checkpoint's step: not a silent success."""
+    run = tmp_path / "run"
+    shutil.copytree(Path(world["checkpoints"]).parent, run)
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "trainer.max_steps=1",
+                        f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (f"xtrain: warning: {run}/checkpoints/step_000002 is at step 2, past this run's last "
+            "step 1 (trainer.max_steps): nothing to train") in r.stderr, r.stderr[-3000:]
 
 
 def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tmp_path):

@@ -214,7 +214,7 @@ def check_data(data) -> None:
             raise ConfigError(
                 f"data.build_sources is set, so the corpus is built into data.build_dir="
                 f"{data.build_dir}, but {', '.join(elsewhere)} reads elsewhere: to read shards "
-                "of your own, also set data.build_sources=null")
+                "of your own, also set data.build_sources=[]")
         if data.build_dir:
             check_output(list(data.build_sources), data.build_dir)
         checked_sources(list(data.build_sources))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from xtrain.config import Mode, sample_prompts
+from xtrain.errors import ConfigError
 from xtrain.hardware import run_devices
 from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
@@ -121,11 +122,14 @@ def checkpoint_model(path: str, saved):
 
 def sample(cfg, run_dir: str) -> dict:
     """Print completions of ``sample.prompt(s)`` from a checkpoint."""
-    from xtrain.model.generate import check_prompts_fit, generate
-
-    path, saved, tokenizer, _ = checkpoint_inputs(cfg, run_dir)
     s, stats = cfg.sample, {}
     prompts = sample_prompts(s)
+    if not prompts:
+        raise ConfigError("sample.prompts=[]: nothing to sample; give prompts (sample.prompts=[...] "
+                          "or sample.prompt=...)")
+    from xtrain.model.generate import check_prompts_fit, generate  # torch: after the checks
+
+    path, saved, tokenizer, _ = checkpoint_inputs(cfg, run_dir)
     check_prompts_fit(tokenizer, prompts, s.max_tokens, saved.model.sequence_len, "sample.max_tokens")
     model = checkpoint_model(path, saved)
     log.info("sampling %s: %d x %d tokens per prompt, temperature %g, top_k %s, seed %d",

@@ -53,7 +53,7 @@ def choose_attention(requested: str, engine: str, on_tpu: bool, seq_len: int) ->
     if requested != Attention.auto:
         if requested in (Attention.flash, Attention.splash) and not on_tpu:
             raise ConfigError(f"model.attention={requested.value}: the Pallas kernels need a TPU "
-                              f"(engine={engine}); use sdpa or chunked")
+                              f"(hardware.engine={getattr(engine, 'value', engine)}); use sdpa or chunked")
         return requested.value
     if on_tpu:
         return (Attention.flash if seq_len >= 2048 else Attention.sdpa).value
