@@ -351,18 +351,24 @@ def cli(*args, env=None, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["local checkpoints", "unknown pool entry", "pod profile in a pool",
-                                  "unknown tpu", "no login key to recreate with"])
+                                  "unknown tpu", "no login key to recreate with", "no target",
+                                  "no gcloud"])
 def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path, case):
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
     gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [("10.0.0.6", HOSTS[1])]))
     remote = tmp_path / "remote"
     identity = fleet_cfg(tmp_path).identity_file  # a placeholder pair: never used to log in
-    if case == "no login key to recreate with":
+    if case in ("no login key to recreate with", "no target"):  # no target: said first
         identity = str(tmp_path / "no_such_key")
     base = [*TINY, "run.name=fleet-bad", "hydra/launcher=tpu_vm", f"hydra.launcher.zone={ZONE}",
             f"hydra.launcher.remote_dir='{remote}/{{host}}'", f"hydra.launcher.identity_file={identity}"]
-    multirun = []
-    if case == "local checkpoints":
+    multirun, env = [], None
+    if case == "no target":
+        args, expected = ["hardware=v6e4"], "hydra.launcher.tpu=NAME (with zone) or hydra.launcher"
+    elif case == "no gcloud":  # a PATH of the venv alone: no gcloud (nor its stand-in) on it
+        args, env = ["hardware=v6e4", "hydra.launcher.tpu=vm-a"], {"PATH": str(Path(sys.executable).parent)}
+        expected = "environment error: gcloud is not on PATH"
+    elif case == "local checkpoints":
         args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "hydra.launcher.recreate=true"]
         expected = "hydra.launcher.recreate=true needs checkpoint.dir=gs://..."
     elif case == "unknown pool entry":
@@ -379,7 +385,7 @@ def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path,
         args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "hydra.launcher.recreate=true",
                 "checkpoint.dir=gs://bucket/ckpt"]
         expected = f"hydra.launcher.identity_file={identity}: no {identity}.pub, and ssh-keygen"
-    r = cli(*multirun, *base, *args, tmp_path=tmp_path)
+    r = cli(*multirun, *base, *args, env=env, tmp_path=tmp_path)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not remote.exists()  # nothing copied, no directory made

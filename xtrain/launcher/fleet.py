@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 
-from xtrain.errors import ConfigError, InputError
+from xtrain.errors import ConfigError, EnvironmentMismatch, InputError
 from xtrain.launcher.launch import launch_job, say
 from xtrain.launcher.logs import log_path
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
-from xtrain.launcher.targets import check_type
+from xtrain.launcher.targets import TARGET_REQUIRED, check_type
 from xtrain.launcher.vm import UP, Vm, VmLost, clock, vm_health
 from xtrain.observe.preemptions import NOTICE, launch_env
 
@@ -216,6 +217,8 @@ def run_on_vm(job: Job, log=say) -> dict:
 
 def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:
     """Refuse a fleet config that cannot work, before any VM is touched."""
+    if not (cfg.pool or cfg.tpu or cfg.hosts):
+        raise ConfigError(TARGET_REQUIRED)
     if cfg.pool:
         if cfg.tpu or cfg.hosts:
             raise ConfigError("hydra.launcher.pool names the VMs: give pool, tpu or hosts, not two")
@@ -227,6 +230,10 @@ def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:
             raise ConfigError(f"hydra.launcher.pool={list(cfg.pool)} names a VM twice")
     if (cfg.pool or cfg.tpu) and not cfg.zone:
         raise ConfigError("hydra.launcher.zone is required with hydra.launcher.tpu or pool")
+    if (cfg.pool or cfg.tpu) and shutil.which("gcloud") is None:
+        raise EnvironmentMismatch("gcloud is not on PATH: hydra.launcher.tpu and pool find their "
+                                  "VMs with the Google Cloud CLI (install it), hydra.launcher.hosts"
+                                  "=[...] takes addresses instead")
     if not cfg.recreate:
         return
     if not (cfg.tpu or cfg.pool):

@@ -15,6 +15,10 @@ class Target:
     internal: str  # the address other workers reach it on
 
 
+TARGET_REQUIRED = ("hydra.launcher.tpu=NAME (with zone) or hydra.launcher.hosts=[ADDRESS, ...] is "
+                   "required (or, for sweeps on several VMs, hydra.launcher.pool=[NAME, ...])")
+
+
 def resolve_targets(cfg, hardware, gcloud) -> list[Target]:
     """The job's workers, in worker order; refuses a launcher/profile mismatch first."""
     if cfg.kind not in ("vm", "pod"):
@@ -24,8 +28,7 @@ def resolve_targets(cfg, hardware, gcloud) -> list[Target]:
                           "hydra/launcher=tpu_pod, which runs the job on every worker")
     if bool(cfg.hosts) == bool(cfg.tpu):
         raise ConfigError("hydra.launcher: give either tpu (with zone) or hosts, not both"
-                          if cfg.hosts else "hydra.launcher.tpu=NAME (with zone) or "
-                          "hydra.launcher.hosts=[ADDRESS, ...] is required")
+                          if cfg.hosts else TARGET_REQUIRED)
     if cfg.hosts:
         targets = [Target(i, h, h) for i, h in enumerate(cfg.hosts)]
         where = "hydra.launcher.hosts"
