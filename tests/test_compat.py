@@ -6,10 +6,16 @@ tests."""
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from xtrain import compat
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PRIVATE_NAMES = [  # (module, attribute) every compat shim reaches for
     ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
@@ -119,6 +125,19 @@ def test_lightning_leaves_the_signal_handlers_in_place_during_fit():
         signal.signal(signal.SIGTERM, previous)
     assert seen[0] is not ours  # Lightning's, composed around ours (what the call removes)
     assert seen[1] is ours
+
+
+def test_the_tpu_probe_logs_nothing_of_torch_xlas_default_device():
+    """A fresh process without PJRT_DEVICE, logging as Hydra's runs do (root logger): the probe's
+    import of torch_xla must not print "Defaulting to PJRT_DEVICE=CPU"; a warning logged after
+    it still shows."""
+    code = ("import logging; logging.basicConfig(); from xtrain import compat; "
+            "print(compat.tpu_chips_on_pci()); logging.warning('after the probe')")
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr
+    assert "PJRT_DEVICE" not in r.stderr and "after the probe" in r.stderr, r.stderr
 
 
 def test_lightning_tpu_probe_answers_from_the_pci_bus_without_network(monkeypatch):

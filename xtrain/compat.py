@@ -179,11 +179,20 @@ def full_cpu_tensors(tensors: dict) -> dict:
 
 
 def tpu_chips_on_pci() -> int:
-    """[torch_xla] TPU chips attached to this host, read from the PCI bus (no network, no runtime)."""
+    """[torch_xla] TPU chips attached to this host, read from the PCI bus (no network, no runtime).
+    Importing torch_xla picks a default PJRT device and says so at WARNING on the root logger,
+    which Hydra prints on stdout as its own ("[HYDRA] Defaulting to PJRT_DEVICE=CPU" in every CPU
+    run): nothing this probe means to say, so warnings are off while it imports."""
+    import logging
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
     try:
         from torch_xla._internal.tpu import num_available_chips
     except ImportError:
         return 0
+    finally:
+        logging.disable(previous)
     return num_available_chips()
 
 
