@@ -133,7 +133,8 @@ def test_code_files_are_tracked_and_untracked_not_ignored_minus_secrets_and_data
     secret = ["secrets.yaml", "prod.env", "hf_token", "token.txt", "api_key.txt", "db-password.txt",
               ".aws/credentials", ".ssh/config", ".kube/config", ".docker/config.json",
               ".huggingface/token", "cache.pkl", "ckpt/step_1/tensors/__0_0.distcp",
-              "ckpt/step_1/tensors/.metadata", "outputs2/.hydra/config.yaml", "store.jks"]
+              "ckpt/step_1/tensors/.metadata", "outputs2/.hydra/config.yaml",
+              "old/.hydra-pending/config.yaml", "store.jks"]
     code = ["pkg/secrets.py", "pkg/tokenizer.py", "conf/tokenizer.yaml", "pkg/passwords_check.py"]
     for rel in secret + code:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -234,15 +234,25 @@ def test_a_checkpoint_trained_with_another_tokenizer_is_not_resumed(world, tmp_p
     assert "its token ids mean other text" in r.stderr and "resuming from" not in r.stdout
 
 
-def test_a_run_resumed_past_its_last_step_says_it_has_nothing_to_train(world, tmp_path):
-    """trainer.max_steps below the newest checkpoint's step: not a silent success."""
+def test_a_refused_command_leaves_the_runs_record_and_an_accepted_one_replaces_it(world, tmp_path):
+    """A run dir's .hydra/ says what trained there: a refused command in that dir does not
+    replace it; an accepted one does (here one resumed past its last step: not a silent success
+    either)."""
     run = tmp_path / "run"
     shutil.copytree(Path(world["checkpoints"]).parent, run)
+    overrides = run / ".hydra" / "overrides.yaml"
+    trained = overrides.read_text()
+    assert "trainer.max_steps=2" in trained
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "checkpoint.keep_last=0",
+                        f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert overrides.read_text() == trained
     r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "trainer.max_steps=1",
                         f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (f"xtrain: warning: {run}/checkpoints/step_000002 is at step 2, past this run's last "
             "step 1 (trainer.max_steps): nothing to train") in r.stderr, r.stderr[-3000:]
+    assert "trainer.max_steps=1" in overrides.read_text() and not (run / ".hydra-pending").exists()
 
 
 def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tmp_path):

@@ -359,14 +359,6 @@ class TrainConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)
 
 
-def hydra_subdir(mode) -> str:
-    """Where Hydra writes a job's config in its run dir: ``.hydra`` for training, ``.hydra-<mode>``
-    for the other modes, so ``mode=sample`` or ``mode=plan`` in a training run's dir leaves the
-    training's record alone."""
-    mode = getattr(mode, "value", mode)
-    return ".hydra" if mode == Mode.train.value else f".hydra-{mode}"
-
-
 @dataclass
 class SweeperConf(BasicSweeperConf):
     """``hydra/sweeper=xtrain``: Hydra's basic sweeper that checks every job first (xtrain/sweeps.py)."""
@@ -380,6 +372,7 @@ def register() -> None:
     # here, not in the plugin: a job launched on a worker composes without xtrain's plugins
     ConfigStore.instance().store(group="hydra/sweeper", name="xtrain", node=SweeperConf,
                                  provider="xtrain")
+    from xtrain.config.hydra_record import hydra_subdir
     from xtrain.naming import corpus_dir, run_name, sweep_name
 
     if not OmegaConf.has_resolver("xtrain_run_name"):

@@ -29,7 +29,7 @@ ALWAYS_EXCLUDED = (
     ".ssh", ".aws", ".azure", ".kube", ".docker", ".gnupg", ".huggingface", ".config",
     "*.jks", "*.pfx", "*.keystore", "*.pkl", "*.pickle",
     "*.parquet", "*.arrow", "*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.npy", "*.npz",
-    "*.distcp", ".metadata", ".hydra", "lightning_logs",  # (torch.distributed checkpoint files)
+    "*.distcp", ".metadata", ".hydra", ".hydra-*", "lightning_logs",  # (.metadata: DCP's)
 ) + tuple(  # secret-named files (hf_token, secrets.yaml, db-password.txt), not code (secrets.py)
     f"*{word}{suffix}" for word in ("secret", "secrets", "token", "tokens", "password", "passwords",
                                     "api_key", "apikey", "credential", "credentials")

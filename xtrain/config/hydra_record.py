@@ -1,0 +1,39 @@
+"""The record Hydra writes into a job's run dir (``config.yaml``, ``hydra.yaml``,
+``overrides.yaml``): where, and when a training's record replaces the one already there.
+
+A training run's dir is shared by every command that trains (or resumes) that run, so its
+``.hydra/`` says what trained there last. Hydra writes a job's record before xtrain sees its
+config, so a training writes to ``.hydra-pending/`` and :func:`accept` moves that into ``.hydra/``
+once its input is accepted: a refused command (``checkpoint.keep_last=0``) never replaces the
+record of what trained. Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in
+a training run's dir leave its record alone).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from xtrain.config import Mode
+
+RECORD = ".hydra"
+PENDING = ".hydra-pending"
+
+
+def hydra_subdir(mode) -> str:
+    """``hydra.output_subdir`` for ``mode`` (the ``${xtrain_hydra_subdir:}`` resolver)."""
+    mode = getattr(mode, "value", mode)
+    return PENDING if mode == Mode.train.value else f"{RECORD}-{mode}"
+
+
+def accept(run_dir: str) -> None:
+    """The pending record of an accepted training becomes the run dir's record (each file
+    replaced in one rename). None pending (a process other than the first writes none): nothing."""
+    pending = Path(run_dir) / PENDING
+    if not pending.is_dir():
+        return
+    record = Path(run_dir) / RECORD
+    record.mkdir(exist_ok=True)
+    for path in pending.iterdir():
+        os.replace(path, record / path.name)
+    pending.rmdir()
