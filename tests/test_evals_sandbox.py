@@ -92,19 +92,18 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
         # into the compiler message (the compiler runs in the sandbox as well)
         "include_dev_zero": ("#include \"/dev/zero\"\n}\n", "compile_error"),
         "include_secret": ("#include \"/etc/shadow\"\n}\n", "compile_error"),
-        # RAM-backed dirs filled (100 MiB in files under the size limit each), and /dev written
-        "fill_memory_dirs": ("  static char block[1 << 19];\n"
-                             "  if (std::fopen(\"/dev/made-up\", \"w\") != nullptr) return 42;\n"
-                             "  const char* dirs[] = {\"/tmp\", \"/dev/shm\"};\n"
-                             "  for (const char* dir : dirs) {\n"
-                             "    int i = 0;\n    for (; i < 200; ++i) {\n"
-                             "      char name[64];\n"
-                             "      std::snprintf(name, sizeof name, \"%s/f%d\", dir, i);\n"
-                             "      FILE* f = std::fopen(name, \"w\");\n"
-                             "      if (!f || std::fwrite(block, 1, sizeof block, f) != sizeof block"
-                             " || std::fclose(f) != 0) break;\n    }\n"
-                             "    if (i == 200) return 42;\n  }\n  return 41;\n}\n",
-                             "wrong_answer"),
+        # /dev read-only; /tmp and /dev/shm writable, on the session dir's disk (as /box is), not
+        # in RAM: a tmpfs there would let one program fill the host's memory
+        "own_tmp_read_only_dev": (
+            "  if (std::fopen(\"/dev/made-up\", \"w\") != nullptr) return 41;\n"
+            "  struct stat box, tmp, shm;\n"
+            "  if (stat(\"/box\", &box) || stat(\"/tmp\", &tmp) ||"
+            " stat(\"/dev/shm\", &shm)) return 41;\n"
+            "  if (tmp.st_dev != box.st_dev || shm.st_dev != box.st_dev)"
+            " return 41;\n"
+            "  if (!std::fopen(\"/tmp/x\", \"w\") ||"
+            " !std::fopen(\"/dev/shm/x\", \"w\")) return 41;\n"
+            "  return 42;\n}\n", "passed"),
         # nested deeper than Python's recursion limit: its dir must still be deleted
         "deep_dirs": ("  for (int d = 0; d < 3000; ++d)\n"
                       "    if (mkdir(\"d\", 0700) != 0 || chdir(\"d\") != 0) return 41;\n"
@@ -274,7 +273,7 @@ def test_auto_without_bubblewrap_falls_back_and_says_why(tmp_path, monkeypatch, 
     box = Sandbox(EvalConfig(sandbox="auto"), 1)
     box.close()
     assert box.mode == "rlimits"
-    assert "bwrap not found (apt-get install bubblewrap)" in capfd.readouterr().err
+    assert "bwrap not found (sudo apt-get install bubblewrap)" in capfd.readouterr().err
 
 
 def test_without_root_and_bubblewrap_auto_refuses_and_rlimits_says_what_it_risks(
@@ -286,7 +285,7 @@ def test_without_root_and_bubblewrap_auto_refuses_and_rlimits_says_what_it_risks
     monkeypatch.setattr(sandbox_module, "_warned", [])
     monkeypatch.setattr(sandbox_module.os, "geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match=r"^eval.sandbox=auto: bwrap not found .* without root "
-                                          r".*sudo apt-get install bubblewrap.*eval.sandbox=rlimits"):
+                                          r".*make bubblewrap work here.*eval.sandbox=rlimits"):
         Sandbox(EvalConfig(sandbox="auto"), 1)
     box = Sandbox(EvalConfig(sandbox="rlimits"), 1)
     box.close()
@@ -297,6 +296,8 @@ def test_without_root_and_bubblewrap_auto_refuses_and_rlimits_says_what_it_risks
 def test_a_session_dir_its_program_locked_is_deleted_without_root():
     """Without root, a dir the program took every permission from is given them back and
     deleted. Tests run as root: a forked child switched to an unused uid is the non-root xtrain."""
+    if os.geteuid() != 0:
+        pytest.skip("standing in for another uid needs root (as the uid slots do)")
     uid = uid_range()[0] - 7
     base = Path(tempfile.mkdtemp(prefix="xtrain-test-remove-"))
     session = base / "session"
@@ -309,13 +310,16 @@ def test_a_session_dir_its_program_locked_is_deleted_without_root():
     try:
         pid = os.fork()
         if pid == 0:  # the child only switches uid and deletes: no pytest code runs there
+            code = 1
             try:
                 os.setgid(uid)
                 os.setuid(uid)
                 sandbox_module._remove(session)
+                code = 0
             finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
         assert not session.exists()
     finally:
         shutil.rmtree(base, ignore_errors=True)

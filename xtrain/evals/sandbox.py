@@ -16,9 +16,11 @@ compiler message). Every command runs
   program printing forever dies of SIGXFSZ instead of filling a pipe or the disk;
 - inside bubblewrap (``bwrap``, Debian package ``bubblewrap``), the well-kept tool Flatpak uses:
   new user, PID, network, IPC and UTS namespaces (no network at all, not even loopback), a
-  read-only view of /usr only (no /root, /home, /work, /etc secrets), a read-only /dev, a
-  private /tmp and /dev/shm in RAM, each capped at the compiler's file size limit, the session
-  dir as the only other writable path, killed with its parent.
+  read-only view of /usr only (no /root, /home, /work, /etc secrets), a read-only /dev, the
+  session's own dirs as /box (its working dir), /tmp and /dev/shm and nothing else writable,
+  killed with its parent. /tmp and /dev/shm are not bubblewrap's tmpfs: that is RAM, unbounded
+  (its ``--size`` needs bubblewrap 0.7, newer than Ubuntu 22.04's), and one program could fill
+  the host's memory.
 
 What the limits do not bound: the address space is per process, so a program's processes
 together may hold up to ``max_processes`` x ``run_memory_mb``; the session dir is on the host's
@@ -52,6 +54,7 @@ from pathlib import Path
 from xtrain.errors import ConfigError
 from xtrain.evals.config import EvalConfig
 
+INSTALL = "sudo apt-get install bubblewrap"
 _UID_LOCKS = Path(tempfile.gettempdir()) / "xtrain-sandbox-uids"
 _UID_CANDIDATES = 4096  # uids tried below the top of this namespace's uid range
 _warned: list[list[str]] = []
@@ -133,7 +136,7 @@ class Sandbox:
         if self.cfg.sandbox in ("auto", "bwrap"):
             bwrap = shutil.which("bwrap")
             self._bwrap = [] if bwrap is None else self._bwrap_argv(bwrap)
-            problem = "bwrap not found (apt-get install bubblewrap)" if bwrap is None else \
+            problem = f"bwrap not found ({INSTALL})" if bwrap is None else \
                 self._probe_bwrap()
             if problem is None:
                 return "bwrap"
@@ -142,9 +145,8 @@ class Sandbox:
             if not root:
                 raise ConfigError(
                     f"eval.sandbox=auto: {problem}, and without root the fallback would run the "
-                    "generated programs as this user, able to change its files; install "
-                    "bubblewrap (sudo apt-get install bubblewrap), or accept that with "
-                    "eval.sandbox=rlimits")
+                    "generated programs as this user, able to change its files: make bubblewrap "
+                    "work here, or accept that with eval.sandbox=rlimits")
             self.missing.append(problem)
         self._unshare = ["unshare", "--user", "--net", "--"]
         if self._probe(self._unshare + ["/usr/bin/true"]) is not None:
@@ -158,9 +160,10 @@ class Sandbox:
         return "rlimits"
 
     def _probe_bwrap(self) -> str | None:
-        with tempfile.TemporaryDirectory(prefix="xtrain-cpp-probe-") as box:
-            os.chmod(box, 0o755)
-            return self._probe(self._inside(Path(box)) + ["/usr/bin/true"])
+        with tempfile.TemporaryDirectory(prefix="xtrain-cpp-probe-") as root:
+            os.chmod(root, 0o711)
+            _make_writable_dirs(Path(root), next((u for u in self._free if u is not None), None))
+            return self._probe(self._inside(Path(root)) + ["/usr/bin/true"])
 
     def _probe(self, argv: list[str]) -> str | None:
         """None when ``argv`` runs as a sandboxed command would, else its error."""
@@ -191,15 +194,15 @@ class Sandbox:
         prefix = Path(os.path.realpath(gxx)).parent.parent if gxx else None
         if prefix and not str(prefix).startswith("/usr"):  # a toolchain installed elsewhere
             argv += ["--ro-bind", str(prefix), str(prefix)]
-        # RAM-backed and writable: sized, or a program could fill the host's memory
-        size = str(limits_for(self.cfg, compile=True).file_kb << 10)
-        return argv + ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm",
-                       "--remount-ro", "/dev", "--size", size, "--tmpfs", "/tmp"]
+        return argv + ["--proc", "/proc", "--dev", "/dev"]
 
-    def _inside(self, box: Path) -> list[str]:
-        """The command prefix that puts a program inside the sandbox, working in ``box``."""
+    def _inside(self, root: Path) -> list[str]:
+        """The command prefix that puts a program inside the sandbox of session dir ``root``
+        (:func:`_make_writable_dirs`), working in its box."""
         if self.mode == "bwrap":
-            return self._bwrap + ["--bind", str(box), "/box", "--chdir", "/box", "--"]
+            binds = [arg for name, inside in WRITABLE.items()
+                     for arg in ("--bind", str(root / name), inside)]
+            return self._bwrap + binds + ["--remount-ro", "/dev", "--chdir", "/box", "--"]
         return self._unshare
 
     @contextlib.contextmanager
@@ -213,11 +216,8 @@ class Sandbox:
         try:
             root = Path(tempfile.mkdtemp(prefix="xtrain-cpp-"))
             os.chmod(root, 0o711)  # the sandbox uid may reach box/, not list or read the logs
-            box = root / "box"
-            box.mkdir(mode=0o700)
-            if uid is not None:
-                os.chown(box, uid, uid)
-            yield Session(self, root, box, uid)
+            _make_writable_dirs(root, uid)
+            yield Session(self, root, root / "box", uid)
         finally:
             try:
                 if uid is not None:
@@ -246,7 +246,7 @@ class Session:
 
     def run(self, argv: list[str], limits: Limits) -> Result:
         """Run ``argv`` under ``limits``, working in the session dir (use relative paths)."""
-        argv = (_prlimit(limits, self._process_limit(limits)) + self.sandbox._inside(self.box)
+        argv = (_prlimit(limits, self._process_limit(limits)) + self.sandbox._inside(self.root)
                 + argv)
         out_path, err_path = self.root / "stdout", self.root / "stderr"
         start = time.perf_counter()
@@ -270,6 +270,18 @@ class Session:
         # A private uid counts only this session's processes. Without root the uid is shared
         # with everything else the account runs, so the limit is on top of those.
         return limits.processes if self.uid is not None else limits.processes + _count_own()
+
+
+# A session dir's dirs the program may write, and where bubblewrap shows them (the fallback
+# runs in box/ and leaves the other two unused).
+WRITABLE = {"box": "/box", "tmp": "/tmp", "shm": "/dev/shm"}
+
+
+def _make_writable_dirs(root: Path, uid: int | None) -> None:
+    for name in WRITABLE:
+        (root / name).mkdir(mode=0o700)
+        if uid is not None:
+            os.chown(root / name, uid, uid)
 
 
 def _prlimit(limits: Limits, processes: int) -> list[str]:
