@@ -40,6 +40,7 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     # makes it), nor once an interpolation is resolved
     ("run-name-empty", ["run.name="], {}, "run.name='': a run's name must be one plain directory"),
     ("run-name-climbs", ["run.name=../escaped"], {}, "run.name='../escaped': a run's name must"),
+    ("run-name-quoted", ["run.name='..'"], {}, "run.name='..': a run's name must"),
     ("run-name-interpolated", ["run.name=d${{model.depth}}/x"], {}, "run.name='d2/x': a run's"),
     ("wrong-type", ["trainer.max_steps=abc"], {}, "trainer.max_steps: Value 'abc'"),
     ("bad-override", ["trainer.max_steps=[1"], {}, "cannot parse override 'trainer.max_steps=[1'"),
@@ -324,12 +325,18 @@ def test_a_sweep_refuses_a_bad_job_before_running_any(tmp_path):
     assert time.perf_counter() - started < 30  # before any torch import, let alone a step
 
 
-def test_a_sweep_refuses_a_base_option_before_running_any(tmp_path):
+@pytest.mark.parametrize("overrides, job, expected", [
+    (["hardware=cpu,_v6e"], 2, "hardware=_v6e: a base that the group's options extend"),
+    (["optim.matrix_lr=0.01,0.02", "+trainer.max_step=5"], 1,
+     "trainer.max_step (did you mean trainer.max_steps?): the config has no such key"),
+    (["run.name=ok,d${model.depth}/x"], 2, "run.name='d2/x': a run's name must be one plain"),
+], ids=["base option", "added unknown key", "interpolated run name"])
+def test_a_sweep_refuses_a_job_composed_wrong_before_running_any(tmp_path, overrides, job, expected):
     sweep = tmp_path / "sweep"
-    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *TINY, "hardware=cpu,_v6e", "mode=plan",
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *TINY, *overrides, "mode=plan",
                         f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
-    assert r.stderr.splitlines()[-1].startswith("xtrain: config error: sweep job 2 of 2 (")
-    assert "hardware=_v6e: a base that the group's options extend" in r.stderr.splitlines()[-1]
+    assert r.stderr.splitlines()[-1].startswith(f"xtrain: config error: sweep job {job} of 2 (")
+    assert expected in r.stderr.splitlines()[-1]
     assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]  # no job's directory

@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 
 from xtrain import compat
 from xtrain.config import register
-from xtrain.config.choices import check_choices, check_known_keys
+from xtrain.config.choices import check_composed
+from xtrain.config.hydra_record import writes_record
 from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.paths import config_dir
 
@@ -36,13 +37,10 @@ def _main(cfg: DictConfig) -> None:
 
     from xtrain.launcher import is_remote, launch_from_hydra
     from xtrain.modes import run
-    from xtrain.naming import check_run_name
 
     hc = HydraConfig.get()
     try:  # hydra/launcher=tpu_vm|tpu_pod: Hydra calls a launcher only with -m, so route it here
-        check_choices(hc.runtime.choices)
-        check_known_keys(cfg)
-        check_run_name(cfg.run.name)  # resolved: it may interpolate
+        check_composed(cfg, hc.runtime.choices)
         summary = launch_from_hydra(cfg) if is_remote(hc.launcher) else run(cfg, hc.runtime.output_dir)
     except Exception as ex:  # noqa: BLE001  (refusals end here, in one line; the rest is raised)
         if not is_refusal(ex) or os.environ.get("HYDRA_FULL_ERROR") == "1":
@@ -57,7 +55,7 @@ def secondary_process_overrides(env=os.environ) -> list[str]:
     torchrun and xtrain's launchers set it): it writes no Hydra files into the run directory the
     processes may share (no .hydra/ copy of the config, no log file; it logs to stdout). What a
     run writes is process 0's job; the overrides do not change the run's name."""
-    if env.get("RANK", "0") in ("", "0"):
+    if writes_record(env):
         return []
     return ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
@@ -87,14 +85,27 @@ def find_plugins() -> None:
 
 
 def check_run_name_overrides(args: list[str]) -> None:
-    """Refuse a ``run.name=`` that is no plain directory name before Hydra makes that directory
-    (one that interpolates is checked once resolved, in _main)."""
+    """Refuse a ``run.name=`` that is no plain directory name before Hydra makes that directory,
+    each value of a sweep (read as Hydra reads it: quotes, escapes; one that interpolates, or
+    that Hydra cannot parse, is left to the checks of the composed config)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
     from xtrain.naming import check_run_name
 
+    parser = OverridesParser.create()
     for arg in args:
-        key, _, value = arg.partition("=")
-        if key.lstrip("+~") == "run.name" and "${" not in value:
-            check_run_name(value)
+        if not arg.lstrip("+~").startswith("run.name=") or "${" in arg:
+            continue
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except HydraException:
+            continue
+        values = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                  else [override.value()])
+        for value in values:
+            if isinstance(value, str):
+                check_run_name(value)
 
 
 def check_no_secret_overrides(args: list[str]) -> None:

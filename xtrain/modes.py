@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 
 from xtrain.config import Mode, sample_prompts
-from xtrain.config.hydra_record import accept
 from xtrain.errors import ConfigError
 from xtrain.hardware import run_devices
 from xtrain.inputs import check_inputs
@@ -51,7 +50,6 @@ def run(cfg, run_dir: str) -> dict | None:
             return show_plan(cfg, plan)
         check_fits(plan, cfg)
         check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
-        accept(run_dir)  # its .hydra/ record now says what trains here
         from xtrain.train.run import train
 
         return train(cfg, plan, run_dir)

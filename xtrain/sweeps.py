@@ -16,7 +16,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from xtrain.config.choices import check_choices
+    from xtrain.config.choices import check_composed
     from xtrain.errors import ConfigError, is_refusal
     from xtrain.modes import check_config
 
@@ -29,7 +29,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
             with open_dict(job):
                 del job["hydra"]
             try:
-                check_choices(choices)
+                check_composed(job, choices)
                 check_config(job)
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
                 if not is_refusal(e):

@@ -16,6 +16,16 @@ def check_choices(choices) -> None:
                           "option to choose (choose one whose name has no leading _)")
 
 
+def check_composed(cfg, choices) -> None:
+    """Every check of a composed job that needs nothing but its config and Hydra's choices: run
+    here, before each job of a sweep and before a launch."""
+    from xtrain.naming import check_run_name
+
+    check_choices(choices)
+    check_known_keys(cfg)
+    check_run_name(cfg.run.name)  # resolved: it may interpolate
+
+
 def check_known_keys(cfg) -> None:
     """Refuse keys the schema does not have. Hydra's ``+key=value`` adds a key even to a typed
     section, where nothing reads it: ``+trainer.max_step=5`` would train the default number of

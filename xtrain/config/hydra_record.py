@@ -5,7 +5,8 @@ A training run's dir is shared by every command that trains (or resumes) that ru
 ``.hydra/`` says what trained there last. Hydra writes a job's record before xtrain sees its
 config, so a training writes to ``.hydra-pending/`` and :func:`accept` moves that into ``.hydra/``
 once its input is accepted: a refused command (``checkpoint.keep_last=0``) never replaces the
-record of what trained. Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in
+record of what trained (it is moved just before training starts, here or, for a launched job,
+once it started on its workers; only the first process of a run writes one). Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in
 a training run's dir leave its record alone).
 """
 
@@ -26,11 +27,17 @@ def hydra_subdir(mode) -> str:
     return PENDING if mode == Mode.train.value else f"{RECORD}-{mode}"
 
 
+def writes_record(env=os.environ) -> bool:
+    """Whether this process writes the Hydra record: the first of a run (RANK 0, or none set, as
+    torchrun and xtrain's launchers set it); the others may share its run dir."""
+    return env.get("RANK", "0") in ("", "0")
+
+
 def accept(run_dir: str) -> None:
     """The pending record of an accepted training becomes the run dir's record (each file
-    replaced in one rename). None pending (a process other than the first writes none): nothing."""
+    replaced in one rename)."""
     pending = Path(run_dir) / PENDING
-    if not pending.is_dir():
+    if not writes_record() or not pending.is_dir():
         return
     record = Path(run_dir) / RECORD
     record.mkdir(exist_ok=True)

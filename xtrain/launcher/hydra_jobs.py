@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from xtrain.config import Mode
-from xtrain.config.hydra_record import accept
+from xtrain.config.choices import check_composed
 from xtrain.errors import is_refusal, refuse
 from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
 from xtrain.launcher.launch import launch_job, say
@@ -27,6 +27,7 @@ def prepare_from_hydra(cfg) -> Job:
     from xtrain.plan import check_fits
 
     hc = HydraConfig.get()
+    check_composed(cfg, hc.runtime.choices)  # also for the jobs of a sweep (Hydra's task for each)
     launcher = hc.launcher
     where = launcher.tpu or ", ".join(launcher.pool or launcher.hosts)
     with ConsoleLog(None):
@@ -34,7 +35,6 @@ def prepare_from_hydra(cfg) -> Job:
     if cfg.mode == Mode.train:
         check_fits(plan, cfg)
     check_job(launcher, cfg.hardware, cfg.checkpoint.dir)
-    accept(hc.runtime.output_dir)
     return Job(copy.deepcopy(launcher), copy.deepcopy(cfg.hardware), list(hc.overrides.task),
                cfg.run.name, hc.runtime.output_dir,
                checkpoint_dir(cfg, "<run dir on the VM>"), cfg.preemption.maintenance_lead_s)

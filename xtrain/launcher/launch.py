@@ -23,6 +23,7 @@ import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from xtrain.config.hydra_record import accept
 from xtrain.errors import ConfigError
 from xtrain.launcher import secrets as job_secrets
 from xtrain.launcher.env import EnvSpec, ensure_env, requirements
@@ -88,6 +89,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
         log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
             f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
         offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
+    accept(job_dir)  # running on the workers: the local .hydra/ record is this job's
     with open(os.path.join(job_dir, "launch.json"), "w") as f:
         json.dump({"job": job_id, "attempt": attempt, "hosts": [w.host for w in workers],
                    "remote_job_dir": jobs[0].dir, "remote_run_dir": run_dir(workers[0], job_id)},

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from xtrain import compat
 from xtrain.config import to_plain
+from xtrain.config.hydra_record import accept
 from xtrain.engines.base import Engine
 from xtrain.plan import RunPlan
 
@@ -320,6 +321,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
             trainer = build_trainer(engine, callbacks.checkpoint_io,
                                     callbacks.all(LoaderState(loaders.steps)), plan, trainer_cfg,
                                     loaders.val is not None, run_dir)
+            accept(run_dir)  # every check passed: its .hydra/ record says what trains here
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
             status = "preempted" if callbacks.checkpointer.preempted else "success"
             if status == "preempted":  # why, for the launcher (xtrain/observe/preemptions.py)
