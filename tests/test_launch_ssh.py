@@ -145,7 +145,7 @@ def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path, monkeypat
     """A venv whose creation stopped short (no pip, as when the VM lacks ensurepip), a small
     pure-Python package from PyPI: the venv is made afresh, the package installed, verified,
     stamped; the same spec again installs nothing; a new pin installs again, and a system tool
-    the worker lacks (one that exists nowhere) is named in what the install says."""
+    the worker lacks (one that exists nowhere) is named in what the install says, unstamped."""
     subprocess.run([str(BASE_PYTHON), "-m", "venv", "--without-pip", str(tmp_path / "fresh-venv")],
                    check=True)
     worker, runner, _ = make_worker(remote, tmp_path, venv=str(tmp_path / "fresh-venv"))
@@ -161,10 +161,14 @@ def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path, monkeypat
     assert ensure_env(worker, spec, stamp) == "unchanged"
     assert len(runner.calls) == before  # not even a call
     newer = EnvSpec(str(BASE_PYTHON), ("six==1.17.0",))
+    # (no apt-get either: where sudo needs no password, this machine's packages stay as they are)
     monkeypatch.setattr(env, "SYSTEM_TOOLS", {"xtrain-test-absent": "xtrain-test-absent-package"})
+    monkeypatch.setattr(env, "APT_GET", "xtrain-test-no-apt-get")
     state = ensure_env(worker, newer, stamp)
-    assert state.startswith("installed; xtrain: warning: ") and \
-        "xtrain-test-absent-package" in state, state
+    assert state == ("installed; xtrain: warning: xtrain-test-absent is not on this VM, and no "
+                     "apt-get with passwordless sudo installs it: apt-get install "
+                     "xtrain-test-absent-package"), state
+    assert worker.probe("unit").stamp == stamp  # not stamped: the next launch tries again
     assert subprocess.run(version, capture_output=True, text=True).stdout.strip() == "1.17.0"
     assert runner.labels().count("install") == 2
 

@@ -27,6 +27,7 @@ STAMP = ".xtrain-stamp"
 # Tools the jobs use from the system, and their Debian package: bubblewrap is the C++
 # evaluation's sandbox (xtrain/evals/sandbox.py), which refuses to run without it unless root.
 SYSTEM_TOOLS = {"bwrap": "bubblewrap"}
+APT_GET = "apt-get"
 
 
 def requirements(root: Path, pins: dict) -> list[str]:
@@ -91,10 +92,12 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
                           "profile: " + "; ".join(problems) + hint)
     if not spec.install:
         return "verified"
+    if warnings:  # no stamp: the next launch tries again, and says so again
+        return "; ".join(["installed", *warnings])
     listing = "\n".join(spec.requirements)
     worker.run(f"printf '%s\\n' {q(listing)} > {q(venv)}/xtrain-requirements.txt\n"
                f"echo {spec.stamp} > {q(venv)}/{STAMP}\n", "stamp")
-    return "; ".join(["installed", *warnings])
+    return "installed"
 
 
 def base_python_script(base_python: str) -> str:
@@ -136,11 +139,11 @@ def _apt_install(missing: str, packages: str, without_apt: list[str],
                  or_else: str = "") -> list[str]:
     """Install ``packages`` from apt with passwordless sudo (as on TPU VMs), else ``without_apt``;
     ``or_else`` runs when apt fails (by default the script's ``set -e`` stops it)."""
-    apt = "sudo -n env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q -y"
+    apt = f"sudo -n env DEBIAN_FRONTEND=noninteractive {APT_GET} -o DPkg::Lock::Timeout=600 -q -y"
     steps = [f"{apt} update >&2", f"{apt} install {packages} >&2"]
     if or_else:
         steps = [f"{{ {' && '.join(steps)}; }} || {{ {or_else}; }}"]
-    return ["if command -v apt-get >/dev/null 2>&1 && sudo -n true 2>/dev/null; then",
+    return [f"if command -v {APT_GET} >/dev/null 2>&1 && sudo -n true 2>/dev/null; then",
             f"  echo {shlex.quote(f'xtrain: {missing}: installing {packages} from apt')} >&2",
             *["  " + step for step in steps],
             "else",
