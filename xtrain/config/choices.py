@@ -17,8 +17,8 @@ def check_choices(choices) -> None:
 
 
 def check_composed(cfg, choices) -> None:
-    """Every check of a composed job that needs nothing but its config and Hydra's choices: run
-    here, before each job of a sweep and before a launch."""
+    """Every check of a composed job that needs nothing but its config and Hydra's choices: by
+    the CLI, before each job of a sweep (xtrain/sweeps.py), and before a launch."""
     from xtrain.naming import check_run_name
 
     check_choices(choices)

@@ -4,10 +4,11 @@
 A training run's dir is shared by every command that trains (or resumes) that run, so its
 ``.hydra/`` says what trained there last. Hydra writes a job's record before xtrain sees its
 config, so a training writes to ``.hydra-pending/`` and :func:`accept` moves that into ``.hydra/``
-once its input is accepted: a refused command (``checkpoint.keep_last=0``) never replaces the
-record of what trained (it is moved just before training starts, here or, for a launched job,
-once it started on its workers; only the first process of a run writes one). Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in
-a training run's dir leave its record alone).
+once every check has passed: just before training starts (xtrain/train/run.py) or, for a
+launched job, once it runs on its workers (xtrain/launcher/launch.py). A refused command
+(``checkpoint.keep_last=0``) never replaces the record of what trained. Only the first process of
+a run writes a record. Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a
+training run's dir leave its record alone).
 """
 
 from __future__ import annotations

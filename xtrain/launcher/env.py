@@ -27,7 +27,7 @@ STAMP = ".xtrain-stamp"
 # Tools the jobs use from the system, and their Debian package: bubblewrap is the C++
 # evaluation's sandbox (xtrain/evals/sandbox.py), which refuses to run without it unless root.
 SYSTEM_TOOLS = {"bwrap": "bubblewrap"}
-APT_GET = "apt-get"
+APT_GET = "apt-get"  # the package manager the install script calls
 
 
 def requirements(root: Path, pins: dict) -> list[str]:
