@@ -21,6 +21,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeperConf
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from xtrain.config.hydra_record import PENDING, RECORD
 from xtrain.config.outputs import (JsonlLoggerConfig, LoggerConfig, SampleConfig,  # noqa: F401
                                    TensorBoardLoggerConfig, WandbLoggerConfig, WandbMode,
                                    sample_prompts)
@@ -359,6 +360,14 @@ class TrainConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)
 
 
+def hydra_subdir(mode) -> str:
+    """``hydra.output_subdir`` for ``mode`` (the ``${xtrain_hydra_subdir:}`` resolver): a
+    training's record is pending until accepted, the other modes' go to ``.hydra-<mode>``
+    (xtrain/config/hydra_record.py)."""
+    mode = getattr(mode, "value", mode)
+    return PENDING if mode == Mode.train.value else f"{RECORD}-{mode}"
+
+
 @dataclass
 class SweeperConf(BasicSweeperConf):
     """``hydra/sweeper=xtrain``: Hydra's basic sweeper that checks every job first (xtrain/sweeps.py)."""
@@ -372,7 +381,6 @@ def register() -> None:
     # here, not in the plugin: a job launched on a worker composes without xtrain's plugins
     ConfigStore.instance().store(group="hydra/sweeper", name="xtrain", node=SweeperConf,
                                  provider="xtrain")
-    from xtrain.config.hydra_record import hydra_subdir
     from xtrain.naming import corpus_dir, run_name, sweep_name
 
     if not OmegaConf.has_resolver("xtrain_run_name"):

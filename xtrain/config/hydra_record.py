@@ -16,16 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from xtrain.config import Mode
-
 RECORD = ".hydra"
-PENDING = ".hydra-pending"
-
-
-def hydra_subdir(mode) -> str:
-    """``hydra.output_subdir`` for ``mode`` (the ``${xtrain_hydra_subdir:}`` resolver)."""
-    mode = getattr(mode, "value", mode)
-    return PENDING if mode == Mode.train.value else f"{RECORD}-{mode}"
+PENDING = ".hydra-pending"  # a training's, until accepted (xtrain/config/__init__.py hydra_subdir)
 
 
 def writes_record(env=os.environ) -> bool:
