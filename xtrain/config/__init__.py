@@ -21,6 +21,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeperConf
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from xtrain.config.evaluation import EvalConfig, Sandbox  # noqa: F401
 from xtrain.config.hydra_record import PENDING, RECORD
 from xtrain.config.outputs import (JsonlLoggerConfig, LoggerConfig, SampleConfig,  # noqa: F401
                                    TensorBoardLoggerConfig, WandbLoggerConfig, WandbMode,
@@ -96,9 +97,11 @@ class HardwareConfig:
     sequence_len: int = limits(256, ge=1)
     # default tokens per device per micro-batch (device batch = this / sequence length)
     device_tokens: int = limits(2048, ge=1)
-    python: str = "3.11"
+    python: str = "3.11"  # the Python version the launchers make the worker's venv with
     pins: dict[str, str] = field(default_factory=dict)  # package -> exact version on the VM
-    env: dict[str, str] = field(default_factory=dict)  # set before torch_xla initialises
+    # environment of the XLA runtime and the TPU compiler, set before torch_xla initialises (a
+    # variable already set wins); the cpu engine reads none of it (refused on the cpu profile)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,7 +110,7 @@ class ModelConfig:
 
     depth: int = limits(MISSING, ge=1)
     aspect_ratio: int = limits(64, ge=1)
-    head_dim: int = limits(128, ge=2)
+    head_dim: int = limits(128, ge=2)  # n_head = width / head_dim (even: rotary pairs)
     # None: equal to n_head (no GQA); must divide n_head
     n_kv_head: int | None = limits(None, ge=1)
     vocab_size: int | None = limits(None, ge=1)  # None: the data's tokenizer size
@@ -143,7 +146,8 @@ class DataConfig:
     name: str = MISSING
     train_files: str = MISSING  # directory or glob of parquet shards with a `text` column
     val_files: str | None = None  # None: no validation (unless holdout_last_shard)
-    holdout_last_shard: bool = False  # nanochat's convention: the last train shard is validation
+    # nanochat's convention: the last train shard is validation (val_files must then be None)
+    holdout_last_shard: bool = False
     tokenizer: str = MISSING  # directory: tokenizer.json (HF) or tokenizer.pkl (tiktoken)
     # the tokenizer's size, known without reading it (for planning)
     # (at least 256 byte tokens and <|bos|>: xtrain/data/tokenizer.py's byte-level BPE)
@@ -155,7 +159,7 @@ class DataConfig:
     build_sources: list[str] = field(default_factory=list)
     build_dir: str | None = None
     chunk_tokens: int = limits(2048, ge=1)  # token budget per chunk when building
-    tokenizer_threads: int = limits(2, ge=1)
+    tokenizer_threads: int = limits(2, ge=1)  # threads encoding text for each loader
     prefetch: int = limits(4, ge=1)  # batches prepared ahead of the training step
     # seconds a remote (gs://) data or checkpoint location may take to answer the first listing
     remote_timeout_s: float = limits(20.0, gt=0)
@@ -184,14 +188,14 @@ class OptimConfig:
     embedding_lr: float = limits(0.2, ge=0)  # AdamW, token embedding
     unembedding_lr: float = limits(0.004, ge=0)  # AdamW, lm_head
     scale_adam_lr_by_width: bool = True  # nanochat: AdamW lrs scale as (width / 768) ** -0.5
-    weight_decay: float = limits(0.0, ge=0)
+    weight_decay: float = limits(0.0, ge=0)  # Muon's matrices only (AdamW's groups take none)
     adam_beta1: float = limits(0.8, ge=0, lt=1)
     adam_beta2: float = limits(0.95, ge=0, lt=1)
     adam_eps: float = limits(1e-10, gt=0)
     muon_momentum: float = limits(0.95, ge=0, lt=1)
     muon_ns_steps: int = limits(5, ge=1)  # Newton-Schulz iterations
     grad_clip: float = limits(1.0, ge=0)  # max global grad norm; 0 disables
-    warmup_steps: int = limits(0, ge=0)
+    warmup_steps: int = limits(0, ge=0)  # steps the lr ramps up linearly to each group's lr
     warmdown_ratio: float = limits(0.2, ge=0, le=1)  # fraction of max_steps decaying linearly
     final_lr_frac: float = limits(0.0, ge=0, le=1)  # lr multiplier reached at the last step
 
@@ -209,14 +213,15 @@ class TrainerConfig:
     device_batch_size: int | None = limits(None, ge=1)
     # tokens per optimizer step (gradient accumulation makes up the rest); None: no accumulation
     total_batch_size: int | None = limits(None, ge=1)
+    # steps between metrics records (the step's loss and norms leave the device only then)
     log_every: int = limits(10, ge=1)
     eval_every: int = limits(0, ge=0)  # 0: only at the end
-    eval_batches: int = limits(8, ge=1)
+    eval_batches: int = limits(8, ge=1)  # validation batches per evaluation (at most one pass)
     # tokens per training sample (every sample_every steps, and at the end); 0: none
     sample_tokens: int = limits(64, ge=0)
     # steps between samples during training (prompts: sample.*); 0: at the end only
     sample_every: int = limits(0, ge=0)
-    seed: int = limits(42, ge=0)
+    seed: int = limits(42, ge=0)  # initial weights and the data order (samples: sample.seed)
     # XLA engine: stop the run when its training step has compiled more graphs than this (a
     # healthy run compiles the step once), naming the graph and torch_xla's reason; None: no
     # limit. The debug presets set 1.
@@ -239,6 +244,9 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Where and how often training state is saved (xtrain/checkpoint/): atomic commits, resumed
+    by running the same command again."""
+
     dir: str | None = None  # None: <run dir>/checkpoints; may be gs://bucket/prefix
     every: int = limits(0, ge=0)  # steps between checkpoints; 0: only the final one (and on stop)
     # newest committed checkpoints kept (the newest is never deleted)
@@ -251,51 +259,6 @@ class CheckpointConfig:
     rewind: bool = False
     # upload attempts after a storage error (backoff 1, 2, 4, ... s); then warn
     retries: int = limits(5, ge=0)
-
-
-class Sandbox(str, Enum):
-    """How the C++ evaluation isolates each program (xtrain/evals/sandbox.py)."""
-
-    auto = "auto"  # bubblewrap when installed, else resource limits only (with a warning)
-    bwrap = "bwrap"  # require bubblewrap (namespaces: no network, read-only system, private /tmp)
-    rlimits = "rlimits"  # resource limits only, for machines without user namespaces
-
-
-@dataclass
-class EvalConfig:
-    """How a model is judged on C++ problems (xtrain/evals/): sampling, the sandbox's limits, the
-    compiler."""
-
-    # Benchmark file, JSONL (format in xtrain/evals/__init__.py); a local path or any fsspec URL
-    # (gs://...). None: the benchmark shipped in the package (xtrain/evals/cpp_problems.jsonl).
-    cpp_file: str | None = None
-    # evaluate every this many optimizer steps during training (rank 0); 0: never mid-run
-    cpp_every: int = limits(0, ge=0)
-    n: int = limits(1, ge=1)  # completions sampled per problem (pass@k needs n >= k)
-    k: list[int] = field(default_factory=lambda: [1])  # pass@k reported for each of these k
-    # 0: greedy decoding (then n must be 1: greedy samples are identical)
-    temperature: float = limits(0.0, ge=0)
-    top_k: int | None = limits(None, ge=1)  # sample among the top_k most likely tokens; None: all
-    # new tokens per completion before the stop rule cuts it; None: 384, or what the model's
-    # context leaves after the prompt where that is less (a set value must fit: refused otherwise)
-    max_tokens: int | None = limits(None, ge=1)
-    # Raw text that ends a completion (the tokenizer's document separator as decoded text).
-    eof_markers: list[str] = field(default_factory=lambda: ["<|bos|>", "<|endoftext|>"])
-    gxx: str = "g++"  # compiler executable (name on PATH or absolute path)
-    std: str = "c++17"  # -std= value; C++17 or newer
-    flags: list[str] = field(default_factory=lambda: ["-O1", "-pipe"])  # extra g++ flags
-    compile_timeout_s: float = limits(30.0, gt=0)  # wall-clock limit of one compile
-    # wall-clock limit of one test run (CPU time gets the same + 1 s)
-    run_timeout_s: float = limits(5.0, gt=0)
-    compile_memory_mb: int = limits(2048, ge=1)  # address-space limit of the compiler processes
-    run_memory_mb: int = limits(512, ge=1)  # address-space limit of the test program
-    # largest file a program (or the compiler, x64) may write; caps output
-    max_file_kb: int = limits(1024, ge=1)
-    max_processes: int = limits(32, ge=1)  # processes the sandbox's user may have (fork bombs)
-    max_open_files: int = limits(64, ge=1)  # open file descriptors per process
-    workers: int = limits(0, ge=0)  # compiles/runs at once; 0: one per CPU core this process may use
-    sandbox: Sandbox = Sandbox.auto
-    message_chars: int = limits(2000, ge=1)  # compiler message and test output kept per record
 
 
 @dataclass
@@ -338,11 +301,15 @@ class PreemptionConfig:
 
 @dataclass
 class RunConfig:
+    """The run's identity: its directory (outputs/<name>) and its checkpoints' owner."""
+
     name: str = MISSING  # default derived from the chosen groups and overrides (xtrain/naming.py)
 
 
 @dataclass
 class TrainConfig:
+    """The whole composed config (conf/train.yaml): one field per group or section."""
+
     mode: Mode = Mode.train
     run: RunConfig = field(default_factory=RunConfig)
     hardware: HardwareConfig = MISSING
@@ -381,10 +348,12 @@ def register() -> None:
     # here, not in the plugin: a job launched on a worker composes without xtrain's plugins
     ConfigStore.instance().store(group="hydra/sweeper", name="xtrain", node=SweeperConf,
                                  provider="xtrain")
-    from xtrain.naming import corpus_dir, run_name, sweep_name
+    from xtrain.naming import corpus_dir, run_dir_name, run_name, sweep_name
 
     if not OmegaConf.has_resolver("xtrain_run_name"):
         OmegaConf.register_new_resolver("xtrain_run_name", run_name)
+    if not OmegaConf.has_resolver("xtrain_run_dir_name"):
+        OmegaConf.register_new_resolver("xtrain_run_dir_name", run_dir_name)
     if not OmegaConf.has_resolver("xtrain_corpus"):
         OmegaConf.register_new_resolver("xtrain_corpus", corpus_dir)
     if not OmegaConf.has_resolver("xtrain_hydra_subdir"):  # see conf/train.yaml
