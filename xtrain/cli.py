@@ -63,7 +63,6 @@ def secondary_process_overrides(env=os.environ) -> list[str]:
 def main() -> None:
     try:
         check_no_secret_overrides(sys.argv[1:])
-        check_run_name_overrides(sys.argv[1:])
     except ConfigError as ex:
         refuse(ex)
     sys.argv += secondary_process_overrides()
@@ -82,30 +81,6 @@ def find_plugins() -> None:
     launch = str(Path(__file__).resolve().parent.parent / "launch")
     if os.path.isdir(launch) and launch not in sys.path:
         sys.path.append(launch)
-
-
-def check_run_name_overrides(args: list[str]) -> None:
-    """Refuse a ``run.name=`` that is no plain directory name before Hydra makes that directory,
-    each value of a sweep (read as Hydra reads it: quotes, escapes; one that interpolates, or
-    that Hydra cannot parse, is left to the checks of the composed config)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    from xtrain.naming import check_run_name
-
-    parser = OverridesParser.create()
-    for arg in args:
-        if not arg.lstrip("+~").startswith("run.name=") or "${" in arg:
-            continue
-        try:
-            (override,) = parser.parse_overrides([arg])
-        except HydraException:
-            continue
-        values = (list(override.sweep_string_iterator()) if override.is_sweep_override()
-                  else [override.value()])
-        for value in values:
-            if isinstance(value, str):
-                check_run_name(value)
 
 
 def check_no_secret_overrides(args: list[str]) -> None:

@@ -93,6 +93,12 @@ def one_line(ex: BaseException) -> str:
 
     if isinstance(ex, (InputError, LaunchError, PeerLost)):
         return f"xtrain: {ex.kind} error: {ex}"
+    if isinstance(ex, OmegaConfBaseException):  # refused by one of xtrain's resolvers?
+        inner = ex.__cause__ or ex.__context__  # (OmegaConf wraps a resolver's error unchained)
+        while inner is not None and not isinstance(inner, InputError):
+            inner = inner.__cause__ or inner.__context__
+        if inner is not None:
+            return one_line(inner)
     cause = ex.__cause__ if isinstance(ex.__cause__, OmegaConfBaseException) else ex
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         return f"xtrain: config error: {cause.full_key}: {str(cause).splitlines()[0]}"

@@ -27,7 +27,8 @@ NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval
                          "compile_cache.", "preflight.", "model.scan", "model.remat",
                          "trainer.compile")
 GROUPS_IN_NAME = ("model", "hardware", "data")
-MAX_NAME = 120  # bytes; file systems allow 255 per path component
+MAX_NAME = 120  # bytes of a derived name
+NAME_MAX = 255  # bytes of any run name: file systems allow no longer path component
 
 
 def shorten(name: str, limit: int = MAX_NAME) -> str:
@@ -59,10 +60,18 @@ def check_run_name(name: str) -> None:
     from xtrain.errors import ConfigError
 
     if not name.strip() or name != name.strip() or name in (".", "..") or \
-            re.search(r"[/\\*?\[\]]", name):
+            re.search(r"[/\\*?\[\]]", name) or len(name.encode()) > NAME_MAX:
         raise ConfigError(f"run.name={name!r}: a run's name must be one plain directory name: "
                           "not empty, no leading or trailing spaces, none of / \\ * ? [ ], "
-                          "not . or ..")
+                          f"not . or .., at most {NAME_MAX} bytes")
+
+
+def run_dir_name(name: str) -> str:
+    """The ``${xtrain_run_dir_name:${run.name}}`` resolver of conf/train.yaml's run and sweep
+    dirs: the run's name, checked (:func:`check_run_name`) before Hydra makes its directory,
+    once interpolations are resolved."""
+    check_run_name(name)
+    return name
 
 
 def run_name() -> str:
