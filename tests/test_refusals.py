@@ -128,6 +128,24 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("cpp-eval-between-checkpoints", ["hardware=cpu2", "eval.cpp_every=3", "checkpoint.every=2"], {},
      "eval.cpp_every=3 on 2 hosts: the evaluation reads the weights of the checkpoint of its step, "
      "so it must be a multiple of checkpoint.every (now 2)"),
+    # the evaluation's own checks, before data, checkpoints or the model are read
+    ("eval-k-above-n-in-training", ["eval.cpp_every=5", "eval.k=[2]"], {},
+     "eval.k=[2]: each k must be in 1..eval.n=1"),
+    ("eval-greedy-samples", ["mode=eval", "eval.n=4"], {},  # (the run dir has no checkpoint)
+     "eval.n=4 with eval.temperature=0: greedy decoding gives n identical samples"),
+    # settings nothing would read
+    ("val-files-and-holdout", ["data=cpp16k", "data.val_files=gs://bucket/val"], {},
+     "data.val_files=gs://bucket/val with data.holdout_last_shard=true: validation would read "
+     "the last train shard"),
+    ("env-on-cpu-engine", ["+hardware.env.OMP_NUM_THREADS=1"], {},
+     "hardware.env sets OMP_NUM_THREADS: the XLA runtime's environment, which the cpu engine"),
+    # the launcher's fields, before anything is copied
+    ("launcher-range", ["hardware=v6e4", "hydra/launcher=tpu_vm", "hydra.launcher.hosts=[127.0.0.9]",
+                        "hydra.launcher.retries=-1", "hydra.launcher.port=0"], {},
+     "hydra.launcher.port=0: must be >= 1; hydra.launcher.retries=-1: must be >= 0"),
+    ("launcher-added-unknown-key", ["hardware=v6e4", "hydra/launcher=tpu_vm",
+                                    "hydra.launcher.hosts=[127.0.0.9]", "+hydra.launcher.retrys=3"], {},
+     "hydra.launcher.retrys (did you mean hydra.launcher.retries?): the config has no such key"),
     # checkpoints
     ("resume-missing", ["checkpoint.resume={missing}"], {}, "checkpoint.resume={missing}: no such directory"),
     ("resume-empty", ["checkpoint.resume={empty}"], {}, "not a committed checkpoint"),
@@ -254,6 +272,21 @@ def test_a_refused_command_leaves_the_runs_record_and_an_accepted_one_replaces_i
     assert (f"xtrain: warning: {run}/checkpoints/step_000002 is at step 2, past this run's last "
             "step 1 (trainer.max_steps): nothing to train") in r.stderr, r.stderr[-3000:]
     assert "trainer.max_steps=1" in overrides.read_text() and not (run / ".hydra-pending").exists()
+
+
+@pytest.mark.parametrize("name", ["d${model.depth}/x", "..", "${oc.env:XTRAIN_TEST_NAME}", "a" * 256])
+def test_a_bad_run_name_is_refused_before_hydra_makes_its_directory(tmp_path, name):
+    """Without hydra.run.dir, Hydra makes outputs/<run.name> (and writes its record there) before
+    xtrain sees the config: the name, interpolations resolved, is checked as Hydra reads it
+    (conf/train.yaml), so nothing is left behind ("${oc.env:...}" giving ".." would write into
+    the working directory itself)."""
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "mode=plan", f"run.name={name}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "XTRAIN_TEST_NAME": ".."})
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1].startswith("xtrain: config error: run.name="), r.stderr
+    assert "a run's name must be one plain directory name" in r.stderr.splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tmp_path):

@@ -29,10 +29,24 @@ def check_config(cfg) -> None:
     the first: xtrain/sweeps.py); :func:`run` repeats them as the job starts."""
     if cfg.mode in (Mode.sample, Mode.eval):
         check_ranges(cfg)
-        return
-    plan = resolve(cfg, run_devices(cfg.hardware))
-    if cfg.mode == Mode.train:
-        check_fits(plan, cfg)
+    else:
+        plan = resolve(cfg, run_devices(cfg.hardware))
+        if cfg.mode == Mode.train:
+            check_fits(plan, cfg)
+    check_sampling(cfg)
+
+
+def check_sampling(cfg) -> None:
+    """What ranges cannot say of the ``sample`` and ``eval`` settings this command uses (the
+    prompts of ``mode=sample``; the C++ evaluation's config, xtrain/evals/config.py, for
+    ``mode=eval`` or training with ``eval.cpp_every``), before anything is read."""
+    if cfg.mode == Mode.sample and not sample_prompts(cfg.sample):
+        raise ConfigError("sample.prompts=[]: nothing to sample; give prompts (sample.prompts=[...] "
+                          "or sample.prompt=...)")
+    if cfg.mode == Mode.eval or (cfg.mode == Mode.train and cfg.eval.cpp_every):
+        from xtrain.evals.config import check
+
+        check(cfg.eval)
 
 
 def run(cfg, run_dir: str) -> dict | None:
@@ -42,6 +56,7 @@ def run(cfg, run_dir: str) -> dict | None:
         # the checkpoint's config decides the model, not this one: no plan, the ranges only
         if cfg.mode in (Mode.sample, Mode.eval):
             check_ranges(cfg)
+            check_sampling(cfg)
             return (sample if cfg.mode == Mode.sample else evaluate)(cfg, run_dir)
         plan = plan_run(cfg, run_dir)
         if cfg.mode == Mode.compile:
@@ -49,6 +64,7 @@ def run(cfg, run_dir: str) -> dict | None:
         if cfg.mode == Mode.plan:
             return show_plan(cfg, plan)
         check_fits(plan, cfg)
+        check_sampling(cfg)
         check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
         from xtrain.train.run import train
 
@@ -122,12 +138,10 @@ def checkpoint_model(path: str, saved):
 
 def sample(cfg, run_dir: str) -> dict:
     """Print completions of ``sample.prompt(s)`` from a checkpoint."""
+    from xtrain.model.generate import check_prompts_fit, generate
+
     s, stats = cfg.sample, {}
-    prompts = sample_prompts(s)
-    if not prompts:
-        raise ConfigError("sample.prompts=[]: nothing to sample; give prompts (sample.prompts=[...] "
-                          "or sample.prompt=...)")
-    from xtrain.model.generate import check_prompts_fit, generate  # torch: after the checks
+    prompts = sample_prompts(s)  # not empty (check_sampling)
 
     path, saved, tokenizer, _ = checkpoint_inputs(cfg, run_dir)
     check_prompts_fit(tokenizer, prompts, s.max_tokens, saved.model.sequence_len, "sample.max_tokens")
@@ -153,8 +167,8 @@ def evaluate(cfg, run_dir: str) -> dict:
     from xtrain.evals import prepare
     from xtrain.evals.completions import check_fit, evaluate_model, records_path
 
-    path, saved, tokenizer, step = checkpoint_inputs(cfg, run_dir)
     problems = prepare(cfg.eval)  # the config, the benchmark file and the compiler, checked
+    path, saved, tokenizer, step = checkpoint_inputs(cfg, run_dir)
     check_fit(tokenizer, problems, cfg.eval, saved.model.sequence_len)
     model = checkpoint_model(path, saved)
     records = records_path(run_dir, step, "eval-" + time.strftime("%Y%m%d-%H%M%S"))

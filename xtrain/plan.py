@@ -275,7 +275,8 @@ def resolve(cfg, devices: int) -> RunPlan:
     model, data, hw, trainer = cfg.model, cfg.data, cfg.hardware, cfg.trainer
     check_ranges(cfg)
     check_profile(hw)
-    check_engine_can_honour(cfg.parallelism, hw.engine)
+    check_engine_can_honour(cfg.parallelism, hw)
+    check_validation_split(data)
     if model.vocab_size is None:
         model.vocab_size = data.vocab_size
     elif model.vocab_size != data.vocab_size:
@@ -315,13 +316,31 @@ def resolve(cfg, devices: int) -> RunPlan:
                    (hw.hourly_usd_spot, hw.hourly_usd_on_demand))
 
 
-def check_engine_can_honour(par, engine: str) -> None:
-    """The cpu engine replicates every parameter: fsdp and tensor axes, and sharding rules, need
-    the xla engine (they would otherwise be ignored while still naming the run)."""
-    if engine == Engine.cpu and (par.fsdp != 1 or par.tensor != 1 or par.rules):
+def check_engine_can_honour(par, hw) -> None:
+    """Settings the cpu engine would ignore while they still name the run: it replicates every
+    parameter (fsdp and tensor axes, and sharding rules, need the xla engine), and it starts no
+    XLA runtime to give ``hardware.env`` to (a TPU profile's own env is left alone)."""
+    if hw.engine != Engine.cpu:
+        return
+    if par.fsdp != 1 or par.tensor != 1 or par.rules:
         raise ConfigError(f"parallelism={par.name} shards parameters (fsdp={par.fsdp}, "
                           f"tensor={par.tensor}, {len(par.rules)} rules): the cpu engine replicates "
                           "every parameter; use parallelism=dp, or hardware.engine=xla")
+    if hw.env and not hw.accelerator_type:
+        raise ConfigError(f"hardware.env sets {', '.join(sorted(hw.env))}: the XLA runtime's "
+                          "environment, which the cpu engine does not start; set such variables "
+                          "in the shell (VAR=value python -m xtrain ...), or use "
+                          "hardware.engine=xla")
+
+
+def check_validation_split(data) -> None:
+    """One validation split: the held-out last train shard, or ``val_files``, not both (the
+    holdout would win and val_files be read by nothing)."""
+    if data.holdout_last_shard and data.val_files:
+        raise ConfigError(f"data.val_files={data.val_files} with data.holdout_last_shard=true: "
+                          "validation would read the last train shard, not val_files; set "
+                          "data.holdout_last_shard=false to validate on val_files (or "
+                          "data.val_files=null)")
 
 
 def memory_levers(cfg, plan: RunPlan) -> list[tuple[str, float]]:

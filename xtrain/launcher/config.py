@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from xtrain.limits import limits
+
 
 @dataclass
 class LauncherConfig:
+    """Where a job runs (a TPU VM, a pod's workers, explicit hosts, or a pool of VMs) and how it
+    gets there: SSH, code sync, the worker's venv, job control, spot recreation."""
+
     # vm (hydra/launcher=tpu_vm: one host) | pod (tpu_pod: every worker of a slice)
     kind: str = "vm"
 
@@ -24,15 +29,15 @@ class LauncherConfig:
 
     # SSH (OpenSSH; launch/README.md says why not a Python SSH library)
     user: str | None = None  # remote user; None: the local user name (the one gcloud uses)
-    port: int = 22
+    port: int = limits(22, ge=1, le=65535)
     identity_file: str = "~/.ssh/google_compute_engine"  # the key gcloud pushes to TPU VMs
     # xtrain's own known_hosts: a new host is accepted on first contact, a changed key refused
     known_hosts: str = "~/.config/xtrain/known_hosts"
     rekey: bool = False  # accept a changed host key (a recreated VM): its old entry is removed
-    connect_timeout_s: int = 20
-    retries: int = 4  # further attempts after a connection failure (refused, timed out, reset)
-    backoff_s: float = 2.0  # wait before the first retry, doubled for each further one
-    keepalive_s: int = 15  # ServerAliveInterval; 4 unanswered keepalives drop the connection
+    connect_timeout_s: int = limits(20, ge=1)  # ssh's ConnectTimeout
+    retries: int = limits(4, ge=0)  # further attempts after a connection failure (refused, timed out, reset)
+    backoff_s: float = limits(2.0, ge=0)  # wait before the first retry, doubled for each further one
+    keepalive_s: int = limits(15, ge=1)  # ServerAliveInterval; 4 unanswered keepalives drop the connection
     multiplex: bool = True  # one ssh connection per host, reused by a launch's calls
 
     # Remote layout and Python environment
@@ -52,12 +57,12 @@ class LauncherConfig:
     # Code sync
     source: str | None = None  # the git checkout to sync; None: the one xtrain runs from
     exclude: list[str] = field(default_factory=list)  # more glob patterns never synced
-    max_file_mb: float = 20.0  # a bigger file is refused: data does not belong in the code
+    max_file_mb: float = limits(20.0, gt=0)  # a bigger file is refused: data does not belong in the code
 
     # Job control
-    coordinator_port: int = 29500  # MASTER_PORT; MASTER_ADDR is worker 0's internal address
+    coordinator_port: int = limits(29500, ge=1, le=65535)  # MASTER_PORT; MASTER_ADDR is worker 0's internal address
     # SIGTERM, then SIGKILL after this long (kill -9 can leave the TPU runtime broken)
-    stop_grace_s: float = 60.0
+    stop_grace_s: float = limits(60.0, ge=0)
     # libtpu's lock (TPU profiles only): removed before a start when no process holds it
     tpu_lockfile: str = "/tmp/libtpu_lockfile"
     # stop this job on its workers (SIGTERM: it checkpoints and exits 143) instead of running it
@@ -71,19 +76,19 @@ class LauncherConfig:
     recreate: bool = False
     # preemptions one job may survive (each re-runs it); then it fails. A stop for a GCE notice
     # on a VM that stayed up counts as one (xtrain/launcher/fleet.py, NoticeStop)
-    max_recreates: int = 3
+    max_recreates: int = limits(3, ge=0)
     spot: bool = True  # create VMs with --spot
     # the VM is the node of a queued resource of the same name (gcloud compute tpus
     # queued-resources): its state is the queued resource's (SUSPENDED: preempted), and it is
     # recreated as a queued resource
     queued: bool = False
     # a recreation (delete, create with capacity retries, wait for READY) that takes longer fails
-    ready_timeout_s: float = 3600.0
-    capacity_backoff_s: float = 60.0  # wait after "no capacity", doubled each time, at most 16x
-    poll_s: float = 15.0  # between gcloud describes while waiting for a VM
+    ready_timeout_s: float = limits(3600.0, gt=0)
+    capacity_backoff_s: float = limits(60.0, gt=0)  # wait after "no capacity", doubled each time, at most 16x
+    poll_s: float = limits(15.0, gt=0)  # between gcloud describes while waiting for a VM
     # a VM just created may refuse logins (its guest agent writes the ssh-keys metadata after
     # READY) or not answer them (sshd starting) this long before the launch goes on; 0: no wait
-    login_grace_s: float = 180.0
+    login_grace_s: float = limits(180.0, ge=0)
     # single-host TPU VMs (names, in `zone`) a multirun's jobs are spread over: one job per VM at
     # a time, the next job to the first free VM; a preempted VM's job is requeued
     pool: list[str] = field(default_factory=list)

@@ -29,13 +29,16 @@ import shutil
 import time
 from dataclasses import dataclass
 
+from xtrain.config.choices import check_known_keys
 from xtrain.errors import ConfigError, EnvironmentMismatch, InputError
+from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.launch import launch_job, say
 from xtrain.launcher.logs import log_path
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.targets import TARGET_REQUIRED, check_type
 from xtrain.launcher.vm import UP, Vm, VmLost, clock, vm_health
+from xtrain.limits import out_of_range
 from xtrain.observe.preemptions import NOTICE, launch_env
 
 
@@ -217,6 +220,10 @@ def run_on_vm(job: Job, log=say) -> dict:
 
 def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:
     """Refuse a fleet config that cannot work, before any VM is touched."""
+    check_known_keys(cfg, "hydra.launcher.")
+    problems = out_of_range(cfg, LauncherConfig, "hydra.launcher.")
+    if problems:
+        raise ConfigError("; ".join(problems))
     if not (cfg.pool or cfg.tpu or cfg.hosts):
         raise ConfigError(TARGET_REQUIRED)
     if cfg.pool:
@@ -247,9 +254,6 @@ def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:
         raise ConfigError(f"hydra.launcher.recreate=true: hardware={hardware.name} names no "
                           "accelerator_type and runtime_version to create the VM with")
     Ssh(cfg, Runner()).authorized_key()  # the key a recreated VM gets: readable, or refused now
-    if cfg.max_recreates < 0 or cfg.ready_timeout_s <= 0 or cfg.capacity_backoff_s <= 0:
-        raise ConfigError("hydra.launcher: max_recreates must be >= 0, ready_timeout_s and "
-                          "capacity_backoff_s > 0")
 
 
 def check_known(vm: Vm, recreate: bool) -> None:

@@ -22,7 +22,7 @@ def prepare_from_hydra(cfg) -> Job:
     from hydra.core.hydra_config import HydraConfig
 
     from xtrain.inputs import checkpoint_dir
-    from xtrain.modes import plan_run
+    from xtrain.modes import check_sampling, plan_run
     from xtrain.observe.console import ConsoleLog
     from xtrain.plan import check_fits
 
@@ -34,6 +34,7 @@ def prepare_from_hydra(cfg) -> Job:
         plan = plan_run(cfg, f"{launcher.kind} {where}")
     if cfg.mode == Mode.train:
         check_fits(plan, cfg)
+    check_sampling(cfg)
     check_job(launcher, cfg.hardware, cfg.checkpoint.dir)
     return Job(copy.deepcopy(launcher), copy.deepcopy(cfg.hardware), list(hc.overrides.task),
                cfg.run.name, hc.runtime.output_dir,
