@@ -1,4 +1,5 @@
-"""Which config group options may be chosen (conf/<group>/<option>.yaml)."""
+"""Checks of a composed config that need nothing but the config and Hydra's choices: which group
+options may be chosen (conf/<group>/<option>.yaml), which keys exist, the run's name."""
 
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ def check_composed(cfg, choices) -> None:
     check_run_name(cfg.run.name)  # resolved: it may interpolate
 
 
-def check_known_keys(cfg) -> None:
+def check_known_keys(cfg, prefix: str = "") -> None:
     """Refuse keys the schema does not have. Hydra's ``+key=value`` adds a key even to a typed
     section, where nothing reads it: ``+trainer.max_step=5`` would train the default number of
-    steps. Free-form maps (``hardware.env``) take any key."""
-    unknown = _unknown_keys(cfg, "")
+    steps. Free-form maps (``hardware.env``) take any key. ``prefix``: where ``cfg`` sits in the
+    whole config (``hydra.launcher.``)."""
+    unknown = _unknown_keys(cfg, prefix)
     if unknown:
         raise ConfigError("; ".join(unknown) + ": the config has no such key (a '+' override adds "
                           "keys only to free-form maps such as hardware.env)")
@@ -51,7 +53,9 @@ def _unknown_keys(node, path: str) -> list[str]:
                 near = difflib.get_close_matches(str(key), names, n=1)
                 out.append(f"{path}{key}" + (f" (did you mean {path}{near[0]}?)" if near else ""))
     for key in node:
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+        if OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key):
+            continue
+        child = node[key]
+        if isinstance(child, DictConfig):  # (a None section reads as None)
             out += _unknown_keys(child, f"{path}{key}.")
     return out
