@@ -92,10 +92,13 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
         # into the compiler message (the compiler runs in the sandbox as well)
         "include_dev_zero": ("#include \"/dev/zero\"\n}\n", "compile_error"),
         "include_secret": ("#include \"/etc/shadow\"\n}\n", "compile_error"),
-        # /dev read-only; /tmp and /dev/shm writable, on the session dir's disk (as /box is), not
-        # in RAM: a tmpfs there would let one program fill the host's memory
+        # the root and /dev read-only; /tmp and /dev/shm writable, on the session dir's disk (as
+        # /box is), not in RAM: a tmpfs there (bwrap's root is one) would let one program fill
+        # the host's memory
         "own_tmp_read_only_dev": (
             "  if (std::fopen(\"/dev/made-up\", \"w\") != nullptr) return 41;\n"
+            "  if (std::fopen(\"/made-up\", \"w\") != nullptr) return 41;\n"
+            "  if (mkdir(\"/etc/made-up\", 0700) == 0) return 41;\n"
             "  struct stat box, tmp, shm;\n"
             "  if (stat(\"/box\", &box) || stat(\"/tmp\", &tmp) ||"
             " stat(\"/dev/shm\", &shm)) return 41;\n"
@@ -290,7 +293,9 @@ def test_without_root_and_bubblewrap_auto_refuses_and_rlimits_says_what_it_risks
     box = Sandbox(EvalConfig(sandbox="rlimits"), 1)
     box.close()
     assert box.mode == "rlimits" and box._free == [None]  # no uid of its own
-    assert "a daemon it starts may outlive it, running as this user" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "a daemon it starts may outlive it, running as this user" in err
+    assert "the program may read this process's environment (secrets)" in err  # unshare or not
 
 
 def test_a_session_dir_its_program_locked_is_deleted_without_root():

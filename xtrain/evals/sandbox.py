@@ -16,11 +16,11 @@ compiler message). Every command runs
   program printing forever dies of SIGXFSZ instead of filling a pipe or the disk;
 - inside bubblewrap (``bwrap``, Debian package ``bubblewrap``), the well-kept tool Flatpak uses:
   new user, PID, network, IPC and UTS namespaces (no network at all, not even loopback), a
-  read-only view of /usr only (no /root, /home, /work, /etc secrets), a read-only /dev, the
-  session's own dirs as /box (its working dir), /tmp and /dev/shm and nothing else writable,
-  killed with its parent. /tmp and /dev/shm are not bubblewrap's tmpfs: that is RAM, unbounded
-  (its ``--size`` needs bubblewrap 0.7, newer than Ubuntu 22.04's), and one program could fill
-  the host's memory.
+  read-only view of /usr only (no /root, /home, /work, /etc secrets), a read-only root and
+  /dev, the session's own dirs as /box (its working dir), /tmp and /dev/shm and nothing else
+  writable, killed with its parent. /tmp and /dev/shm are not bubblewrap's tmpfs, and its root
+  (a tmpfs too) is read-only: a tmpfs is RAM, unbounded (its ``--size`` needs bubblewrap 0.7,
+  newer than Ubuntu 22.04's), and one program could fill the host's memory.
 
 What the limits do not bound: the address space is per process, so a program's processes
 together may hold up to ``max_processes`` x ``run_memory_mb``; the session dir is on the host's
@@ -32,8 +32,9 @@ namespaces): everything above except the bubblewrap layer, plus ``unshare --user
 kernel allows it. The program then sees the real filesystem with its uid's rights (world-writable
 dirs such as /tmp are writable) and shares the PID namespace; a one-line warning says so.
 Without root there is no private uid either: the program would run as this process's user, able
-to change that user's files (checkpoints, keys) and, without unshare, to read this process's
-environment (secrets). ``auto`` refuses that; only an explicit ``eval.sandbox=rlimits`` runs it.
+to change that user's files (checkpoints, keys) and to read this process's environment
+(secrets: /proc/<pid>/environ of the same uid, with or without unshare). ``auto`` refuses that;
+only an explicit ``eval.sandbox=rlimits`` runs it.
 """
 
 from __future__ import annotations
@@ -152,8 +153,8 @@ class Sandbox:
         if self._probe(self._unshare + ["/usr/bin/true"]) is not None:
             self._unshare = []
             self.missing.append("no network isolation (unshare --user --net not permitted)")
-            if not root:
-                self.missing.append("the program may read this process's environment (secrets)")
+        if not root:  # same uid, same PID namespace: /proc/<this pid>/environ is readable
+            self.missing.append("the program may read this process's environment (secrets)")
         outlives = "a daemon it starts may outlive it" + ("" if root else ", running as this user")
         self.missing.append("no read-only filesystem view (the program may write wherever its "
                             f"uid may) and no PID namespace ({outlives})")
@@ -179,7 +180,7 @@ class Sandbox:
 
     def _bwrap_argv(self, bwrap: str) -> list[str]:
         """bubblewrap's arguments shared by every session: namespaces, a read-only /usr (and
-        the toolchain's prefix if elsewhere), a private /tmp; no /root, /home, /work or /etc."""
+        the toolchain's prefix if elsewhere), /proc and /dev; no /root, /home, /work or /etc."""
         argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
                 "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/box",
                 "--setenv", "LANG", "C.UTF-8", "--ro-bind", "/usr", "/usr"]
@@ -202,7 +203,9 @@ class Sandbox:
         if self.mode == "bwrap":
             binds = [arg for name, inside in WRITABLE.items()
                      for arg in ("--bind", str(root / name), inside)]
-            return self._bwrap + binds + ["--remount-ro", "/dev", "--chdir", "/box", "--"]
+            # bwrap's own root is a tmpfs (RAM) the program could fill: read-only, like /dev
+            return self._bwrap + binds + ["--remount-ro", "/dev", "--remount-ro", "/",
+                                          "--chdir", "/box", "--"]
         return self._unshare
 
     @contextlib.contextmanager
