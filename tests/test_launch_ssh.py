@@ -20,6 +20,7 @@ from tests.sshd import (BASE_PYTHON, HOSTS, git_tree, keygen, live_group, remote
 from xtrain.errors import ConfigError
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher import env
+from xtrain.launcher import worker as worker_module
 from xtrain.launcher.env import EnvSpec, ensure_env, system_tools_script
 from xtrain.launcher.job import RemoteJob
 from xtrain.launcher.runner import LaunchError, Result, Runner
@@ -145,7 +146,8 @@ def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path, monkeypat
     """A venv whose creation stopped short (no pip, as when the VM lacks ensurepip), a small
     pure-Python package from PyPI: the venv is made afresh, the package installed, verified,
     stamped; the same spec again installs nothing; a new pin installs again, and a system tool
-    the worker lacks (one that exists nowhere) is named in what the install says, unstamped."""
+    the worker lacks (one that exists nowhere) is named in what the install says; the venv is
+    stamped all the same, and the next launch tries the tool alone again."""
     subprocess.run([str(BASE_PYTHON), "-m", "venv", "--without-pip", str(tmp_path / "fresh-venv")],
                    check=True)
     worker, runner, _ = make_worker(remote, tmp_path, venv=str(tmp_path / "fresh-venv"))
@@ -163,17 +165,21 @@ def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path, monkeypat
     newer = EnvSpec(str(BASE_PYTHON), ("six==1.17.0",))
     # (no apt-get either: where sudo needs no password, this machine's packages stay as they are)
     monkeypatch.setattr(env, "SYSTEM_TOOLS", {"xtrain-test-absent": "xtrain-test-absent-package"})
+    monkeypatch.setattr(worker_module, "SYSTEM_TOOLS", env.SYSTEM_TOOLS)
     monkeypatch.setattr(env, "APT_GET", "xtrain-test-no-apt-get")
+    warning = ("xtrain: warning: xtrain-test-absent is not on this VM, and no apt-get with "
+               "passwordless sudo installs it: apt-get install xtrain-test-absent-package")
     state = ensure_env(worker, newer, stamp)
-    assert state == ("installed; xtrain: warning: xtrain-test-absent is not on this VM, and no "
-                     "apt-get with passwordless sudo installs it: apt-get install "
-                     "xtrain-test-absent-package"), state
-    assert worker.probe("unit").stamp == stamp  # not stamped: the next launch tries again
+    assert state == f"installed; {warning}", state
     assert subprocess.run(version, capture_output=True, text=True).stdout.strip() == "1.17.0"
-    assert runner.labels().count("install") == 2
+    probe = worker.probe("unit")
+    assert probe.stamp == newer.stamp and probe.lacks == ["xtrain-test-absent"]
+    assert ensure_env(worker, newer, probe.stamp, probe.lacks) == f"unchanged; {warning}"
+    assert runner.labels().count("install") == 2 and runner.labels().count("system tools") == 1
 
 
-@pytest.mark.parametrize("case", ["present", "installed", "no sudo", "apt fails"])
+@pytest.mark.parametrize("case", ["present", "installed", "installed, no tool", "no sudo",
+                                  "apt fails"])
 def test_a_missing_system_tool_is_installed_from_apt_or_named(tmp_path, monkeypatch, case):
     """The install script's lines for SYSTEM_TOOLS, run by bash on a PATH of stand-ins: apt-get
     and sudo are fakes that record their arguments (this machine's packages are not the test's
@@ -181,7 +187,10 @@ def test_a_missing_system_tool_is_installed_from_apt_or_named(tmp_path, monkeypa
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
-    fakes = {"apt-get": f'echo "apt-get $*" >> {calls}; [ "$XTRAIN_TEST_APT" = ok ]',
+    tool = bin_dir / "xtrain-test-tool"  # what the package brings (in "installed")
+    brings = f'printf "#!/bin/sh\\n" > {tool}; chmod +x {tool}; ' if case == "installed" else ""
+    fakes = {"apt-get": f'echo "apt-get $*" >> {calls}; case " $* " in *" install "*) {brings}:;; '
+                        'esac; [ "$XTRAIN_TEST_APT" = ok ]',
              "sudo": 'shift; [ "$1" = env ] && shift 2; "$@"'}  # -n [env VAR=...] command...
     if case == "present":
         fakes["xtrain-test-tool"] = "true"
@@ -203,6 +212,8 @@ def test_a_missing_system_tool_is_installed_from_apt_or_named(tmp_path, monkeypa
         assert apt[0].endswith(" update") and (case == "apt fails" or apt[1].endswith(
             " install xtrain-test-package")), apt
     warning = {"present": None, "installed": None,
+               "installed, no tool": "xtrain: warning: xtrain-test-tool is still not on this VM "
+                                     "after installing xtrain-test-package",
                "no sudo": "xtrain: warning: xtrain-test-tool is not on this VM, and no apt-get "
                           "with passwordless sudo installs it: apt-get install xtrain-test-package",
                "apt fails": "xtrain: warning: installing xtrain-test-package failed"}[case]

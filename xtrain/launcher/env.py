@@ -60,11 +60,15 @@ class EnvSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
+def ensure_env(worker, spec: EnvSpec, found_stamp: str | None, lacks=()) -> str:
     """Make ``worker.venv`` satisfy ``spec``; returns what was done (unchanged, installed,
-    verified), with the install's warnings."""
+    verified), with the install's warnings. ``lacks``: the :data:`SYSTEM_TOOLS` the worker's probe
+    did not find, tried again (apt alone) where the venv is unchanged."""
     if spec.install and found_stamp == spec.stamp:
-        return "unchanged"
+        if not lacks:
+            return "unchanged"
+        r = worker.run(f"set -e\n{system_tools_script()}", "system tools", timeout=None)
+        return "; ".join(["unchanged", *_warnings(r)])
     venv, q = worker.venv, shlex.quote
     if spec.install:
         pip = " ".join(q(a) for a in ["-m", "pip", "install", "--disable-pip-version-check",
@@ -83,7 +87,7 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
         if not r.ok:
             raise LaunchError(f"worker {worker.index} ({worker.host}): installing into {venv} "
                               f"failed:\n{_tail(r.stderr or r.stdout)}")
-        warnings = [line for line in r.stderr.splitlines() if line.startswith("xtrain: warning:")]
+        warnings = _warnings(r)
     problems = verify(worker, spec.requirements)
     if problems:
         hint = "" if spec.install else " (hydra.launcher.install=false: fix it by hand, or let " \
@@ -92,12 +96,14 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None) -> str:
                           "profile: " + "; ".join(problems) + hint)
     if not spec.install:
         return "verified"
-    if warnings:  # no stamp: the next launch tries again, and says so again
-        return "; ".join(["installed", *warnings])
     listing = "\n".join(spec.requirements)
     worker.run(f"printf '%s\\n' {q(listing)} > {q(venv)}/xtrain-requirements.txt\n"
                f"echo {spec.stamp} > {q(venv)}/{STAMP}\n", "stamp")
-    return "installed"
+    return "; ".join(["installed", *warnings])  # a tool still missing: tried at the next launch
+
+
+def _warnings(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("xtrain: warning:")]
 
 
 def base_python_script(base_python: str) -> str:
@@ -118,15 +124,19 @@ def base_python_script(base_python: str) -> str:
 
 def system_tools_script() -> str:
     """Shell lines that install :data:`SYSTEM_TOOLS` missing on the worker, where apt and
-    passwordless sudo allow; otherwise a warning (the job that needs one says so at its start)."""
+    passwordless sudo allow; otherwise, or when the package brought no such tool, a warning (the
+    job that needs one says so at its start)."""
     lines = []
     for tool, package in SYSTEM_TOOLS.items():
         missing = f"{tool} is not on this VM"
         warning = (f"xtrain: warning: {missing}, and no apt-get with passwordless sudo installs "
                    f"it: apt-get install {package}")
         failed = f"xtrain: warning: installing {package} failed"
-        lines += _if_missing(tool, _apt_install(missing, package, [
-            f"echo {shlex.quote(warning)} >&2"], or_else=f"echo {shlex.quote(failed)} >&2"))
+        absent = f"xtrain: warning: {tool} is still not on this VM after installing {package}"
+        lines += _if_missing(tool, _apt_install(
+            missing, package, [f"echo {shlex.quote(warning)} >&2"],
+            or_else=f"echo {shlex.quote(failed)} >&2",
+            then=_if_missing(tool, [f"echo {shlex.quote(absent)} >&2"])))
     return _indent(lines)
 
 
@@ -135,14 +145,16 @@ def _if_missing(command: str, lines: list[str]) -> list[str]:
             *["  " + line for line in lines], "fi"]
 
 
-def _apt_install(missing: str, packages: str, without_apt: list[str],
-                 or_else: str = "") -> list[str]:
+def _apt_install(missing: str, packages: str, without_apt: list[str], or_else: str = "",
+                 then: list[str] = ()) -> list[str]:
     """Install ``packages`` from apt with passwordless sudo (as on TPU VMs), else ``without_apt``;
-    ``or_else`` runs when apt fails (by default the script's ``set -e`` stops it)."""
+    ``or_else`` runs when apt fails (by default the script's ``set -e`` stops it), ``then`` when
+    it succeeds."""
     apt = f"sudo -n env DEBIAN_FRONTEND=noninteractive {APT_GET} -o DPkg::Lock::Timeout=600 -q -y"
-    steps = [f"{apt} update >&2", f"{apt} install {packages} >&2"]
+    steps = [f"{apt} update >&2", f"{apt} install {packages} >&2", *then]
     if or_else:
-        steps = [f"{{ {' && '.join(steps)}; }} || {{ {or_else}; }}"]
+        steps = [f"if {apt} update >&2 && {apt} install {packages} >&2; then",
+                 *["  " + line for line in then or [":"]], "else", f"  {or_else}", "fi"]
     return [f"if command -v {APT_GET} >/dev/null 2>&1 && sudo -n true 2>/dev/null; then",
             f"  echo {shlex.quote(f'xtrain: {missing}: installing {packages} from apt')} >&2",
             *["  " + step for step in steps],

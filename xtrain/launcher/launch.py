@@ -80,7 +80,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
             raise VmUnavailable("another xtrain job is running there: " + "; ".join(busy) +
                                 " (stop it with its own command plus hydra.launcher.stop=true)")
         with before_start():
-            done = parallel(lambda w: prepare(w, root, files, spec, probes[w.index].stamp), workers)
+            done = parallel(lambda w: prepare(w, root, files, spec, probes[w.index]), workers)
         for w, (sent, env_state) in zip(workers, done):
             log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
         # not before_start: a start cut short may have left the job running (job.start raises
@@ -171,9 +171,9 @@ def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, lo
     return attempt
 
 
-def prepare(worker, root, files, spec, stamp) -> tuple[list[str], str]:
+def prepare(worker, root, files, spec, probe) -> tuple[list[str], str]:
     sent = sync(worker.ssh, worker.host, root, files, worker.code)
-    return sent, ensure_env(worker, spec, stamp)
+    return sent, ensure_env(worker, spec, probe.stamp, probe.lacks)
 
 
 def run_dir(worker, job_id: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from xtrain.launcher.env import STAMP
+from xtrain.launcher.env import STAMP, SYSTEM_TOOLS
 from xtrain.launcher.job import STATE_SH, JobState
 from xtrain.launcher.runner import LaunchError
 
@@ -20,6 +20,7 @@ class Probe:
     job: JobState
     busy: list[str] = field(default_factory=list)  # other jobs running there: "name pid"
     ended: list[str] = field(default_factory=list)  # other jobs that ended unwatched: names
+    lacks: list[str] = field(default_factory=list)  # SYSTEM_TOOLS not there (jobs may need them)
 
 
 class Worker:
@@ -49,6 +50,7 @@ class Worker:
             'mkdir -p "$root/code" "$root/jobs" "$root/runs" && cd "$root" && echo "root=$(pwd)"',
             'echo "venv=$venv"',
             *(f'command -v {t} >/dev/null || echo "missing={t}"' for t in TOOLS),
+            *(f'command -v {t} >/dev/null || echo "lacks={t}"' for t in SYSTEM_TOOLS),
             f'[ -f "$venv/{STAMP}" ] && echo "stamp=$(cat "$venv/{STAMP}")"',
             f'echo "job=$(job_state "$root/jobs/{job_id}")"',
             'for d in "$root"/jobs/*/; do n=$(basename "$d")',
@@ -69,7 +71,7 @@ class Worker:
         self.root, self.venv = values["root"][0], values["venv"][0]
         self.code = self.root + "/code"
         return Probe(values.get("stamp", [None])[0], JobState.parse(values["job"][0]),
-                     values.get("busy", []), values.get("ended", []))
+                     values.get("busy", []), values.get("ended", []), values.get("lacks", []))
 
 
 def _shell_path(path: str) -> str:
