@@ -5,7 +5,8 @@ A training run's dir is shared by every command that trains (or resumes) that ru
 ``.hydra/`` says what trained there last. Hydra writes a job's record before xtrain sees its
 config, so a training writes to ``.hydra-pending/`` and :func:`accept` moves that into ``.hydra/``
 once every check has passed: just before training starts (xtrain/train/run.py) or, for a
-launched job, once it runs on its workers (xtrain/launcher/launch.py). A refused command
+launched job, once it has ended on its workers other than refused there (exit 2: checks of
+paths and checkpoints run on the workers; xtrain/launcher/launch.py). A refused command
 (``checkpoint.keep_last=0``) never replaces the record of what trained. Only the first process of
 a run writes a record. Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a
 training run's dir leave its record alone).
@@ -13,6 +14,7 @@ training run's dir leave its record alone).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -28,12 +30,15 @@ def writes_record(env=os.environ) -> bool:
 
 def accept(run_dir: str) -> None:
     """The pending record of an accepted training becomes the run dir's record (each file
-    replaced in one rename)."""
+    replaced in one rename). Called by the run's first process only; a file already moved (by
+    a process that thought itself first too) is no error."""
     pending = Path(run_dir) / PENDING
-    if not writes_record() or not pending.is_dir():
+    if not pending.is_dir():
         return
     record = Path(run_dir) / RECORD
     record.mkdir(exist_ok=True)
     for path in pending.iterdir():
-        os.replace(path, record / path.name)
-    pending.rmdir()
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(path, record / path.name)
+    with contextlib.suppress(OSError):
+        pending.rmdir()

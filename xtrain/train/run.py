@@ -321,7 +321,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
             trainer = build_trainer(engine, callbacks.checkpoint_io,
                                     callbacks.all(LoaderState(loaders.steps)), plan, trainer_cfg,
                                     loaders.val is not None, run_dir)
-            accept(run_dir)  # every check passed: its .hydra/ record says what trains here
+            if engine.processes.primary:  # every check passed: .hydra/ says what trains here
+                accept(run_dir)
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
             status = "preempted" if callbacks.checkpointer.preempted else "success"
             if status == "preempted":  # why, for the launcher (xtrain/observe/preemptions.py)
