@@ -182,17 +182,20 @@ def tpu_chips_on_pci() -> int:
     """[torch_xla] TPU chips attached to this host, read from the PCI bus (no network, no runtime).
     Importing torch_xla picks a default PJRT device and says so at WARNING on the root logger,
     which Hydra prints on stdout as its own ("[HYDRA] Defaulting to PJRT_DEVICE=CPU" in every CPU
-    run): nothing this probe means to say, so warnings are off while it imports."""
+    run): nothing this probe means to say, so that one message is dropped while it imports (any
+    other warning still shows)."""
     import logging
 
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
+    def not_the_default_device(record) -> bool:
+        return not record.getMessage().startswith("Defaulting to PJRT_DEVICE=")
+
+    logging.root.addFilter(not_the_default_device)
     try:
         from torch_xla._internal.tpu import num_available_chips
     except ImportError:
         return 0
     finally:
-        logging.disable(previous)
+        logging.root.removeFilter(not_the_default_device)
     return num_available_chips()
 
 
