@@ -316,16 +316,9 @@ def test_a_single_run_with_a_remote_launcher_runs_remotely(remote, tmp_path):
     assert read_jsonl(remote.root(HOSTS[0]) / "runs" / "e2e-single" / "metrics.jsonl")
     local = tmp_path / "outputs" / "e2e-single"
     assert (local / "worker-0.log").exists() and not (local / "checkpoints").exists()
-    # the local record is this job's once it ran there; a command the worker refuses (a check
-    # of paths, run there only) leaves it alone
+    # the local record is this command's once it runs on the workers
     record = local / ".hydra" / "overrides.yaml"
     assert "trainer.max_steps=2" in record.read_text() and not (local / ".hydra-pending").exists()
-    trained = record.read_text()
-    r = run_xtrain(*TINY, "trainer.max_steps=3", "run.name=e2e-single", "checkpoint.resume=/no/such",
-                   *remote.overrides(), cwd=tmp_path, multirun=False)
-    assert r.returncode == 1 and "(exit code 2)" in r.stderr, r.stderr[-3000:]
-    assert "checkpoint.resume=/no/such: no such directory" in r.stderr
-    assert record.read_text() == trained
 
 
 def test_a_two_host_pod_trains_over_both_hosts(remote, tmp_path):

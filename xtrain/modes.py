@@ -167,8 +167,8 @@ def evaluate(cfg, run_dir: str) -> dict:
     from xtrain.evals import prepare
     from xtrain.evals.completions import check_fit, evaluate_model, records_path
 
-    problems = prepare(cfg.eval)  # the config, the benchmark file and the compiler, checked
     path, saved, tokenizer, step = checkpoint_inputs(cfg, run_dir)
+    problems = prepare(cfg.eval)  # the config, the benchmark file and the compiler, checked
     check_fit(tokenizer, problems, cfg.eval, saved.model.sequence_len)
     model = checkpoint_model(path, saved)
     records = records_path(run_dir, step, "eval-" + time.strftime("%Y%m%d-%H%M%S"))

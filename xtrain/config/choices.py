@@ -35,7 +35,7 @@ def check_known_keys(cfg, prefix: str = "") -> None:
     unknown = _unknown_keys(cfg, prefix)
     if unknown:
         raise ConfigError("; ".join(unknown) + ": the config has no such key (a '+' override adds "
-                          "keys only to free-form maps such as hardware.env)")
+                          "keys only to free-form maps such as hardware.env or hydra.launcher.env)")
 
 
 def _unknown_keys(node, path: str) -> list[str]:

@@ -5,9 +5,9 @@ A training run's dir is shared by every command that trains (or resumes) that ru
 ``.hydra/`` says what trained there last. Hydra writes a job's record before xtrain sees its
 config, so a training writes to ``.hydra-pending/`` and :func:`accept` moves that into ``.hydra/``
 once every check has passed: just before training starts (xtrain/train/run.py) or, for a
-launched job, once it has ended on its workers other than refused there (exit 2: checks of
-paths and checkpoints run on the workers; xtrain/launcher/launch.py). A refused command
-(``checkpoint.keep_last=0``) never replaces the record of what trained. Only the first process of
+launched job, once it runs on its workers (xtrain/launcher/launch.py). A refused command
+(``checkpoint.keep_last=0``) never replaces the record of what trained, except a launched one
+that its workers refuse (the checks of paths and checkpoints run there). Only the first process of
 a run writes a record. Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a
 training run's dir leave its record alone).
 """

@@ -35,9 +35,12 @@ class LauncherConfig:
     known_hosts: str = "~/.config/xtrain/known_hosts"
     rekey: bool = False  # accept a changed host key (a recreated VM): its old entry is removed
     connect_timeout_s: int = limits(20, ge=1)  # ssh's ConnectTimeout
-    retries: int = limits(4, ge=0)  # further attempts after a connection failure (refused, timed out, reset)
-    backoff_s: float = limits(2.0, ge=0)  # wait before the first retry, doubled for each further one
-    keepalive_s: int = limits(15, ge=1)  # ServerAliveInterval; 4 unanswered keepalives drop the connection
+    # further attempts after a connection failure (refused, timed out, reset)
+    retries: int = limits(4, ge=0)
+    # wait before the first retry, doubled for each further one
+    backoff_s: float = limits(2.0, ge=0)
+    # ServerAliveInterval; 4 unanswered keepalives drop the connection
+    keepalive_s: int = limits(15, ge=1)
     multiplex: bool = True  # one ssh connection per host, reused by a launch's calls
 
     # Remote layout and Python environment
@@ -57,10 +60,12 @@ class LauncherConfig:
     # Code sync
     source: str | None = None  # the git checkout to sync; None: the one xtrain runs from
     exclude: list[str] = field(default_factory=list)  # more glob patterns never synced
-    max_file_mb: float = limits(20.0, gt=0)  # a bigger file is refused: data does not belong in the code
+    # a bigger file is refused: data does not belong in the code
+    max_file_mb: float = limits(20.0, gt=0)
 
     # Job control
-    coordinator_port: int = limits(29500, ge=1, le=65535)  # MASTER_PORT; MASTER_ADDR is worker 0's internal address
+    # MASTER_PORT; MASTER_ADDR is worker 0's internal address
+    coordinator_port: int = limits(29500, ge=1, le=65535)
     # SIGTERM, then SIGKILL after this long (kill -9 can leave the TPU runtime broken)
     stop_grace_s: float = limits(60.0, ge=0)
     # libtpu's lock (TPU profiles only): removed before a start when no process holds it
@@ -84,7 +89,8 @@ class LauncherConfig:
     queued: bool = False
     # a recreation (delete, create with capacity retries, wait for READY) that takes longer fails
     ready_timeout_s: float = limits(3600.0, gt=0)
-    capacity_backoff_s: float = limits(60.0, gt=0)  # wait after "no capacity", doubled each time, at most 16x
+    # wait after "no capacity", doubled each time, at most 16x
+    capacity_backoff_s: float = limits(60.0, gt=0)
     poll_s: float = limits(15.0, gt=0)  # between gcloud describes while waiting for a VM
     # a VM just created may refuse logins (its guest agent writes the ssh-keys metadata after
     # READY) or not answer them (sshd starting) this long before the launch goes on; 0: no wait

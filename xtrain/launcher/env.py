@@ -68,6 +68,9 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None, lacks=()) -> str:
         if not lacks:
             return "unchanged"
         r = worker.run(f"set -e\n{system_tools_script()}", "system tools", timeout=None)
+        if not r.ok:
+            raise LaunchError(f"worker {worker.index} ({worker.host}): installing "
+                              f"{', '.join(lacks)} failed:\n{_tail(r.stderr or r.stdout)}")
         return "; ".join(["unchanged", *_warnings(r)])
     venv, q = worker.venv, shlex.quote
     if spec.install:

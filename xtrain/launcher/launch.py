@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from xtrain.config.hydra_record import accept
-from xtrain.errors import EXIT_REFUSED, ConfigError
+from xtrain.errors import ConfigError
 from xtrain.launcher import secrets as job_secrets
 from xtrain.launcher.env import EnvSpec, ensure_env, requirements
 from xtrain.launcher.gcloud import Gcloud
@@ -89,6 +89,9 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
         log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
             f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
         offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
+    # running on the workers: the local .hydra/ record is this command's (taken now, not at the
+    # job's end, when another command's pending record may be there)
+    accept(job_dir)
     with open(os.path.join(job_dir, "launch.json"), "w") as f:
         json.dump({"job": job_id, "attempt": attempt, "hosts": [w.host for w in workers],
                    "remote_job_dir": jobs[0].dir, "remote_run_dir": run_dir(workers[0], job_id)},
@@ -273,8 +276,6 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None) -> list[JobState]:
         for s in streams.values():
             s.close()
     parallel(lambda j: j.acknowledge(), jobs)
-    if first_failure is None or final[first_failure].exit_code != EXIT_REFUSED:
-        accept(job_dir)  # the workers took this command: the local .hydra/ record is its
     if first_failure is not None:
         worker = jobs[first_failure].worker
         raise LaunchError(f"{worker} failed ({describe(final[first_failure])}); the last lines of "
