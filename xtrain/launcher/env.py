@@ -154,10 +154,10 @@ def _apt_install(missing: str, packages: str, without_apt: list[str], or_else: s
     ``or_else`` runs when apt fails (by default the script's ``set -e`` stops it), ``then`` when
     it succeeds."""
     apt = f"sudo -n env DEBIAN_FRONTEND=noninteractive {APT_GET} -o DPkg::Lock::Timeout=600 -q -y"
-    steps = [f"{apt} update >&2", f"{apt} install {packages} >&2", *then]
-    if or_else:
-        steps = [f"if {apt} update >&2 && {apt} install {packages} >&2; then",
-                 *["  " + line for line in then or [":"]], "else", f"  {or_else}", "fi"]
+    update, install = f"{apt} update >&2", f"{apt} install {packages} >&2"
+    steps = [update, install, *then] if not or_else else [
+        f"if {update} && {install}; then", *["  " + line for line in then or [":"]],
+        "else", f"  {or_else}", "fi"]
     return [f"if command -v {APT_GET} >/dev/null 2>&1 && sudo -n true 2>/dev/null; then",
             f"  echo {shlex.quote(f'xtrain: {missing}: installing {packages} from apt')} >&2",
             *["  " + step for step in steps],
