@@ -316,9 +316,15 @@ def test_a_single_run_with_a_remote_launcher_runs_remotely(remote, tmp_path):
     assert read_jsonl(remote.root(HOSTS[0]) / "runs" / "e2e-single" / "metrics.jsonl")
     local = tmp_path / "outputs" / "e2e-single"
     assert (local / "worker-0.log").exists() and not (local / "checkpoints").exists()
-    # the local record is this command's once it runs on the workers
+    # the local record is this command's once its worker has passed the checks
     record = local / ".hydra" / "overrides.yaml"
     assert "trainer.max_steps=2" in record.read_text() and not (local / ".hydra-pending").exists()
+    # a command the worker refuses (its model differs from the run's checkpoint, which only the
+    # worker sees) leaves the local record of what trained there
+    r = run_xtrain(*TINY, "model.depth=3", "trainer.max_steps=4", "run.name=e2e-single",
+                   *remote.overrides(), cwd=tmp_path, multirun=False)
+    assert r.returncode != 0 and "holds a different model" in r.stdout + r.stderr, r.stderr[-3000:]
+    assert "trainer.max_steps=2" in record.read_text()
 
 
 def test_a_two_host_pod_trains_over_both_hosts(remote, tmp_path):

@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xtrain.config.choices import check_known_keys
 from xtrain.errors import ConfigError, EnvironmentMismatch, InputError
@@ -62,6 +62,7 @@ class Job:
     job_dir: str  # the local (Hydra) job dir
     checkpoint_dir: str | None = None  # for the give-up message
     notice_lead_s: float = 0.0  # preemption.maintenance_lead_s: a notice precedes the VM's loss
+    record: dict = field(default_factory=dict)  # its .hydra record, until its workers accept it
 
 
 @dataclass
@@ -130,7 +131,7 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
     cfg = derive(job.cfg, tpu=vm.name, pool=[], hosts=[], env=env)
     try:
         result = launch_job(cfg, job.hardware, job.overrides, job.run_name, job.job_dir,
-                            Runner(), log, vm_check=vm.check)
+                            Runner(), log, vm_check=vm.check, record=job.record)
     except (VmLost, InputError):  # a refused input is never a preemption, whatever the VM's state
         raise
     except LaunchError as e:

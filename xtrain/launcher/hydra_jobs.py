@@ -11,6 +11,7 @@ from pathlib import Path
 
 from xtrain.config import Mode
 from xtrain.config.choices import check_composed
+from xtrain.config.hydra_record import hold
 from xtrain.errors import is_refusal, refuse
 from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
 from xtrain.launcher.launch import launch_job, say
@@ -38,7 +39,8 @@ def prepare_from_hydra(cfg) -> Job:
     check_job(launcher, cfg.hardware, cfg.checkpoint.dir)
     return Job(copy.deepcopy(launcher), copy.deepcopy(cfg.hardware), list(hc.overrides.task),
                cfg.run.name, hc.runtime.output_dir,
-               checkpoint_dir(cfg, "<run dir on the VM>"), cfg.preemption.maintenance_lead_s)
+               checkpoint_dir(cfg, "<run dir on the VM>"), cfg.preemption.maintenance_lead_s,
+               hold(hc.runtime.output_dir))
 
 
 def run_prepared(job: Job) -> dict:
@@ -55,7 +57,8 @@ def run_prepared(job: Job) -> dict:
         return outcome.result
     if job.cfg.tpu:
         return run_on_vm(job)
-    return launch_job(job.cfg, job.hardware, job.overrides, job.run_name, job.job_dir)
+    return launch_job(job.cfg, job.hardware, job.overrides, job.run_name, job.job_dir,
+                      record=job.record)
 
 
 def launch_from_hydra(cfg) -> dict:

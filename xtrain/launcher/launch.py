@@ -23,7 +23,7 @@ import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from xtrain.config.hydra_record import accept
+from xtrain.config.hydra_record import ACCEPTED, accept_held
 from xtrain.errors import ConfigError
 from xtrain.launcher import secrets as job_secrets
 from xtrain.launcher.env import EnvSpec, ensure_env, requirements
@@ -45,12 +45,14 @@ def say(message: str) -> None:
 
 
 def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Runner | None = None,
-               log=say, vm_check=None) -> dict:
+               log=say, vm_check=None, record: dict | None = None) -> dict:
     """Run ``python -m xtrain <overrides>`` on the workers ``cfg`` names; returns the final metrics
     (and ``preempted``, with the run's ``stopped_for``, or ``stopped`` when the job did not
     finish). Raises ConfigError for bad input, LaunchError when a worker fails or cannot be
     reached. ``vm_check`` (xtrain/launcher/vm.py, Vm.check) is called whenever a worker's log
-    stream ends and raises when the VM itself is gone. A refusal before the job started is a VmUnavailable."""
+    stream ends and raises when the VM itself is gone. A refusal before the job started is a
+    VmUnavailable. ``record``: this command's .hydra record (xtrain/config/hydra_record.py hold),
+    accepted into ``job_dir`` once worker 0 logs that the job passed its checks."""
     t0 = time.perf_counter()
     runner = runner or Runner()
     ssh = Ssh(cfg, runner, log)
@@ -89,15 +91,21 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
         log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
             f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
         offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
-    # running on the workers: the local .hydra/ record is this command's (taken now, not at the
-    # job's end, when another command's pending record may be there)
-    accept(job_dir)
     with open(os.path.join(job_dir, "launch.json"), "w") as f:
         json.dump({"job": job_id, "attempt": attempt, "hosts": [w.host for w in workers],
                    "remote_job_dir": jobs[0].dir, "remote_run_dir": run_dir(workers[0], job_id)},
                   f, indent=1)
-    states = follow(jobs, job_dir, offsets, cfg, log, vm_check)
+    states = follow(jobs, job_dir, offsets, cfg, log, vm_check, accepting(job_dir, record or {}))
     return result(workers[0], job_id, job_dir, states, log, attempt)
+
+
+def accepting(job_dir: str, record: dict):
+    """Worker 0's log lines are given to this: at its line saying that every check passed (the
+    checks of paths and checkpoints run there), ``record`` becomes ``job_dir``'s .hydra/ record."""
+    def on_line(text: str) -> None:
+        if record and ACCEPTED in text:
+            accept_held(job_dir, record)
+    return on_line
 
 
 def reattachable(jobs, probes, overrides, run_name: str, log) -> bool:
@@ -224,14 +232,16 @@ def resume_offset(job_dir: str, index: int, attempt: str, remote_bytes: int) -> 
     return 0
 
 
-def follow(jobs, job_dir, offsets, cfg, log, vm_check=None) -> list[JobState]:
-    """Stream every worker's log until every job ended; on the first failure stop the others.
-    Returns the final states; raises LaunchError with the first failure's log tail."""
+def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> list[JobState]:
+    """Stream every worker's log until every job ended (worker 0's lines also to ``on_line0``);
+    on the first failure stop the others. Returns the final states; raises LaunchError with the
+    first failure's log tail."""
     ended: queue.Queue = queue.Queue()
     streams = {}
 
     def open_stream(i, offset):
-        streams[i] = LogStream(jobs[i], log_path(job_dir, i), offset, ended, log)
+        streams[i] = LogStream(jobs[i], log_path(job_dir, i), offset, ended, log,
+                               on_line0 if i == 0 else None)
         streams[i].start()
 
     for job, offset in zip(jobs, offsets):

@@ -26,11 +26,13 @@ def tail_lines(path: str, lines: int = 30) -> str:
 
 class LogStream(threading.Thread):
     """Follows one job's log from byte ``offset``; puts the worker index on ``ended`` when the
-    stream stops (the job ended, or the connection dropped: the launcher polls to tell which)."""
+    stream stops (the job ended, or the connection dropped: the launcher polls to tell which).
+    Each line also goes to ``on_line``, when given."""
 
-    def __init__(self, job, path: str, offset: int, ended: queue.Queue, echo=print):
+    def __init__(self, job, path: str, offset: int, ended: queue.Queue, echo=print, on_line=None):
         super().__init__(daemon=True, name=f"xtrain-log-{job.worker.index}")
         self.job, self.path, self.offset, self.ended, self.echo = job, path, offset, ended, echo
+        self.on_line = on_line
         self.index = job.worker.index
         self.proc = None
 
@@ -45,6 +47,8 @@ class LogStream(threading.Thread):
                     text = line.decode(errors="replace").rstrip("\n")
                     with _print_lock:
                         self.echo(f"[w{self.index}] {text}")
+                    if self.on_line is not None:
+                        self.on_line(text)
             self.proc.wait()
         finally:
             self.ended.put(self.index)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from xtrain import compat
 from xtrain.config import to_plain
-from xtrain.config.hydra_record import accept
+from xtrain.config.hydra_record import ACCEPTED, accept
 from xtrain.engines.base import Engine
 from xtrain.plan import RunPlan
 
@@ -323,6 +323,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
                                     loaders.val is not None, run_dir)
             if engine.processes.primary:  # every check passed: .hydra/ says what trains here
                 accept(run_dir)
+                log.info(ACCEPTED)  # a launcher accepts its local record at this line
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
             status = "preempted" if callbacks.checkpointer.preempted else "success"
             if status == "preempted":  # why, for the launcher (xtrain/observe/preemptions.py)
