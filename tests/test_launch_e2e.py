@@ -191,6 +191,9 @@ def test_an_ssh_drop_leaves_the_run_going_and_a_relaunch_reattaches(remote, tmp_
     assert log.count("step     10/10") == 1
     local = tmp_path / "multirun" / "e2e-drop" / "worker-0.log"
     assert local.read_text() == log  # the local copy is whole, nothing twice
+    # the reattaching command's record is accepted; the killed launch's held one is gone
+    assert "run.name=e2e-drop" in (local.parent / ".hydra" / "overrides.yaml").read_text()
+    assert not [p.name for p in local.parent.glob(".hydra-*")]
 
 
 def test_stop_option_stops_the_job_which_checkpoints(remote, tmp_path):
@@ -324,7 +327,9 @@ def test_a_single_run_with_a_remote_launcher_runs_remotely(remote, tmp_path):
     r = run_xtrain(*TINY, "model.depth=3", "trainer.max_steps=4", "run.name=e2e-single",
                    *remote.overrides(), cwd=tmp_path, multirun=False)
     assert r.returncode != 0 and "holds a different model" in r.stdout + r.stderr, r.stderr[-3000:]
+    assert "launch: started" in r.stdout  # refused there, not here
     assert "trainer.max_steps=2" in record.read_text()
+    assert "depth: 3" not in (local / ".hydra" / "config.yaml").read_text()
 
 
 def test_a_two_host_pod_trains_over_both_hosts(remote, tmp_path):

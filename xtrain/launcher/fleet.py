@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from xtrain.config.choices import check_known_keys
 from xtrain.errors import ConfigError, EnvironmentMismatch, InputError
@@ -62,7 +62,7 @@ class Job:
     job_dir: str  # the local (Hydra) job dir
     checkpoint_dir: str | None = None  # for the give-up message
     notice_lead_s: float = 0.0  # preemption.maintenance_lead_s: a notice precedes the VM's loss
-    record: dict = field(default_factory=dict)  # its .hydra record, until its workers accept it
+    record: str | None = None  # its .hydra record, held until its workers accept it
 
 
 @dataclass

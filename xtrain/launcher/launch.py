@@ -23,7 +23,7 @@ import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from xtrain.config.hydra_record import ACCEPTED, accept_held
+from xtrain.config.hydra_record import ACCEPTED, accept
 from xtrain.errors import ConfigError
 from xtrain.launcher import secrets as job_secrets
 from xtrain.launcher.env import EnvSpec, ensure_env, requirements
@@ -45,14 +45,14 @@ def say(message: str) -> None:
 
 
 def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Runner | None = None,
-               log=say, vm_check=None, record: dict | None = None) -> dict:
+               log=say, vm_check=None, record: str | None = None) -> dict:
     """Run ``python -m xtrain <overrides>`` on the workers ``cfg`` names; returns the final metrics
     (and ``preempted``, with the run's ``stopped_for``, or ``stopped`` when the job did not
     finish). Raises ConfigError for bad input, LaunchError when a worker fails or cannot be
     reached. ``vm_check`` (xtrain/launcher/vm.py, Vm.check) is called whenever a worker's log
     stream ends and raises when the VM itself is gone. A refusal before the job started is a
-    VmUnavailable. ``record``: this command's .hydra record (xtrain/config/hydra_record.py hold),
-    accepted into ``job_dir`` once worker 0 logs that the job passed its checks."""
+    VmUnavailable. ``record``: where ``job_dir`` holds this command's .hydra record
+    (xtrain/config/hydra_record.py hold), accepted once worker 0 logs that its checks passed."""
     t0 = time.perf_counter()
     runner = runner or Runner()
     ssh = Ssh(cfg, runner, log)
@@ -95,16 +95,26 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
         json.dump({"job": job_id, "attempt": attempt, "hosts": [w.host for w in workers],
                    "remote_job_dir": jobs[0].dir, "remote_run_dir": run_dir(workers[0], job_id)},
                   f, indent=1)
-    states = follow(jobs, job_dir, offsets, cfg, log, vm_check, accepting(job_dir, record or {}))
+    watch = accepting(job_dir, record, log, seen=offsets[0])
+    states = follow(jobs, job_dir, offsets, cfg, log, vm_check, watch)
     return result(workers[0], job_id, job_dir, states, log, attempt)
 
 
-def accepting(job_dir: str, record: dict):
+def accepting(job_dir: str, record: str | None, log, seen: int = 0):
     """Worker 0's log lines are given to this: at its line saying that every check passed (the
-    checks of paths and checkpoints run there), ``record`` becomes ``job_dir``'s .hydra/ record."""
+    checks of paths and checkpoints run there), the held ``record`` becomes ``job_dir``'s record.
+    The first ``seen`` bytes of the local copy of that log (a reattached job's) are read now."""
     def on_line(text: str) -> None:
-        if record and ACCEPTED in text:
-            accept_held(job_dir, record)
+        if record and text.rsplit("\r", 1)[-1].strip() == ACCEPTED:
+            try:
+                accept(job_dir, record)
+            except OSError as e:  # the job goes on; its stream must too
+                log(f"launch: warning: {job_dir}/.hydra not updated ({e})")
+
+    if record and seen:
+        with open(log_path(job_dir, 0), "rb") as f:
+            for line in f.read(seen).decode(errors="replace").splitlines():
+                on_line(line)
     return on_line
 
 

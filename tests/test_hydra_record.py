@@ -1,0 +1,61 @@
+"""A launched job's .hydra record: held aside as its launch starts, accepted from there
+(xtrain/config/hydra_record.py); the end-to-end case is in tests/test_launch_e2e.py."""
+
+from pathlib import Path
+
+from xtrain.config.hydra_record import PENDING, RECORD, accept, hold
+
+
+def write_record(path: Path, overrides: str) -> None:
+    path.mkdir(parents=True)
+    (path / "overrides.yaml").write_text(overrides)
+    (path / "config.yaml").write_text(f"# {overrides}")
+
+
+def test_a_held_record_is_accepted_and_another_commands_pending_one_is_not_taken(tmp_path):
+    write_record(tmp_path / RECORD, "what trained")
+    write_record(tmp_path / PENDING, "launched")
+    held = hold(str(tmp_path))
+    assert not (tmp_path / PENDING).exists()
+    write_record(tmp_path / PENDING, "refused meanwhile")  # another command, in the same dir
+    accept(str(tmp_path), held)
+    assert (tmp_path / RECORD / "overrides.yaml").read_text() == "launched"
+    assert (tmp_path / RECORD / "config.yaml").read_text() == "# launched"
+    assert (tmp_path / PENDING / "overrides.yaml").read_text() == "refused meanwhile"
+
+
+def test_records_held_by_launches_never_accepted_go_when_one_is(tmp_path):
+    write_record(tmp_path / PENDING, "detached")
+    first = hold(str(tmp_path))
+    write_record(tmp_path / PENDING, "reattached")
+    second = hold(str(tmp_path))
+    assert first != second and (tmp_path / first).is_dir()
+    accept(str(tmp_path), second)
+    assert (tmp_path / RECORD / "overrides.yaml").read_text() == "reattached"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD]
+    accept(str(tmp_path), first)  # a late acceptance of the first finds nothing to move
+    assert (tmp_path / RECORD / "overrides.yaml").read_text() == "reattached"
+
+
+def test_nothing_to_hold_outside_a_training(tmp_path):
+    write_record(tmp_path / ".hydra-sample", "sample")
+    assert hold(str(tmp_path)) is None
+
+
+def test_a_reattached_launch_accepts_at_a_line_its_local_log_copy_already_holds(tmp_path):
+    from xtrain.config.hydra_record import ACCEPTED
+    from xtrain.launcher.launch import accepting
+    from xtrain.launcher.logs import log_path
+
+    run_dir = str(tmp_path)
+    Path(log_path(run_dir, 0)).write_text(f"loading\n{ACCEPTED}\nstep 1\n")
+    write_record(tmp_path / PENDING, "cut short")
+    on_line = accepting(run_dir, hold(run_dir), print, seen=len("loading\nevery"))
+    assert not (tmp_path / RECORD).exists()  # a part of the line is not the line
+    on_line(f"echo {ACCEPTED}")  # nor is a line that holds it
+    assert not (tmp_path / RECORD).exists()
+    on_line(f"\r{ACCEPTED}")  # the line, streamed (after a progress bar's return)
+    assert (tmp_path / RECORD / "overrides.yaml").read_text() == "cut short"
+    write_record(tmp_path / PENDING, "reattached")
+    accepting(run_dir, hold(run_dir), print, seen=len(f"loading\n{ACCEPTED}\n"))
+    assert (tmp_path / RECORD / "overrides.yaml").read_text() == "reattached"
