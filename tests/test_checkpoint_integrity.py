@@ -88,6 +88,22 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_started_over(tmp
         resume_checkpoint(None, str(tmp_path), gpt=None)
 
 
+def test_a_run_whose_every_own_checkpoint_is_damaged_is_told_how_to_start_again(tmp_path):
+    """The same command run again (checkpoint.resume set) continues its own checkpoints; when all
+    are damaged the way out is moving them away, not setting checkpoint.resume, which is set."""
+    start = str(tmp_path / "elsewhere" / "step_000002")
+    own = tmp_path / "own"
+    for step in (4, 6):
+        _save(str(own / f"step_{step:06d}"), {"w": torch.ones(3)})
+        (own / f"step_{step:06d}" / "meta.json").write_text(
+            json.dumps({"step": step, "config": {"checkpoint": {"resume": start}}}))
+        (own / f"step_{step:06d}" / manifest.MANIFEST).unlink()
+    with pytest.raises(CheckpointError) as refused:
+        resume_checkpoint(start, str(own), gpt=None)
+    assert str(refused.value).endswith(
+        f"move them away to start again from checkpoint.resume={start}, which started them")
+
+
 class _Payload:
     """Unpickling this runs ``os.system``: what a crafted checkpoint would carry."""
 

@@ -77,6 +77,7 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
     loaded safely, which imports torch); by the run's call for the newest one (the early call
     checks that one's model unverified, and leaves one whose meta.json is unreadable to the
     run's call)."""
+    started_from = resume
     if resume and continued(resume, ckpt_dir):
         resume = None  # the same command run again (after a stop): its own newer work wins
     if resume:
@@ -84,10 +85,12 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
     if resume or not early:
         found = resume or newest_intact(ckpt_dir)
         if not found and not resume and committed_checkpoints(ckpt_dir):
+            again = (f"move them away to start again from checkpoint.resume={started_from}, "
+                     "which started them" if started_from else
+                     "move them away, or set checkpoint.resume=PATH")
             raise CheckpointError(
                 f"every committed checkpoint in {ckpt_dir} is damaged (each named above): not "
-                "starting over them (a new run would overwrite them step by step); move them "
-                "away, or set checkpoint.resume=PATH")
+                f"starting over them (a new run would overwrite them step by step); {again}")
         if found:
             meta = saved_meta(found)
             check_compatible(found, gpt, meta)
