@@ -225,6 +225,10 @@ def test_stop_option_stops_the_job_which_checkpoints(remote, tmp_path):
         "signal", "SIGTERM", launched["attempt"])
     assert list((remote.root(HOSTS[0]) / "runs" / "e2e-stop" / "checkpoints").glob("*/COMMITTED"))
     assert (job_dir(remote, "e2e-stop") / "reported").exists()
+    # the refused command's record waits aside, unaccepted; the stop holds none
+    local = tmp_path / "multirun" / "e2e-stop"
+    assert "trainer.max_steps=100000" in (local / ".hydra" / "overrides.yaml").read_text()
+    assert len(list(local.glob(".hydra-launch-*"))) == 1
 
 
 def job_python(pgid: int) -> int:

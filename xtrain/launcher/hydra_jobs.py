@@ -40,7 +40,7 @@ def prepare_from_hydra(cfg) -> Job:
     return Job(copy.deepcopy(launcher), copy.deepcopy(cfg.hardware), list(hc.overrides.task),
                cfg.run.name, hc.runtime.output_dir,
                checkpoint_dir(cfg, "<run dir on the VM>"), cfg.preemption.maintenance_lead_s,
-               hold(hc.runtime.output_dir))
+               None if launcher.stop else hold(hc.runtime.output_dir))
 
 
 def run_prepared(job: Job) -> dict:
