@@ -50,6 +50,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "model.attention=flash: the Pallas kernels need a TPU (hardware.engine=cpu)"),
     ("sample-no-prompts", ["mode=sample", "sample.prompts=[]"], {},
      "sample.prompts=[]: nothing to sample"),
+    ("sample-tokens-fill-context", ["trainer.sample_tokens=64"], {},  # before data or the model
+     "trainer.sample_tokens=64 leaves no room for a prompt in model.sequence_len=64"),
     ("unknown-engine", ["hardware.engine=gpu"], {}, "hardware.engine: Invalid value 'gpu'"),
     ("unknown-precision", ["hardware.precision=fp8"], {}, "hardware.precision: Invalid value 'fp8'"),
     ("unknown-experiment", ["+experiment=nope"], {}, "Available options in 'experiment': v5e8_d16_1024"),

@@ -43,6 +43,10 @@ def check_sampling(cfg) -> None:
     if cfg.mode == Mode.sample and not sample_prompts(cfg.sample):
         raise ConfigError("sample.prompts=[]: nothing to sample; give prompts (sample.prompts=[...] "
                           "or sample.prompt=...)")
+    tokens, context = cfg.trainer.sample_tokens, cfg.model.sequence_len
+    if cfg.mode == Mode.train and tokens >= context:  # a prompt is at least its BOS token
+        raise ConfigError(f"trainer.sample_tokens={tokens} leaves no room for a prompt in "
+                          f"model.sequence_len={context}: lower it (0: no samples in training)")
     if cfg.mode == Mode.eval or (cfg.mode == Mode.train and cfg.eval.cpp_every):
         from xtrain.evals.config import check
 

@@ -132,7 +132,8 @@ def check_prompts_fit(tokenizer, prompts: list[str], max_tokens: int | None, seq
         if n + (max_tokens or 1) > sequence_len:
             room = f"{field}={max_tokens}" if max_tokens else "a generated token"
             raise ConfigError(f"prompt {prompt!r} ({n} tokens) + {room} exceed the "
-                              f"model's sequence_len {sequence_len}")
+                              f"model's sequence_len {sequence_len}: lower {field} or shorten "
+                              "the prompt")
 
 
 def generate(model, tokenizer, prompts: list[str], n: int = 1, *, max_tokens: int = 64,
