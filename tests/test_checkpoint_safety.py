@@ -271,3 +271,27 @@ def test_a_run_started_from_a_checkpoint_elsewhere_resumes_its_own_newer_work(wo
     assert f"checkpoint.resume={start} started this run; its own checkpoints are newer" in out
     assert f"resuming from {own}/step_000004" in out and "renamed aside" not in err
     assert [s for s, _ in committed_checkpoints(str(own))] == [4, 6]
+
+
+def test_a_second_training_of_the_same_run_is_refused_while_the_first_trains(tmp_path):
+    """Two trainings in one run dir would interleave metrics.jsonl and replace each other's
+    checkpoints: the second is refused at once. The lock dies with its process, even SIGKILLed."""
+    run = tmp_path / "run"
+    first = xtrain(run, "trainer.max_steps=100000", "checkpoint.every=5")
+    try:
+        deadline = time.time() + 300
+        while not list((run / "checkpoints").glob("step_*/COMMITTED")):
+            assert first.poll() is None and time.time() < deadline, "the first run never checkpointed"
+            time.sleep(0.2)
+        started = time.time()
+        code, _, err = finish(xtrain(run, "trainer.max_steps=100000", "checkpoint.every=5"))
+        assert code == EXIT_REFUSED, err[-3000:]
+        assert f"{run} is in use: another process is training this run there" in err
+        assert time.time() - started < 60  # before data, the model or a step (2 cores, loaded)
+        assert first.poll() is None  # the first goes on
+    finally:
+        first.kill()
+        first.communicate()
+    # behind its checkpoints, the same run trains nothing: taken, not refused
+    code, out, err = finish(xtrain(run, "trainer.max_steps=1", "checkpoint.every=5"))
+    assert code == 0 and "resuming from" in out, err[-3000:]

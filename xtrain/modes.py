@@ -6,6 +6,7 @@ then run its ``mode``. Heavy libraries are imported only by the modes that need 
 from __future__ import annotations
 
 import logging
+import os
 
 from xtrain.config import Mode, sample_prompts
 from xtrain.errors import ConfigError
@@ -69,10 +70,18 @@ def run(cfg, run_dir: str) -> dict | None:
             return show_plan(cfg, plan)
         check_fits(plan, cfg)
         check_sampling(cfg)
+        from xtrain.config.hydra_record import writes_record
+        from xtrain.train.run_lock import lock_run_dir
+
+        lock = lock_run_dir(run_dir) if writes_record() else None  # held until training ends
         check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
         from xtrain.train.run import train
 
-        return train(cfg, plan, run_dir)
+        try:
+            return train(cfg, plan, run_dir)
+        finally:
+            if lock is not None:
+                os.close(lock)
 
 
 def compile_for_tpu(cfg, plan: RunPlan) -> None:
