@@ -155,6 +155,9 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("resume-run-dir", ["checkpoint.resume={checkpoints}"], {}, "it holds checkpoints: point at one"),
     ("resume-other-model", ["model=d4", "checkpoint.resume={committed}"], {},
      "holds a different model (n_layer 2 -> 4"),
+    ("wandb-online-without-key", ["logger=[jsonl,wandb]", "logger.wandb.mode=online"],
+     {"WANDB_API_KEY": "", "WANDB_BASE_URL": "https://wandb.invalid"},  # no key, none in ~/.netrc
+     "logger.wandb.mode=online but no W&B key: export WANDB_API_KEY"),
     ("logger-not-selected", ["logger.wandb.project=x"], {},
      "logger.wandb.project: logger.wandb is not part of this config (null): select it first, "
      "e.g. logger=[jsonl,wandb]"),

@@ -70,18 +70,28 @@ def run(cfg, run_dir: str) -> dict | None:
             return show_plan(cfg, plan)
         check_fits(plan, cfg)
         check_sampling(cfg)
-        from xtrain.config.hydra_record import writes_record
-        from xtrain.train.run_lock import lock_run_dir
+        return train_alone(cfg, plan, run_dir)
 
-        lock = lock_run_dir(run_dir) if writes_record() else None  # held until training ends
-        check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
+
+def train_alone(cfg, plan: RunPlan, run_dir: str) -> dict | None:
+    """Train, after the checks that read this machine: the W&B key, no other training in the run
+    dir (its lock is held until training ends: xtrain/train/run_lock.py), the inputs (before data
+    preparation, the model build or a compile)."""
+    from xtrain.config.hydra_record import writes_record
+    from xtrain.observe.wandb_run import choose_mode
+    from xtrain.train.run_lock import lock_run_dir
+
+    if cfg.logger.wandb is not None:
+        choose_mode(cfg.logger.wandb.mode)  # online without a key is refused
+    lock = lock_run_dir(run_dir) if writes_record() else None
+    try:
+        check_inputs(cfg, plan.gpt, run_dir)
         from xtrain.train.run import train
 
-        try:
-            return train(cfg, plan, run_dir)
-        finally:
-            if lock is not None:
-                os.close(lock)
+        return train(cfg, plan, run_dir)
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 def compile_for_tpu(cfg, plan: RunPlan) -> None:

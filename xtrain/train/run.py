@@ -290,7 +290,6 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
     from xtrain.checkpoint.layout import check_shared, latest_checkpoint
     from xtrain.inputs import checkpoint_dir
     from xtrain.observe.preemptions import stop_record
-    from xtrain.observe.wandb_run import choose_mode
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
 
@@ -298,8 +297,6 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
     ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
     with naming_lost_peers(engine):
         check_shared(ckpt_dir, engine.processes)
-        if cfg.logger.wandb is not None:
-            choose_mode(cfg.logger.wandb.mode)  # online without a key is refused now, not later
         tokenizer = prepare_data(cfg.data, engine)
         L.seed_everything(trainer_cfg.seed, verbose=False)
         loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
