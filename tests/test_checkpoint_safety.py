@@ -275,23 +275,31 @@ def test_a_run_started_from_a_checkpoint_elsewhere_resumes_its_own_newer_work(wo
 
 def test_a_second_training_of_the_same_run_is_refused_while_the_first_trains(tmp_path):
     """Two trainings in one run dir would interleave metrics.jsonl and replace each other's
-    checkpoints: the second is refused at once. The lock dies with its process, even SIGKILLed."""
+    checkpoints: the second is refused at once, leaving the first's console.log and .hydra record
+    alone, even while the first is still starting. The lock dies with its process, SIGKILL too."""
     run = tmp_path / "run"
+
+    def wait_for(condition, what):
+        deadline = time.time() + 300
+        while not condition():
+            assert first.poll() is None and time.time() < deadline, f"the first run never {what}"
+            time.sleep(0.1)
+
     first = xtrain(run, "trainer.max_steps=100000", "checkpoint.every=5")
     try:
-        deadline = time.time() + 300
-        while not list((run / "checkpoints").glob("step_*/COMMITTED")):
-            assert first.poll() is None and time.time() < deadline, "the first run never checkpointed"
-            time.sleep(0.2)
+        wait_for(lambda: list(run.glob(".hydra-held-*")), "took its run dir")
         started = time.time()
-        code, _, err = finish(xtrain(run, "trainer.max_steps=100000", "checkpoint.every=5"))
+        code, _, err = finish(xtrain(run, "trainer.max_steps=99999", "checkpoint.every=5"))
         assert code == EXIT_REFUSED, err[-3000:]
         assert f"{run} is in use: another process is training this run there" in err
         assert time.time() - started < 60  # before data, the model or a step (2 cores, loaded)
-        assert first.poll() is None  # the first goes on
+        wait_for(lambda: list((run / "checkpoints").glob("step_*/COMMITTED")), "checkpointed")
     finally:
         first.kill()
         first.communicate()
+    record = (run / ".hydra" / "overrides.yaml").read_text()
+    assert "trainer.max_steps=100000" in record and "99999" not in record
+    assert "is in use" not in (run / "console.log").read_text()
     # behind its checkpoints, the same run trains nothing: taken, not refused
     code, out, err = finish(xtrain(run, "trainer.max_steps=1", "checkpoint.every=5"))
     assert code == 0 and "resuming from" in out, err[-3000:]

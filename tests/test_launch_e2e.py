@@ -228,7 +228,7 @@ def test_stop_option_stops_the_job_which_checkpoints(remote, tmp_path):
     # the refused command's record waits aside, unaccepted; the stop holds none
     local = tmp_path / "multirun" / "e2e-stop"
     assert "trainer.max_steps=100000" in (local / ".hydra" / "overrides.yaml").read_text()
-    assert len(list(local.glob(".hydra-launch-*"))) == 1
+    assert len(list(local.glob(".hydra-held-*"))) == 1
 
 
 def job_python(pgid: int) -> int:

@@ -6,14 +6,15 @@ then run its ``mode``. Heavy libraries are imported only by the modes that need 
 from __future__ import annotations
 
 import logging
-import os
 
 from xtrain.config import Mode, sample_prompts
+from xtrain.config.hydra_record import hold, writes_record
 from xtrain.errors import ConfigError
 from xtrain.hardware import run_devices
 from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
 from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
+from xtrain.train.run_lock import run_dir_lock
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def check_sampling(cfg) -> None:
         raise ConfigError("sample.prompts=[]: nothing to sample; give prompts (sample.prompts=[...] "
                           "or sample.prompt=...)")
     tokens, context = cfg.trainer.sample_tokens, cfg.model.sequence_len
-    if cfg.mode == Mode.train and tokens >= context:  # a prompt is at least its BOS token
+    if cfg.mode == Mode.train and sample_prompts(cfg.sample) and tokens >= context:  # BOS at least
         raise ConfigError(f"trainer.sample_tokens={tokens} leaves no room for a prompt in "
                           f"model.sequence_len={context}: lower it (0: no samples in training)")
     if cfg.mode == Mode.eval or (cfg.mode == Mode.train and cfg.eval.cpp_every):
@@ -55,7 +56,17 @@ def check_sampling(cfg) -> None:
 
 
 def run(cfg, run_dir: str) -> dict | None:
-    """Resolve, check, print the plan, then dispatch on ``cfg.mode``."""
+    """Resolve, check, print the plan, then dispatch on ``cfg.mode``. A training's first process
+    takes the run dir first (xtrain/train/run_lock.py), then holds its .hydra record there
+    (xtrain/config/hydra_record.py): a training refused for running beside another leaves that
+    one's console.log and record alone."""
+    if cfg.mode == Mode.train and writes_record():
+        with run_dir_lock(run_dir):
+            return run_checked(cfg, run_dir, hold(run_dir))
+    return run_checked(cfg, run_dir, None)
+
+
+def run_checked(cfg, run_dir: str, record: str | None) -> dict | None:
     keeps_log = cfg.mode in (Mode.train, Mode.sample, Mode.eval)
     with ConsoleLog(run_dir if keeps_log else None):
         # the checkpoint's config decides the model, not this one: no plan, the ranges only
@@ -70,28 +81,14 @@ def run(cfg, run_dir: str) -> dict | None:
             return show_plan(cfg, plan)
         check_fits(plan, cfg)
         check_sampling(cfg)
-        return train_alone(cfg, plan, run_dir)
+        if cfg.logger.wandb is not None:
+            from xtrain.observe.wandb_run import choose_mode
 
-
-def train_alone(cfg, plan: RunPlan, run_dir: str) -> dict | None:
-    """Train, after the checks that read this machine: the W&B key, no other training in the run
-    dir (its lock is held until training ends: xtrain/train/run_lock.py), the inputs (before data
-    preparation, the model build or a compile)."""
-    from xtrain.config.hydra_record import writes_record
-    from xtrain.observe.wandb_run import choose_mode
-    from xtrain.train.run_lock import lock_run_dir
-
-    if cfg.logger.wandb is not None:
-        choose_mode(cfg.logger.wandb.mode)  # online without a key is refused
-    lock = lock_run_dir(run_dir) if writes_record() else None
-    try:
-        check_inputs(cfg, plan.gpt, run_dir)
+            choose_mode(cfg.logger.wandb.mode)  # online without a key is refused
+        check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
         from xtrain.train.run import train
 
-        return train(cfg, plan, run_dir)
-    finally:
-        if lock is not None:
-            os.close(lock)
+        return train(cfg, plan, run_dir, record)
 
 
 def compile_for_tpu(cfg, plan: RunPlan) -> None:

@@ -3,16 +3,19 @@
 
 A training run's dir is shared by every command that trains (or resumes) that run, so its
 ``.hydra/`` says what trained there last. Hydra writes a job's record before xtrain sees its
-config, so a training writes to ``.hydra-pending/`` and :func:`accept` moves that into ``.hydra/``
-once every check has passed, just before training starts (xtrain/train/run.py), which then logs
-:data:`ACCEPTED`. A launched job's checks of paths and checkpoints run on its workers: its launch
-moves its pending record aside at once (:func:`hold`, into ``.hydra-launch-<id>/``, so another
-command's pending record is never taken for it) and accepts it from there when worker 0 logs that
-line (xtrain/launcher/launch.py); a launch that stops following before then leaves it there until
-the same command reattaches. A refused command (``checkpoint.keep_last=0``, or a model that
-differs from the run's checkpoint) never replaces the record of what trained. Only the first
-process of a run writes a record. Other modes write ``.hydra-<mode>/`` (``mode=sample`` or
-``mode=plan`` in a training run's dir leave its record alone).
+config, so a training writes to ``.hydra-pending/``. A command that takes the run holds its own
+record aside at once (:func:`hold`, into ``.hydra-held-<id>/``: another command's pending record
+is never taken for it) and :func:`accept` makes it ``.hydra/`` once every check has passed:
+- a training, once it holds the run dir's lock (xtrain/modes.py), and accepts just before
+  training starts (xtrain/train/run.py), which then logs :data:`ACCEPTED`;
+- a launch, once its checks here passed (xtrain/launcher/hydra_jobs.py); it accepts when worker
+  0 logs that line (xtrain/launcher/launch.py), since the checks of paths and checkpoints run
+  there. A launch that stops following before then leaves its record held until the same
+  command reattaches.
+A refused command (``checkpoint.keep_last=0``, or a model that differs from the run's checkpoint)
+never replaces the record of what trained. Only the first process of a run writes a record. Other
+modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
+record alone).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import shutil
 from pathlib import Path
 
 RECORD = ".hydra"
-PENDING = ".hydra-pending"  # a training's, until accepted (xtrain/config/__init__.py hydra_subdir)
-HELD = ".hydra-launch-"  # + an id: a launched job's, until its workers accept it
+PENDING = ".hydra-pending"  # where Hydra writes a training's (xtrain/config/__init__.py hydra_subdir)
+HELD = ".hydra-held-"  # + an id: a command's, from when it took the run until accepted
 ACCEPTED = "every check passed: .hydra/ now records this command"  # a log line, and a marker
 
 
@@ -35,12 +38,11 @@ def writes_record(env=os.environ) -> bool:
     return env.get("RANK", "0") in ("", "0")
 
 
-def accept(run_dir: str, source: str = PENDING) -> None:
-    """The record in ``source`` (pending, or held by :func:`hold`) becomes the run dir's record
-    (each file replaced in one rename). Called by the run's first process only; a file already
-    moved (by a process that thought itself first too) is no error. Records that launches held
-    and never had accepted (refused ones, or detached and then reattached) go with it."""
-    pending = Path(run_dir) / source
+def accept(run_dir: str, held: str) -> None:
+    """The record ``held`` (:func:`hold`) becomes the run dir's record (each file replaced in one
+    rename). A file already moved (by a launch reattached twice) is no error. Records held by
+    commands never accepted (refused ones, or launches detached, then reattached) go with it."""
+    pending = Path(run_dir) / held
     if not pending.is_dir():
         return
     record = Path(run_dir) / RECORD
@@ -55,8 +57,9 @@ def accept(run_dir: str, source: str = PENDING) -> None:
 
 
 def hold(run_dir: str) -> str | None:
-    """Move the pending record aside for a launch (see the module's doc); returns its directory's
-    name in ``run_dir`` (for :func:`accept`), None when there is none (other modes)."""
+    """Move the pending record aside for the command that took the run (see the module's doc);
+    returns its directory's name in ``run_dir`` (for :func:`accept`), None when there is none
+    (other modes, other processes than the first)."""
     held = HELD + secrets.token_hex(4)
     try:
         os.rename(Path(run_dir) / PENDING, Path(run_dir) / held)

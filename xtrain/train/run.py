@@ -253,13 +253,14 @@ def prepare_data(data, engine: Engine):
     return tokenizer if engine.processes.primary else prepare(data, log=lambda *_: None)
 
 
-def train(cfg, plan: RunPlan, run_dir: str) -> dict:
-    """Train; returns a summary (final step, newest checkpoint, preempted or not)."""
+def train(cfg, plan: RunPlan, run_dir: str, record: str | None = None) -> dict:
+    """Train; returns a summary (final step, newest checkpoint, preempted or not). ``record``:
+    this command's .hydra record, held in ``run_dir`` until it is accepted, as training starts."""
     # the processes first (a missing peer or launch variable fails here), then the shared-storage
     # check, both before data preparation and the first compile
     engine = build_engine(cfg, plan, run_dir)
     try:
-        return train_on(engine, cfg, plan, run_dir)
+        return train_on(engine, cfg, plan, run_dir, record)
     finally:
         engine.processes.close()
 
@@ -284,7 +285,7 @@ def naming_lost_peers(engine: Engine):
                        "the newest committed checkpoint") from e
 
 
-def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
+def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | None) -> dict:
     import lightning as L
 
     from xtrain.checkpoint.layout import check_shared, latest_checkpoint
@@ -318,8 +319,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str) -> dict:
             trainer = build_trainer(engine, callbacks.checkpoint_io,
                                     callbacks.all(LoaderState(loaders.steps)), plan, trainer_cfg,
                                     loaders.val is not None, run_dir)
-            if engine.processes.primary:  # every check passed: .hydra/ says what trains here
-                accept(run_dir)
+            if record:  # every check passed: .hydra/ says what trains here
+                accept(run_dir, record)
                 log.info(ACCEPTED)  # a launcher accepts its local record at this line
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
             status = "preempted" if callbacks.checkpointer.preempted else "success"
