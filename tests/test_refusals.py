@@ -341,6 +341,17 @@ def test_checkpoints_record_the_config_with_its_secrets_masked(compose_config):
     assert run_meta(cfg)["config"]["hardware"]["env"] == {"HF_TOKEN": "***", "XLA_FLAGS": "--x"}
 
 
+def test_sample_tokens_must_leave_room_for_a_prompt_only_where_there_are_prompts(compose_config):
+    from xtrain.errors import ConfigError
+    from xtrain.modes import check_sampling
+
+    full = ["model.sequence_len=64", "trainer.sample_tokens=64"]
+    with pytest.raises(ConfigError, match="trainer.sample_tokens=64 leaves no room for a prompt"):
+        check_sampling(compose_config(full))
+    check_sampling(compose_config([*full, "sample.prompts=[]"]))  # nothing sampled in training
+    check_sampling(compose_config(["model.sequence_len=64", "trainer.sample_tokens=63"]))
+
+
 def test_the_documented_exit_code_is_in_the_readme():
     assert f"exit code {EXIT_REFUSED}" in (ROOT / "README.md").read_text()
 
