@@ -22,6 +22,7 @@ from xtrain.errors import ConfigError
 @contextlib.contextmanager
 def run_dir_lock(run_dir: str):
     """Hold the run dir's lock inside the block; refused while another process trains there."""
+    os.makedirs(run_dir, exist_ok=True)  # Hydra made it; a caller of xtrain.modes.run may not have
     fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
