@@ -360,6 +360,10 @@ def register() -> None:
         OmegaConf.register_new_resolver("xtrain_hydra_subdir", hydra_subdir)
     if not OmegaConf.has_resolver("xtrain_sweep_name"):
         OmegaConf.register_new_resolver("xtrain_sweep_name", sweep_name)
+    if not OmegaConf.has_resolver("xtrain_config_groups"):  # --help's list (conf/train.yaml)
+        from xtrain.config.choices import config_groups
+
+        OmegaConf.register_new_resolver("xtrain_config_groups", config_groups)
     if not OmegaConf.has_resolver("xtrain_cache"):  # ${xtrain_cache:}: see xtrain.paths.cache_root
         OmegaConf.register_new_resolver("xtrain_cache", lambda: str(cache_root()))
 

@@ -6,15 +6,43 @@ from __future__ import annotations
 from xtrain.errors import ConfigError
 
 
+def is_base(option) -> bool:
+    """A config group option that is a base (a file named ``_*``, such as conf/hardware/_tpu.yaml):
+    other options extend it, alone it is incomplete."""
+    return isinstance(option, str) and option.startswith("_")
+
+
 def check_choices(choices) -> None:
-    """Refuse a config group option that is a base (a file named ``_*``, such as
-    conf/hardware/_tpu.yaml): other options extend it, alone it is incomplete. ``choices``:
-    Hydra's group -> option."""
-    bases = [f"{group}={option}" for group, option in choices.items()
-             if isinstance(option, str) and option.startswith("_")]
+    """Refuse a base chosen as a config group option. ``choices``: Hydra's group -> option."""
+    bases = [f"{group}={option}" for group, option in choices.items() if is_base(option)]
     if bases:
         raise ConfigError(f"{', '.join(bases)}: a base that the group's options extend, not an "
                           "option to choose (choose one whose name has no leading _)")
+
+
+def config_groups() -> str:
+    """The ``${xtrain_config_groups:}`` resolver of ``--help`` (conf/train.yaml): each config
+    group with the options that may be chosen, one line each. Hydra's own ``$APP_CONFIG_GROUPS``
+    lists the bases too, which :func:`check_choices` then refuses."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    loader = GlobalHydra.instance().config_loader()
+
+    def lines(parent: str) -> list[str]:
+        out = []
+        for name in sorted(loader.list_groups(parent)):
+            group = f"{parent}/{name}" if parent else name
+            if group == "hydra":
+                continue
+            options = [o for o in sorted(loader.get_group_options(group, ObjectType.CONFIG))
+                       if not is_base(o)]
+            if options:
+                out.append(f"{group}: {', '.join(options)}")
+            out += lines(group)
+        return out
+
+    return "\n".join(lines(""))
 
 
 def check_composed(cfg, choices) -> None:
