@@ -3,7 +3,7 @@
 
 from pathlib import Path
 
-from xtrain.config.hydra_record import PENDING, RECORD, accept, hold
+from xtrain.config.hydra_record import PENDING, RECORD, accept, discard, hold
 
 
 def write_record(path: Path, overrides: str) -> None:
@@ -59,3 +59,16 @@ def test_a_reattached_launch_accepts_at_a_line_its_local_log_copy_already_holds(
     write_record(tmp_path / PENDING, "reattached")
     accepting(run_dir, hold(run_dir), print, seen=len(f"loading\n{ACCEPTED}\n"))
     assert (tmp_path / RECORD / "overrides.yaml").read_text() == "reattached"
+
+
+def test_discard_takes_this_commands_record_and_an_emptied_run_dir_only(tmp_path, compose_config):
+    """A refused command's record goes; another command's pending record (other overrides, written
+    meanwhile) stays, and so does the run dir holding it."""
+    compose_config(["model.depth=0"])  # sets Hydra's config, as `python -m xtrain model.depth=0`
+    run = tmp_path / "run"
+    write_record(run / PENDING, "- model.depth=0\n")
+    discard(str(run))
+    assert not run.exists()
+    write_record(run / PENDING, "- model=d12\n")
+    discard(str(run))
+    assert (run / PENDING / "overrides.yaml").read_text() == "- model=d12\n"

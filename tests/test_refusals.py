@@ -279,6 +279,31 @@ def test_a_refused_command_leaves_the_runs_record_and_an_accepted_one_replaces_i
     assert "trainer.max_steps=1" in overrides.read_text() and not (run / ".hydra-pending").exists()
 
 
+@pytest.mark.parametrize("overrides, code", [
+    (["model.depth=0"], EXIT_REFUSED), (["hardware=_tpu"], EXIT_REFUSED),
+    (["+trainer.max_step=5"], EXIT_REFUSED), (["trainer.sample_tokens=64"], EXIT_REFUSED),
+    (["model=d20", "hardware.hbm_gib_per_chip=1"], EXIT_REFUSED),  # does not fit
+    (["mode=plan"], 0)], ids=["range", "base", "unknown-key", "sampling", "fit", "plan"])
+def test_a_command_that_keeps_nothing_leaves_no_run_dir(tmp_path, overrides, code):
+    """Hydra makes outputs/<run> and writes the command's record there before xtrain sees the
+    config: a command refused by its config checks, or mode=plan, takes both away again."""
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, *overrides], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == code, r.stderr[-3000:]
+    assert list((tmp_path / "outputs").iterdir()) == []
+
+
+def test_a_refused_command_in_a_used_run_dir_removes_only_its_own_record(tmp_path):
+    """In a run dir that holds other things, a refused command removes the record Hydra wrote for
+    it, nothing else (the case of another command's record: tests/test_hydra_record.py)."""
+    run = tmp_path / "run"
+    (run / "keep").mkdir(parents=True)
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "model.depth=0", f"hydra.run.dir={run}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert sorted(p.name for p in run.iterdir()) == ["keep"]
+
+
 @pytest.mark.parametrize("name", ["d${model.depth}/x", "..", "${oc.env:XTRAIN_TEST_NAME}", "a" * 256])
 def test_a_bad_run_name_is_refused_before_hydra_makes_its_directory(tmp_path, name):
     """Without hydra.run.dir, Hydra makes outputs/<run.name> (and writes its record there) before

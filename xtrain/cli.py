@@ -20,9 +20,9 @@ import hydra
 from omegaconf import DictConfig
 
 from xtrain import compat
-from xtrain.config import register
+from xtrain.config import Mode, register
 from xtrain.config.choices import check_composed
-from xtrain.config.hydra_record import writes_record
+from xtrain.config.hydra_record import discard, writes_record
 from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.paths import config_dir
 
@@ -39,13 +39,17 @@ def _main(cfg: DictConfig) -> None:
     from xtrain.modes import run
 
     hc = HydraConfig.get()
+    remote = is_remote(hc.launcher)
     try:  # hydra/launcher=tpu_vm|tpu_pod: Hydra calls a launcher only with -m, so route it here
         check_composed(cfg, hc.runtime.choices)
-        summary = launch_from_hydra(cfg) if is_remote(hc.launcher) else run(cfg, hc.runtime.output_dir)
+        summary = launch_from_hydra(cfg) if remote else run(cfg, hc.runtime.output_dir)
     except Exception as ex:  # noqa: BLE001  (refusals end here, in one line; the rest is raised)
         if not is_refusal(ex) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
+        discard(hc.runtime.output_dir)  # a refused command leaves no trace of its own
         refuse(ex)
+    if not remote and cfg.mode in (Mode.plan, Mode.compile):  # nothing kept in the run dir
+        discard(hc.runtime.output_dir)
     if summary and summary.get("preempted"):
         sys.exit(143)  # 128 + SIGTERM: not finished; re-running the command resumes
 

@@ -60,6 +60,7 @@ def run(cfg, run_dir: str) -> dict | None:
     takes the run dir first (xtrain/train/run_lock.py), then holds its .hydra record there
     (xtrain/config/hydra_record.py): a training refused for running beside another leaves that
     one's console.log and record alone."""
+    check_config(cfg)  # the config alone, before the run dir is taken or anything written there
     if cfg.mode == Mode.train and writes_record():
         with run_dir_lock(run_dir):
             return run_checked(cfg, run_dir, hold(run_dir))

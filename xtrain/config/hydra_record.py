@@ -15,7 +15,9 @@ is never taken for it) and :func:`accept` makes it ``.hydra/`` once every check 
 A refused command (``checkpoint.keep_last=0``, or a model that differs from the run's checkpoint)
 never replaces the record of what trained. Only the first process of a run writes a record. Other
 modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
-record alone).
+record alone). A command that keeps nothing in its run dir (one refused before it took the run,
+``mode=plan``, ``mode=compile``) removes the record Hydra wrote for it (:func:`discard`), and the
+run dir when Hydra made it for that command alone.
 """
 
 from __future__ import annotations
@@ -66,3 +68,25 @@ def hold(run_dir: str) -> str | None:
     except FileNotFoundError:
         return None
     return held
+
+
+def discard(run_dir: str) -> None:
+    """Remove the record Hydra wrote in ``run_dir`` for this command, and ``run_dir`` if that
+    leaves it empty. Only a record still where Hydra wrote it and naming this command's overrides
+    goes: one held (:func:`hold`), or written meanwhile by another command, stays."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not writes_record() or not HydraConfig.initialized() or HydraConfig.get().output_subdir is None:
+        return
+    hc = HydraConfig.get()
+    record = Path(run_dir) / hc.output_subdir
+    try:
+        written = OmegaConf.to_container(OmegaConf.load(record / "overrides.yaml"))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if written != list(hc.overrides.task):
+        return
+    shutil.rmtree(record, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        Path(run_dir).rmdir()
