@@ -395,7 +395,7 @@ def test_a_sweep_refuses_a_bad_job_before_running_any(tmp_path):
         "xtrain: config error: sweep job 2 of 2 (model=d2 model.sequence_len=64 trainer.max_steps=2 "
         "trainer.sample_tokens=0 trainer.device_batch_size=0): trainer.device_batch_size=0: must "
         "be >= 1; no job was run")
-    assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]  # no job's directory
+    assert not sweep.exists()  # no job's directory, nor Hydra's record of the sweep
     assert time.perf_counter() - started < 30  # before any torch import, let alone a step
 
 
@@ -406,7 +406,10 @@ def test_a_sweep_refuses_a_bad_job_before_running_any(tmp_path):
     (["run.name=ok,d${model.depth}/x"], 2, "run.name='d2/x': a run's name must be one plain"),
 ], ids=["base option", "added unknown key", "interpolated run name"])
 def test_a_sweep_refuses_a_job_composed_wrong_before_running_any(tmp_path, overrides, job, expected):
+    """In a sweep dir an earlier sweep used, its record (multirun.yaml) is left as it was."""
     sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text("# an earlier sweep's\n")
     r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *TINY, *overrides, "mode=plan",
                         f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
@@ -414,3 +417,4 @@ def test_a_sweep_refuses_a_job_composed_wrong_before_running_any(tmp_path, overr
     assert r.stderr.splitlines()[-1].startswith(f"xtrain: config error: sweep job {job} of 2 (")
     assert expected in r.stderr.splitlines()[-1]
     assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]  # no job's directory
+    assert (sweep / "multirun.yaml").read_text() == "# an earlier sweep's\n"

@@ -4,10 +4,14 @@ its turn came would let the jobs before it run (hours on a TPU) and then end the
 Hydra's basic sweeper composes each job of a batch first, only to see that it composes; xtrain's
 sweeper (``hydra/sweeper=xtrain``: its config in xtrain/config/, its class in
 launch/hydra_plugins/xtrain_launchers/sweeper.py) calls :func:`check_jobs` there instead,
-whatever the launcher. What reads paths or storage is still checked by each job as it starts.
+whatever the launcher. What reads paths or storage is still checked by each job as it starts. A sweep refused by these
+checks leaves the sweep dir as it found it (:class:`SweepRecord`).
 """
 
 from __future__ import annotations
+
+import contextlib
+from pathlib import Path
 
 
 def check_jobs(config_loader, sweep_config, batch) -> None:
@@ -38,3 +42,32 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                                   f"{e}; no job was run") from e
     finally:
         HydraConfig.instance().set_config(sweep_config)
+
+
+class SweepRecord:
+    """The sweep dir's ``multirun.yaml``, which Hydra writes before the jobs are checked, as it
+    was before this sweep: a refused sweep puts back what it replaced (an earlier sweep's record
+    in the same dir), or removes it and the sweep dir Hydra made for it."""
+
+    def __init__(self, sweep_dir: str):
+        self.path = Path(sweep_dir) / "multirun.yaml"
+        self.before = self.path.read_bytes() if self.path.is_file() else None
+
+    @contextlib.contextmanager
+    def restored_if_refused(self):
+        from xtrain.errors import is_refusal
+
+        try:
+            yield
+        except Exception as e:
+            if is_refusal(e):
+                self.restore()
+            raise
+
+    def restore(self) -> None:
+        if self.before is not None:
+            self.path.write_bytes(self.before)
+            return
+        self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.path.parent.rmdir()

@@ -9,6 +9,13 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
 
 class XtrainSweeper(BasicSweeper):
+    def sweep(self, arguments):
+        from xtrain.sweeps import SweepRecord
+
+        # Hydra writes the sweep's record before the first batch is checked
+        self.record = SweepRecord(self.config.hydra.sweep.dir)
+        return super().sweep(arguments)
+
     def validate_batch_is_legal(self, batch) -> None:
         # called before each batch is launched: the first call checks every batch of the sweep
         # (hydra.sweeper.max_batch_size may split it), the later ones only compose, as Hydra's
@@ -16,5 +23,6 @@ class XtrainSweeper(BasicSweeper):
             return super().validate_batch_is_legal(batch)
         from xtrain.sweeps import check_jobs
 
-        check_jobs(self.hydra_context.config_loader, self.config,
-                   [job for jobs in self.overrides for job in jobs])
+        with self.record.restored_if_refused():
+            check_jobs(self.hydra_context.config_loader, self.config,
+                       [job for jobs in self.overrides for job in jobs])
