@@ -98,8 +98,6 @@ def test_cli_help_does_not_import_torch():
     assert r.returncode == 0, r.stderr
 
 
-
-
 def test_tab_completion_of_the_console_script_lists_options_and_fields():
     """The README's completion command: Hydra completes the installed `xtrain` script."""
     script = Path(sys.executable).with_name("xtrain")
@@ -107,6 +105,8 @@ def test_tab_completion_of_the_console_script_lists_options_and_fields():
         r = subprocess.run([str(script), "-sc", "query=bash"], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "COMP_LINE": line})
         assert expected in r.stdout.split(), (line, r.stdout, r.stderr[-500:])
+
+
 @pytest.mark.parametrize("override, choices", [
     ("mode=nope", "train, plan, compile, sample, eval"),
     ("model.attention=nope", "auto, sdpa, chunked, flash, splash"),
