@@ -127,17 +127,38 @@ def test_lightning_leaves_the_signal_handlers_in_place_during_fit():
     assert seen[1] is ours
 
 
-def test_the_tpu_probe_logs_nothing_of_torch_xlas_default_device():
-    """A fresh process without PJRT_DEVICE, logging as Hydra's runs do (root logger): the probe's
-    import of torch_xla must not print "Defaulting to PJRT_DEVICE=CPU"; a warning logged after
-    it still shows."""
-    code = ("import logging; logging.basicConfig(); from xtrain import compat; "
-            "print(compat.tpu_chips_on_pci()); logging.warning('after the probe')")
+def pci_bus(root: Path, *vendors: str) -> str:
+    """A stand-in for /sys/bus/pci/devices holding devices of these vendors (this machine's bus
+    has no Google device; the probe reads only the vendor files)."""
+    for i, vendor in enumerate(vendors):
+        (root / f"0000:00:0{i}.0").mkdir(parents=True)
+        (root / f"0000:00:0{i}.0" / "vendor").write_text(vendor + "\n")
+    return str(root)
+
+
+def _probe(bus: str) -> subprocess.CompletedProcess:
+    code = ("import logging, sys; logging.basicConfig(); from xtrain import compat; "
+            f"print(compat.tpu_chips_on_pci({bus!r}), 'torch_xla' in sys.modules); "
+            "logging.warning('after the probe')")
     env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+
+
+def test_the_tpu_probe_logs_nothing_of_torch_xlas_default_device(tmp_path):
+    """A fresh process without PJRT_DEVICE, logging as Hydra's runs do (root logger), on a bus
+    with a Google device: the probe's import of torch_xla must not print "Defaulting to
+    PJRT_DEVICE=CPU"; a warning logged after it still shows."""
+    r = _probe(pci_bus(tmp_path, "0x8086", "0x1ae0"))
+    assert r.returncode == 0 and r.stdout.split() == ["0", "True"], r.stderr  # counted by torch_xla
     assert "PJRT_DEVICE" not in r.stderr and "after the probe" in r.stderr, r.stderr
+
+
+def test_the_tpu_probe_does_not_import_torch_xla_without_a_google_device(tmp_path):
+    """A CPU run's Trainer asks for TPUs: on a bus without Google devices the answer is 0 without
+    torch_xla's import (seconds of every CPU run's start)."""
+    r = _probe(pci_bus(tmp_path, "0x8086", "0x1af4"))
+    assert r.returncode == 0 and r.stdout.split() == ["0", "False"], r.stderr
 
 
 def test_lightning_tpu_probe_answers_from_the_pci_bus_without_network(monkeypatch):

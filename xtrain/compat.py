@@ -8,8 +8,8 @@ against the installed versions). Public APIs are used directly elsewhere, never 
 
 from __future__ import annotations
 
-import warnings
 from importlib import metadata
+from pathlib import Path
 
 # package -> version every private use below was checked against
 VERIFIED = {"torch": "2.9.1", "torch_xla": "2.9.0", "lightning": "2.6.6", "jax": "0.7.0",
@@ -31,13 +31,6 @@ def unverified() -> list[str]:
     found = installed_versions(VERIFIED)
     return [f"{p} {found[p]} (checked: {v}; re-verify the xtrain.compat functions tagged [{p}])"
             for p, v in VERIFIED.items() if found[p] is not None and found[p].split("+")[0] != v]
-
-
-def warn_unverified() -> None:
-    problems = unverified()
-    if problems:
-        warnings.warn("xtrain.compat: private APIs unverified for " + "; ".join(problems),
-                      stacklevel=2)
 
 
 # --- torch -----------------------------------------------------------------------------------
@@ -178,13 +171,21 @@ def full_cpu_tensors(tensors: dict) -> dict:
     return out
 
 
-def tpu_chips_on_pci() -> int:
+GOOGLE_PCI_VENDOR = "0x1ae0"  # Google's PCI vendor id: TPU chips are among its devices
+
+
+def tpu_chips_on_pci(devices: str = "/sys/bus/pci/devices") -> int:
     """[torch_xla] TPU chips attached to this host, read from the PCI bus (no network, no runtime).
-    Importing torch_xla picks a default PJRT device and says so at WARNING on the root logger,
-    which Hydra prints on stdout as its own ("[HYDRA] Defaulting to PJRT_DEVICE=CPU" in every CPU
-    run): nothing this probe means to say, so that one message is dropped while it imports (any
-    other warning still shows)."""
+    A host with no Google device on the bus (``devices``) has none: answered without importing
+    torch_xla (seconds at the start of every CPU run); otherwise torch_xla counts them. That
+    import picks a default PJRT device and says so at WARNING on the root logger, which Hydra
+    prints on stdout as its own ("[HYDRA] Defaulting to PJRT_DEVICE=CPU"): that one message is
+    dropped while it imports (any other warning still shows)."""
+    import glob
     import logging
+
+    if not any(Path(p).read_text().strip() == GOOGLE_PCI_VENDOR for p in glob.glob(f"{devices}/*/vendor")):
+        return 0
 
     def not_the_default_device(record) -> bool:
         return not record.getMessage().startswith("Defaulting to PJRT_DEVICE=")
