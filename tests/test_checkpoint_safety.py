@@ -292,6 +292,8 @@ def test_a_second_training_of_the_same_run_is_refused_while_the_first_trains(tmp
         code, _, err = finish(xtrain(run, "trainer.max_steps=99999", "checkpoint.every=5"))
         assert code == EXIT_REFUSED, err[-3000:]
         assert f"{run} is in use: another process is training this run there" in err
+        # its pending record stays (xtrain/cli.py): at another moment it could be the first's
+        assert "99999" in (run / ".hydra-pending" / "overrides.yaml").read_text()
         assert time.time() - started < 60  # before data, the model or a step (2 cores, loaded)
         wait_for(lambda: list((run / "checkpoints").glob("step_*/COMMITTED")), "checkpointed")
     finally:

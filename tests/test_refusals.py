@@ -283,13 +283,16 @@ def test_a_refused_command_leaves_the_runs_record_and_an_accepted_one_replaces_i
     (["model.depth=0"], EXIT_REFUSED), (["hardware=_tpu"], EXIT_REFUSED),
     (["+trainer.max_step=5"], EXIT_REFUSED), (["trainer.sample_tokens=64"], EXIT_REFUSED),
     (["model=d20", "hardware.hbm_gib_per_chip=1"], EXIT_REFUSED),  # does not fit
-    (["mode=plan"], 0)], ids=["range", "base", "unknown-key", "sampling", "fit", "plan"])
+    (["trainer.max_steps=${oc.env:XTRAIN_TEST_UNSET}"], EXIT_REFUSED),
+    (["mode=plan"], 0), (["mode=plan", "checkpoint.dir=/tmp/ckpt/${run.name}"], 0)],
+    ids=["range", "base", "unknown-key", "sampling", "fit", "unresolvable", "plan", "plan-interpolated"])
 def test_a_command_that_keeps_nothing_leaves_no_run_dir(tmp_path, overrides, code):
     """Hydra makes outputs/<run> and writes the command's record there before xtrain sees the
     config: a command refused by its config checks, or mode=plan, takes both away again."""
     r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, *overrides], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == code, r.stderr[-3000:]
+    assert len(r.stderr.splitlines()) == (1 if code else 0), r.stderr  # the refusal's line alone
     assert list((tmp_path / "outputs").iterdir()) == []
 
 
@@ -302,6 +305,11 @@ def test_a_refused_command_in_a_used_run_dir_removes_only_its_own_record(tmp_pat
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
     assert sorted(p.name for p in run.iterdir()) == ["keep"]
+    # a record dir set by hand (here the run dir itself) is not xtrain's to remove
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "model.depth=0", f"hydra.run.dir={run}",
+                        "hydra.output_subdir=."], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "hydra.yaml", "keep", "overrides.yaml"]
 
 
 @pytest.mark.parametrize("name", ["d${model.depth}/x", "..", "${oc.env:XTRAIN_TEST_NAME}", "a" * 256])

@@ -37,6 +37,7 @@ def _main(cfg: DictConfig) -> None:
 
     from xtrain.launcher import is_remote, launch_from_hydra
     from xtrain.modes import run
+    from xtrain.train.run_lock import RunDirInUse
 
     hc = HydraConfig.get()
     remote = is_remote(hc.launcher)
@@ -46,7 +47,8 @@ def _main(cfg: DictConfig) -> None:
     except Exception as ex:  # noqa: BLE001  (refusals end here, in one line; the rest is raised)
         if not is_refusal(ex) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        discard(hc.runtime.output_dir)  # a refused command leaves no trace of its own
+        if not isinstance(ex, RunDirInUse):  # a refused command leaves no trace of its own
+            discard(hc.runtime.output_dir)
         refuse(ex)
     if not remote and cfg.mode in (Mode.plan, Mode.compile):  # nothing kept in the run dir
         discard(hc.runtime.output_dir)

@@ -52,6 +52,7 @@ class SweepRecord:
     def __init__(self, sweep_dir: str):
         self.path = Path(sweep_dir) / "multirun.yaml"
         self.before = self.path.read_bytes() if self.path.is_file() else None
+        self.made_dir = not self.path.parent.exists()
 
     @contextlib.contextmanager
     def restored_if_refused(self):
@@ -69,5 +70,6 @@ class SweepRecord:
             self.path.write_bytes(self.before)
             return
         self.path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            self.path.parent.rmdir()
+        if self.made_dir:
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()

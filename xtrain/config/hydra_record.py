@@ -70,23 +70,33 @@ def hold(run_dir: str) -> str | None:
     return held
 
 
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes in a record
+
+
 def discard(run_dir: str) -> None:
     """Remove the record Hydra wrote in ``run_dir`` for this command, and ``run_dir`` if that
-    leaves it empty. Only a record still where Hydra wrote it and naming this command's overrides
-    goes: one held (:func:`hold`), or written meanwhile by another command, stays."""
+    leaves it empty. Only Hydra's files go, only from a record of xtrain's naming (not a
+    ``hydra.output_subdir`` set by hand), still where Hydra wrote it and naming this command's
+    overrides as written: one held (:func:`hold`), or written meanwhile by another command, stays."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    if not writes_record() or not HydraConfig.initialized() or HydraConfig.get().output_subdir is None:
+    if not writes_record() or not HydraConfig.initialized():
         return
     hc = HydraConfig.get()
-    record = Path(run_dir) / hc.output_subdir
+    name = hc.output_subdir
+    if name != PENDING and not (isinstance(name, str) and name.startswith(RECORD + "-") and "/" not in name):
+        return
+    record = Path(run_dir) / name
     try:
         written = OmegaConf.to_container(OmegaConf.load(record / "overrides.yaml"))
-    except (FileNotFoundError, NotADirectoryError):
+    except Exception:  # noqa: BLE001  (none, or unreadable: not a record to remove)
         return
-    if written != list(hc.overrides.task):
+    if written != OmegaConf.to_container(hc.overrides.task):  # unresolved, as Hydra wrote them
         return
-    shutil.rmtree(record, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        Path(run_dir).rmdir()
+    for file in HYDRA_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            (record / file).unlink()
+    for directory in (record, Path(run_dir)):
+        with contextlib.suppress(OSError):
+            directory.rmdir()

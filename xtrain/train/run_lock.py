@@ -19,6 +19,11 @@ import os
 from xtrain.errors import ConfigError
 
 
+class RunDirInUse(ConfigError):
+    """Refused: another process trains in the run dir (whose Hydra record, not yet held, may be
+    the same as this command's: xtrain/cli.py leaves it)."""
+
+
 @contextlib.contextmanager
 def run_dir_lock(run_dir: str):
     """Hold the run dir's lock inside the block; refused while another process trains there."""
@@ -29,7 +34,7 @@ def run_dir_lock(run_dir: str):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise ConfigError(
+                raise RunDirInUse(
                     f"{run_dir} is in use: another process is training this run there, and the two "
                     "would interleave their metrics and replace each other's checkpoints; wait for "
                     "it or stop it, or give this command its own run.name") from None
