@@ -4,8 +4,8 @@ its turn came would let the jobs before it run (hours on a TPU) and then end the
 Hydra's basic sweeper composes each job of a batch first, only to see that it composes; xtrain's
 sweeper (``hydra/sweeper=xtrain``: its config in xtrain/config/, its class in
 launch/hydra_plugins/xtrain_launchers/sweeper.py) calls :func:`check_jobs` there instead,
-whatever the launcher. What reads paths or storage is still checked by each job as it starts. A sweep refused by these
-checks leaves the sweep dir as it found it (:class:`SweepRecord`).
+whatever the launcher. What reads paths or storage is still checked by each job as it starts.
+A sweep refused by these checks leaves the sweep dir as it found it (:class:`SweepRecord`).
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ is never taken for it) and :func:`accept` makes it ``.hydra/`` once every check 
 A refused command (``checkpoint.keep_last=0``, or a model that differs from the run's checkpoint)
 never replaces the record of what trained. Only the first process of a run writes a record. Other
 modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
-record alone). A command that keeps nothing in its run dir (one refused before it took the run,
-``mode=plan``, ``mode=compile``) removes the record Hydra wrote for it (:func:`discard`), and the
-run dir when Hydra made it for that command alone.
+record alone). A command that keeps nothing in its run dir (one refused by the checks of its
+config, ``mode=plan``, ``mode=compile``) removes the record Hydra wrote for it (:func:`discard`),
+and the run dir if that leaves it empty.
 """
 
 from __future__ import annotations
