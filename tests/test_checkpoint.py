@@ -195,6 +195,57 @@ def test_a_signal_on_one_host_stops_every_host(tmp_path, notice_on):
     assert [reason for _, _, reason in outcomes] == [None, "SIGTERM", notice if notice_on else None]
 
 
+IN_ONE_LONG_CALL = """
+import logging, torch
+logging.basicConfig(level=logging.INFO)
+from xtrain.train.preemption import StopRequest
+torch.set_num_threads(1)
+StopRequest().install()
+a = torch.randn(8192, 8192)
+print("ready", flush=True)
+torch.mm(a, a)  # one native call of many seconds: Python's own signal handlers wait for its end
+print("returned", flush=True)
+"""
+
+
+def test_a_stop_signal_is_answered_at_once_and_a_second_ctrl_c_stops_now():
+    """A compile or one huge step is a single native call: the stop is still acknowledged as the
+    signal arrives, and a second Ctrl-C ends the process then (exit 130, no checkpoint)."""
+    import select
+
+    p = subprocess.Popen([sys.executable, "-c", IN_ONE_LONG_CALL], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == "ready\n"
+        time.sleep(1)
+        p.send_signal(signal.SIGINT)
+        deadline, said = time.time() + 10, ""
+        while "stopping at the next step boundary" not in said and time.time() < deadline:
+            if select.select([p.stderr], [], [], 0.5)[0]:
+                said += p.stderr.readline()
+        assert "SIGINT: stopping at the next step boundary, after a checkpoint; Ctrl-C again" in said
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=10) == 130
+        out, err = p.communicate()
+        assert "returned" not in out and "SIGINT again: stopping now, without a checkpoint" in err
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_ctrl_c_while_a_run_starts_ends_it_in_one_line(tmp_path):
+    """Before training's own handling is installed, Ctrl-C (KeyboardInterrupt) ends the command
+    with one line, not a traceback, and exit 130: nothing was trained to save."""
+    p = xtrain(tmp_path / "run", "trainer.max_steps=5")
+    time.sleep(1.5)  # importing torch, well before the first step
+    p.send_signal(signal.SIGINT)
+    code, out, err = finish(p)
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "step " not in out
+    assert err.splitlines()[-1] == ("xtrain: interrupted (SIGINT); a run resumes from its last "
+                                    "committed checkpoint")
+
+
 def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     code, _, err = finish(xtrain(run_dir, "trainer.max_steps=10"))

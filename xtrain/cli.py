@@ -23,7 +23,7 @@ from xtrain import compat
 from xtrain.config import Mode, register
 from xtrain.config.choices import check_composed
 from xtrain.config.hydra_record import discard, writes_record
-from xtrain.errors import ConfigError, is_refusal, refuse
+from xtrain.errors import EXIT_INTERRUPTED, ConfigError, is_refusal, refuse
 from xtrain.paths import config_dir
 
 
@@ -73,7 +73,12 @@ def main() -> None:
         refuse(ex)
     sys.argv += secondary_process_overrides()
     find_plugins()
-    _main()
+    try:
+        _main()
+    except KeyboardInterrupt:  # Ctrl-C outside training's own handling (xtrain/train/preemption.py)
+        print("xtrain: interrupted (SIGINT); a run resumes from its last committed checkpoint",
+              file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def find_plugins() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 EXIT_REFUSED = 2  # every refused input: config, data, checkpoint, environment
 EXIT_LAUNCH_FAILED = 1  # a remote launch failed (a worker's job, an unreachable host)
 EXIT_PEER_LOST = 3  # another process of a multi-process run vanished
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped at once (a second Ctrl-C), without a checkpoint
 
 
 class InputError(ValueError):

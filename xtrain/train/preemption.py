@@ -4,9 +4,16 @@ written and never in the middle of an update; on several processes, all of them 
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import socket
+import threading
 
+from xtrain.errors import EXIT_INTERRUPTED
 from xtrain.observe.preemptions import NOTICE, SIGNAL
+
+log = logging.getLogger(__name__)
 
 # what stopped the run, weakest first: the processes agree on the strongest (a vote of indices),
 # so a GCE notice on any host makes the whole run's stop the VM's, not the job's own
@@ -41,6 +48,7 @@ class StopRequest:
         self.processes = processes
         self._previous = {}
         self._pending = None  # the vote started at the previous step boundary
+        self._watch: SignalWatch | None = None
 
     @property
     def requested(self) -> bool:
@@ -61,11 +69,15 @@ class StopRequest:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous = signal.signal(sig, self._handle)
             self._previous.setdefault(sig, previous)
+        self._watch = self._watch or SignalWatch()
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if self._watch:
+            self._watch.close()
+            self._watch = None
 
     def _handle(self, signum, frame):
         self.request(signal.Signals(signum).name)
@@ -87,3 +99,38 @@ class StopRequest:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending()
+
+
+class SignalWatch:
+    """Says at once that a stop signal arrived, and ends the process on a second Ctrl-C (exit
+    ``EXIT_INTERRUPTED``, without a checkpoint), also while the main thread is inside one long
+    native call (a compile, a huge step), where Python's signal handlers wait until it returns.
+    Python's C-level handler writes each handled signal's number to the wakeup fd
+    (``signal.set_wakeup_fd``), which this class's thread reads as it arrives."""
+
+    def __init__(self):
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)
+        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        self._seen: list[int] = []
+        threading.Thread(target=self._read, name="xtrain-signals", daemon=True).start()
+
+    def _read(self) -> None:
+        while data := self._reader.recv(64):
+            for signum in data:
+                if signum in (signal.SIGINT, signal.SIGTERM):
+                    self._arrived(signal.Signals(signum))
+
+    def _arrived(self, sig: signal.Signals) -> None:
+        if sig == signal.SIGINT and signal.SIGINT in self._seen:
+            log.warning("SIGINT again: stopping now, without a checkpoint (the last committed one "
+                        "resumes)")
+            os._exit(EXIT_INTERRUPTED)
+        if not self._seen:
+            again = "; Ctrl-C again stops now, without one" if sig == signal.SIGINT else ""
+            log.warning("%s: stopping at the next step boundary, after a checkpoint%s", sig.name, again)
+        self._seen.append(sig)
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        self._writer.close()  # the thread's recv returns b"" and it ends
