@@ -173,3 +173,9 @@ def test_mode_sample_refuses_a_prompt_longer_than_the_context(trained_run):
     r = _sample(trained_run, "sample.max_tokens=200")
     assert r.returncode == 2
     assert "+ sample.max_tokens=200 exceed the model's sequence_len 64" in r.stderr
+    # a prompt the context cannot hold at all: no max_tokens helps, and none is suggested
+    r = _sample(trained_run, "sample.max_tokens=1", "sample.prompt='" + "int x; " * 40 + "'")
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert "alone fills the model's sequence_len 64: it needs a model trained with a longer" in line
+    assert "max_tokens" not in line

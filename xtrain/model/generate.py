@@ -129,6 +129,10 @@ def check_prompts_fit(tokenizer, prompts: list[str], max_tokens: int | None, seq
     None: at least one token) in the model's context."""
     for prompt in prompts:
         n = len(prompt_ids(tokenizer, prompt))
+        if n >= sequence_len:  # no setting of the generation helps
+            raise ConfigError(f"prompt {prompt!r} ({n} tokens) alone fills the model's "
+                              f"sequence_len {sequence_len}: it needs a model trained with a "
+                              "longer model.sequence_len, or a shorter prompt")
         if n + (max_tokens or 1) > sequence_len:
             room = f"{field}={max_tokens}" if max_tokens else "a generated token"
             raise ConfigError(f"prompt {prompt!r} ({n} tokens) + {room} exceed the "
