@@ -233,6 +233,19 @@ def test_a_stop_signal_is_answered_at_once_and_a_second_ctrl_c_stops_now():
         p.wait()
 
 
+def test_a_run_made_longer_says_its_learning_rate_schedule_changes(tmp_path):
+    """The schedule's warmdown follows trainer.max_steps: a finished run resumed toward a later
+    last step has its decayed learning rate rise again, said once as it resumes."""
+    code, _, err = finish(xtrain(tmp_path / "run", "trainer.max_steps=3", "optim.warmdown_ratio=0.5"))
+    assert code == 0, err[-3000:]
+    code, _, err = finish(xtrain(tmp_path / "run", "trainer.max_steps=6", "optim.warmdown_ratio=0.5"))
+    assert code == 0, err[-3000:]
+    assert (f"step_000003 was trained toward step 3, this run toward step 6 (trainer.max_steps): "
+            "the learning rate follows the new length's schedule (warmup, warmdown) from step 3 on") in err
+    lrs = {r["step"]: r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "lr" in r}
+    assert lrs[4] > lrs[3]  # what the line warns of
+
+
 def test_ctrl_c_while_a_run_starts_ends_it_in_one_line(tmp_path):
     """Before training's own handling is installed, Ctrl-C (KeyboardInterrupt) ends the command
     with one line, not a traceback, and exit 130: nothing was trained to save."""

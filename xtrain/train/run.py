@@ -80,14 +80,14 @@ def build_run_log(cfg, plan: RunPlan, run_dir: str, engine: Engine, start_step: 
     return run_log
 
 
-def run_meta(cfg, tokenizer_fingerprint: str | None = None) -> dict:
+def run_meta(cfg, tokenizer_fingerprint: str | None = None, max_steps: int | None = None) -> dict:
     """What every checkpoint records about the run that wrote it (the config's secrets masked,
-    the tokenizer's fingerprint)."""
+    the tokenizer's fingerprint, the last step its learning-rate schedule led to)."""
     from xtrain.observe.bundle import mask_secrets
 
     versions = compat.installed_versions(("torch", "lightning"))
     return {"config": mask_secrets(to_plain(cfg)), "tokenizer_sha256": tokenizer_fingerprint,
-            "python": platform.python_version(), **versions}
+            "max_steps": max_steps, "python": platform.python_version(), **versions}
 
 
 def build_profiler(trainer_cfg, run_dir: str):
@@ -156,7 +156,7 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
     checkpointer = PeriodicCheckpoint(
         ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last, ckpt.keep_every, stop=stop,
         report=lambda r: run_log.record("checkpoint", r["step"], {k: v for k, v in r.items() if k != "step"}),
-        meta=run_meta(cfg, tokenizer.fingerprint), timer=timer)
+        meta=run_meta(cfg, tokenizer.fingerprint, plan.max_steps), timer=timer)
     sampler = SampleCallback(tokenizer, cfg.sample, trainer_cfg.sample_tokens, trainer_cfg.sample_every,
                              run_log, timer, plan.gpt.sequence_len)
     cpp_eval = None
@@ -171,8 +171,8 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
                      debug_dump(engine.rank, engine.host_rows))
 
 
-def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
-                 engine: Engine) -> tuple[str | None, int]:
+def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer, engine: Engine,
+                 max_steps: int) -> tuple[str | None, int]:
     """The checkpoint to start from (``checkpoint.resume``, else the newest intact committed one,
     as process 0 sees it: every process must resume from the same step) and its step (0 for a
     fresh run). One trained with another tokenizer is refused: its token ids mean other text.
@@ -206,6 +206,10 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer,
                      f"since {ckpt.resume}, which it continues; to rewind again, move its newer "
                      "checkpoints away (or use another run.name)")
         log.info("resuming from %s", resume_from)
+        if meta.get("max_steps") not in (None, max_steps) and step < max_steps:
+            warn(f"{resume_from} was trained toward step {meta['max_steps']}, this run toward step "
+                 f"{max_steps} (trainer.max_steps): the learning rate follows the new length's "
+                 f"schedule (warmup, warmdown) from step {step} on")
         set_aside_newer(step, ckpt_dir, "rewound" if resume_from == ckpt.resume else "corrupt")
     return resume_from, step
 
@@ -306,7 +310,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
         module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                            token_bytes=tokenizer.token_bytes)
         resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, cfg.run.name,
-                                               tokenizer, engine)
+                                               tokenizer, engine, plan.max_steps)
         if start_step >= plan.max_steps and engine.processes.primary:
             from xtrain.errors import warn
 
