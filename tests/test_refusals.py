@@ -350,7 +350,7 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
         assert r.stderr.startswith(f"xtrain: config error: {key}: a secret is never given on the "
-                                   "command line") and "environment variable" in r.stderr
+                                   "command line") and "pass it in an environment variable instead" in r.stderr
         assert list(tmp_path.iterdir()) == []
 
 

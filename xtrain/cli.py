@@ -110,8 +110,8 @@ def check_no_secret_overrides(args: list[str]) -> None:
         names = [re.split(r"[./@]", key)[-1], *re.findall(r"[{,]\s*([A-Za-z_][\w-]*)\s*:", value)]
         name = next((n for n in names if is_secret_name(n)), None)
         if name or has_secret_value(value):
-            export = f"export {name}" if name else "pass it through an environment variable"
+            how = f"export {name} in the environment" if name else "pass it in an environment variable"
             raise ConfigError(
                 f"{key}: a secret is never given on the command line (it would be written to the "
-                f"run's name, .hydra/ and the process list): {export} in the environment "
-                "instead; hydra.launcher.secrets=[...] forwards such variables to TPU VMs")
+                f"run's name, .hydra/ and the process list): {how} instead; "
+                "hydra.launcher.secrets=[...] forwards such variables to TPU VMs")
