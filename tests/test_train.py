@@ -133,6 +133,6 @@ def test_a_run_with_many_long_overrides_gets_a_short_deterministic_name(tmp_path
     (run_dir,) = list(runs.iterdir())
     assert len(run_dir.name) <= 120 and run_dir.name.startswith("d2-cpu-cpp_local-model.sequence_len_32-optim.")
     assert "resuming from" in r.stdout
-    assert "step_000002 is at step 2, this run's last step 2 (trainer.max_steps): nothing to train" in r.stderr
+    assert "step_000002 is at this run's last step 2 (trainer.max_steps): nothing to train" in r.stdout
     kept = (run_dir / ".hydra" / "overrides.yaml").read_text()
     assert all(o.split("=")[0] in kept for o in overrides)  # the full list, unshortened

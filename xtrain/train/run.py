@@ -311,11 +311,13 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                            token_bytes=tokenizer.token_bytes)
         resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, cfg.run.name,
                                                tokenizer, engine, plan.max_steps)
-        if start_step >= plan.max_steps and engine.processes.primary:
+        if start_step == plan.max_steps and engine.processes.primary:  # a finished run, run again
+            log.info("%s is at this run's last step %d (trainer.max_steps): nothing to train",
+                     resume_from, start_step)
+        elif start_step > plan.max_steps and engine.processes.primary:
             from xtrain.errors import warn
 
-            where = "" if start_step == plan.max_steps else "past "
-            warn(f"{resume_from} is at step {start_step}, {where}this run's last step "
+            warn(f"{resume_from} is at step {start_step}, past this run's last step "
                  f"{plan.max_steps} (trainer.max_steps): nothing to train")
         run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
         status = "failed"
