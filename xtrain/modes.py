@@ -28,7 +28,7 @@ def plan_run(cfg, where: str) -> RunPlan:
 
 def check_config(cfg) -> None:
     """The checks of ``cfg`` alone, nothing read or printed (a sweep runs them on every job before
-    the first: xtrain/sweeps.py); :func:`run` repeats them as the job starts."""
+    the first: xtrain/sweeps.py), and by :func:`run` before the run dir is taken."""
     if cfg.mode in (Mode.sample, Mode.eval):
         check_ranges(cfg)
     else:
@@ -70,18 +70,14 @@ def run(cfg, run_dir: str) -> dict | None:
 def run_checked(cfg, run_dir: str, record: str | None) -> dict | None:
     keeps_log = cfg.mode in (Mode.train, Mode.sample, Mode.eval)
     with ConsoleLog(run_dir if keeps_log else None):
-        # the checkpoint's config decides the model, not this one: no plan, the ranges only
+        # the checkpoint's config decides the model, not this one: no plan (the ranges: run)
         if cfg.mode in (Mode.sample, Mode.eval):
-            check_ranges(cfg)
-            check_sampling(cfg)
             return (sample if cfg.mode == Mode.sample else evaluate)(cfg, run_dir)
         plan = plan_run(cfg, run_dir)
         if cfg.mode == Mode.compile:
             return compile_for_tpu(cfg, plan)
         if cfg.mode == Mode.plan:
             return show_plan(cfg, plan)
-        check_fits(plan, cfg)
-        check_sampling(cfg)
         if cfg.logger.wandb is not None:
             from xtrain.observe.wandb_run import choose_mode
 
