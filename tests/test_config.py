@@ -55,6 +55,24 @@ def test_run_name_keeps_groups_and_identity_overrides(compose_config):
     assert name == "d4-cpu-cpp_local-data.train_files__gs:__b_t__0-9___.parquet_"
 
 
+def test_a_shortened_name_never_cuts_a_value():
+    from xtrain.naming import compose_name
+
+    choices = {"model": "d2", "hardware": "cpu", "data": "cpp_local"}
+    overrides = [f"optim.{key}={value}" for key, value in (
+        ("adam_beta1", 0.8123456), ("adam_beta2", 0.9512345), ("embedding_lr", 0.1234567),
+        ("grad_clip", 0.9876543), ("matrix_lr", 0.0123456789))] + ["trainer.max_steps=200"]
+    parts = ["d2", "cpu", "cpp_local"] + sorted(o.replace("=", "_") for o in overrides)
+    assert len("-".join(parts)) > 120  # too long: shortened
+    name = compose_name(choices, overrides, sweep=True)  # in a sweep, max_steps is in the name
+    prefix, digest = name.rsplit("-", 1)
+    assert len(name) <= 120 and len(digest) == 12
+    kept = prefix.split("-")
+    assert kept == parts[:len(kept)] and len(kept) >= 5  # whole parts, as many as fit
+    # another value of the part left out still gives another name
+    assert compose_name(choices, overrides[:-1] + ["trainer.max_steps=300"], sweep=True) != name
+
+
 def test_a_checkpoint_dir_with_pattern_characters_is_refused(tmp_path):
     from xtrain.checkpoint.layout import check_writable
     from xtrain.errors import ConfigError

@@ -5,8 +5,8 @@ A run's name is ``<model>-<hardware>-<data>`` plus the overrides that change wha
 command lands in the same directory and resumes. Overrides that do not change what is trained
 (``trainer.max_steps``, logging, checkpoint placement, ...) keep the name, so extending a run
 resumes it; but in a sweep every job's name carries all of its overrides, so jobs that differ
-only in such a key still get directories of their own. A name too long for a file name keeps a
-readable prefix and a hash of the whole (the full override list is in ``.hydra/overrides.yaml``).
+only in such a key still get directories of their own. A name too long for a file name keeps its
+leading whole parts and a hash of the whole (the full list is in ``.hydra/overrides.yaml``).
 """
 
 from __future__ import annotations
@@ -31,12 +31,24 @@ MAX_NAME = 120  # bytes of a derived name
 NAME_MAX = 255  # bytes of any run name: file systems allow no longer path component
 
 
-def shorten(name: str, limit: int = MAX_NAME) -> str:
-    """``name`` itself when short enough, else a readable prefix and a hash of the whole."""
+def shorten(parts: list[str], limit: int = MAX_NAME) -> str:
+    """``parts`` joined by ``-`` when short enough, else the leading whole parts that fit and a
+    hash of the whole (a part is cut only when the first alone is too long), so a shortened name
+    never shows a value cut short (``max_steps_2`` for 200)."""
+    name = "-".join(parts)
     if len(name.encode()) <= limit:
         return name
     digest = hashlib.sha256(name.encode()).hexdigest()[:12]
-    return name.encode()[:limit - 13].decode(errors="ignore").rstrip("-_.") + "-" + digest
+    room = limit - len(digest) - 1
+    kept = ""
+    for part in parts:
+        longer = f"{kept}-{part}" if kept else part
+        if len(longer.encode()) > room:
+            break
+        kept = longer
+    if not kept:
+        kept = name.encode()[:room].decode(errors="ignore").rstrip("-_.")
+    return f"{kept}-{digest}"
 
 
 def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
@@ -51,7 +63,7 @@ def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
             # path separators, and characters storage tools read as patterns (*?[]) or quote
             extra.append(re.sub(r"[/=*?\[\]\s'\"\\]", "_", override.lstrip("+~")))
     parts = [given.get(group, choices.get(group)) for group in GROUPS_IN_NAME]
-    return shorten("-".join(str(p) for p in parts + sorted(extra) if p))
+    return shorten([str(p) for p in parts + sorted(extra) if p])
 
 
 def check_run_name(name: str) -> None:
