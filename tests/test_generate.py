@@ -167,6 +167,7 @@ def test_mode_sample_refuses_a_bad_checkpoint_before_building_anything(tmp_path,
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == "xtrain: " + message.format(run=tmp_path)
     assert "sampling" not in r.stdout and "tokenizer" not in r.stdout
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # no log, no record left
 
 
 def test_mode_sample_refuses_a_prompt_longer_than_the_context(trained_run):

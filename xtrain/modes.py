@@ -68,11 +68,13 @@ def run(cfg, run_dir: str) -> dict | None:
 
 
 def run_checked(cfg, run_dir: str, record: str | None) -> dict | None:
-    keeps_log = cfg.mode in (Mode.train, Mode.sample, Mode.eval)
-    with ConsoleLog(run_dir if keeps_log else None):
-        # the checkpoint's config decides the model, not this one: no plan (the ranges: run)
-        if cfg.mode in (Mode.sample, Mode.eval):
-            return (sample if cfg.mode == Mode.sample else evaluate)(cfg, run_dir)
+    if cfg.mode in (Mode.sample, Mode.eval):
+        # the checkpoint's config decides the model, not this one: no plan (the ranges: run).
+        # Found before console.log opens: a command refused for want of one leaves no log.
+        path = checkpoint_to_read(cfg, run_dir)
+        with ConsoleLog(run_dir):
+            return (sample if cfg.mode == Mode.sample else evaluate)(cfg, run_dir, path)
+    with ConsoleLog(run_dir if cfg.mode == Mode.train else None):
         plan = plan_run(cfg, run_dir)
         if cfg.mode == Mode.compile:
             return compile_for_tpu(cfg, plan)
@@ -129,18 +131,17 @@ def checkpoint_to_read(cfg, run_dir: str) -> str:
     return path
 
 
-def checkpoint_inputs(cfg, run_dir: str):
-    """The checkpoint to read (refused before anything is built), its saved config (which
-    decides the model and tokenizer, not this run's), its tokenizer and its step."""
+def checkpoint_inputs(path: str):
+    """A checkpoint's saved config (which decides the model and tokenizer, not this run's), its
+    tokenizer and its step."""
     from omegaconf import OmegaConf
 
     from xtrain.checkpoint.layout import read_meta
     from xtrain.data import prepare
 
-    path = checkpoint_to_read(cfg, run_dir)
     meta = read_meta(path)
     saved = OmegaConf.create(meta["config"])
-    return path, saved, prepare(saved.data, log=log.info), int(meta.get("step") or 0)
+    return saved, prepare(saved.data, log=log.info), int(meta.get("step") or 0)
 
 
 def checkpoint_model(path: str, saved):
@@ -153,14 +154,14 @@ def checkpoint_model(path: str, saved):
     return GPT.from_weights(GPTConfig.from_model(saved.model), read_model_weights(path))
 
 
-def sample(cfg, run_dir: str) -> dict:
-    """Print completions of ``sample.prompt(s)`` from a checkpoint."""
+def sample(cfg, run_dir: str, path: str) -> dict:
+    """Print completions of ``sample.prompt(s)`` from the checkpoint at ``path``."""
     from xtrain.model.generate import check_prompts_fit, generate
 
     s, stats = cfg.sample, {}
     prompts = sample_prompts(s)  # not empty (check_sampling)
 
-    path, saved, tokenizer, _ = checkpoint_inputs(cfg, run_dir)
+    saved, tokenizer, _ = checkpoint_inputs(path)
     check_prompts_fit(tokenizer, prompts, s.max_tokens, saved.model.sequence_len, "sample.max_tokens")
     model = checkpoint_model(path, saved)
     log.info("sampling %s: %d x %d tokens per prompt, temperature %g, top_k %s, seed %d",
@@ -175,8 +176,8 @@ def sample(cfg, run_dir: str) -> dict:
     return {"checkpoint": path, "texts": texts, "tok_per_s": tok_per_s}
 
 
-def evaluate(cfg, run_dir: str) -> dict:
-    """Score a checkpoint on the C++ benchmark (``eval`` config); print the scores and write one
+def evaluate(cfg, run_dir: str, path: str) -> dict:
+    """Score the checkpoint at ``path`` on the C++ benchmark (``eval`` config); print the scores and write one
     record per sample to ``<run dir>/cpp_eval/step_N-eval-<time>.jsonl`` (beside training's
     ``step_N.jsonl``, which its metrics.jsonl record scored)."""
     import time
@@ -184,7 +185,7 @@ def evaluate(cfg, run_dir: str) -> dict:
     from xtrain.evals import prepare
     from xtrain.evals.completions import check_fit, evaluate_model, records_path
 
-    path, saved, tokenizer, step = checkpoint_inputs(cfg, run_dir)
+    saved, tokenizer, step = checkpoint_inputs(path)
     problems = prepare(cfg.eval)  # the config, the benchmark file and the compiler, checked
     check_fit(tokenizer, problems, cfg.eval, saved.model.sequence_len)
     model = checkpoint_model(path, saved)

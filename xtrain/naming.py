@@ -27,6 +27,7 @@ NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval
                          "compile_cache.", "preflight.", "model.scan", "model.remat",
                          "trainer.compile")
 GROUPS_IN_NAME = ("model", "hardware", "data")
+READS_CHECKPOINT = ("sample", "eval")  # modes that read a checkpoint instead of training
 MAX_NAME = 120  # bytes of a derived name
 NAME_MAX = 255  # bytes of any run name: file systems allow no longer path component
 
@@ -53,10 +54,13 @@ def shorten(parts: list[str], limit: int = MAX_NAME) -> str:
 
 def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
     given, extra = {}, []
-    for override in overrides:
-        key, _, value = override.partition("=")
-        key = key.lstrip("+~")
+    pairs = [(o.partition("=")[0].lstrip("+~"), o.partition("=")[2]) for o in overrides]
+    # sampling or judging another run's checkpoint writes its log and records in a run dir of
+    # its own, not in the dir of the run these groups would train
+    reads_checkpoint = any(key == "mode" and value in READS_CHECKPOINT for key, value in pairs)
+    for override, (key, value) in zip(overrides, pairs):
         neutral = key in NAME_NEUTRAL_KEYS or key.startswith(NAME_NEUTRAL_PREFIXES)
+        neutral = neutral and not (reads_checkpoint and key == "checkpoint.resume")
         if key in GROUPS_IN_NAME:
             given[key] = value  # as written: a sweep's command keeps its list (model=d12,d16)
         elif not (key.startswith("hydra.") or (neutral and not sweep)):
