@@ -405,6 +405,11 @@ def test_a_sweep_refuses_a_bad_job_before_running_any(tmp_path):
         "be >= 1; no job was run")
     assert not sweep.exists()  # no job's directory, nor Hydra's record of the sweep
     assert time.perf_counter() - started < 30  # before any torch import, let alone a step
+    # in the default sweep dir, multirun/<sweep>/: neither it nor multirun/ is left
+    r = subprocess.run([sys.executable, "-m", "xtrain", *args[:-2]], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == EXIT_REFUSED and "sweep job 2 of 2" in r.stderr, r.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("overrides, job, expected", [

@@ -64,16 +64,26 @@ SMALL = ["model=d2", "model.sequence_len=32", "trainer.device_batch_size=2", "tr
          "trainer.eval_batches=1", "trainer.log_every=1"]
 
 
-def test_multirun_gives_one_dir_per_job(tmp_path):
-    r = _xtrain("-m", *SMALL, "optim.matrix_lr=0.01,0.02", "trainer.max_steps=2",
-                f"hydra.sweep.dir={tmp_path}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+def test_multirun_gives_one_dir_per_job_in_a_dir_per_sweep(tmp_path):
+    def sweep(*args):
+        r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *SMALL, *args, "trainer.max_steps=2"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    sweep("optim.matrix_lr=0.01,0.02")
+    sweep("optim.matrix_lr=0.03")  # another sweep: its own dir, the first's record kept
+    first, second = (tmp_path / "multirun" / f"d2-cpu-cpp_local-model.sequence_len_32-optim.matrix_lr_{v}-"
+                     "trainer.device_batch_size_2" for v in ("0.01,0.02", "0.03"))
+    assert sorted((tmp_path / "multirun").iterdir()) == [first, second]
+    assert "optim.matrix_lr=0.01,0.02" in (first / "multirun.yaml").read_text()
+    assert "optim.matrix_lr=0.03" in (second / "multirun.yaml").read_text()
+    jobs = sorted(p.name for p in first.iterdir() if p.is_dir())
     assert len(jobs) == 2 and all(j.startswith("d2-cpu-cpp_local-") for j in jobs)
     assert "optim.matrix_lr_0.01" in jobs[0] and "optim.matrix_lr_0.02" in jobs[1]
     for job in jobs:
-        assert (tmp_path / job / "metrics.jsonl").exists()
-        assert (tmp_path / job / ".hydra" / "config.yaml").exists()
+        assert (first / job / "metrics.jsonl").exists()
+        assert (first / job / ".hydra" / "config.yaml").exists()
+    assert len([p for p in second.iterdir() if p.is_dir()]) == 1
 
 
 # float32 rounds k micro-batch means summed differently from one mean over k x the rows; Adam's

@@ -62,12 +62,17 @@ def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
         neutral = key in NAME_NEUTRAL_KEYS or key.startswith(NAME_NEUTRAL_PREFIXES)
         neutral = neutral and not (reads_checkpoint and key == "checkpoint.resume")
         if key in GROUPS_IN_NAME:
-            given[key] = value  # as written: a sweep's command keeps its list (model=d12,d16)
-        elif not (key.startswith("hydra.") or (neutral and not sweep)):
-            # path separators, and characters storage tools read as patterns (*?[]) or quote
-            extra.append(re.sub(r"[/=*?\[\]\s'\"\\]", "_", override.lstrip("+~")))
+            given[key] = plain(value)  # as written: a sweep's command keeps its list (model=d12,d16)
+        elif not (key.startswith(("hydra.", "hydra/")) or (neutral and not sweep)):
+            extra.append(plain(override.lstrip("+~")))
     parts = [given.get(group, choices.get(group)) for group in GROUPS_IN_NAME]
     return shorten([str(p) for p in parts + sorted(extra) if p])
+
+
+def plain(text: str) -> str:
+    """``text`` without path separators, and characters storage tools read as patterns (*?[])
+    or quote."""
+    return re.sub(r"[/=*?\[\]\s'\"\\]", "_", text)
 
 
 def check_run_name(name: str) -> None:
@@ -108,16 +113,34 @@ def sweep_name() -> str | None:
     """The ``${xtrain_sweep_name:}`` resolver: in a sweep (``-m``), the sweep's own command named
     like a run with its swept values as written (``d2-cpu-cpp_local-optim.matrix_lr_0.01,0.02``),
     the same for every job, so it groups them (W&B's group). None outside a sweep."""
-    import sys
-
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN:
-        return None
+    return command_name(dict(hc.runtime.choices)) if hc.mode == RunMode.MULTIRUN else None
+
+
+def command_name(choices: dict) -> str:
+    """This process's command line named like a run."""
+    import sys
+
     command = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
-    return compose_name(dict(hc.runtime.choices), command, sweep=False)
+    return compose_name(choices, command, sweep=False)
+
+
+def sweep_dir_name(*, _root_) -> str:
+    """The ``${xtrain_sweep_dir_name:}`` resolver of conf/train.yaml's sweep dir: the sweep's
+    name (:func:`sweep_name`), checked, so that each sweep command keeps its jobs and its
+    multirun.yaml in a dir of its own, and the same command run again resumes its jobs there.
+    Empty outside a sweep, where Hydra does not use the sweep dir. It reads the config's own
+    hydra node: Hydra resolves the sweep dir before it sets HydraConfig."""
+    from hydra.types import RunMode
+
+    if _root_.hydra.mode != RunMode.MULTIRUN:
+        return ""
+    name = command_name(dict(_root_.hydra.runtime.choices))
+    check_run_name(name)
+    return name
 
 
 def corpus_dir(name: str, vocab_size: int, chunk_tokens: int, sources) -> str:

@@ -3,7 +3,7 @@ whole sweep dirs, drawn together (one PNG per metric, a line per run) with a sum
 (``summary.md``, ``summary.csv``, also printed): steps, final loss, final validation bits per
 byte, median tokens/s, and the best of each evaluation score (higher is better, as for pass
 rates). A RUN_DIR holding ``metrics.jsonl`` is one run; otherwise every subdirectory holding one
-is (a sweep dir, e.g. ``multirun/``). Paths may be fsspec URLs (gs://...).
+is (a sweep dir, e.g. ``multirun/<sweep>/``). Paths may be fsspec URLs (gs://...).
 """
 
 from __future__ import annotations

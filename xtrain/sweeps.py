@@ -47,12 +47,16 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
 class SweepRecord:
     """The sweep dir's ``multirun.yaml``, which Hydra writes before the jobs are checked, as it
     was before this sweep: a refused sweep puts back what it replaced (an earlier sweep's record
-    in the same dir), or removes it and the sweep dir Hydra made for it."""
+    in the same dir), or removes it and the dirs Hydra made for it (``multirun/<sweep>``)."""
 
     def __init__(self, sweep_dir: str):
         self.path = Path(sweep_dir) / "multirun.yaml"
         self.before = self.path.read_bytes() if self.path.is_file() else None
-        self.made_dir = not self.path.parent.exists()
+        self.made_dirs = []  # innermost first
+        directory = self.path.parent.absolute()
+        while not directory.exists():
+            self.made_dirs.append(directory)
+            directory = directory.parent
 
     @contextlib.contextmanager
     def restored_if_refused(self):
@@ -70,6 +74,6 @@ class SweepRecord:
             self.path.write_bytes(self.before)
             return
         self.path.unlink(missing_ok=True)
-        if self.made_dir:
+        for directory in self.made_dirs:
             with contextlib.suppress(OSError):
-                self.path.parent.rmdir()
+                directory.rmdir()
