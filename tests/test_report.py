@@ -72,6 +72,23 @@ def test_report_takes_single_runs_and_chosen_metrics(sweep, tmp_path):
     assert len((tmp_path / "summary.csv").read_text().splitlines()) == 3  # header + 2 runs
 
 
+def test_report_keeps_runs_of_one_name_from_two_sweeps_apart(sweep, tmp_path):
+    import shutil
+
+    job = sorted(p for p in sweep.iterdir() if p.is_dir())[0]
+    other = tmp_path / "other-sweep"
+    shutil.copytree(job, other / job.name)
+    records = (other / job.name / "metrics.jsonl").read_text().splitlines()
+    (other / job.name / "metrics.jsonl").write_text("\n".join(records[:3]) + "\n")  # a shorter run
+    r = report(sweep, other, "--out", tmp_path / "report")
+    assert r.returncode == 0, r.stderr
+    rows = [row.strip("| ").split(" | ") for row in
+            (tmp_path / "report" / "summary.md").read_text().splitlines()[2:]]
+    assert len(rows) == 4
+    names = [row[0] for row in rows]
+    assert f"{sweep.name}/{job.name}" in names and f"other-sweep/{job.name}" in names
+
+
 def test_the_summary_and_the_eval_chart_take_scores_not_timings():
     """An eval record also holds seconds and tokens/s: "best" of those would be the slowest."""
     from xtrain.evals.harness import score

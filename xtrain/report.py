@@ -23,21 +23,24 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def find_runs(paths: list[str]) -> dict[str, str]:
-    """name -> run dir, for run dirs and sweep dirs (their subdirectories that hold runs)."""
-    runs = {}
+    """name -> run dir, for run dirs and sweep dirs (their subdirectories that hold runs). Runs of
+    one name (the same job in two sweeps) are named with their parent dir's too, so each keeps
+    its own line and row."""
+    found = []
     for path in paths:
         fs, root = url_to_fs(path)
         root = root.rstrip("/")
         if fs.exists(f"{root}/{METRICS_FILE}"):
-            runs[root.rsplit("/", 1)[-1]] = path.rstrip("/")
+            found.append(path.rstrip("/"))
             continue
-        found = sorted(d for d in fs.ls(root, detail=False) if fs.exists(f"{d.rstrip('/')}/{METRICS_FILE}")) \
+        runs = sorted(d for d in fs.ls(root, detail=False) if fs.exists(f"{d.rstrip('/')}/{METRICS_FILE}")) \
             if fs.isdir(root) else []
-        if not found:
+        if not runs:
             raise InputError(f"{path}: no {METRICS_FILE} in it or in its subdirectories")
-        for d in found:
-            runs[d.rstrip("/").rsplit("/", 1)[-1]] = as_url(fs, d.rstrip("/"))
-    return runs
+        found += [as_url(fs, d.rstrip("/")) for d in runs]
+    names = [d.rsplit("/", 1)[-1] for d in found]
+    return {name if names.count(name) == 1 else "/".join(d.rsplit("/", 2)[-2:]): d
+            for name, d in zip(names, found)}
 
 
 def summary_row(name: str, records: list[dict], scores: list[str]) -> dict:
