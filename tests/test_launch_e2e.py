@@ -67,6 +67,12 @@ def job_dir(remote, job: str, host=HOSTS[0]) -> Path:
     return remote.root(host) / "jobs" / job
 
 
+def local_job_dir(cwd: Path, job: str) -> Path:
+    """The launching command's Hydra job dir, multirun/<sweep>/<job>: the only sweep in ``cwd``."""
+    (local,) = (cwd / "multirun").glob(f"*/{job}")
+    return local
+
+
 def job_pgid(remote, job: str, host=HOSTS[0]) -> int:
     """The remote job's process group, once it started (worker and test share this machine)."""
     pid = job_dir(remote, job, host) / "pid"
@@ -189,7 +195,7 @@ def test_an_ssh_drop_leaves_the_run_going_and_a_relaunch_reattaches(remote, tmp_
     assert len((job / "starts").read_text().splitlines()) == 1  # started once
     log = (job / "log").read_text()
     assert log.count("step     10/10") == 1
-    local = tmp_path / "multirun" / "e2e-drop" / "worker-0.log"
+    local = local_job_dir(tmp_path, "e2e-drop") / "worker-0.log"
     assert local.read_text() == log  # the local copy is whole, nothing twice
     # the reattaching command's record is accepted; the killed launch's held one is gone
     assert "run.name=e2e-drop" in (local.parent / ".hydra" / "overrides.yaml").read_text()
@@ -217,16 +223,16 @@ def test_stop_option_stops_the_job_which_checkpoints(remote, tmp_path):
     assert stop.returncode == 0 and "stopped job e2e-stop on 1 worker(s)" in stop.stdout
     assert follower.returncode == 0, out[-3000:]
     assert "stopped at a signal (exit 143)" in out
-    result = json.loads((tmp_path / "multirun" / "e2e-stop" / "result.json").read_text())
+    local = local_job_dir(tmp_path, "e2e-stop")  # the same for all three commands
+    result = json.loads((local / "result.json").read_text())
     assert result["preempted"] is True
     # the run's stop record, from this attempt (its id reached the job), says why
-    launched = json.loads((tmp_path / "multirun" / "e2e-stop" / "launch.json").read_text())
+    launched = json.loads((local / "launch.json").read_text())
     assert (result["stopped_for"], result["stop_reason"], result["attempt"]) == (
         "signal", "SIGTERM", launched["attempt"])
     assert list((remote.root(HOSTS[0]) / "runs" / "e2e-stop" / "checkpoints").glob("*/COMMITTED"))
     assert (job_dir(remote, "e2e-stop") / "reported").exists()
     # the refused command's record waits aside, unaccepted; the stop holds none
-    local = tmp_path / "multirun" / "e2e-stop"
     assert "trainer.max_steps=100000" in (local / ".hydra" / "overrides.yaml").read_text()
     assert len(list(local.glob(".hydra-held-*"))) == 1
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,7 +73,7 @@ def test_multirun_gives_one_dir_per_job_in_a_dir_per_sweep(tmp_path):
 
     sweep("optim.matrix_lr=0.01,0.02")
     sweep("optim.matrix_lr=0.03")  # another sweep: its own dir, the first's record kept
-    first, second = (tmp_path / "multirun" / f"d2-cpu-cpp_local-model.sequence_len_32-optim.matrix_lr_{v}-"
+    first, second = (tmp_path / "multirun" / f"d2-model.sequence_len_32-optim.matrix_lr_{v}-"
                      "trainer.device_batch_size_2" for v in ("0.01,0.02", "0.03"))
     assert sorted((tmp_path / "multirun").iterdir()) == [first, second]
     assert "optim.matrix_lr=0.01,0.02" in (first / "multirun.yaml").read_text()
@@ -84,6 +85,17 @@ def test_multirun_gives_one_dir_per_job_in_a_dir_per_sweep(tmp_path):
         assert (first / job / "metrics.jsonl").exists()
         assert (first / job / ".hydra" / "config.yaml").exists()
     assert len([p for p in second.iterdir() if p.is_dir()]) == 1
+
+
+def test_a_sweep_whose_jobs_choose_other_groups_keeps_them_in_its_own_dir(tmp_path):
+    """+debug=... sets model=d2 in every job, not in the sweep's own config: the sweep dir must
+    not follow the groups, or its record and its jobs part ways."""
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", "+debug=fast,overfit"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (record,) = (tmp_path / "multirun").glob("*/multirun.yaml")
+    jobs = [line.split(" -> ")[1] for line in r.stdout.splitlines() if line.startswith("run ")]
+    assert len(jobs) == 2 and all(Path(job).parent == record.parent for job in jobs), (record, jobs)
 
 
 # float32 rounds k micro-batch means summed differently from one mean over k x the rows; Adam's

@@ -7,6 +7,7 @@ command lands in the same directory and resumes. Overrides that do not change wh
 resumes it; but in a sweep every job's name carries all of its overrides, so jobs that differ
 only in such a key still get directories of their own. A name too long for a file name keeps its
 leading whole parts and a hash of the whole (the full list is in ``.hydra/overrides.yaml``).
+A sweep's own dir (``multirun/<sweep>/``) is named the same way from its command line alone.
 """
 
 from __future__ import annotations
@@ -120,25 +121,23 @@ def sweep_name() -> str | None:
     return command_name(dict(hc.runtime.choices)) if hc.mode == RunMode.MULTIRUN else None
 
 
-def command_name(choices: dict) -> str:
-    """This process's command line named like a run."""
+def command_name(choices: dict, sweep: bool = False) -> str:
+    """This process's command line named like a run (groups it does not choose filled in from
+    ``choices``)."""
     import sys
 
     command = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
-    return compose_name(choices, command, sweep=False)
+    return compose_name(choices, command, sweep=sweep)
 
 
-def sweep_dir_name(*, _root_) -> str:
-    """The ``${xtrain_sweep_dir_name:}`` resolver of conf/train.yaml's sweep dir: the sweep's
-    name (:func:`sweep_name`), checked, so that each sweep command keeps its jobs and its
-    multirun.yaml in a dir of its own, and the same command run again resumes its jobs there.
-    Empty outside a sweep, where Hydra does not use the sweep dir. It reads the config's own
-    hydra node: Hydra resolves the sweep dir before it sets HydraConfig."""
-    from hydra.types import RunMode
-
-    if _root_.hydra.mode != RunMode.MULTIRUN:
-        return ""
-    name = command_name(dict(_root_.hydra.runtime.choices))
+def sweep_dir_name() -> str:
+    """The ``${xtrain_sweep_dir_name:}`` resolver of conf/train.yaml's sweep dir, so that each
+    sweep command keeps its jobs and its multirun.yaml in a dir of its own, and the same command
+    run again resumes its jobs there: the command line alone named like a run, swept values as
+    written (``d2-optim.matrix_lr_0.01,0.02``); with only overrides that keep a run's name, those
+    too; ``defaults`` for none. Nothing else: Hydra resolves the sweep dir in the sweep's config
+    and again in each job's, where a config group may differ (``-m +experiment=a,b``)."""
+    name = command_name({}) or command_name({}, sweep=True) or "defaults"
     check_run_name(name)
     return name
 
