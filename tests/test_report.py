@@ -60,7 +60,7 @@ def test_report_draws_a_sweep_together_with_a_summary_table(sweep, tmp_path):
     # a sweep's jobs share one W&B group, each its own run
     runs = [wandb_runs(sweep / job)[0] for job in jobs]
     assert len({r["id"] for r in runs}) == 3
-    assert {r["group"] for r in runs} == {f"d2-cpu-cpp_local-model.sequence_len_64-optim.matrix_lr_"
+    assert {r["group"] for r in runs} == {f"d2-model.sequence_len_64-optim.matrix_lr_"
                                           f"{','.join(LRS)}-trainer.device_batch_size_4"}
 
 

@@ -111,23 +111,21 @@ def run_name() -> str:
 
 
 def sweep_name() -> str | None:
-    """The ``${xtrain_sweep_name:}`` resolver: in a sweep (``-m``), the sweep's own command named
-    like a run with its swept values as written (``d2-cpu-cpp_local-optim.matrix_lr_0.01,0.02``),
-    the same for every job, so it groups them (W&B's group). None outside a sweep."""
+    """The ``${xtrain_sweep_name:}`` resolver: in a sweep (``-m``), the sweep's name
+    (:func:`sweep_dir_name`), the same for every job, so it groups them (W&B's group). None
+    outside a sweep."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    hc = HydraConfig.get()
-    return command_name(dict(hc.runtime.choices)) if hc.mode == RunMode.MULTIRUN else None
+    return sweep_dir_name() if HydraConfig.get().mode == RunMode.MULTIRUN else None
 
 
-def command_name(choices: dict, sweep: bool = False) -> str:
-    """This process's command line named like a run (groups it does not choose filled in from
-    ``choices``)."""
+def command_name(sweep: bool) -> str:
+    """This process's command line alone named like a run ("" when it names nothing)."""
     import sys
 
     command = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
-    return compose_name(choices, command, sweep=sweep)
+    return compose_name({}, command, sweep=sweep)
 
 
 def sweep_dir_name() -> str:
@@ -137,7 +135,7 @@ def sweep_dir_name() -> str:
     written (``d2-optim.matrix_lr_0.01,0.02``); with only overrides that keep a run's name, those
     too; ``defaults`` for none. Nothing else: Hydra resolves the sweep dir in the sweep's config
     and again in each job's, where a config group may differ (``-m +experiment=a,b``)."""
-    name = command_name({}) or command_name({}, sweep=True) or "defaults"
+    name = command_name(sweep=False) or command_name(sweep=True) or "defaults"
     check_run_name(name)
     return name
 
