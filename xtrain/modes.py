@@ -177,9 +177,9 @@ def sample(cfg, run_dir: str, path: str) -> dict:
 
 
 def evaluate(cfg, run_dir: str, path: str) -> dict:
-    """Score the checkpoint at ``path`` on the C++ benchmark (``eval`` config); print the scores and write one
-    record per sample to ``<run dir>/cpp_eval/step_N-eval-<time>.jsonl`` (beside training's
-    ``step_N.jsonl``, which its metrics.jsonl record scored)."""
+    """Score the checkpoint at ``path`` on the C++ benchmark (``eval`` config); print the scores
+    and write one record per sample to ``<run dir>/cpp_eval/step_N-eval-<time>.jsonl`` (beside
+    training's ``step_N.jsonl``, which its metrics.jsonl record scored)."""
     import time
 
     from xtrain.evals import prepare
