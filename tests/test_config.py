@@ -50,12 +50,14 @@ def test_run_name_keeps_groups_and_identity_overrides(compose_config):
     assert compose_config(["mode=eval", "eval.max_tokens=64", "eval.n=4"]).run.name == "d4-cpu-cpp_local"
     assert compose_config(["eval.cpp_every=500"]).run.name == "d4-cpu-cpp_local"
     # training from another run's checkpoint continues this run; sampling or judging one logs
-    # in a dir of its own, not in the dir of the run these groups train
+    # with the run it belongs to, not in the dir of the run these groups train
     resume = "checkpoint.resume=/r/x/checkpoints/step_000030"
     assert compose_config([resume]).run.name == "d4-cpu-cpp_local"
+    long_path = "/" + "/".join(["a_long_dir_name"] * 12) + "/a-sweep,job/checkpoints/step_000003"
     for mode in ("sample", "eval"):
-        assert compose_config([f"mode={mode}", resume]).run.name == \
-            "d4-cpu-cpp_local-checkpoint.resume__r_x_checkpoints_step_000030"
+        assert compose_config([f"mode={mode}", resume]).run.name == "x"
+        assert compose_config([f"mode={mode}", "checkpoint.resume=gs://b/ckpt/y/step_000010"]).run.name == "y"
+        assert compose_config([f"mode={mode}", f"checkpoint.resume='{long_path}'"]).run.name == "a-sweep,job"
     # no path separators, and nothing storage tools read as a pattern (a checkpoint.dir of
     # gs://b/${run.name} is removed from by retention)
     name = compose_config(["data.train_files='gs://b/t/[0-9]*?.parquet'"]).run.name

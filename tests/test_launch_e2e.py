@@ -67,9 +67,11 @@ def job_dir(remote, job: str, host=HOSTS[0]) -> Path:
     return remote.root(host) / "jobs" / job
 
 
-def local_job_dir(cwd: Path, job: str) -> Path:
-    """The launching command's Hydra job dir, multirun/<sweep>/<job>: the only sweep in ``cwd``."""
-    (local,) = (cwd / "multirun").glob(f"*/{job}")
+def local_job_dir(cwd: Path, job: str, override: str = "") -> Path:
+    """The launching command's Hydra job dir, multirun/<sweep>/<job>: the only one in ``cwd``
+    whose sweep's record (multirun.yaml) holds ``override``."""
+    (local,) = [d / job for d in (cwd / "multirun").iterdir()
+                if (d / job).is_dir() and override in (d / "multirun.yaml").read_text()]
     return local
 
 
@@ -223,7 +225,7 @@ def test_stop_option_stops_the_job_which_checkpoints(remote, tmp_path):
     assert stop.returncode == 0 and "stopped job e2e-stop on 1 worker(s)" in stop.stdout
     assert follower.returncode == 0, out[-3000:]
     assert "stopped at a signal (exit 143)" in out
-    local = local_job_dir(tmp_path, "e2e-stop")  # the same for all three commands
+    local = local_job_dir(tmp_path, "e2e-stop", "trainer.max_steps=100000")  # the stop's too
     result = json.loads((local / "result.json").read_text())
     assert result["preempted"] is True
     # the run's stop record, from this attempt (its id reached the job), says why
@@ -232,9 +234,12 @@ def test_stop_option_stops_the_job_which_checkpoints(remote, tmp_path):
         "signal", "SIGTERM", launched["attempt"])
     assert list((remote.root(HOSTS[0]) / "runs" / "e2e-stop" / "checkpoints").glob("*/COMMITTED"))
     assert (job_dir(remote, "e2e-stop") / "reported").exists()
-    # the refused command's record waits aside, unaccepted; the stop holds none
+    # the refused command (another sweep: its own dir) keeps its record aside, unaccepted; the
+    # stop holds none
     assert "trainer.max_steps=100000" in (local / ".hydra" / "overrides.yaml").read_text()
-    assert len(list(local.glob(".hydra-held-*"))) == 1
+    assert not list(local.glob(".hydra-held-*"))
+    refused = local_job_dir(tmp_path, "e2e-stop", "trainer.max_steps=99999")
+    assert len(list(refused.glob(".hydra-held-*"))) == 1 and not (refused / ".hydra").exists()
 
 
 def job_python(pgid: int) -> int:

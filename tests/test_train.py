@@ -73,9 +73,9 @@ def test_multirun_gives_one_dir_per_job_in_a_dir_per_sweep(tmp_path):
 
     sweep("optim.matrix_lr=0.01,0.02")
     sweep("optim.matrix_lr=0.03")  # another sweep: its own dir, the first's record kept
-    first, second = (tmp_path / "multirun" / f"d2-model.sequence_len_32-optim.matrix_lr_{v}-"
-                     "trainer.device_batch_size_2" for v in ("0.01,0.02", "0.03"))
-    assert sorted((tmp_path / "multirun").iterdir()) == [first, second]
+    first, second = sorted((tmp_path / "multirun").iterdir())  # named by their command lines
+    assert first.name.startswith("d2-model.sequence_len_32-optim.matrix_lr_0.01,0.02-trainer.")
+    assert second.name.startswith("d2-model.sequence_len_32-optim.matrix_lr_0.03-trainer.")
     assert "optim.matrix_lr=0.01,0.02" in (first / "multirun.yaml").read_text()
     assert "optim.matrix_lr=0.03" in (second / "multirun.yaml").read_text()
     jobs = sorted(p.name for p in first.iterdir() if p.is_dir())
@@ -87,15 +87,31 @@ def test_multirun_gives_one_dir_per_job_in_a_dir_per_sweep(tmp_path):
     assert len([p for p in second.iterdir() if p.is_dir()]) == 1
 
 
-def test_a_sweep_whose_jobs_choose_other_groups_keeps_them_in_its_own_dir(tmp_path):
-    """+debug=... sets model=d2 in every job, not in the sweep's own config: the sweep dir must
-    not follow the groups, or its record and its jobs part ways."""
-    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", "+debug=fast,overfit"],
+def test_sweeps_that_differ_only_in_keys_that_keep_a_runs_name_keep_apart(tmp_path):
+    for steps in ("3,6", "10,20"):  # the jobs' names differ (in a sweep they carry every key)
+        r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", "model=d2",
+                            f"trainer.max_steps={steps}"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+    records = sorted((tmp_path / "multirun").glob("*/multirun.yaml"))
+    assert [p.parent.name for p in records] == ["d2-mode_plan-trainer.max_steps_10,20",
+                                                "d2-mode_plan-trainer.max_steps_3,6"]
+
+
+@pytest.mark.parametrize("args", [["+debug=fast,overfit"],
+                                  ["model=d2", "optim.embedding_lr=${optim.matrix_lr}", "optim.matrix_lr=0.01,0.02"]],
+                         ids=["groups", "interpolation"])
+def test_a_sweep_keeps_its_jobs_in_its_own_dir(tmp_path, args):
+    """+debug=... sets model=d2 in every job, not in the sweep's own config, and an interpolation
+    resolves to each job's value: the sweep dir must follow neither, or its record and its jobs
+    part ways. Nor does a job's name show an interpolation (Hydra escapes it as $\\{...})."""
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", *args],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     (record,) = (tmp_path / "multirun").glob("*/multirun.yaml")
     jobs = [line.split(" -> ")[1] for line in r.stdout.splitlines() if line.startswith("run ")]
     assert len(jobs) == 2 and all(Path(job).parent == record.parent for job in jobs), (record, jobs)
+    assert not [job for job in jobs if "$" in job]
 
 
 # float32 rounds k micro-batch means summed differently from one mean over k x the rows; Adam's

@@ -55,19 +55,30 @@ def shorten(parts: list[str], limit: int = MAX_NAME) -> str:
 
 def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
     given, extra = {}, []
-    pairs = [(o.partition("=")[0].lstrip("+~"), o.partition("=")[2]) for o in overrides]
-    # sampling or judging another run's checkpoint writes its log and records in a run dir of
-    # its own, not in the dir of the run these groups would train
-    reads_checkpoint = any(key == "mode" and value in READS_CHECKPOINT for key, value in pairs)
-    for override, (key, value) in zip(overrides, pairs):
+    pairs = dict((o.partition("=")[0].lstrip("+~"), o.partition("=")[2]) for o in overrides)
+    if pairs.get("mode") in READS_CHECKPOINT and pairs.get("checkpoint.resume") and not sweep:
+        # sampling or judging a checkpoint named by path logs (and keeps records) with the run
+        # it belongs to, not in the dir of the run these groups would train
+        return shorten([checkpoint_run(pairs["checkpoint.resume"])])
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.lstrip("+~")
         neutral = key in NAME_NEUTRAL_KEYS or key.startswith(NAME_NEUTRAL_PREFIXES)
-        neutral = neutral and not (reads_checkpoint and key == "checkpoint.resume")
         if key in GROUPS_IN_NAME:
             given[key] = plain(value)  # as written: a sweep's command keeps its list (model=d12,d16)
         elif not (key.startswith(("hydra.", "hydra/")) or (neutral and not sweep)):
             extra.append(plain(override.lstrip("+~")))
     parts = [given.get(group, choices.get(group)) for group in GROUPS_IN_NAME]
     return shorten([str(p) for p in parts + sorted(extra) if p])
+
+
+def checkpoint_run(path: str) -> str:
+    """The name of the run a checkpoint belongs to: the dir holding it, or the one above when that
+    is ``checkpoints`` (``outputs/<run>/checkpoints/step_N``, ``gs://bucket/ckpt/<run>/step_N``)."""
+    dirs = [d for d in path.strip("'\"").rstrip("/").split("/")[:-1] if d not in ("", ".", "..")]
+    if dirs and dirs[-1] == "checkpoints":
+        dirs.pop()
+    return plain(dirs[-1]) if dirs else "checkpoint"
 
 
 def plain(text: str) -> str:
@@ -106,8 +117,14 @@ def run_name() -> str:
     # unresolved, and without the overrides that interpolate: one may name the run itself
     # (checkpoint.dir='gs://bucket/ckpt/${run.name}' gives every job of a sweep its own dir)
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)
-    return compose_name(dict(hc.runtime.choices), [o for o in overrides if "${" not in o],
+    return compose_name(dict(hc.runtime.choices), [o for o in overrides if not interpolates(o)],
                         sweep=hc.mode == RunMode.MULTIRUN)
+
+
+def interpolates(override: str) -> bool:
+    """Whether an override's value holds an interpolation: ``${...}`` as written, or ``$\\{...}``
+    as Hydra's basic sweeper escapes it in a sweep's job overrides."""
+    return re.search(r"\$\\?\{", override) is not None
 
 
 def sweep_name() -> str | None:
@@ -120,22 +137,18 @@ def sweep_name() -> str | None:
     return sweep_dir_name() if HydraConfig.get().mode == RunMode.MULTIRUN else None
 
 
-def command_name(sweep: bool) -> str:
-    """This process's command line alone named like a run ("" when it names nothing)."""
-    import sys
-
-    command = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
-    return compose_name({}, command, sweep=sweep)
-
-
 def sweep_dir_name() -> str:
     """The ``${xtrain_sweep_dir_name:}`` resolver of conf/train.yaml's sweep dir, so that each
     sweep command keeps its jobs and its multirun.yaml in a dir of its own, and the same command
-    run again resumes its jobs there: the command line alone named like a run, swept values as
-    written (``d2-optim.matrix_lr_0.01,0.02``); with only overrides that keep a run's name, those
-    too; ``defaults`` for none. Nothing else: Hydra resolves the sweep dir in the sweep's config
-    and again in each job's, where a config group may differ (``-m +experiment=a,b``)."""
-    name = command_name(sweep=False) or command_name(sweep=True) or "defaults"
+    run again resumes its jobs there: the command line alone named like a sweep's job, every
+    override but Hydra's and those that interpolate, swept values as written
+    (``d2-optim.matrix_lr_0.01,0.02``); ``defaults`` for none. Nothing else: Hydra resolves the
+    sweep dir in the sweep's config and again in each job's, where a config group may differ
+    (``-m +experiment=a,b``) and an interpolation would resolve to each job's value."""
+    import sys
+
+    command = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-") and not interpolates(a)]
+    name = compose_name({}, command, sweep=True) or "defaults"
     check_run_name(name)
     return name
 

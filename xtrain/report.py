@@ -24,8 +24,8 @@ METRICS_FILE = "metrics.jsonl"
 
 def find_runs(paths: list[str]) -> dict[str, str]:
     """name -> run dir, for run dirs and sweep dirs (their subdirectories that hold runs). Runs of
-    one name (the same job in two sweeps) are named with their parent dir's too, so each keeps
-    its own line and row."""
+    one name (the same job in two sweeps, the same sweep in two places) are named with as many of
+    their parent dirs as tell them apart, so each keeps its own line and row."""
     found = []
     for path in paths:
         fs, root = url_to_fs(path)
@@ -38,9 +38,17 @@ def find_runs(paths: list[str]) -> dict[str, str]:
         if not runs:
             raise InputError(f"{path}: no {METRICS_FILE} in it or in its subdirectories")
         found += [as_url(fs, d.rstrip("/")) for d in runs]
-    names = [d.rsplit("/", 1)[-1] for d in found]
-    return {name if names.count(name) == 1 else "/".join(d.rsplit("/", 2)[-2:]): d
-            for name, d in zip(names, found)}
+    return {unique_tail(d, found): d for d in found}
+
+
+def unique_tail(path: str, paths: list[str]) -> str:
+    """The shortest tail of ``path`` (its last dir names) that no other of ``paths`` ends with."""
+    parts = path.split("/")
+    for depth in range(1, len(parts)):
+        tail = "/".join(parts[-depth:])
+        if sum(p == tail or p.endswith("/" + tail) for p in paths) == 1:
+            return tail
+    return path
 
 
 def summary_row(name: str, records: list[dict], scores: list[str]) -> dict:
