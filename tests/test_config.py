@@ -56,6 +56,8 @@ def test_run_name_keeps_groups_and_identity_overrides(compose_config):
     long_path = "/" + "/".join(["a_long_dir_name"] * 12) + "/a-sweep,job/checkpoints/step_000003"
     for mode in ("sample", "eval"):
         assert compose_config([f"mode={mode}", resume]).run.name == "x"
+        for none in ("null", "''"):  # no checkpoint named: the run's own newest
+            assert compose_config([f"mode={mode}", f"checkpoint.resume={none}"]).run.name == "d4-cpu-cpp_local"
         assert compose_config([f"mode={mode}", "checkpoint.resume=gs://b/ckpt/y/step_000010"]).run.name == "y"
         assert compose_config([f"mode={mode}", f"checkpoint.resume='{long_path}'"]).run.name == "a-sweep,job"
     # no path separators, and nothing storage tools read as a pattern (a checkpoint.dir of
@@ -64,22 +66,38 @@ def test_run_name_keeps_groups_and_identity_overrides(compose_config):
     assert name == "d4-cpu-cpp_local-data.train_files__gs:__b_t__0-9___.parquet_"
 
 
-def test_a_shortened_name_never_cuts_a_value():
+def test_a_shortened_name_stays_what_runs_already_trained_under_it_are_named():
+    """Runs resume by name (their dir, their checkpoint.dir): a name too long for a file keeps the
+    form it had when it trained (the value below was given by xtrain before 2026-11-29)."""
     from xtrain.naming import compose_name
 
     choices = {"model": "d2", "hardware": "cpu", "data": "cpp_local"}
     overrides = [f"optim.{key}={value}" for key, value in (
         ("adam_beta1", 0.8123456), ("adam_beta2", 0.9512345), ("embedding_lr", 0.1234567),
         ("grad_clip", 0.9876543), ("matrix_lr", 0.0123456789))] + ["trainer.max_steps=200"]
-    parts = ["d2", "cpu", "cpp_local"] + sorted(o.replace("=", "_") for o in overrides)
-    assert len("-".join(parts)) > 120  # too long: shortened
-    name = compose_name(choices, overrides, sweep=True)  # in a sweep, max_steps is in the name
-    prefix, digest = name.rsplit("-", 1)
-    assert len(name) <= 120 and len(digest) == 12
-    kept = prefix.split("-")
-    assert kept == parts[:len(kept)] and len(kept) >= 5  # whole parts, as many as fit
-    # another value of the part left out still gives another name
-    assert compose_name(choices, overrides[:-1] + ["trainer.max_steps=300"], sweep=True) != name
+    assert compose_name(choices, overrides, sweep=True) == (
+        "d2-cpu-cpp_local-optim.adam_beta1_0.8123456-optim.adam_beta2_0.9512345-optim.embedding_lr_"
+        "0.1234567-optim.g-40a6818cf057")
+    # another value of a part cut off still gives another name
+    assert compose_name(choices, overrides[:-1] + ["trainer.max_steps=300"], sweep=True) != \
+        compose_name(choices, overrides, sweep=True)
+
+
+def test_a_sweeps_dir_is_named_by_its_command_line(monkeypatch):
+    from xtrain.naming import sweep_dir_name
+
+    def name(*args):
+        monkeypatch.setattr(sys, "argv", ["xtrain", "-m", *args])
+        return sweep_dir_name()
+
+    assert name("model=d2", "optim.matrix_lr=0.01,0.02") == "d2-optim.matrix_lr_0.01,0.02"
+    assert name("trainer.max_steps=3,6") == "trainer.max_steps_3,6"  # every override
+    assert name("~logger.wandb", "optim.matrix_lr=0.01") != name("optim.matrix_lr=0.01")
+    # not Hydra's own (a launch or its stop is the same sweep), not what resolves in each job
+    assert name("hydra/launcher=tpu_vm", "hydra.launcher.stop=true", "model=d2") == "d2"
+    assert name("optim.embedding_lr=${optim.matrix_lr}", "optim.matrix_lr=0.01,0.02") == \
+        "optim.matrix_lr_0.01,0.02"
+    assert name() == "defaults"
 
 
 def test_a_checkpoint_dir_with_pattern_characters_is_refused(tmp_path):

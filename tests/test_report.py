@@ -73,6 +73,15 @@ def test_report_takes_single_runs_and_chosen_metrics(sweep, tmp_path):
     assert len((tmp_path / "summary.csv").read_text().splitlines()) == 3  # header + 2 runs
 
 
+def test_report_names_a_run_given_as_dot_by_its_dir_and_counts_it_once(sweep, tmp_path):
+    job = sorted(p for p in sweep.iterdir() if p.is_dir())[0]
+    r = subprocess.run([sys.executable, "-m", "xtrain.report", ".", str(job), "--out", str(tmp_path)],
+                       cwd=job, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = (tmp_path / "summary.md").read_text().splitlines()[2:]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [job.name]
+
+
 @pytest.mark.parametrize("other_sweep", ["another-sweep", "{sweep}"], ids=["same job", "same sweep"])
 def test_report_keeps_runs_of_one_name_apart(sweep, tmp_path, other_sweep):
     """The same job in two sweeps, or the same sweep in two places (another checkout, a bucket)."""

@@ -5,8 +5,8 @@ A run's name is ``<model>-<hardware>-<data>`` plus the overrides that change wha
 command lands in the same directory and resumes. Overrides that do not change what is trained
 (``trainer.max_steps``, logging, checkpoint placement, ...) keep the name, so extending a run
 resumes it; but in a sweep every job's name carries all of its overrides, so jobs that differ
-only in such a key still get directories of their own. A name too long for a file name keeps its
-leading whole parts and a hash of the whole (the full list is in ``.hydra/overrides.yaml``).
+only in such a key still get directories of their own. A name too long for a file name keeps a
+readable prefix and a hash of the whole (the full list is in ``.hydra/overrides.yaml``).
 A sweep's own dir (``multirun/<sweep>/``) is named the same way from its command line alone.
 """
 
@@ -34,29 +34,21 @@ NAME_MAX = 255  # bytes of any run name: file systems allow no longer path compo
 
 
 def shorten(parts: list[str], limit: int = MAX_NAME) -> str:
-    """``parts`` joined by ``-`` when short enough, else the leading whole parts that fit and a
-    hash of the whole (a part is cut only when the first alone is too long), so a shortened name
-    never shows a value cut short (``max_steps_2`` for 200)."""
+    """``parts`` joined by ``-`` when short enough, else a prefix cut at ``limit`` and a hash of
+    the whole. The prefix may end inside a value (``max_steps_2`` for 200; the hash tells such
+    names apart): names of runs already trained must stay as they are, or they would not resume."""
     name = "-".join(parts)
     if len(name.encode()) <= limit:
         return name
     digest = hashlib.sha256(name.encode()).hexdigest()[:12]
-    room = limit - len(digest) - 1
-    kept = ""
-    for part in parts:
-        longer = f"{kept}-{part}" if kept else part
-        if len(longer.encode()) > room:
-            break
-        kept = longer
-    if not kept:
-        kept = name.encode()[:room].decode(errors="ignore").rstrip("-_.")
-    return f"{kept}-{digest}"
+    return name.encode()[:limit - 13].decode(errors="ignore").rstrip("-_.") + "-" + digest
 
 
 def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
     given, extra = {}, []
-    pairs = dict((o.partition("=")[0].lstrip("+~"), o.partition("=")[2]) for o in overrides)
-    if pairs.get("mode") in READS_CHECKPOINT and pairs.get("checkpoint.resume") and not sweep:
+    pairs = dict((o.partition("=")[0].lstrip("+~"), o.partition("=")[2].strip("'\"")) for o in overrides)
+    resume = pairs.get("checkpoint.resume") not in (None, "", "null", "~")
+    if pairs.get("mode") in READS_CHECKPOINT and resume and not sweep:
         # sampling or judging a checkpoint named by path logs (and keeps records) with the run
         # it belongs to, not in the dir of the run these groups would train
         return shorten([checkpoint_run(pairs["checkpoint.resume"])])
@@ -147,7 +139,8 @@ def sweep_dir_name() -> str:
     (``-m +experiment=a,b``) and an interpolation would resolve to each job's value."""
     import sys
 
-    command = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-") and not interpolates(a)]
+    command = [a for a in sys.argv[1:] if ("=" in a or a.startswith("~")) and not a.startswith("-")
+               and not interpolates(a)]
     name = compose_name({}, command, sweep=True) or "defaults"
     check_run_name(name)
     return name

@@ -31,13 +31,14 @@ def find_runs(paths: list[str]) -> dict[str, str]:
         fs, root = url_to_fs(path)
         root = root.rstrip("/")
         if fs.exists(f"{root}/{METRICS_FILE}"):
-            found.append(path.rstrip("/"))
+            found.append(as_url(fs, root))  # as fsspec resolves it: ".", given twice, ... named alike
             continue
         runs = sorted(d for d in fs.ls(root, detail=False) if fs.exists(f"{d.rstrip('/')}/{METRICS_FILE}")) \
             if fs.isdir(root) else []
         if not runs:
             raise InputError(f"{path}: no {METRICS_FILE} in it or in its subdirectories")
         found += [as_url(fs, d.rstrip("/")) for d in runs]
+    found = list(dict.fromkeys(found))  # a run given twice is one run
     return {unique_tail(d, found): d for d in found}
 
 
