@@ -156,6 +156,16 @@ def test_mode_sample_prints_text_from_the_runs_newest_checkpoint(trained_run):
     assert len(texts[0]) == 2 and texts[0] == texts[1]
 
 
+def test_mode_sample_of_a_named_checkpoint_logs_with_the_run_it_belongs_to(trained_run, tmp_path):
+    """Not in the dir of the run the command's groups would train (outputs/d2-cpu-cpp_local-...)."""
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "mode=sample", "sample.max_tokens=4",
+                        f"checkpoint.resume={trained_run}/checkpoints/step_000030"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == [trained_run.name]
+    assert "sampling " in (tmp_path / "outputs" / trained_run.name / "console.log").read_text()
+
+
 @pytest.mark.parametrize("args, message", [
     (["checkpoint.resume=/nonexistent/step_000010"],
      "checkpoint error: checkpoint.resume=/nonexistent/step_000010: no such directory"),
