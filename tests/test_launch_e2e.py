@@ -18,6 +18,7 @@ import pytest
 
 from tests.sshd import (HOSTS, keygen, live_group, remote, sshd, gcloud,  # noqa: F401  (fixtures)
                         tpu_node)
+from tests.logreaders import wandb_runs
 from xtrain.checkpoint.layout import committed_checkpoints
 from xtrain.cli import config_dir
 from xtrain.errors import EXIT_REFUSED
@@ -125,6 +126,17 @@ def test_tpu_vm_trains_d2_remotely_and_returns_its_final_loss(remote, gcloud, hy
     assert "step     10/10" in log and local_metrics == metrics
     # the worker ran with the coordinator's internal address in its environment
     assert "MASTER_ADDR=10.146.0.5" in (job_dir(remote, "e2e-vm") / "run.sh").read_text()
+
+
+def test_a_launched_sweeps_jobs_log_to_its_wandb_group(remote, tmp_path):
+    """The worker runs its job alone, outside the sweep: the group is resolved here and passed on."""
+    args = TINY + ["trainer.max_steps=2", "run.name=e2e-group", "logger=[jsonl,wandb]",
+                   "logger.wandb.mode=offline"] + remote.overrides()
+    r = run_xtrain(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run,) = wandb_runs(remote.root(HOSTS[0]) / "runs" / "e2e-group")
+    sweep = local_job_dir(tmp_path, "e2e-group").parent.name
+    assert "," in sweep and run["group"] == sweep  # its name, quoted on the worker's command line
 
 
 def tree_snapshot(root: Path) -> dict:

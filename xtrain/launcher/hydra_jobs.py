@@ -14,7 +14,7 @@ from xtrain.config.choices import check_composed
 from xtrain.config.hydra_record import hold
 from xtrain.errors import is_refusal, refuse
 from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
-from xtrain.launcher.launch import launch_job, say
+from xtrain.launcher.launch import hydra_str, launch_job, say
 
 
 def prepare_from_hydra(cfg) -> Job:
@@ -37,10 +37,22 @@ def prepare_from_hydra(cfg) -> Job:
         check_fits(plan, cfg)
     check_sampling(cfg)
     check_job(launcher, cfg.hardware, cfg.checkpoint.dir)
-    return Job(copy.deepcopy(launcher), copy.deepcopy(cfg.hardware), list(hc.overrides.task),
+    return Job(copy.deepcopy(launcher), copy.deepcopy(cfg.hardware), job_overrides(cfg, hc.overrides.task),
                cfg.run.name, hc.runtime.output_dir,
                checkpoint_dir(cfg, "<run dir on the VM>"), cfg.preemption.maintenance_lead_s,
                None if launcher.stop else hold(hc.runtime.output_dir))
+
+
+def job_overrides(cfg, overrides) -> list[str]:
+    """The job's own overrides, and its sweep's W&B group resolved here: on its workers the job
+    runs alone, outside the sweep, where conf/logger/wandb.yaml's ``${xtrain_sweep_name:}`` gives
+    no group."""
+    overrides = list(overrides)
+    wandb = cfg.logger.wandb
+    given = any(o.lstrip("+~").startswith("logger.wandb.group=") for o in overrides)
+    if wandb is not None and wandb.group and not given:
+        overrides.append(f"logger.wandb.group={hydra_str(wandb.group)}")
+    return overrides
 
 
 def run_prepared(job: Job) -> dict:

@@ -206,10 +206,10 @@ def remote_command(worker, overrides, run_name: str, job_id: str) -> list[str]:
     kept = [o for o in overrides
             if not o.lstrip("+~").startswith(("hydra.", "hydra/", "run.name="))]
     return [f"{worker.venv}/bin/python", "-u", "-m", "xtrain", *kept,
-            f"run.name={_hydra_str(run_name)}", f"hydra.run.dir={_hydra_str(run_dir(worker, job_id))}"]
+            f"run.name={hydra_str(run_name)}", f"hydra.run.dir={hydra_str(run_dir(worker, job_id))}"]
 
 
-def _hydra_str(value: str) -> str:
+def hydra_str(value: str) -> str:
     """A value in Hydra's override grammar, quoted when it holds more than a plain path (a run
     name may hold , [ ] or =)."""
     if re.fullmatch(r"[A-Za-z0-9_./-]+", value):
