@@ -67,7 +67,7 @@ def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
 def checkpoint_run(path: str) -> str:
     """The name of the run a checkpoint belongs to: the dir holding it, or the one above when that
     is ``checkpoints`` (``outputs/<run>/checkpoints/step_N``, ``gs://bucket/ckpt/<run>/step_N``)."""
-    dirs = [d for d in path.strip("'\"").rstrip("/").split("/")[:-1] if d not in ("", ".", "..")]
+    dirs = [d for d in path.rstrip("/").split("/")[:-1] if d not in ("", ".", "..")]
     if dirs and dirs[-1] == "checkpoints":
         dirs.pop()
     return plain(dirs[-1]) if dirs else "checkpoint"
