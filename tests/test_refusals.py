@@ -288,12 +288,13 @@ def test_a_refused_command_leaves_the_runs_record_and_an_accepted_one_replaces_i
     ids=["range", "base", "unknown-key", "sampling", "fit", "unresolvable", "plan", "plan-interpolated"])
 def test_a_command_that_keeps_nothing_leaves_no_run_dir(tmp_path, overrides, code):
     """Hydra makes outputs/<run> and writes the command's record there before xtrain sees the
-    config: a command refused by its config checks, or mode=plan, takes both away again."""
+    config: a command refused by its config checks, or mode=plan, takes both away again, and
+    outputs/ if it made that too."""
     r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, *overrides], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == code, r.stderr[-3000:]
     assert len(r.stderr.splitlines()) == (1 if code else 0), r.stderr  # the refusal's line alone
-    assert list((tmp_path / "outputs").iterdir()) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_refused_command_in_a_used_run_dir_removes_only_its_own_record(tmp_path):

@@ -17,7 +17,7 @@ never replaces the record of what trained. Only the first process of a run write
 modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
 record alone). A command that keeps nothing in its run dir (one refused by the checks of its
 config, ``mode=plan``, ``mode=compile``) removes the record Hydra wrote for it (:func:`discard`),
-and the run dir if that leaves it empty.
+and the run dir if that leaves it empty (and ``outputs/``, if that leaves it empty too).
 """
 
 from __future__ import annotations
@@ -97,6 +97,9 @@ def discard(run_dir: str) -> None:
     for file in HYDRA_FILES:
         with contextlib.suppress(FileNotFoundError):
             (record / file).unlink()
-    for directory in (record, Path(run_dir)):
+    # Hydra made the run dir's parents in the working dir (conf/train.yaml's outputs/) with it
+    cwd = Path.cwd()
+    parents = [p for p in Path(run_dir).absolute().parents if p.is_relative_to(cwd) and p != cwd]
+    for directory in (record, Path(run_dir), *parents):
         with contextlib.suppress(OSError):
             directory.rmdir()
