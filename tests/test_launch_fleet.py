@@ -352,7 +352,7 @@ def cli(*args, env=None, tmp_path):
 
 @pytest.mark.parametrize("case", ["local checkpoints", "unknown pool entry", "pod profile in a pool",
                                   "unknown tpu", "no login key to recreate with", "no target",
-                                  "no gcloud"])
+                                  "no gcloud", "secret in the job's env"])
 def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path, case):
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
     gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [("10.0.0.6", HOSTS[1])]))
@@ -368,6 +368,10 @@ def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path,
     elif case == "no gcloud":  # a PATH of the venv alone: no gcloud (nor its stand-in) on it
         args, env = ["hardware=v6e4", "hydra.launcher.tpu=vm-a"], {"PATH": str(Path(sys.executable).parent)}
         expected = "environment error: gcloud is not on PATH"
+    elif case == "secret in the job's env":  # it would be written, resolved, into the run script
+        args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "+hydra.launcher.env.HF_LOGIN=${oc.env:XTRAIN_TEST_LOGIN}"]
+        env = {"XTRAIN_TEST_LOGIN": "hf_" + "Xy9" * 11}
+        expected = "hydra.launcher.env.HF_LOGIN: a secret is never written into a config"
     elif case == "local checkpoints":
         args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "hydra.launcher.recreate=true"]
         expected = "hydra.launcher.recreate=true needs checkpoint.dir=gs://..."

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -353,6 +354,54 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
         assert r.stderr.startswith(f"xtrain: config error: {key}: a secret is never given on the "
                                    "command line") and "pass it in an environment variable instead" in r.stderr
         assert list(tmp_path.iterdir()) == []
+
+
+def test_a_secret_in_a_config_file_is_refused_and_leaves_nothing(tmp_path):
+    """A secret written into a config file would be copied into .hydra/, multirun.yaml and the code
+    synced to TPU VMs; one read from the environment is not in any of them."""
+    hardware = tmp_path / "conf" / "hardware"
+    hardware.mkdir(parents=True)
+    (hardware / "mine.yaml").write_text("defaults: [v6e4, _self_]\nenv:\n  HF_TOKEN: written-here\n")
+    (hardware / "from_env.yaml").write_text("defaults: [v6e4, _self_]\nenv:\n"
+                                            "  HF_TOKEN: ${oc.env:XTRAIN_TEST_HF_TOKEN}\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    for option, code in (("mine", EXIT_REFUSED), ("from_env", 0)):
+        for sweep in ([], ["-m"]):
+            r = subprocess.run([sys.executable, "-m", "xtrain", *sweep, "--config-dir", str(tmp_path / "conf"),
+                                f"hardware={option}", "mode=plan"], cwd=work, capture_output=True,
+                               text=True, timeout=120, env={**os.environ, "XTRAIN_TEST_HF_TOKEN": "from-env"})
+            assert r.returncode == code, r.stderr[-3000:]
+            if code:
+                line = r.stderr.splitlines()[-1]  # a sweep's names its job first
+                assert line.startswith("xtrain: config error: ") and len(r.stderr.splitlines()) == 1, r.stderr
+                assert "hardware.env.HF_TOKEN: a secret is never written into a config" in line
+                assert "export HF_TOKEN in the environment" in line
+                assert "written-here" not in r.stdout + r.stderr
+                assert list(work.iterdir()) == []  # no outputs/ or multirun/
+
+
+def test_secrets_in_a_config_are_found_by_name_and_by_form_and_read_from_the_environment_only_where_resolved(
+        monkeypatch):
+    from omegaconf import OmegaConf
+
+    from xtrain.config.secrets import check_no_secret_values
+    from xtrain.errors import ConfigError
+
+    monkeypatch.setenv("XTRAIN_TEST_HF_TOKEN", "from-env")
+    url = "https://ci:s3cr3tT0k@pypi.example.com/simple"
+    for config, key in (({"env": {"WANDB_API_KEY": "x"}}, "env.WANDB_API_KEY"),
+                        ({"pip_args": ["-q", f"--index-url={url}"]}, "pip_args[1]"),
+                        ({"a": {"b": [{"note": "ghp_" + "A1b2" * 9}]}}, "a.b[0].note")):
+        with pytest.raises(ConfigError, match=rf"^hydra\.launcher\.{re.escape(key)}: a secret"):
+            check_no_secret_values(OmegaConf.create(config), "hydra.launcher.")
+    # look-alikes, empty values and the environment read where the config is kept unresolved
+    check_no_secret_values(OmegaConf.create({"tokenizer": "bpe", "keep_last": "3", "env": {"HF_TOKEN": ""},
+                                             "url": "https://pypi.org/simple", "key_count": 3}))
+    reads_env = OmegaConf.create({"env": {"HF_TOKEN": "${oc.env:XTRAIN_TEST_HF_TOKEN}"}})
+    check_no_secret_values(reads_env)
+    with pytest.raises(ConfigError, match="^hydra.launcher.env.HF_TOKEN: a secret"):  # written resolved
+        check_no_secret_values(reads_env, "hydra.launcher.", resolved=True)
 
 
 def test_a_sweep_runs_from_a_checkout_whose_plugins_are_not_on_the_path(tmp_path):

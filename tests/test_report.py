@@ -212,7 +212,8 @@ def test_secrets_are_masked_by_name_and_by_value():
 def test_values_of_a_secrets_form_are_masked_whatever_their_keys():
     """A private index's token in a URL, and access keys of fixed formats (made up here), under
     keys and in environments that say nothing of secrets; look-alikes stay."""
-    from xtrain.observe.bundle import SECRET_WORDS, mask_secrets
+    from xtrain.config.secrets import SECRET_WORDS
+    from xtrain.observe.bundle import mask_secrets
 
     github, hf = "ghp_" + "A1b2" * 9, "hf_" + "Xy9" * 11
     config = {"pip_args": ["--index-url=https://ci:s3cr3tT0k@pypi.example.com/simple"],

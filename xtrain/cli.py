@@ -13,7 +13,6 @@ job``, tab completion, ``mode=plan`` and every refusal stay fast.
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 import hydra
@@ -23,6 +22,7 @@ from xtrain import compat
 from xtrain.config import Mode, register
 from xtrain.config.choices import check_composed
 from xtrain.config.hydra_record import discard, writes_record
+from xtrain.config.secrets import check_no_secret_overrides
 from xtrain.errors import EXIT_INTERRUPTED, ConfigError, is_refusal, refuse
 from xtrain.paths import config_dir
 
@@ -92,26 +92,3 @@ def find_plugins() -> None:
     launch = str(Path(__file__).resolve().parent.parent / "launch")
     if os.path.isdir(launch) and launch not in sys.path:
         sys.path.append(launch)
-
-
-def check_no_secret_overrides(args: list[str]) -> None:
-    """Refuse an override that sets a secret-named key (``+hardware.env.HF_TOKEN=...``), before
-    Hydra writes anything: its value would land in the run's name and directory, .hydra/,
-    multirun.yaml, W&B's record of the command, remote command lines and the process list.
-    Secrets come from the environment (hydra.launcher.secrets forwards them to TPU VMs)."""
-    from xtrain.observe.bundle import has_secret_value, is_secret_name
-
-    for arg in args:
-        if arg.startswith("-") or "=" not in arg:
-            continue
-        key, value = arg.split("=", 1)
-        key = key.lstrip("+~")
-        # the key's last part, and the keys of a dict value (hardware.env={HF_TOKEN:...})
-        names = [re.split(r"[./@]", key)[-1], *re.findall(r"[{,]\s*([A-Za-z_][\w-]*)\s*:", value)]
-        name = next((n for n in names if is_secret_name(n)), None)
-        if name or has_secret_value(value):
-            how = f"export {name} in the environment" if name else "pass it in an environment variable"
-            raise ConfigError(
-                f"{key}: a secret is never given on the command line (it would be written to the "
-                f"run's name, .hydra/ and the process list): {how} instead; "
-                "hydra.launcher.secrets=[...] forwards such variables to TPU VMs")

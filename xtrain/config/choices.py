@@ -48,10 +48,12 @@ def config_groups() -> str:
 def check_composed(cfg, choices) -> None:
     """Every check of a composed job that needs nothing but its config and Hydra's choices: by
     the CLI, before each job of a sweep (xtrain/sweeps.py), and before a launch."""
+    from xtrain.config.secrets import check_no_secret_values
     from xtrain.naming import check_run_name
 
     check_choices(choices)
     check_known_keys(cfg)
+    check_no_secret_values(cfg)
     check_run_name(cfg.run.name)  # resolved: it may interpolate
 
 

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from xtrain.config.choices import check_known_keys
+from xtrain.config.secrets import check_no_secret_values
 from xtrain.errors import ConfigError, EnvironmentMismatch, InputError
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.launch import launch_job, say
@@ -222,6 +223,7 @@ def run_on_vm(job: Job, log=say) -> dict:
 def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:
     """Refuse a fleet config that cannot work, before any VM is touched."""
     check_known_keys(cfg, "hydra.launcher.")
+    check_no_secret_values(cfg, "hydra.launcher.", resolved=True)
     problems = out_of_range(cfg, LauncherConfig, "hydra.launcher.")
     if problems:
         raise ConfigError("; ".join(problems))

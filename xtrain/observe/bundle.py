@@ -17,36 +17,19 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
+from xtrain.config.secrets import SECRET_VALUE, is_secret_name
 from xtrain.paths import url_to_fs
 
 MASK = "***"
-SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential",
-                "credentials", "auth", "pat"}
-# Values that are secrets whatever their key: a URL's user:password@ (a private package index's
-# token), and the fixed formats of GitHub, Hugging Face, OpenAI-style and AWS access keys.
-SECRET_VALUE = re.compile(r"://[^/\s:@]+:[^/\s@]+@|\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}"
-                          r"|hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{30,}|AKIA[0-9A-Z]{16})\b")
 ENV_PREFIXES = ("XLA_", "PJRT_", "TPU_", "LIBTPU", "JAX_", "CPU_NUM_DEVICES", "WANDB_", "XTRAIN_",
                 "OMP_", "MKL_", "TORCH", "PYTORCH", "CUDA_", "GCSFS_", "STORAGE_EMULATOR_HOST",
                 "GOOGLE_", "CLOUDSDK_", "HYDRA_", "PYTHONPATH", "PYTHONHASHSEED", "HF_")
-
-
-def is_secret_name(name: str) -> bool:
-    """WANDB_API_KEY, HF_TOKEN, GOOGLE_APPLICATION_CREDENTIALS: a word of the name says secret
-    (``tokenizer`` or ``keep_last`` do not)."""
-    return any(word in SECRET_WORDS for word in re.split(r"[^a-z0-9]+", name.lower()))
-
-
-def has_secret_value(text: str) -> bool:
-    return SECRET_VALUE.search(text) is not None
-
 
 # Names of the variables a launcher forwarded as secrets (hydra.launcher.secrets may name any
 # variable, e.g. HF_LOGIN): their values are masked whatever the names say.

@@ -1,0 +1,87 @@
+"""What counts as a secret (a key's name, a value's form), and the refusal of one written into the
+config, on the command line or in a config file. Secrets come from the environment;
+hydra.launcher.secrets forwards them to TPU VMs. Masking what a run records is
+xtrain/observe/bundle.py's."""
+
+from __future__ import annotations
+
+import re
+
+from xtrain.errors import ConfigError
+
+SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential",
+                "credentials", "auth", "pat"}
+# Values that are secrets whatever their key: a URL's user:password@ (a private package index's
+# token), and the fixed formats of GitHub, Hugging Face, OpenAI-style and AWS access keys.
+SECRET_VALUE = re.compile(r"://[^/\s:@]+:[^/\s@]+@|\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}"
+                          r"|hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{30,}|AKIA[0-9A-Z]{16})\b")
+
+
+def is_secret_name(name: str) -> bool:
+    """WANDB_API_KEY, HF_TOKEN, GOOGLE_APPLICATION_CREDENTIALS: a word of the name says secret
+    (``tokenizer`` or ``keep_last`` do not)."""
+    return any(word in SECRET_WORDS for word in re.split(r"[^a-z0-9]+", name.lower()))
+
+
+def has_secret_value(text: str) -> bool:
+    return SECRET_VALUE.search(text) is not None
+
+
+def _instead(name: str | None) -> str:
+    how = f"export {name} in the environment" if name else "pass it in an environment variable"
+    return f"{how} instead; hydra.launcher.secrets=[...] forwards such variables to TPU VMs"
+
+
+def check_no_secret_overrides(args: list[str]) -> None:
+    """Refuse an override that sets a secret-named key (``+hardware.env.HF_TOKEN=...``), before
+    Hydra writes anything: its value would land in the run's name and directory, .hydra/,
+    multirun.yaml, W&B's record of the command, remote command lines and the process list."""
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        # the key's last part, and the keys of a dict value (hardware.env={HF_TOKEN:...})
+        names = [re.split(r"[./@]", key)[-1], *re.findall(r"[{,]\s*([A-Za-z_][\w-]*)\s*:", value)]
+        name = next((n for n in names if is_secret_name(n)), None)
+        if name or has_secret_value(value):
+            raise ConfigError(
+                f"{key}: a secret is never given on the command line (it would be written to the "
+                f"run's name, .hydra/ and the process list): {_instead(name)}")
+
+
+def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> None:
+    """Refuse a secret written into a config file (``HF_TOKEN: hf_...`` under hardware.env): Hydra
+    copies the composed config into .hydra/ and multirun.yaml, and the launchers sync conf/ to
+    TPU VMs. A value that reads the environment (``${oc.env:HF_TOKEN}``) is no secret there, unless
+    ``resolved``: values are written resolved (hydra.launcher.env, into the job's run script).
+    ``prefix``: where ``cfg`` sits in the whole config (``hydra.launcher.``)."""
+    found = _secret_values(cfg, prefix.rstrip("."), resolved)
+    if found:
+        key, name = found[0]
+        raise ConfigError(f"{key}: a secret is never written into a config (it would be copied into "
+                          ".hydra/, multirun.yaml, the code synced to TPU VMs or a launched job's "
+                          f"run script): {_instead(name if is_secret_name(name) else None)}")
+
+
+def _secret_values(node, path: str, resolved: bool) -> list[tuple[str, str]]:
+    """(key, its last part) of each string value (an interpolation only if ``resolved``) that is
+    a secret by its key's name or its own form."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    out = []
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        if OmegaConf.is_missing(node, key) or (OmegaConf.is_interpolation(node, key) and not resolved):
+            continue
+        if isinstance(node, DictConfig):
+            where, name = (f"{path}.{key}" if path else str(key)), str(key)
+        else:  # a list's items go by the list's key
+            where, name = f"{path}[{key}]", path.rsplit(".", 1)[-1]
+        value = node[key]
+        if isinstance(value, (DictConfig, ListConfig)):
+            out += _secret_values(value, where, resolved)
+        elif isinstance(value, str) and value:
+            if is_secret_name(name) or has_secret_value(value):
+                out.append((where, name))
+    return out
