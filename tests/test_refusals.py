@@ -248,15 +248,19 @@ def test_a_checkpoint_trained_with_another_tokenizer_is_not_resumed(world, tmp_p
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (tok / "tokenizer.json").write_text(json.dumps(spec))
     corpus, name = Path(saved["data"]["tokenizer"]).parent, saved["run"]["name"]
+    t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "trainer.max_steps=4",
                         f"run.name={name}", "data.build_sources=[]", f"data.tokenizer={tok}",
                         f"data.train_files={corpus}/train", f"data.val_files={corpus}/val",
                         f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    seconds = time.perf_counter() - t0
     assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
     assert r.stderr.splitlines()[-1].startswith(
         f"xtrain: checkpoint error: {run}/checkpoints/step_000002 was trained with the tokenizer of "
         f"{corpus}/tokenizer (sha256 ")
     assert "its token ids mean other text" in r.stderr and "resuming from" not in r.stdout
+    # refused with the other input checks, before the data and the model are prepared
+    assert len(r.stderr.splitlines()) == 1 and seconds < LIMIT_S, (seconds, r.stderr[-3000:])
 
 
 def test_a_refused_command_leaves_the_runs_record_and_an_accepted_one_replaces_it(world, tmp_path):

@@ -282,7 +282,23 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
 
 
 def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str) -> None:
-    resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, cfg.run.name, early=True,
-                      rewind=cfg.checkpoint.rewind)
+    from xtrain.data.tokenizer import file_fingerprint
+
+    found = resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, cfg.run.name, early=True,
+                              rewind=cfg.checkpoint.rewind)
     check_writable(ckpt_dir)
     check_data(cfg.data)
+    if found:  # a tokenizer built on first use is checked once built (xtrain/train/run.py)
+        check_same_tokenizer(found, saved_meta(found), file_fingerprint(cfg.data.tokenizer))
+
+
+def check_same_tokenizer(path: str, meta: dict, fingerprint: str | None) -> None:
+    """Refuse a checkpoint trained with another tokenizer than the run's (``fingerprint``; its
+    ``meta`` records the sha256 of its own): its token ids mean other text. Either unknown passes."""
+    trained_with = meta.get("tokenizer_sha256")
+    if trained_with and fingerprint and trained_with != fingerprint:
+        raise CheckpointError(
+            f"{path} was trained with the tokenizer of {meta['config']['data']['tokenizer']} "
+            f"(sha256 {trained_with[:12]}), not with this run's (sha256 {fingerprint[:12]}): "
+            "its token ids mean other text; use that run's data config, or start a new run "
+            "(run.name=...)")

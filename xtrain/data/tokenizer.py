@@ -190,6 +190,16 @@ def load_tiktoken_pickle(file, where: str):
     return tiktoken.Encoding(**obj.state)
 
 
+def file_fingerprint(directory: str) -> str | None:
+    """The :attr:`Tokenizer.fingerprint` :func:`load_tokenizer` would give the tokenizer in
+    ``directory``, without loading it; None while it holds neither file (a corpus not built yet)."""
+    fs, root = url_to_fs(directory)
+    for name in ("tokenizer.json", "tokenizer.pkl"):  # the order load_tokenizer reads them in
+        if fs.exists(f"{root}/{name}"):
+            return hashlib.sha256(fs.cat_file(f"{root}/{name}")).hexdigest()
+    return None
+
+
 def load_tokenizer(directory: str, threads: int = 2) -> Tokenizer:
     """``tokenizer.json`` (HF) if present, else nanochat's ``tokenizer.pkl`` (tiktoken, read by
     :func:`load_tiktoken_pickle`: data only, never code)."""

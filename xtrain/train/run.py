@@ -179,8 +179,8 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer, engine: Eng
     Commits in ``ckpt_dir`` past that step (corrupt ones passed over, or those a
     ``checkpoint.rewind`` goes back from) are renamed aside by process 0, never deleted."""
     from xtrain.checkpoint.layout import read_meta
-    from xtrain.errors import CheckpointError, warn
-    from xtrain.inputs import resume_checkpoint
+    from xtrain.errors import warn
+    from xtrain.inputs import check_same_tokenizer, resume_checkpoint
     from xtrain.train.checkpointing import set_aside_newer
 
     primary = engine.processes.primary
@@ -189,13 +189,7 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer, engine: Eng
     if not resume_from:
         return None, 0
     meta = read_meta(resume_from)
-    trained_with = meta.get("tokenizer_sha256")
-    if trained_with and tokenizer.fingerprint and trained_with != tokenizer.fingerprint:
-        raise CheckpointError(
-            f"{resume_from} was trained with the tokenizer of {meta['config']['data']['tokenizer']} "
-            f"(sha256 {trained_with[:12]}), not with this run's (sha256 {tokenizer.fingerprint[:12]}): "
-            "its token ids mean other text; use that run's data config, or start a new run "
-            "(run.name=...)")
+    check_same_tokenizer(resume_from, meta, tokenizer.fingerprint)
     step = int(meta.get("step") or 0)
     if primary:
         if ckpt.resume and resume_from != ckpt.resume:
