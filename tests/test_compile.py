@@ -49,7 +49,8 @@ def test_compile_gives_the_eager_losses_and_never_recompiles(tmp_path):
     assert counts == [2] * 20, counts
     assert "torch_compiles" not in eager[0]
     out = runs["true"][1]
-    assert re.search(r"torch\.compile: first step [\d.]+ s \(compiling included\)", out)
+    assert re.search(r"torch\.compile: first step [\d.]+ s \(compiling included; \d+ of \d+ graphs from the "
+                     r"cache\)", out)
     assert "val loss" in out
 
 
@@ -75,8 +76,12 @@ def test_compiled_code_is_cached_under_the_xtrain_cache(tmp_path):
     assert first[0] == 0, first[2][-3000:]
     assert any((cache / "inductor").rglob("*.py"))  # inductor's generated kernels
     second = finish(xtrain(tmp_path / "b", "trainer.max_steps=3", "trainer.compile=true", env=env), 900)
-    seconds = [float(re.search(r"first step ([\d.]+) s", out).group(1)) for _, out, _ in (first, second)]
-    assert seconds[1] < seconds[0]  # the relaunch loads what the first run compiled
+    assert second[0] == 0, second[2][-3000:]
+    found = [re.search(r"first step [\d.]+ s \(compiling included; (\d+) of (\d+) graphs from the cache\)",
+                       out).groups() for _, out, _ in (first, second)]
+    hits, lookups = zip(*[(int(h), int(n)) for h, n in found])
+    assert hits[0] == 0 and lookups[0] > 0  # an empty cache: every graph compiled
+    assert hits[1] == lookups[1] == lookups[0]  # the relaunch loads every graph the first compiled
 
 
 def test_compile_defaults_to_on_where_it_pays(compose_config):

@@ -118,6 +118,15 @@ def dynamo_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def inductor_cache_lookups() -> tuple[int, int]:
+    """[torch] (hits, misses) of inductor's FX graph cache in this process (``counters["inductor"]``
+    ``fxgraph_cache_hit`` / ``fxgraph_cache_miss``, as torch's own cache tests count them): a
+    miss is a graph inductor compiled, a hit one it loaded from its cache dir."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_hit"]), int(counters["inductor"]["fxgraph_cache_miss"])
+
+
 # --- torch_xla -------------------------------------------------------------------------------
 
 

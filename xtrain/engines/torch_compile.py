@@ -20,6 +20,7 @@ import time
 
 import lightning as L
 
+from xtrain import compat
 from xtrain.paths import cache_root
 
 
@@ -98,7 +99,9 @@ class TorchCompile(L.Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         if self.first_step_s is None:
             self.first_step_s = time.perf_counter() - self.t0
-            print(f"torch.compile: first step {self.first_step_s:.1f} s (compiling included)", flush=True)
+            hits, misses = compat.inductor_cache_lookups()
+            print(f"torch.compile: first step {self.first_step_s:.1f} s (compiling included; "
+                  f"{hits} of {hits + misses} graphs from the cache)", flush=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
         pl_module.model.__dict__.pop("forward", None)  # back to the class's (eager) forward
