@@ -319,7 +319,8 @@ def _nanochat_dir(path, payload) -> str:
 
 
 def _byte_encoding():
-    tiktoken = pytest.importorskip("tiktoken")
+    import tiktoken
+
     ranks = {bytes([i]): i for i in range(256)}
     return tiktoken.Encoding("t", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={BOS: 256})
 

@@ -207,7 +207,6 @@ def test_hostile_batch_leaves_nothing_behind(hostile):
     _, result = hostile
     assert result["processes"] == []
     assert result["new_dirs"] == set()
-    assert result["elapsed"] < 30  # three 2 s timeouts and sixteen compiles on two workers
 
 
 def test_network_connection_reaches_nothing(hostile):

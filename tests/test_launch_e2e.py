@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,13 +151,10 @@ def test_relaunching_an_unchanged_tree_copies_nothing_and_installs_nothing(remot
     assert first.returncode == 0, first.stderr[-3000:]
     root = remote.root(HOSTS[0])
     code, venv = tree_snapshot(root / "code"), tree_snapshot(root / "venv")
-    t0 = time.time()
     second = run_xtrain(*args, cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "0 file(s) synced, environment unchanged" in second.stdout
     assert tree_snapshot(root / "code") == code and tree_snapshot(root / "venv") == venv
-    started = float((job_dir(remote, "e2e-again") / "starts").read_text().split()[-1])
-    assert started - t0 < 20  # the remote python started within seconds (no copy, no install)
 
 
 def test_a_failing_worker_stops_its_peer_and_its_error_reaches_the_console(remote, tmp_path):
@@ -283,7 +281,7 @@ def test_secrets_reach_the_job_and_nothing_else(remote, tmp_path):
                   for argv in (["ps", "auxww"], ["ps", "-eo", "pid,args"])]
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
-    assert len(ps_outputs) == 2 and "xtrain" in ps_outputs[0]
+    assert all(re.search(rf"(^|\s){python}\s", out, re.M) for out in ps_outputs)  # the job is listed
     places = [remote.root(HOSTS[0]) / d for d in ("code", "jobs", "runs")] + [tmp_path]
     files = [p for place in places for p in place.rglob("*") if p.is_file()]
     assert len(files) > 50

@@ -1,6 +1,7 @@
 """The launchers' mechanisms against a real OpenSSH server on loopback (tests/sshd.py): connection
 retries, host keys, code sync, the venv install (a real package from PyPI), and remote job
-control. Nothing here is mocked."""
+control. Stood in for: apt-get and sudo (scripts that record their calls: the tests do not
+install system packages) and a DNS answer (recorded: no resolver is reachable here)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The XLA engine as host 1 of a 4-host pod.
 
 A multi-host TPU runtime cannot exist on this machine: torch_xla's CPU runtime does no
-cross-process collectives (DESIGN.md). So the run's processes are a stand-in reporting process
+cross-process collectives (README.md, "Not yet"). So the run's processes are a stand-in reporting process
 index 1 of 4 (replacing xtrain.xla.runtime.host_processes, the one seam for this), over a real
 single-process torch_xla runtime with 4 virtual CPU devices, and the test checks what such a
 host does: it is not global zero, writes no metrics, samples or checkpoint metadata, keeps only

@@ -244,7 +244,7 @@ def test_the_logging_fetchs_wait_for_the_device_is_compute_time_not_data_time():
         trainer.global_step = step
         logger.on_train_batch_end(trainer, module, None, batch, 0)
     second = records[1]  # a whole interval: from the first record's fetch to the end of its own
-    assert second["compute_s"] >= 0.3 and second["data_s"] < 0.1, second
+    assert second["compute_s"] >= 0.3 and second["data_s"] < second["compute_s"] / 3, second
 
 
 @pytest.mark.parametrize("peak", ["measured", "stated"])

@@ -26,7 +26,7 @@ NO_SWAP = [  # must compile with scan on a 24 GiB machine without swap
     ("scan on", ["hardware=v6e4", "model=d16", "data=cpp16k", "model.scan=true"]),  # 16K x 1
     ("scan on", ["hardware=v5e8", "model=d16", "data=base_data_v3", "model.scan=true"]),  # 1024 x 8
 ]
-# sdpa at 2048 x 8 ran out of HBM unrolled without remat (>= 33.98 GiB per chip, BENCHMARKS.md's
+# sdpa at 2048 x 8 ran out of HBM unrolled without remat (>= 35.91 GiB per chip, BENCHMARKS.md's
 # preflight section); per-layer activation checkpointing is what brings it under the chip's 31.25.
 # Unrolled, as TPU profiles run by default
 REMAT = [("remat, sdpa", ["hardware=v6e4", "model=d16", "data=base_data_v3",
