@@ -46,8 +46,8 @@ def flops_per_token(gpt: GPTConfig) -> float:
 def choose_attention(requested: str, engine: str, on_tpu: bool, seq_len: int) -> str:
     """``auto``: on TPU, Pallas flash attention from 2K context. XLA's SDPA ran as fast as flash
     below 4K on v6e, but SDPA materialises [B, H, T, T] scores: the TPU compiler puts the d16
-    step at 2048 x 8 on v6e at >= 34 GiB per chip with SDPA (it does not fit), while the same
-    step with flash/splash needs less than half (BENCHMARKS.md). SDPA below 2K. Elsewhere the
+    step at 2048 x 8 on v6e at >= 35.9 GiB per chip with SDPA (it does not fit), while the same
+    step with flash/splash needs about 20 GiB (BENCHMARKS.md). SDPA below 2K. Elsewhere the
     chunked kernel for long context (memory), torch SDPA otherwise."""
     requested = Attention(requested)  # the schema already refused other names
     if requested != Attention.auto:

@@ -135,7 +135,8 @@ class ModelConfig:
     # to one block's worth plus depth x a residual stream; the planner counts it. None: on when
     # the blocks are scanned. (Unrolled, the TPU compiler rematerialises on its own to fit HBM;
     # it cannot across the scan loop, where everything the backward needs is kept: the v6e4 d16
-    # 2048 x 8 step needs 37 GiB per chip scanned without remat, 18 GiB unrolled; BENCHMARKS.md.)
+    # 2048 x 8 step needs 26.2 GiB per chip scanned without remat, 20.9 unrolled, and v5e8's
+    # 1024 x 8 does not fit scanned without it; BENCHMARKS.md.)
     remat: bool | None = None
 
 

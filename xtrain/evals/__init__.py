@@ -22,9 +22,10 @@ Example line (wrapped here)::
    "tests": "int main() {\\n  if (add(2, 3) != 5) return 1;\\n  return 0;\\n}\\n"}
 
 The shipped benchmark is ``cpp_problems.jsonl`` beside this file; ``eval.cpp_file`` names another
-file of the same format (a local path or ``gs://...``). Modules: ``config`` (the ``eval`` group's
-schema), ``problems`` (load and validate), ``stop`` (cut a continuation at the function's end),
-``sandbox`` (isolated compile and run), ``harness`` (parallel judging, scores, records).
+file of the same format (a local path or ``gs://...``). Modules: ``config`` (checks of the ``eval``
+section beyond its schema, xtrain/config/evaluation.py), ``problems`` (load and validate),
+``stop`` (cut a continuation at the function's end), ``sandbox`` (isolated compile and run),
+``harness`` (parallel judging, scores, records), ``completions`` (the model's samples).
 """
 
 from xtrain.evals.config import EvalConfig

@@ -7,6 +7,8 @@ or ``tpu_pod``). launch/README.md describes what happens on the VM; the modules,
     worker.py   a worker and its probe     job.py     start / follow / poll / stop a remote job
     secrets.py  secrets over stdin         logs.py    workers' logs, locally
     launch.py   the whole launch           hydra_jobs.py  single runs (cli) and sweeps (plugin)
+    fleet.py    spot VMs: a preemption     vm.py      a VM's state, its recreation (gcloud)
+                told apart, survived       pool.py    a multirun spread over a pool of VMs
 
 This package must stay importable without Hydra or torch: envcheck.py runs inside a fresh venv.
 """

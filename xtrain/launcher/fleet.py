@@ -99,7 +99,7 @@ class Preemptions:
         return {"preemptions": self.count, "time_lost_s": round(self.time_lost_s, 1)}
 
 
-# The console line of a training record (xtrain/observe/sinks.py, ConsoleSink).
+# The console line of a training record (xtrain/observe/console.py, train_line).
 STEP_LINE = re.compile(rb"^step\s+(\d+)/\d+ \| loss")
 
 

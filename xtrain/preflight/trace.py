@@ -8,7 +8,7 @@ billion-parameter model traces in little host memory.
 
 torch_xla cannot attach a sharding to a placeholder, so the trace returns, for every argument of
 the exported function, the HLO sharding its tensor has in a real run and the output it is updated
-into (the buffer donation torch_xla does at every step); :mod:`xtrain.tpu_compile` applies both
+into (the buffer donation torch_xla does at every step); :mod:`xtrain.preflight.tpu_compile` applies both
 before compiling.
 
 Pallas kernels (flash, and splash for windowed layers) are lowered for the TPU by JAX's
