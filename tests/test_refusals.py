@@ -318,6 +318,18 @@ def test_a_refused_command_in_a_used_run_dir_removes_only_its_own_record(tmp_pat
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "hydra.yaml", "keep", "overrides.yaml"]
 
 
+def test_a_refused_command_leaves_the_dirs_it_did_not_make(tmp_path):
+    """An empty dir prepared for runs stays when a refused command (or mode=plan) removes the run
+    dir Hydra made in it; outputs/, which Hydra made, goes (test above)."""
+    (tmp_path / "experiments" / "mine").mkdir(parents=True)
+    for args in (["model.depth=0"], ["mode=plan"]):
+        r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, *args, "hydra.run.dir=experiments/mine/run"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert r.returncode in (0, EXIT_REFUSED), r.stderr[-3000:]
+        assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["experiments",
+                                                                                   "experiments/mine"]
+
+
 @pytest.mark.parametrize("name", ["d${model.depth}/x", "..", "${oc.env:XTRAIN_TEST_NAME}", "a" * 256])
 def test_a_bad_run_name_is_refused_before_hydra_makes_its_directory(tmp_path, name):
     """Without hydra.run.dir, Hydra makes outputs/<run.name> (and writes its record there) before
@@ -366,20 +378,27 @@ def test_a_secret_in_a_config_file_is_refused_and_leaves_nothing(tmp_path):
     hardware = tmp_path / "conf" / "hardware"
     hardware.mkdir(parents=True)
     (hardware / "mine.yaml").write_text("defaults: [v6e4, _self_]\nenv:\n  HF_TOKEN: written-here\n")
+    (tmp_path / "conf" / "experiment").mkdir()
+    (tmp_path / "conf" / "experiment" / "in_hydra.yaml").write_text(
+        "# @package _global_\nhydra:\n  job:\n    env_set:\n      HF_TOKEN: written-here\n")
+    (hardware / "flags.yaml").write_text("defaults: [v6e4, _self_]\nenv:\n  HF_HUB_DISABLE_IMPLICIT_TOKEN: '1'\n"
+                                         "  GOOGLE_APPLICATION_CREDENTIALS: /home/me/service-account.json\n")
     (hardware / "from_env.yaml").write_text("defaults: [v6e4, _self_]\nenv:\n"
                                             "  HF_TOKEN: ${oc.env:XTRAIN_TEST_HF_TOKEN}\n")
     work = tmp_path / "work"
     work.mkdir()
-    for option, code in (("mine", EXIT_REFUSED), ("from_env", 0)):
+    for choice, code in (("hardware=mine", EXIT_REFUSED), ("+experiment=in_hydra", EXIT_REFUSED),
+                         ("hardware=from_env", 0), ("hardware=flags", 0)):
         for sweep in ([], ["-m"]):
             r = subprocess.run([sys.executable, "-m", "xtrain", *sweep, "--config-dir", str(tmp_path / "conf"),
-                                f"hardware={option}", "mode=plan"], cwd=work, capture_output=True,
+                                choice, "mode=plan"], cwd=work, capture_output=True,
                                text=True, timeout=120, env={**os.environ, "XTRAIN_TEST_HF_TOKEN": "from-env"})
             assert r.returncode == code, r.stderr[-3000:]
             if code:
-                line = r.stderr.splitlines()[-1]  # a sweep's names its job first
+                line = r.stderr.splitlines()[-1]  # a sweep's line names its job first
                 assert line.startswith("xtrain: config error: ") and len(r.stderr.splitlines()) == 1, r.stderr
-                assert "hardware.env.HF_TOKEN: a secret is never written into a config" in line
+                key = "hydra.job.env_set" if "in_hydra" in choice else "hardware.env"
+                assert f"{key}.HF_TOKEN: a secret is never written into a config" in line
                 assert "export HF_TOKEN in the environment" in line
                 assert "written-here" not in r.stdout + r.stderr
                 assert list(work.iterdir()) == []  # no outputs/ or multirun/
@@ -393,19 +412,27 @@ def test_secrets_in_a_config_are_found_by_name_and_by_form_and_read_from_the_env
     from xtrain.errors import ConfigError
 
     monkeypatch.setenv("XTRAIN_TEST_HF_TOKEN", "from-env")
+    monkeypatch.setenv("XTRAIN_TEST_VALUE", "from-the-environment")
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef" * 2)  # a secret of no particular form
     url = "https://ci:s3cr3tT0k@pypi.example.com/simple"
-    for config, key in (({"env": {"WANDB_API_KEY": "x"}}, "env.WANDB_API_KEY"),
+    for config, key in (({"env": {"WANDB_API_KEY": "x" * 8}}, "env.WANDB_API_KEY"),
                         ({"pip_args": ["-q", f"--index-url={url}"]}, "pip_args[1]"),
+                        ({"pip_args": ["--index-url=https://ci:s3cr3t@${oc.env:HOME}"]}, "pip_args[0]"),
                         ({"a": {"b": [{"note": "ghp_" + "A1b2" * 9}]}}, "a.b[0].note")):
         with pytest.raises(ConfigError, match=rf"^hydra\.launcher\.{re.escape(key)}: a secret"):
             check_no_secret_values(OmegaConf.create(config), "hydra.launcher.")
-    # look-alikes, empty values and the environment read where the config is kept unresolved
-    check_no_secret_values(OmegaConf.create({"tokenizer": "bpe", "keep_last": "3", "env": {"HF_TOKEN": ""},
-                                             "url": "https://pypi.org/simple", "key_count": 3}))
-    reads_env = OmegaConf.create({"env": {"HF_TOKEN": "${oc.env:XTRAIN_TEST_HF_TOKEN}"}})
-    check_no_secret_values(reads_env)
-    with pytest.raises(ConfigError, match="^hydra.launcher.env.HF_TOKEN: a secret"):  # written resolved
-        check_no_secret_values(reads_env, "hydra.launcher.", resolved=True)
+    # look-alikes, short flags, paths, empty values and the environment read where the config
+    # is kept unresolved
+    check_no_secret_values(OmegaConf.create({
+        "tokenizer": "bpe", "keep_last": "3", "url": "https://pypi.org/simple", "key_count": 3,
+        "env": {"HF_TOKEN": "", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "GOOGLE_APPLICATION_CREDENTIALS":
+                "/home/me/service-account.json", "AUTH_HEADER": "Bearer ${oc.env:XTRAIN_TEST_HF_TOKEN}"}}))
+    for key, name in (("HF_TOKEN", "XTRAIN_TEST_VALUE"), ("W", "WANDB_API_KEY")):  # by the key's name, by the value
+        reads_env = OmegaConf.create({"env": {key: f"${{oc.env:{name}}}"}})
+        check_no_secret_values(reads_env)
+        with pytest.raises(ConfigError, match=f"^hydra.launcher.env.{key}: a secret"):  # written resolved
+            check_no_secret_values(reads_env, "hydra.launcher.", resolved=True)
+    check_no_secret_values(OmegaConf.create({"env": {"W": "${oc.env:HOME}"}}), "hydra.launcher.", resolved=True)
 
 
 def test_a_sweep_runs_from_a_checkout_whose_plugins_are_not_on_the_path(tmp_path):

@@ -178,7 +178,8 @@ def test_secrets_a_launcher_forwarded_are_masked_whatever_their_names():
     """hydra.launcher.secrets may name any variable (HF_LOGIN says nothing of a secret): the launcher
     sends the list of names with the values, and the job masks each of them."""
     from xtrain.launcher import secrets
-    from xtrain.observe.bundle import SECRET_NAMES_VAR, mask_secrets, relevant_env
+    from xtrain.config.secrets import SECRET_NAMES_VAR
+    from xtrain.observe.bundle import mask_secrets, relevant_env
 
     env = {"HF_LOGIN": "hf_patvalue0123", "GOOGLE_SA_JSON": '{"private_key": "pk0123456789"}'}
     with pytest.MonkeyPatch.context() as mp:

@@ -29,6 +29,7 @@ from xtrain.paths import config_dir
 
 compat.report_refusals(is_refusal, refuse)
 register()
+CWD_BEFORE: set[str] = set()  # the working dir's entries before Hydra made a run dir there
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
@@ -42,16 +43,16 @@ def _main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     remote = is_remote(hc.launcher)
     try:  # hydra/launcher=tpu_vm|tpu_pod: Hydra calls a launcher only with -m, so route it here
-        check_composed(cfg, hc.runtime.choices)
+        check_composed(cfg, hc)
         summary = launch_from_hydra(cfg) if remote else run(cfg, hc.runtime.output_dir)
     except Exception as ex:  # noqa: BLE001  (refusals end here, in one line; the rest is raised)
         if not is_refusal(ex) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         if not isinstance(ex, RunDirInUse):  # a refused command leaves no trace of its own
-            discard(hc.runtime.output_dir)
+            discard(hc.runtime.output_dir, CWD_BEFORE)
         refuse(ex)
     if not remote and cfg.mode in (Mode.plan, Mode.compile):  # nothing kept in the run dir
-        discard(hc.runtime.output_dir)
+        discard(hc.runtime.output_dir, CWD_BEFORE)
     if summary and summary.get("preempted"):
         sys.exit(143)  # 128 + SIGTERM: not finished; re-running the command resumes
 
@@ -73,6 +74,7 @@ def main() -> None:
         refuse(ex)
     sys.argv += secondary_process_overrides()
     find_plugins()
+    CWD_BEFORE.update(os.listdir())
     try:
         _main()
     except KeyboardInterrupt:  # Ctrl-C outside training's own handling (xtrain/train/preemption.py)

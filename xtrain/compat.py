@@ -119,12 +119,11 @@ def dynamo_graph_count() -> int:
 
 
 def inductor_cache_lookups() -> tuple[int, int]:
-    """[torch] (hits, misses) of inductor's FX graph cache in this process (``counters["inductor"]``
-    ``fxgraph_cache_hit`` / ``fxgraph_cache_miss``, as torch's own cache tests count them): a
-    miss is a graph inductor compiled, a hit one it loaded from its cache dir."""
+    """[torch] (FX graph cache hits, lookups) in this process, from ``counters["inductor"]``."""
     from torch._dynamo.utils import counters
 
-    return int(counters["inductor"]["fxgraph_cache_hit"]), int(counters["inductor"]["fxgraph_cache_miss"])
+    found = {k: int(counters["inductor"][f"fxgraph_cache_{k}"]) for k in ("hit", "miss", "bypass")}
+    return found["hit"], sum(found.values())
 
 
 # --- torch_xla -------------------------------------------------------------------------------

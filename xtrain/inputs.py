@@ -288,7 +288,7 @@ def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str) -> None:
                               rewind=cfg.checkpoint.rewind)
     check_writable(ckpt_dir)
     check_data(cfg.data)
-    if found:  # a tokenizer built on first use is checked once built (xtrain/train/run.py)
+    if found and not cfg.data.build_sources:  # a corpus built on first use: once built (train/run.py)
         check_same_tokenizer(found, saved_meta(found), file_fingerprint(cfg.data.tokenizer))
 
 

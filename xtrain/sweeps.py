@@ -29,11 +29,11 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
             job = config_loader.load_sweep_config(master_config=sweep_config,
                                                   sweep_overrides=list(overrides))
             HydraConfig.instance().set_config(job)  # its resolvers (the run name) see this job
-            choices = dict(job.hydra.runtime.choices)
+            hydra_cfg = job.hydra
             with open_dict(job):
                 del job["hydra"]
             try:
-                check_composed(job, choices)
+                check_composed(job, hydra_cfg)
                 check_config(job)
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
                 if not is_refusal(e):

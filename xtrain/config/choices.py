@@ -45,15 +45,17 @@ def config_groups() -> str:
     return "\n".join(lines(""))
 
 
-def check_composed(cfg, choices) -> None:
-    """Every check of a composed job that needs nothing but its config and Hydra's choices: by
-    the CLI, before each job of a sweep (xtrain/sweeps.py), and before a launch."""
+def check_composed(cfg, hydra_cfg) -> None:
+    """Every check of a composed job that needs nothing but its config and Hydra's (its
+    ``hydra`` section: the choices, and what a config file set there): by the CLI, before each
+    job of a sweep (xtrain/sweeps.py), and before a launch."""
     from xtrain.config.secrets import check_no_secret_values
     from xtrain.naming import check_run_name
 
-    check_choices(choices)
+    check_choices(hydra_cfg.runtime.choices)
     check_known_keys(cfg)
     check_no_secret_values(cfg)
+    check_no_secret_values(hydra_cfg, "hydra.")
     check_run_name(cfg.run.name)  # resolved: it may interpolate
 
 

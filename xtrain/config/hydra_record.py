@@ -17,7 +17,8 @@ never replaces the record of what trained. Only the first process of a run write
 modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
 record alone). A command that keeps nothing in its run dir (one refused by the checks of its
 config, ``mode=plan``, ``mode=compile``) removes the record Hydra wrote for it (:func:`discard`),
-and the run dir if that leaves it empty (and ``outputs/``, if that leaves it empty too).
+and the run dir if that leaves it empty (and ``outputs/``, if the command made it and leaves it
+empty).
 """
 
 from __future__ import annotations
@@ -73,9 +74,11 @@ def hold(run_dir: str) -> str | None:
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes in a record
 
 
-def discard(run_dir: str) -> None:
+def discard(run_dir: str, cwd_before: set[str] | None = None) -> None:
     """Remove the record Hydra wrote in ``run_dir`` for this command, and ``run_dir`` if that
-    leaves it empty. Only Hydra's files go, only from a record of xtrain's naming (not a
+    leaves it empty, and its parents in the working dir that leaves empty if they are under an
+    entry the working dir did not have before the command (``cwd_before``: Hydra made them,
+    as conf/train.yaml's ``outputs/``). Only Hydra's files go, only from a record of xtrain's naming (not a
     ``hydra.output_subdir`` set by hand), still where Hydra wrote it and naming this command's
     overrides as written: one held (:func:`hold`), or written meanwhile by another command, stays."""
     from hydra.core.hydra_config import HydraConfig
@@ -97,9 +100,9 @@ def discard(run_dir: str) -> None:
     for file in HYDRA_FILES:
         with contextlib.suppress(FileNotFoundError):
             (record / file).unlink()
-    # Hydra made the run dir's parents in the working dir (conf/train.yaml's outputs/) with it
     cwd = Path.cwd()
-    parents = [p for p in Path(run_dir).absolute().parents if p.is_relative_to(cwd) and p != cwd]
+    parents = [p for p in Path(run_dir).absolute().parents if cwd_before is not None
+               and p.is_relative_to(cwd) and p != cwd and p.relative_to(cwd).parts[0] not in cwd_before]
     for directory in (record, Path(run_dir), *parents):
         with contextlib.suppress(OSError):
             directory.rmdir()

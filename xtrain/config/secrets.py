@@ -5,6 +5,7 @@ xtrain/observe/bundle.py's."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from xtrain.errors import ConfigError
@@ -25,6 +26,20 @@ def is_secret_name(name: str) -> bool:
 
 def has_secret_value(text: str) -> bool:
     return SECRET_VALUE.search(text) is not None
+
+
+# Names of the variables a launcher forwarded as secrets (hydra.launcher.secrets may name any
+# variable, e.g. HF_LOGIN): their values are masked whatever the names say.
+SECRET_NAMES_VAR = "XTRAIN_SECRET_NAMES"
+MIN_SECRET_CHARS = 8  # shorter values under secret names are flags (HF_HUB_DISABLE_IMPLICIT_TOKEN=1)
+
+
+def secret_values(environ=os.environ) -> set[str]:
+    """Values of environment variables whose names say they are secret (WANDB_API_KEY, ...), or
+    that a launcher forwarded as secrets."""
+    forwarded = set(environ.get(SECRET_NAMES_VAR, "").split(","))
+    return {v for k, v in environ.items()
+            if (is_secret_name(k) or k in forwarded) and len(v) >= MIN_SECRET_CHARS}
 
 
 def _instead(name: str | None) -> str:
@@ -51,12 +66,17 @@ def check_no_secret_overrides(args: list[str]) -> None:
 
 
 def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> None:
-    """Refuse a secret written into a config file (``HF_TOKEN: hf_...`` under hardware.env): Hydra
-    copies the composed config into .hydra/ and multirun.yaml, and the launchers sync conf/ to
-    TPU VMs. A value that reads the environment (``${oc.env:HF_TOKEN}``) is no secret there, unless
-    ``resolved``: values are written resolved (hydra.launcher.env, into the job's run script).
-    ``prefix``: where ``cfg`` sits in the whole config (``hydra.launcher.``)."""
-    found = _secret_values(cfg, prefix.rstrip("."), resolved)
+    """Refuse a secret written into a config file (``HF_TOKEN: hf_...`` under hardware.env, or in
+    its ``hydra:`` section): Hydra copies the composed config into .hydra/ and multirun.yaml, and
+    the launchers sync conf/ to TPU VMs. A value that reads the environment
+    (``${oc.env:HF_TOKEN}``) is no secret there, unless ``resolved``: values are written resolved
+    (hydra.launcher.env, into the job's run script), and then one that holds a secret
+    environment variable's value is refused too. ``prefix``: where ``cfg`` sits in the whole
+    config (``hydra.``, ``hydra.launcher.``)."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=resolved)
+    found = _secret_values(plain, prefix.rstrip("."), "", secret_values() if resolved else set())
     if found:
         key, name = found[0]
         raise ConfigError(f"{key}: a secret is never written into a config (it would be copied into "
@@ -64,24 +84,26 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
                           f"run script): {_instead(name if is_secret_name(name) else None)}")
 
 
-def _secret_values(node, path: str, resolved: bool) -> list[tuple[str, str]]:
-    """(key, its last part) of each string value (an interpolation only if ``resolved``) that is
-    a secret by its key's name or its own form."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
+INTERPOLATION = re.compile(r"\$\{[^${}]*\}")
 
-    out = []
-    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
-    for key in keys:
-        if OmegaConf.is_missing(node, key) or (OmegaConf.is_interpolation(node, key) and not resolved):
-            continue
-        if isinstance(node, DictConfig):
-            where, name = (f"{path}.{key}" if path else str(key)), str(key)
-        else:  # a list's items go by the list's key
-            where, name = f"{path}[{key}]", path.rsplit(".", 1)[-1]
-        value = node[key]
-        if isinstance(value, (DictConfig, ListConfig)):
-            out += _secret_values(value, where, resolved)
-        elif isinstance(value, str) and value:
-            if is_secret_name(name) or has_secret_value(value):
-                out.append((where, name))
-    return out
+
+def _secret_values(node, path: str, name: str, env_secrets: set[str]) -> list[tuple[str, str]]:
+    """(key, its last part) of each string in the plain ``node`` that is a secret: by its form
+    (in the text around any interpolations), by the name of its key (unless it reads the
+    environment, or is a short flag or a path), or by holding one of ``env_secrets``."""
+    if isinstance(node, dict):
+        return [found for key, value in node.items()
+                for found in _secret_values(value, f"{path}.{key}" if path else str(key), str(key), env_secrets)]
+    if isinstance(node, list):  # a list's items go by the list's key
+        return [found for i, value in enumerate(node)
+                for found in _secret_values(value, f"{path}[{i}]", name, env_secrets)]
+    if not isinstance(node, str) or node == "???":  # (a missing value)
+        return []
+    literal = node
+    while INTERPOLATION.search(literal):
+        literal = INTERPOLATION.sub("", literal)
+    by_name = (literal == node and len(node) >= MIN_SECRET_CHARS and is_secret_name(name)
+               and not node.startswith(("/", "~", "./")))
+    if by_name or has_secret_value(literal) or any(secret in node for secret in env_secrets):
+        return [(path, name)]
+    return []

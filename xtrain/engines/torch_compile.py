@@ -81,9 +81,11 @@ class TorchCompile(L.Callback):
         self.t0 = None
         self.first_step_s = None
         self.previous_kernels = None
+        self.cache_lookups_before = (0, 0)  # a sweep's jobs share a process, and its counters
 
     def on_train_start(self, trainer, pl_module) -> None:
         cache = use_inductor_cache()
+        self.cache_lookups_before = compat.inductor_cache_lookups()
         self.previous_kernels = deterministic_kernels()  # before anything compiles: inductor reads it
         compile_ = compile_fn()
         model = pl_module.model
@@ -99,9 +101,10 @@ class TorchCompile(L.Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         if self.first_step_s is None:
             self.first_step_s = time.perf_counter() - self.t0
-            hits, misses = compat.inductor_cache_lookups()
+            hits, lookups = (now - before for now, before in zip(compat.inductor_cache_lookups(),
+                                                                  self.cache_lookups_before))
             print(f"torch.compile: first step {self.first_step_s:.1f} s (compiling included; "
-                  f"{hits} of {hits + misses} graphs from the cache)", flush=True)
+                  f"{hits} of {lookups} graphs from the cache)", flush=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
         pl_module.model.__dict__.pop("forward", None)  # back to the class's (eager) forward

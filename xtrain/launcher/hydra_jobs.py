@@ -28,7 +28,7 @@ def prepare_from_hydra(cfg) -> Job:
     from xtrain.plan import check_fits
 
     hc = HydraConfig.get()
-    check_composed(cfg, hc.runtime.choices)  # also for the jobs of a sweep (Hydra's task for each)
+    check_composed(cfg, hc)  # also for the jobs of a sweep (Hydra's task for each)
     launcher = hc.launcher
     where = launcher.tpu or ", ".join(launcher.pool or launcher.hosts)
     with ConsoleLog(None):

@@ -9,7 +9,7 @@ import os
 import re
 
 from xtrain.errors import ConfigError
-from xtrain.observe.bundle import SECRET_NAMES_VAR
+from xtrain.config.secrets import SECRET_NAMES_VAR
 
 ALWAYS = ("WANDB_API_KEY", "HF_TOKEN")
 

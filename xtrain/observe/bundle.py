@@ -23,25 +23,13 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from xtrain.config.secrets import SECRET_VALUE, is_secret_name
+from xtrain.config.secrets import SECRET_VALUE, is_secret_name, secret_values
 from xtrain.paths import url_to_fs
 
 MASK = "***"
 ENV_PREFIXES = ("XLA_", "PJRT_", "TPU_", "LIBTPU", "JAX_", "CPU_NUM_DEVICES", "WANDB_", "XTRAIN_",
                 "OMP_", "MKL_", "TORCH", "PYTORCH", "CUDA_", "GCSFS_", "STORAGE_EMULATOR_HOST",
                 "GOOGLE_", "CLOUDSDK_", "HYDRA_", "PYTHONPATH", "PYTHONHASHSEED", "HF_")
-
-# Names of the variables a launcher forwarded as secrets (hydra.launcher.secrets may name any
-# variable, e.g. HF_LOGIN): their values are masked whatever the names say.
-SECRET_NAMES_VAR = "XTRAIN_SECRET_NAMES"
-
-
-def secret_values(environ=os.environ) -> set[str]:
-    """Values of environment variables whose names say they are secret (WANDB_API_KEY, ...), or
-    that a launcher forwarded as secrets."""
-    forwarded = set(environ.get(SECRET_NAMES_VAR, "").split(","))
-    return {v for k, v in environ.items() if (is_secret_name(k) or k in forwarded) and len(v) >= 8}
-
 
 def mask_secrets(obj, environ=os.environ, key: str = ""):
     """A copy of nested dicts/lists (or a string) with secrets replaced by ``***``: values under
