@@ -370,6 +370,12 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
         assert r.stderr.startswith(f"xtrain: config error: {key}: a secret is never given on the "
                                    "command line") and "pass it in an environment variable instead" in r.stderr
         assert list(tmp_path.iterdir()) == []
+    # flags and paths under such names are no secrets, as in a config file
+    r = subprocess.run([sys.executable, "-m", "xtrain", "hardware=v6e4", "mode=plan",
+                        "+hardware.env.HF_HUB_DISABLE_IMPLICIT_TOKEN=1",
+                        "+hardware.env.GOOGLE_APPLICATION_CREDENTIALS=/home/me/service-account.json"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_a_secret_in_a_config_file_is_refused_and_leaves_nothing(tmp_path):
@@ -418,6 +424,7 @@ def test_secrets_in_a_config_are_found_by_name_and_by_form_and_read_from_the_env
     for config, key in (({"env": {"WANDB_API_KEY": "x" * 8}}, "env.WANDB_API_KEY"),
                         ({"pip_args": ["-q", f"--index-url={url}"]}, "pip_args[1]"),
                         ({"pip_args": ["--index-url=https://ci:s3cr3t@${oc.env:HOME}"]}, "pip_args[0]"),
+                        ({"pip_args": ["--index-url=https://${oc.env:HOME}:s3cr3t@pypi.org"]}, "pip_args[0]"),
                         ({"a": {"b": [{"note": "ghp_" + "A1b2" * 9}]}}, "a.b[0].note")):
         with pytest.raises(ConfigError, match=rf"^hydra\.launcher\.{re.escape(key)}: a secret"):
             check_no_secret_values(OmegaConf.create(config), "hydra.launcher.")
@@ -432,7 +439,14 @@ def test_secrets_in_a_config_are_found_by_name_and_by_form_and_read_from_the_env
         check_no_secret_values(reads_env)
         with pytest.raises(ConfigError, match=f"^hydra.launcher.env.{key}: a secret"):  # written resolved
             check_no_secret_values(reads_env, "hydra.launcher.", resolved=True)
-    check_no_secret_values(OmegaConf.create({"env": {"W": "${oc.env:HOME}"}}), "hydra.launcher.", resolved=True)
+    monkeypatch.setenv("XTRAIN_TEST_CREDENTIALS", "/home/me/service-account.json")  # a path, no secret
+    check_no_secret_values(OmegaConf.create({"env": {"W": "${oc.env:HOME}", "GOOGLE_APPLICATION_CREDENTIALS":
+                                                     "${oc.env:XTRAIN_TEST_CREDENTIALS}",
+                                                     "PIP_INDEX_URL": "https://ci:${oc.env:HOME}@pypi.org"}}),
+                           "hydra.launcher.", resolved=False)
+    check_no_secret_values(OmegaConf.create({"env": {"W": "${oc.env:HOME}", "GOOGLE_APPLICATION_CREDENTIALS":
+                                                     "${oc.env:XTRAIN_TEST_CREDENTIALS}"}}),
+                           "hydra.launcher.", resolved=True)
 
 
 def test_a_sweep_runs_from_a_checkout_whose_plugins_are_not_on_the_path(tmp_path):

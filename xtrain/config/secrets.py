@@ -34,6 +34,12 @@ SECRET_NAMES_VAR = "XTRAIN_SECRET_NAMES"
 MIN_SECRET_CHARS = 8  # shorter values under secret names are flags (HF_HUB_DISABLE_IMPLICIT_TOKEN=1)
 
 
+def may_be_secret(value: str) -> bool:
+    """Whether a value under a secret's name can be one: not a short flag
+    (``HF_HUB_DISABLE_IMPLICIT_TOKEN=1``) nor a path (``GOOGLE_APPLICATION_CREDENTIALS=/sa.json``)."""
+    return len(value) >= MIN_SECRET_CHARS and not value.startswith(("/", "~", "./", "../"))
+
+
 def secret_values(environ=os.environ) -> set[str]:
     """Values of environment variables whose names say they are secret (WANDB_API_KEY, ...), or
     that a launcher forwarded as secrets."""
@@ -58,7 +64,9 @@ def check_no_secret_overrides(args: list[str]) -> None:
         key = key.lstrip("+~")
         # the key's last part, and the keys of a dict value (hardware.env={HF_TOKEN:...})
         names = [re.split(r"[./@]", key)[-1], *re.findall(r"[{,]\s*([A-Za-z_][\w-]*)\s*:", value)]
-        name = next((n for n in names if is_secret_name(n)), None)
+        name = next((n for n in names[1:] if is_secret_name(n)), None)  # a dict value: any of its keys
+        if not name and is_secret_name(names[0]) and may_be_secret(value):
+            name = names[0]
         if name or has_secret_value(value):
             raise ConfigError(
                 f"{key}: a secret is never given on the command line (it would be written to the "
@@ -76,7 +84,8 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=resolved)
-    found = _secret_values(plain, prefix.rstrip("."), "", secret_values() if resolved else set())
+    env_secrets = {v for v in secret_values() if may_be_secret(v)} if resolved else set()
+    found = _secret_values(plain, prefix.rstrip("."), "", env_secrets)
     if found:
         key, name = found[0]
         raise ConfigError(f"{key}: a secret is never written into a config (it would be copied into "
@@ -85,6 +94,8 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
 
 
 INTERPOLATION = re.compile(r"\$\{[^${}]*\}")
+# a URL's password beside an interpolated user (``https://${oc.env:USER}:s3cr3t@...``)
+PASSWORD_IN_URL = re.compile(r"://[^/\s:@]*:[^/\s@]+@")
 
 
 def _secret_values(node, path: str, name: str, env_secrets: set[str]) -> list[tuple[str, str]]:
@@ -102,8 +113,8 @@ def _secret_values(node, path: str, name: str, env_secrets: set[str]) -> list[tu
     literal = node
     while INTERPOLATION.search(literal):
         literal = INTERPOLATION.sub("", literal)
-    by_name = (literal == node and len(node) >= MIN_SECRET_CHARS and is_secret_name(name)
-               and not node.startswith(("/", "~", "./")))
-    if by_name or has_secret_value(literal) or any(secret in node for secret in env_secrets):
+    by_name = literal == node and is_secret_name(name) and may_be_secret(node)
+    if (by_name or has_secret_value(literal) or PASSWORD_IN_URL.search(literal)
+            or any(secret in node for secret in env_secrets)):
         return [(path, name)]
     return []
