@@ -249,8 +249,12 @@ def test_a_run_made_longer_says_its_learning_rate_schedule_changes(tmp_path):
 def test_ctrl_c_while_a_run_starts_ends_it_in_one_line(tmp_path):
     """Before training's own handling is installed, Ctrl-C (KeyboardInterrupt) ends the command
     with one line, not a traceback, and exit 130: nothing was trained to save."""
-    p = xtrain(tmp_path / "run", "trainer.max_steps=5")
-    time.sleep(1.5)  # importing torch, well before the first step
+    run = tmp_path / "run"
+    p = xtrain(run, "trainer.max_steps=5")
+    deadline = time.time() + 120
+    while not run.exists():  # Hydra made the run dir: past Python's start-up, well before a step
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.02)
     p.send_signal(signal.SIGINT)
     code, out, err = finish(p)
     assert code == 130, err[-3000:]
