@@ -76,10 +76,10 @@ RUN = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trai
        "trainer.sample_tokens=0", "trainer.eval_batches=1", "optim.warmup_steps=3"]
 
 
-def xtrain(run_dir, *overrides, env=None):
+def xtrain(run_dir, *overrides, env=None, **popen):
     return subprocess.Popen([sys.executable, "-m", "xtrain", *RUN, *overrides, f"hydra.run.dir={run_dir}"],
                             cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, **popen)
 
 
 def finish(proc, timeout=300):

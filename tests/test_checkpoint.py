@@ -250,7 +250,9 @@ def test_ctrl_c_while_a_run_starts_ends_it_in_one_line(tmp_path):
     """Before training's own handling is installed, Ctrl-C (KeyboardInterrupt) ends the command
     with one line, not a traceback, and exit 130: nothing was trained to save."""
     run = tmp_path / "run"
-    p = xtrain(run, "trainer.max_steps=5")
+    # SIGINT as a terminal sends it: a shell without job control starts background commands (this
+    # suite, say) with it ignored, and a child keeps an ignored signal ignored
+    p = xtrain(run, "trainer.max_steps=5", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not run.exists():  # Hydra made the run dir: past Python's start-up, well before a step
         assert p.poll() is None and time.time() < deadline, p.communicate()
