@@ -12,9 +12,10 @@ from xtrain.errors import ConfigError
 
 SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential",
                 "credentials", "auth", "pat"}
-# Values that are secrets whatever their key: a URL's user:password@ (a private package index's
-# token), and the fixed formats of GitHub, Hugging Face, OpenAI-style and AWS access keys.
-SECRET_VALUE = re.compile(r"://[^/\s:@]+:[^/\s@]+@|\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}"
+# Values that are secrets whatever their key: a URL's [user]:password@ (a private package index's
+# token; the user may be an interpolation, read around), and the fixed formats of GitHub, Hugging
+# Face, OpenAI-style and AWS access keys.
+SECRET_VALUE = re.compile(r"://[^/\s:@]*:[^/\s@]+@|\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}"
                           r"|hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{30,}|AKIA[0-9A-Z]{16})\b")
 
 
@@ -94,8 +95,6 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
 
 
 INTERPOLATION = re.compile(r"\$\{[^${}]*\}")
-# a URL's password beside an interpolated user (``https://${oc.env:USER}:s3cr3t@...``)
-PASSWORD_IN_URL = re.compile(r"://[^/\s:@]*:[^/\s@]+@")
 
 
 def _secret_values(node, path: str, name: str, env_secrets: set[str]) -> list[tuple[str, str]]:
@@ -114,7 +113,6 @@ def _secret_values(node, path: str, name: str, env_secrets: set[str]) -> list[tu
     while INTERPOLATION.search(literal):
         literal = INTERPOLATION.sub("", literal)
     by_name = literal == node and is_secret_name(name) and may_be_secret(node)
-    if (by_name or has_secret_value(literal) or PASSWORD_IN_URL.search(literal)
-            or any(secret in node for secret in env_secrets)):
+    if by_name or has_secret_value(literal) or any(secret in node for secret in env_secrets):
         return [(path, name)]
     return []
