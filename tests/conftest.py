@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
 from xtrain.cli import config_dir
+from xtrain.paths import PRIMARY_CONFIG
 
 
 def pytest_configure(config):
@@ -40,7 +41,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def compose_cfg(overrides=(), output_dir: str | None = None):
     """The job config exactly as `python -m xtrain <overrides>` would see it (run.name resolved)."""
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+        cfg = compose(PRIMARY_CONFIG, overrides=list(overrides), return_hydra_config=True)
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = output_dir or "unused"
         cfg.hydra.job.num = 0

@@ -98,6 +98,27 @@ def test_a_sweeps_dir_is_named_by_its_command_line(monkeypatch):
     assert name("optim.embedding_lr=${optim.matrix_lr}", "optim.matrix_lr=0.01,0.02") == \
         "optim.matrix_lr_0.01,0.02"
     assert name() == "defaults"
+    # another primary config (--config-name) sets what is trained in its body: a sweep of it is
+    # another sweep, though the command's overrides are the same
+    monkeypatch.setattr(sys, "argv", ["xtrain", "-m", "--config-name", "ablation", "model=d2"])
+    assert sweep_dir_name("ablation") == "d2-ablation"
+    monkeypatch.setattr(sys, "argv", ["xtrain", "-m", "--config-name=ablation"])
+    assert sweep_dir_name("ablation") == "ablation"
+
+
+def test_another_primary_config_names_its_runs_and_sweeps(tmp_path):
+    """A config given by --config-name trains what its body sets (here a learning rate), which no
+    override shows: its runs and sweeps are named by it, or they would resume (and overwrite)
+    the checkpoints of conf/train.yaml's runs."""
+    (tmp_path / "ablation.yaml").write_text("defaults:\n  - train\n  - _self_\noptim:\n  matrix_lr: 0.05\n")
+    chosen = ["--config-dir", str(tmp_path), "--config-name", "ablation"]
+    r = _cli(*chosen, "--cfg", "job", "--resolve")
+    assert r.returncode == 0, r.stderr
+    assert "\nrun:\n  name: d4-cpu-cpp_local-ablation\n" in r.stdout and "matrix_lr: 0.05" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *chosen, "mode=plan"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in (tmp_path / "multirun").iterdir()] == ["ablation-mode_plan"]
 
 
 def test_a_checkpoint_dir_with_pattern_characters_is_refused(tmp_path):

@@ -22,6 +22,7 @@ from tests.sshd import (HOSTS, keygen, live_group, remote, sshd, gcloud,  # noqa
 from tests.logreaders import wandb_runs
 from xtrain.checkpoint.layout import committed_checkpoints
 from xtrain.cli import config_dir
+from xtrain.paths import PRIMARY_CONFIG
 from xtrain.errors import EXIT_REFUSED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +114,7 @@ def test_tpu_vm_trains_d2_remotely_and_returns_its_final_loss(remote, gcloud, hy
     overrides = TINY + ["trainer.max_steps=10", "run.name=e2e-vm"] + remote.overrides(
         "tpu_vm", hosts=[], tpu="my-v6e", zone=zone)
     sweep = hydra_sweep_runner(calling_file=__file__, calling_module=None, task_function=None,
-                               config_path=config_dir(), config_name="train",
+                               config_path=config_dir(), config_name=PRIMARY_CONFIG,
                                overrides=overrides, temp_dir=tmp_path / "multirun")
     with sweep:  # leaving it deletes the sweep dir
         (job_return,) = sweep.returns[0]

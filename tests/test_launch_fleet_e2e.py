@@ -32,6 +32,7 @@ from tests.test_launch_e2e import ssh_processes
 from tests.sshd import (HOSTS, Remote, Sshd, gcloud, live_group, stack_venv,  # noqa: F401
                         tpu_node)
 from xtrain.cli import config_dir
+from xtrain.paths import PRIMARY_CONFIG
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.fleet import Job, run_on_vm
 from xtrain.launcher.runner import LaunchError
@@ -300,7 +301,7 @@ def test_a_sweep_over_a_pool_requeues_the_preempted_job_and_finishes_all(
 
     watched = in_background(preempt_vm_a)
     sweep = hydra_sweep_runner(calling_file=__file__, calling_module=None, task_function=None,
-                               config_path=config_dir(), config_name="train",
+                               config_path=config_dir(), config_name=PRIMARY_CONFIG,
                                overrides=overrides, temp_dir=tmp_path / "multirun")
     with sweep:  # leaving it deletes the sweep dir
         watched(timeout=5)  # its own failure (a wait timed out) is raised here

@@ -67,6 +67,28 @@ def test_a_misspelt_launcher_field_is_refused():
     assert r.returncode != 0 and "zonee" in r.stderr
 
 
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_config_from_elsewhere_is_refused_before_a_launch(tmp_path, sweep):
+    """The workers compose conf/train.yaml from the synced conf/ with the job's overrides: a job
+    composed from another primary config or another config dir would train something else there.
+    Refused before any worker is reached (the host is one nothing listens on), leaving nothing."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "ablation.yaml").write_text("defaults:\n  - train\n  - _self_\n"
+                                                    "optim:\n  matrix_lr: 0.05\n")
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    launch = ["hydra/launcher=tpu_vm", "hydra.launcher.hosts=[127.0.0.1]", "hydra.launcher.port=9"]
+    for chosen, named in ([["--config-name", "ablation"], "--config-name=ablation"],
+                          [[], f"--config-dir={tmp_path / 'conf'}"]):
+        r = subprocess.run([sys.executable, "-m", "xtrain", *(["-m"] if sweep else []),
+                            "--config-dir", str(tmp_path / "conf"), *chosen, *launch,
+                            "optim.embedding_lr=0.1,0.2" if sweep else "optim.embedding_lr=0.1"],
+                           cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert named in r.stderr and "choose it with +experiment=<name>" in r.stderr
+        assert r.stderr.count("\n") == 1 and not list(cwd.iterdir())
+
+
 def test_targets_from_gcloud_describe(gcloud, compose_config):
     gcloud.add(tpu_node("pod", "us-central2-b", "v4-32",
                         [(f"10.0.0.{i}", f"34.1.1.{i}") for i in range(4)]))

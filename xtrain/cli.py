@@ -24,7 +24,7 @@ from xtrain.config.choices import check_composed
 from xtrain.config.hydra_record import discard, writes_record
 from xtrain.config.secrets import check_no_secret_overrides
 from xtrain.errors import EXIT_INTERRUPTED, ConfigError, is_refusal, refuse
-from xtrain.paths import config_dir
+from xtrain.paths import PRIMARY_CONFIG, config_dir
 
 
 compat.report_refusals(is_refusal, refuse)
@@ -32,7 +32,7 @@ register()
 CWD_BEFORE: set[str] = set()  # the working dir's entries before Hydra made a run dir there
 
 
-@hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name=PRIMARY_CONFIG)
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

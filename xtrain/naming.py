@@ -1,6 +1,7 @@
 """Names that identify a run and its derived caches, from the config alone.
 
-A run's name is ``<model>-<hardware>-<data>`` plus the overrides that change what is trained
+A run's name is ``<model>-<hardware>-<data>``, the primary config's name when it is not
+conf/train.yaml (``--config-name``), plus the overrides that change what is trained
 (``d2-cpu-cpp_local-optim.matrix_lr_0.01``). It is deterministic (no timestamp): re-running a
 command lands in the same directory and resumes. Overrides that do not change what is trained
 (``trainer.max_steps``, logging, checkpoint placement, ...) keep the name, so extending a run
@@ -15,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from xtrain.paths import cache_root
+from xtrain.paths import PRIMARY_CONFIG, cache_root
 
 # Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
 NAME_NEUTRAL_KEYS = ("mode",)
@@ -44,7 +45,8 @@ def shorten(parts: list[str], limit: int = MAX_NAME) -> str:
     return name.encode()[:limit - 13].decode(errors="ignore").rstrip("-_.") + "-" + digest
 
 
-def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
+def compose_name(choices: dict, overrides: list[str], sweep: bool,
+                 config_name: str = PRIMARY_CONFIG) -> str:
     given, extra = {}, []
     pairs = dict((o.partition("=")[0].lstrip("+~"), o.partition("=")[2].strip("'\"")) for o in overrides)
     resume = pairs.get("checkpoint.resume") not in (None, "", "null", "~")
@@ -61,6 +63,8 @@ def compose_name(choices: dict, overrides: list[str], sweep: bool) -> str:
         elif not (key.startswith(("hydra.", "hydra/")) or (neutral and not sweep)):
             extra.append(plain(override.lstrip("+~")))
     parts = [given.get(group, choices.get(group)) for group in GROUPS_IN_NAME]
+    # another primary config sets what is trained in its own body, where no override shows it
+    parts += [plain(config_name)] if config_name != PRIMARY_CONFIG else []
     return shorten([str(p) for p in parts + sorted(extra) if p])
 
 
@@ -110,7 +114,7 @@ def run_name() -> str:
     # (checkpoint.dir='gs://bucket/ckpt/${run.name}' gives every job of a sweep its own dir)
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)
     return compose_name(dict(hc.runtime.choices), [o for o in overrides if not interpolates(o)],
-                        sweep=hc.mode == RunMode.MULTIRUN)
+                        sweep=hc.mode == RunMode.MULTIRUN, config_name=hc.job.config_name)
 
 
 def interpolates(override: str) -> bool:
@@ -126,22 +130,24 @@ def sweep_name() -> str | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    return sweep_dir_name() if HydraConfig.get().mode == RunMode.MULTIRUN else None
+    hc = HydraConfig.get()
+    return sweep_dir_name(hc.job.config_name) if hc.mode == RunMode.MULTIRUN else None
 
 
-def sweep_dir_name() -> str:
-    """The ``${xtrain_sweep_dir_name:}`` resolver of conf/train.yaml's sweep dir, so that each
-    sweep command keeps its jobs and its multirun.yaml in a dir of its own, and the same command
-    run again resumes its jobs there: the command line alone named like a sweep's job, every
-    override but Hydra's and those that interpolate, swept values as written
-    (``d2-optim.matrix_lr_0.01,0.02``); ``defaults`` for none. Nothing else: Hydra resolves the
-    sweep dir in the sweep's config and again in each job's, where a config group may differ
-    (``-m +experiment=a,b``) and an interpolation would resolve to each job's value."""
+def sweep_dir_name(config_name: str = PRIMARY_CONFIG) -> str:
+    """The ``${xtrain_sweep_dir_name:${hydra.job.config_name}}`` resolver of conf/train.yaml's
+    sweep dir (resolved before Hydra's config is set, hence the argument), so that each sweep
+    command keeps its jobs and its multirun.yaml in a dir of its own, and the same command run
+    again resumes its jobs there: the command line alone named like a sweep's job (its
+    ``--config-name``, every override but Hydra's and those that interpolate, swept values as
+    written: ``d2-optim.matrix_lr_0.01,0.02``); ``defaults`` for none. Nothing else: Hydra
+    resolves the sweep dir in the sweep's config and again in each job's, where a config group
+    may differ (``-m +experiment=a,b``) and an interpolation would resolve to each job's value."""
     import sys
 
     command = [a for a in sys.argv[1:] if ("=" in a or a.startswith("~")) and not a.startswith("-")
                and not interpolates(a)]
-    name = compose_name({}, command, sweep=True) or "defaults"
+    name = compose_name({}, command, sweep=True, config_name=config_name) or "defaults"
     check_run_name(name)
     return name
 

@@ -13,11 +13,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("XTRAIN_CACHE") or Path.home() / ".cache" / "xtrain")
 
 
+PRIMARY_CONFIG = "train"  # conf/train.yaml: the config `python -m xtrain` composes (--config-name)
+
+
 def config_dir() -> str:
     """Installed wheels carry the configs as xtrain/conf; a source checkout has them at ../conf."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "conf", here.parent / "conf"):
-        if (candidate / "train.yaml").exists():
+        if (candidate / f"{PRIMARY_CONFIG}.yaml").exists():
             return str(candidate)
     raise FileNotFoundError(f"xtrain configs not found next to {here}")
 

@@ -22,6 +22,8 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
 
     from xtrain.config.choices import check_composed
     from xtrain.errors import ConfigError, is_refusal
+    from xtrain.launcher import is_remote
+    from xtrain.launcher.hydra_jobs import check_workers_compose_it
     from xtrain.modes import check_config
 
     try:
@@ -34,6 +36,8 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                 del job["hydra"]
             try:
                 check_composed(job, hydra_cfg)
+                if is_remote(hydra_cfg.launcher):
+                    check_workers_compose_it(hydra_cfg)
                 check_config(job)
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
                 if not is_refusal(e):

@@ -12,9 +12,10 @@ from pathlib import Path
 from xtrain.config import Mode
 from xtrain.config.choices import check_composed
 from xtrain.config.hydra_record import hold
-from xtrain.errors import is_refusal, refuse
+from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
 from xtrain.launcher.launch import hydra_str, launch_job, say
+from xtrain.paths import PRIMARY_CONFIG
 
 
 def prepare_from_hydra(cfg) -> Job:
@@ -29,6 +30,7 @@ def prepare_from_hydra(cfg) -> Job:
 
     hc = HydraConfig.get()
     check_composed(cfg, hc)  # also for the jobs of a sweep (Hydra's task for each)
+    check_workers_compose_it(hc)
     launcher = hc.launcher
     where = launcher.tpu or ", ".join(launcher.pool or launcher.hosts)
     with ConsoleLog(None):
@@ -41,6 +43,21 @@ def prepare_from_hydra(cfg) -> Job:
                cfg.run.name, hc.runtime.output_dir,
                checkpoint_dir(cfg, "<run dir on the VM>"), cfg.preemption.maintenance_lead_s,
                None if launcher.stop else hold(hc.runtime.output_dir))
+
+
+def check_workers_compose_it(hc) -> None:
+    """The workers compose conf/train.yaml from the conf/ synced with the code, with the job's
+    overrides: a job composed from another primary config (``--config-name``) or with configs from
+    another dir (``--config-dir``) would train something else there, so it is refused."""
+    elsewhere = [f"--config-name={hc.job.config_name}"] if hc.job.config_name != PRIMARY_CONFIG else []
+    elsewhere += [f"--config-dir={source.path}" for source in hc.runtime.config_sources
+                  if source.provider == "command-line"]
+    if elsewhere:
+        launcher = hc.runtime.choices.get("hydra/launcher")
+        raise ConfigError(f"hydra/launcher={launcher}: {' '.join(elsewhere)} does not reach "
+                          f"the workers, which compose conf/{PRIMARY_CONFIG}.yaml with the job's "
+                          "overrides; put the config in conf/experiment/<name>.yaml (`# @package "
+                          "_global_`, as the ones there) and choose it with +experiment=<name>")
 
 
 def job_overrides(cfg, overrides) -> list[str]:
