@@ -153,6 +153,10 @@ def test_help_lists_groups_and_cfg_job_prints_config():
     assert "_tpu" not in r.stdout and "_gcs_nanochat" not in r.stdout
     r = _cli("--cfg", "job", "model=d16")
     assert r.returncode == 0 and "depth: 16" in r.stdout
+    # the README's way to see Hydra's section resolved: the run dir holds the job's run.name
+    r = _cli("--cfg", "all", "--resolve", "-p", "hydra", "model=d16")
+    assert r.returncode == 0, r.stderr
+    assert "\nrun:\n  dir: outputs/d16-cpu-cpp_local\n" in r.stdout
 
 
 def test_cli_help_does_not_import_torch():
