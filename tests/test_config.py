@@ -83,12 +83,23 @@ def test_a_shortened_name_stays_what_runs_already_trained_under_it_are_named():
         compose_name(choices, overrides, sweep=True)
 
 
+def hydra_section(config_name: str = "train", main_dir: str = str(CONF), *more_dirs: str):
+    """The parts of a composed config's ``hydra`` section that name a run: the primary config's
+    name and the config dirs Hydra searched (as Hydra records them)."""
+    from omegaconf import OmegaConf
+
+    sources = [{"path": "hydra.conf", "schema": "pkg", "provider": "hydra"},
+               {"path": main_dir, "schema": "file", "provider": "main"},
+               *({"path": d, "schema": "file", "provider": "command-line"} for d in more_dirs)]
+    return OmegaConf.create({"job": {"config_name": config_name}, "runtime": {"config_sources": sources}})
+
+
 def test_a_sweeps_dir_is_named_by_its_command_line(monkeypatch):
     from xtrain.naming import sweep_dir_name
 
-    def name(*args):
+    def name(*args, hydra_cfg=hydra_section()):
         monkeypatch.setattr(sys, "argv", ["xtrain", "-m", *args])
-        return sweep_dir_name()
+        return sweep_dir_name(hydra_cfg)
 
     assert name("model=d2", "optim.matrix_lr=0.01,0.02") == "d2-optim.matrix_lr_0.01,0.02"
     assert name("trainer.max_steps=3,6") == "trainer.max_steps_3,6"  # every override
@@ -98,23 +109,34 @@ def test_a_sweeps_dir_is_named_by_its_command_line(monkeypatch):
     assert name("optim.embedding_lr=${optim.matrix_lr}", "optim.matrix_lr=0.01,0.02") == \
         "optim.matrix_lr_0.01,0.02"
     assert name() == "defaults"
-    # another primary config (--config-name) sets what is trained in its body: a sweep of it is
-    # another sweep, though the command's overrides are the same
-    monkeypatch.setattr(sys, "argv", ["xtrain", "-m", "--config-name", "ablation", "model=d2"])
-    assert sweep_dir_name("ablation") == "d2-ablation"
-    monkeypatch.setattr(sys, "argv", ["xtrain", "-m", "--config-name=ablation"])
-    assert sweep_dir_name("ablation") == "ablation"
+    # another primary config sets what is trained in its body: a sweep of it is another sweep,
+    # though the command's overrides are the same; conf/train.yaml however it is spelled is not
+    for spelled in ("train.yaml", "/train"):
+        assert name("model=d2", hydra_cfg=hydra_section(spelled)) == "d2"
+    for spelled in ("ablation", "ablation.yaml"):
+        assert name("model=d2", hydra_cfg=hydra_section(spelled, str(CONF), "/my/conf")) == "d2-ablation"
+    assert name(hydra_cfg=hydra_section("ablation")) == "ablation"
+    assert name(hydra_cfg=hydra_section("train", "/a/copy/of/conf")) == "train"  # --config-path
+    assert name(hydra_cfg=hydra_section("train", str(CONF), "/my/conf")) == "defaults"  # groups only
 
 
 def test_another_primary_config_names_its_runs_and_sweeps(tmp_path):
-    """A config given by --config-name trains what its body sets (here a learning rate), which no
-    override shows: its runs and sweeps are named by it, or they would resume (and overwrite)
-    the checkpoints of conf/train.yaml's runs."""
+    """A config given by --config-name (or --config-path) trains what its body sets (here a
+    learning rate), which no override shows: its runs and sweeps are named by it, or they would
+    resume (and overwrite) the checkpoints of conf/train.yaml's runs."""
+    import shutil
+
     (tmp_path / "ablation.yaml").write_text("defaults:\n  - train\n  - _self_\noptim:\n  matrix_lr: 0.05\n")
+    shutil.copytree(CONF, tmp_path / "copy")
+    with open(tmp_path / "copy" / "train.yaml", "a") as f:
+        f.write("optim:\n  matrix_lr: 0.07\n")
     chosen = ["--config-dir", str(tmp_path), "--config-name", "ablation"]
-    r = _cli(*chosen, "--cfg", "job", "--resolve")
-    assert r.returncode == 0, r.stderr
-    assert "\nrun:\n  name: d4-cpu-cpp_local-ablation\n" in r.stdout and "matrix_lr: 0.05" in r.stdout
+    for command, name, lr in [(chosen, "d4-cpu-cpp_local-ablation", 0.05),
+                              (["--config-path", str(tmp_path / "copy")], "d4-cpu-cpp_local-train", 0.07),
+                              (["--config-name", "train.yaml"], "d4-cpu-cpp_local", 0.02)]:
+        r = _cli(*command, "--cfg", "job", "--resolve")
+        assert r.returncode == 0, r.stderr
+        assert f"\nrun:\n  name: {name}\n" in r.stdout and f"matrix_lr: {lr}\n" in r.stdout
     r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *chosen, "mode=plan"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

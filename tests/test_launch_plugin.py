@@ -72,21 +72,35 @@ def test_a_config_from_elsewhere_is_refused_before_a_launch(tmp_path, sweep):
     """The workers compose conf/train.yaml from the synced conf/ with the job's overrides: a job
     composed from another primary config or another config dir would train something else there.
     Refused before any worker is reached (the host is one nothing listens on), leaving nothing."""
+    import shutil
+
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "ablation.yaml").write_text("defaults:\n  - train\n  - _self_\n"
                                                     "optim:\n  matrix_lr: 0.05\n")
+    shutil.copytree(ROOT / "conf", tmp_path / "copy")
     cwd = tmp_path / "work"
     cwd.mkdir()
-    launch = ["hydra/launcher=tpu_vm", "hydra.launcher.hosts=[127.0.0.1]", "hydra.launcher.port=9"]
-    for chosen, named in ([["--config-name", "ablation"], "--config-name=ablation"],
-                          [[], f"--config-dir={tmp_path / 'conf'}"]):
-        r = subprocess.run([sys.executable, "-m", "xtrain", *(["-m"] if sweep else []),
-                            "--config-dir", str(tmp_path / "conf"), *chosen, *launch,
-                            "optim.embedding_lr=0.1,0.2" if sweep else "optim.embedding_lr=0.1"],
-                           cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=120)
+    launch = ["hydra/launcher=tpu_vm", "hydra.launcher.hosts=[127.0.0.1]", "hydra.launcher.port=9",
+              f"hydra.launcher.identity_file={tmp_path / 'no_key'}",
+              "optim.embedding_lr=0.1,0.2" if sweep else "optim.embedding_lr=0.1"]
+
+    def launched(*chosen):
+        return subprocess.run([sys.executable, "-m", "xtrain", *(["-m"] if sweep else []), *chosen,
+                               *launch], cwd=cwd, env=cli_env(), capture_output=True, text=True,
+                              timeout=120)
+
+    conf = tmp_path / "conf"
+    for chosen, named in ([["--config-dir", str(conf), "--config-name", "ablation"],
+                           f"--config-name=ablation, configs from {conf}:"],
+                          [["--config-dir", str(conf)], f"configs from {conf}:"],
+                          [["--config-path", str(tmp_path / "copy")], f"configs from {tmp_path / 'copy'}:"]):
+        r = launched(*chosen)
         assert r.returncode == 2, r.stderr
         assert named in r.stderr and "choose it with +experiment=<name>" in r.stderr
         assert r.stderr.count("\n") == 1 and not list(cwd.iterdir())
+    # conf/train.yaml spelled otherwise is conf/train.yaml: the launch goes on (to the next check)
+    r = launched("--config-name", "train.yaml")
+    assert r.returncode == 2 and "hydra.launcher.identity_file" in r.stderr, r.stderr
 
 
 def test_targets_from_gcloud_describe(gcloud, compose_config):

@@ -14,9 +14,10 @@ A sweep's own dir (``multirun/<sweep>/``) is named the same way from its command
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 
-from xtrain.paths import PRIMARY_CONFIG, cache_root
+from xtrain.paths import PRIMARY_CONFIG, cache_root, config_dir
 
 # Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
 NAME_NEUTRAL_KEYS = ("mode",)
@@ -45,8 +46,8 @@ def shorten(parts: list[str], limit: int = MAX_NAME) -> str:
     return name.encode()[:limit - 13].decode(errors="ignore").rstrip("-_.") + "-" + digest
 
 
-def compose_name(choices: dict, overrides: list[str], sweep: bool,
-                 config_name: str = PRIMARY_CONFIG) -> str:
+def compose_name(choices: dict, overrides: list[str], sweep: bool, primary: str | None = None) -> str:
+    """A run's or a sweep's name; ``primary``: :func:`other_primary_config`."""
     given, extra = {}, []
     pairs = dict((o.partition("=")[0].lstrip("+~"), o.partition("=")[2].strip("'\"")) for o in overrides)
     resume = pairs.get("checkpoint.resume") not in (None, "", "null", "~")
@@ -62,10 +63,33 @@ def compose_name(choices: dict, overrides: list[str], sweep: bool,
             given[key] = plain(value)  # as written: a sweep's command keeps its list (model=d12,d16)
         elif not (key.startswith(("hydra.", "hydra/")) or (neutral and not sweep)):
             extra.append(plain(override.lstrip("+~")))
-    parts = [given.get(group, choices.get(group)) for group in GROUPS_IN_NAME]
-    # another primary config sets what is trained in its own body, where no override shows it
-    parts += [plain(config_name)] if config_name != PRIMARY_CONFIG else []
+    parts = [given.get(group, choices.get(group)) for group in GROUPS_IN_NAME] + [primary]
     return shorten([str(p) for p in parts + sorted(extra) if p])
+
+
+def other_primary_config(hydra_cfg) -> str | None:
+    """The primary config's name when it is not xtrain's conf/train.yaml (another
+    ``--config-name``, or ``--config-path`` elsewhere), else None. Such a config sets what is
+    trained in its own body, where no override shows it, so the names of its runs and sweeps hold
+    it. Its name, not its dir: as after an edit of conf/, the same name elsewhere is the same run."""
+    name = primary_config_name(hydra_cfg)
+    if name == PRIMARY_CONFIG and not config_dirs_elsewhere(hydra_cfg, provider="main"):
+        return None
+    return plain(name)
+
+
+def primary_config_name(hydra_cfg) -> str:
+    """The primary config's name as Hydra finds it (``train.yaml`` and ``/train`` are ``train``)."""
+    return str(hydra_cfg.job.config_name).lstrip("/").removesuffix(".yaml")
+
+
+def config_dirs_elsewhere(hydra_cfg, provider: str | None = None) -> list[str]:
+    """Config dirs on Hydra's search path other than xtrain's conf/ (``--config-path``,
+    ``--config-dir``, ``hydra.searchpath``), of ``provider`` only when given."""
+    ours = os.path.realpath(config_dir())
+    return [source.path for source in hydra_cfg.runtime.config_sources
+            if source.schema == "file" and os.path.realpath(source.path) != ours
+            and provider in (None, source.provider)]
 
 
 def checkpoint_run(path: str) -> str:
@@ -114,7 +138,7 @@ def run_name() -> str:
     # (checkpoint.dir='gs://bucket/ckpt/${run.name}' gives every job of a sweep its own dir)
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)
     return compose_name(dict(hc.runtime.choices), [o for o in overrides if not interpolates(o)],
-                        sweep=hc.mode == RunMode.MULTIRUN, config_name=hc.job.config_name)
+                        sweep=hc.mode == RunMode.MULTIRUN, primary=other_primary_config(hc))
 
 
 def interpolates(override: str) -> bool:
@@ -131,23 +155,24 @@ def sweep_name() -> str | None:
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
-    return sweep_dir_name(hc.job.config_name) if hc.mode == RunMode.MULTIRUN else None
+    return sweep_dir_name(hc) if hc.mode == RunMode.MULTIRUN else None
 
 
-def sweep_dir_name(config_name: str = PRIMARY_CONFIG) -> str:
-    """The ``${xtrain_sweep_dir_name:${hydra.job.config_name}}`` resolver of conf/train.yaml's
-    sweep dir (resolved before Hydra's config is set, hence the argument), so that each sweep
-    command keeps its jobs and its multirun.yaml in a dir of its own, and the same command run
-    again resumes its jobs there: the command line alone named like a sweep's job (its
-    ``--config-name``, every override but Hydra's and those that interpolate, swept values as
-    written: ``d2-optim.matrix_lr_0.01,0.02``); ``defaults`` for none. Nothing else: Hydra
-    resolves the sweep dir in the sweep's config and again in each job's, where a config group
-    may differ (``-m +experiment=a,b``) and an interpolation would resolve to each job's value."""
+def sweep_dir_name(hydra_cfg) -> str:
+    """The name of conf/train.yaml's sweep dir (its ``${xtrain_sweep_dir_name:}`` resolver is
+    given the config's ``hydra`` section: the sweep dir resolves before Hydra's config is set),
+    so that each sweep command keeps its jobs and its multirun.yaml in a dir of its own, and the
+    same command run again resumes its jobs there: the command line alone named like a sweep's
+    job (another primary config's name, every override but Hydra's and those that interpolate,
+    swept values as written: ``d2-optim.matrix_lr_0.01,0.02``); ``defaults`` for none. Nothing
+    else: Hydra resolves the sweep dir in the sweep's config and again in each job's, where a
+    config group may differ (``-m +experiment=a,b``) and an interpolation would resolve to each
+    job's value."""
     import sys
 
     command = [a for a in sys.argv[1:] if ("=" in a or a.startswith("~")) and not a.startswith("-")
                and not interpolates(a)]
-    name = compose_name({}, command, sweep=True, config_name=config_name) or "defaults"
+    name = compose_name({}, command, sweep=True, primary=other_primary_config(hydra_cfg)) or "defaults"
     check_run_name(name)
     return name
 

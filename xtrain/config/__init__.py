@@ -304,7 +304,7 @@ class PreemptionConfig:
 class RunConfig:
     """The run's identity: its directory (outputs/<name>) and its checkpoints' owner."""
 
-    name: str = MISSING  # default derived from the chosen groups and overrides (xtrain/naming.py)
+    name: str = MISSING  # default from the chosen groups, config and overrides (xtrain/naming.py)
 
 
 @dataclass
@@ -362,7 +362,8 @@ def register() -> None:
     if not OmegaConf.has_resolver("xtrain_sweep_name"):
         OmegaConf.register_new_resolver("xtrain_sweep_name", sweep_name)
     if not OmegaConf.has_resolver("xtrain_sweep_dir_name"):
-        OmegaConf.register_new_resolver("xtrain_sweep_dir_name", sweep_dir_name)
+        OmegaConf.register_new_resolver("xtrain_sweep_dir_name",
+                                        lambda *, _root_: sweep_dir_name(_root_.hydra))
     if not OmegaConf.has_resolver("xtrain_config_groups"):  # --help's list (conf/train.yaml)
         from xtrain.config.choices import config_groups
 

@@ -15,6 +15,7 @@ from xtrain.config.hydra_record import hold
 from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
 from xtrain.launcher.launch import hydra_str, launch_job, say
+from xtrain.naming import config_dirs_elsewhere, primary_config_name
 from xtrain.paths import PRIMARY_CONFIG
 
 
@@ -47,17 +48,19 @@ def prepare_from_hydra(cfg) -> Job:
 
 def check_workers_compose_it(hc) -> None:
     """The workers compose conf/train.yaml from the conf/ synced with the code, with the job's
-    overrides: a job composed from another primary config (``--config-name``) or with configs from
-    another dir (``--config-dir``) would train something else there, so it is refused."""
-    elsewhere = [f"--config-name={hc.job.config_name}"] if hc.job.config_name != PRIMARY_CONFIG else []
-    elsewhere += [f"--config-dir={source.path}" for source in hc.runtime.config_sources
-                  if source.provider == "command-line"]
+    overrides: a job composed from another primary config, or with configs from another dir
+    (``--config-name``, ``--config-path``, ``--config-dir``, ``hydra.searchpath``), would train
+    something else there, so it is refused."""
+    named = primary_config_name(hc) != PRIMARY_CONFIG
+    elsewhere = ([f"--config-name={hc.job.config_name}"] if named else []) + \
+        [f"configs from {path}" for path in config_dirs_elsewhere(hc)]
     if elsewhere:
         launcher = hc.runtime.choices.get("hydra/launcher")
-        raise ConfigError(f"hydra/launcher={launcher}: {' '.join(elsewhere)} does not reach "
-                          f"the workers, which compose conf/{PRIMARY_CONFIG}.yaml with the job's "
-                          "overrides; put the config in conf/experiment/<name>.yaml (`# @package "
-                          "_global_`, as the ones there) and choose it with +experiment=<name>")
+        raise ConfigError(f"hydra/launcher={launcher}: {', '.join(elsewhere)}: the workers compose "
+                          f"conf/{PRIMARY_CONFIG}.yaml from the synced conf/ with the job's "
+                          "overrides alone; put the config in conf/experiment/<name>.yaml (`# "
+                          "@package _global_`, as the ones there) and choose it with "
+                          "+experiment=<name>")
 
 
 def job_overrides(cfg, overrides) -> list[str]:
