@@ -118,6 +118,10 @@ def test_a_sweeps_dir_is_named_by_its_command_line(monkeypatch):
     assert name(hydra_cfg=hydra_section("ablation")) == "ablation"
     assert name(hydra_cfg=hydra_section("train", "/a/copy/of/conf")) == "train"  # --config-path
     assert name(hydra_cfg=hydra_section("train", str(CONF), "/my/conf")) == "defaults"  # groups only
+    # a relative --config-path is a package to Hydra: there, another package's configs
+    elsewhere = hydra_section()
+    elsewhere.runtime.config_sources[1] = {"path": "tests/fixtures", "schema": "pkg", "provider": "main"}
+    assert name(hydra_cfg=elsewhere) == "train"
 
 
 def test_another_primary_config_names_its_runs_and_sweeps(tmp_path):
@@ -141,6 +145,19 @@ def test_another_primary_config_names_its_runs_and_sweeps(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert [p.name for p in (tmp_path / "multirun").iterdir()] == ["ablation-mode_plan"]
+
+
+def test_a_job_may_read_its_sweep_dir(tmp_path):
+    """The sweep dir's name resolves in a job's config too, also where Hydra (--cfg job) or the
+    sweep's checks hold the job's config apart from its hydra section."""
+    reads = "checkpoint.dir=${hydra:sweep.dir}/ckpt"
+    r = _cli("--cfg", "job", "--resolve", reads)
+    assert r.returncode == 0, r.stderr
+    assert "  dir: multirun/defaults/ckpt\n" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", reads, "optim.matrix_lr=0.01,0.02"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "multirun" / "mode_plan-optim.matrix_lr_0.01,0.02" / "multirun.yaml").is_file()
 
 
 def test_a_checkpoint_dir_with_pattern_characters_is_refused(tmp_path):

@@ -93,7 +93,8 @@ def test_a_config_from_elsewhere_is_refused_before_a_launch(tmp_path, sweep):
     for chosen, named in ([["--config-dir", str(conf), "--config-name", "ablation"],
                            f"--config-name=ablation, configs from {conf}:"],
                           [["--config-dir", str(conf)], f"configs from {conf}:"],
-                          [["--config-path", str(tmp_path / "copy")], f"configs from {tmp_path / 'copy'}:"]):
+                          [["--config-path", str(tmp_path / "copy")], f"configs from {tmp_path / 'copy'}:"],
+                          [[f"hydra.searchpath=[file://{conf}]"], f"configs from {conf}:"]):
         r = launched(*chosen)
         assert r.returncode == 2, r.stderr
         assert named in r.stderr and "choose it with +experiment=<name>" in r.stderr

@@ -84,12 +84,26 @@ def primary_config_name(hydra_cfg) -> str:
 
 
 def config_dirs_elsewhere(hydra_cfg, provider: str | None = None) -> list[str]:
-    """Config dirs on Hydra's search path other than xtrain's conf/ (``--config-path``,
-    ``--config-dir``, ``hydra.searchpath``), of ``provider`` only when given."""
+    """Config dirs and packages on Hydra's search path other than xtrain's conf/
+    (``--config-path``, ``--config-dir``, ``hydra.searchpath``), of ``provider`` only when given;
+    Hydra's own configs (provider ``hydra``) and the schemas are not such dirs."""
     ours = os.path.realpath(config_dir())
     return [source.path for source in hydra_cfg.runtime.config_sources
-            if source.schema == "file" and os.path.realpath(source.path) != ours
-            and provider in (None, source.provider)]
+            if source.schema in ("file", "pkg") and source.provider != "hydra"
+            and provider in (None, source.provider) and _where(source) != ours]
+
+
+def _where(source) -> str | None:
+    """The directory of a config source: a path, or an importable package's files (a relative
+    ``--config-path`` is a package to Hydra)."""
+    import importlib.resources
+
+    if source.schema == "file":
+        return os.path.realpath(source.path)
+    try:
+        return os.path.realpath(str(importlib.resources.files(source.path.replace("/", "."))))
+    except (ImportError, TypeError, ValueError):
+        return None
 
 
 def checkpoint_run(path: str) -> str:
@@ -158,16 +172,24 @@ def sweep_name() -> str | None:
     return sweep_dir_name(hc) if hc.mode == RunMode.MULTIRUN else None
 
 
+def sweep_dir_resolver(*, _root_) -> str:
+    """The ``${xtrain_sweep_dir_name:}`` resolver of conf/train.yaml's sweep dir: its name from
+    the config's own ``hydra`` section, as the sweep dir resolves before Hydra's config is set;
+    from Hydra's config where a job's config is held apart from that section (by Hydra's ``--cfg
+    job``, or xtrain/sweeps.py)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return sweep_dir_name(_root_.hydra if "hydra" in _root_ else HydraConfig.get())
+
+
 def sweep_dir_name(hydra_cfg) -> str:
-    """The name of conf/train.yaml's sweep dir (its ``${xtrain_sweep_dir_name:}`` resolver is
-    given the config's ``hydra`` section: the sweep dir resolves before Hydra's config is set),
-    so that each sweep command keeps its jobs and its multirun.yaml in a dir of its own, and the
-    same command run again resumes its jobs there: the command line alone named like a sweep's
-    job (another primary config's name, every override but Hydra's and those that interpolate,
-    swept values as written: ``d2-optim.matrix_lr_0.01,0.02``); ``defaults`` for none. Nothing
-    else: Hydra resolves the sweep dir in the sweep's config and again in each job's, where a
-    config group may differ (``-m +experiment=a,b``) and an interpolation would resolve to each
-    job's value."""
+    """The name of conf/train.yaml's sweep dir, so that each sweep command keeps its jobs and
+    its multirun.yaml in a dir of its own, and the same command run again resumes its jobs
+    there: the command line alone named like a sweep's job (another primary config's name, every
+    override but Hydra's and those that interpolate, swept values as written:
+    ``d2-optim.matrix_lr_0.01,0.02``); ``defaults`` for none. Nothing else: Hydra resolves the
+    sweep dir in the sweep's config and again in each job's, where a config group may differ
+    (``-m +experiment=a,b``) and an interpolation would resolve to each job's value."""
     import sys
 
     command = [a for a in sys.argv[1:] if ("=" in a or a.startswith("~")) and not a.startswith("-")

@@ -349,7 +349,7 @@ def register() -> None:
     # here, not in the plugin: a job launched on a worker composes without xtrain's plugins
     ConfigStore.instance().store(group="hydra/sweeper", name="xtrain", node=SweeperConf,
                                  provider="xtrain")
-    from xtrain.naming import corpus_dir, run_dir_name, run_name, sweep_dir_name, sweep_name
+    from xtrain.naming import corpus_dir, run_dir_name, run_name, sweep_dir_resolver, sweep_name
 
     if not OmegaConf.has_resolver("xtrain_run_name"):
         OmegaConf.register_new_resolver("xtrain_run_name", run_name)
@@ -362,8 +362,7 @@ def register() -> None:
     if not OmegaConf.has_resolver("xtrain_sweep_name"):
         OmegaConf.register_new_resolver("xtrain_sweep_name", sweep_name)
     if not OmegaConf.has_resolver("xtrain_sweep_dir_name"):
-        OmegaConf.register_new_resolver("xtrain_sweep_dir_name",
-                                        lambda *, _root_: sweep_dir_name(_root_.hydra))
+        OmegaConf.register_new_resolver("xtrain_sweep_dir_name", sweep_dir_resolver)
     if not OmegaConf.has_resolver("xtrain_config_groups"):  # --help's list (conf/train.yaml)
         from xtrain.config.choices import config_groups
 
