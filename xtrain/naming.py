@@ -1,9 +1,9 @@
 """Names that identify a run and its derived caches, from the config alone.
 
 A run's name is ``<model>-<hardware>-<data>``, the primary config's name when it is not
-conf/train.yaml (``--config-name``), plus the overrides that change what is trained
-(``d2-cpu-cpp_local-optim.matrix_lr_0.01``). It is deterministic (no timestamp): re-running a
-command lands in the same directory and resumes. Overrides that do not change what is trained
+conf/train.yaml (``--config-name``, or ``--config-path`` elsewhere), plus the overrides that
+change what is trained (``d2-cpu-cpp_local-optim.matrix_lr_0.01``). It is deterministic (no
+timestamp): re-running a command lands in the same directory and resumes. Overrides that do not change what is trained
 (``trainer.max_steps``, logging, checkpoint placement, ...) keep the name, so extending a run
 resumes it; but in a sweep every job's name carries all of its overrides, so jobs that differ
 only in such a key still get directories of their own. A name too long for a file name keeps a
