@@ -360,8 +360,12 @@ def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path,
     gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [("10.0.0.6", HOSTS[1])]))
     remote = tmp_path / "remote"
     identity = fleet_cfg(tmp_path).identity_file  # a placeholder pair: never used to log in
-    if case in ("no login key to recreate with", "no target"):  # no target: said first
+    if case == "no target":  # said before the missing key
         identity = str(tmp_path / "no_such_key")
+    if case == "no login key to recreate with":  # a file, not a key, without its public half
+        identity = str(tmp_path / "not_a_key")
+        Path(identity).write_text("not a key\n")
+        os.chmod(identity, 0o644)  # readable by others: ssh-keygen's banner comes first
     base = [*TINY, "run.name=fleet-bad", "hydra/launcher=tpu_vm", f"hydra.launcher.zone={ZONE}",
             f"hydra.launcher.remote_dir='{remote}/{{host}}'", f"hydra.launcher.identity_file={identity}"]
     multirun, env = [], None
@@ -390,7 +394,8 @@ def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path,
     else:  # a recreated VM gets the login key's public half: unreadable, it is refused up front
         args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "hydra.launcher.recreate=true",
                 "checkpoint.dir=gs://bucket/ckpt"]
-        expected = f"hydra.launcher.identity_file={identity}: no {identity}.pub, and ssh-keygen"
+        expected = (f"hydra.launcher.identity_file={identity}: no {identity}.pub, and ssh-keygen "
+                    f'could not derive it: Load key "{identity}": bad permissions')
     r = cli(*multirun, *base, *args, env=env, tmp_path=tmp_path)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

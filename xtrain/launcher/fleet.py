@@ -36,7 +36,7 @@ from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.launch import launch_job, say
 from xtrain.launcher.logs import log_path
 from xtrain.launcher.runner import LaunchError, Runner
-from xtrain.launcher.ssh import Ssh
+from xtrain.launcher.ssh import Ssh, check_identity
 from xtrain.launcher.targets import TARGET_REQUIRED, check_type
 from xtrain.launcher.vm import UP, Vm, VmLost, clock, vm_health
 from xtrain.limits import out_of_range
@@ -244,8 +244,14 @@ def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:
         raise EnvironmentMismatch("gcloud is not on PATH: hydra.launcher.tpu and pool find their "
                                   "VMs with the Google Cloud CLI (install it), hydra.launcher.hosts"
                                   "=[...] takes addresses instead")
-    if not cfg.recreate:
-        return
+    if cfg.recreate:
+        check_recreate(cfg, hardware, checkpoint_dir)
+    check_identity(cfg)
+    if cfg.recreate:
+        Ssh(cfg, Runner()).authorized_key()  # the key a recreated VM gets: readable, or refused now
+
+
+def check_recreate(cfg, hardware, checkpoint_dir: str | None) -> None:
     if not (cfg.tpu or cfg.pool):
         raise ConfigError("hydra.launcher.recreate=true needs hydra.launcher.tpu (or pool): "
                           "hosts given by address cannot be recreated")
@@ -256,7 +262,6 @@ def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:
     if not (hardware.accelerator_type and hardware.runtime_version):
         raise ConfigError(f"hydra.launcher.recreate=true: hardware={hardware.name} names no "
                           "accelerator_type and runtime_version to create the VM with")
-    Ssh(cfg, Runner()).authorized_key()  # the key a recreated VM gets: readable, or refused now
 
 
 def check_known(vm: Vm, recreate: bool) -> None:

@@ -46,6 +46,15 @@ def unreachable(result: Result) -> bool:
     return result.returncode in (255, 12, -1) and any(s in lowered for s in CONNECTION_FAILURES)
 
 
+def check_identity(cfg) -> None:
+    """The launcher's ``identity_file`` exists (a missing key is refused before any VM is looked
+    up or connection made)."""
+    if not os.path.isfile(os.path.expanduser(cfg.identity_file)):
+        raise ConfigError(f"hydra.launcher.identity_file={cfg.identity_file}: no such file "
+                          "(gcloud creates ~/.ssh/google_compute_engine on its first "
+                          "`gcloud compute tpus tpu-vm ssh`)")
+
+
 class Ssh:
     def __init__(self, cfg, runner, log=print):
         self.cfg, self.runner, self.log = cfg, runner, log
@@ -56,10 +65,7 @@ class Ssh:
 
     def check_local(self) -> None:
         """Refuse a missing key before any connection; create xtrain's known_hosts directory."""
-        if not os.path.isfile(self.identity):
-            raise ConfigError(f"hydra.launcher.identity_file={self.cfg.identity_file}: no such file "
-                              "(gcloud creates ~/.ssh/google_compute_engine on its first "
-                              "`gcloud compute tpus tpu-vm ssh`)")
+        check_identity(self.cfg)
         os.makedirs(os.path.dirname(self.known_hosts) or ".", mode=0o700, exist_ok=True)
 
     def authorized_key(self) -> str:
@@ -73,9 +79,10 @@ class Ssh:
         else:  # the public half derived from the private key (one without a passphrase)
             r = self.runner.run(["ssh-keygen", "-y", "-f", self.identity], timeout=30,
                                 label="ssh-keygen")
-            if not r.ok:
+            if not r.ok:  # its last line says why (a key file open to others: a banner first)
+                why = (r.stderr.strip().splitlines() or ["no reason given"])[-1]
                 raise ConfigError(f"hydra.launcher.identity_file={self.cfg.identity_file}: no "
-                                  f"{public}, and ssh-keygen could not derive it: {r.stderr.strip()}")
+                                  f"{public}, and ssh-keygen could not derive it: {why}")
             key = r.stdout.strip()
         return f"{self.user}:{key}"
 
