@@ -3,7 +3,7 @@
 
 from pathlib import Path
 
-from xtrain.config.hydra_record import PENDING, RECORD, accept, discard, hold
+from xtrain.config.hydra_record import PENDING, RECORD, accept, discard, hold, release
 
 
 def write_record(path: Path, overrides: str) -> None:
@@ -35,6 +35,27 @@ def test_records_held_by_launches_never_accepted_go_when_one_is(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD]
     accept(str(tmp_path), first)  # a late acceptance of the first finds nothing to move
     assert (tmp_path / RECORD / "overrides.yaml").read_text() == "reattached"
+
+
+def test_a_released_record_is_pending_again_unless_another_commands_is(tmp_path):
+    """A command refused after it held its record gives it back for discard; another command's
+    pending record written meanwhile stays, and an accepted record is not taken back."""
+    write_record(tmp_path / PENDING, "refused")
+    held = hold(str(tmp_path))
+    release(str(tmp_path), held)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [PENDING]
+    assert (tmp_path / PENDING / "overrides.yaml").read_text() == "refused"
+    held = hold(str(tmp_path))
+    write_record(tmp_path / PENDING, "another")
+    release(str(tmp_path), held)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [PENDING]
+    assert (tmp_path / PENDING / "overrides.yaml").read_text() == "another"
+    held = hold(str(tmp_path))
+    accept(str(tmp_path), held)
+    release(str(tmp_path), held)
+    release(str(tmp_path), None)  # nothing held (other modes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD]
+    assert (tmp_path / RECORD / "overrides.yaml").read_text() == "another"
 
 
 def test_nothing_to_hold_outside_a_training(tmp_path):

@@ -245,12 +245,13 @@ def test_stop_option_stops_the_job_which_checkpoints(remote, tmp_path):
         "signal", "SIGTERM", launched["attempt"])
     assert list((remote.root(HOSTS[0]) / "runs" / "e2e-stop" / "checkpoints").glob("*/COMMITTED"))
     assert (job_dir(remote, "e2e-stop") / "reported").exists()
-    # the refused command (another sweep: its own dir) keeps its record aside, unaccepted; the
-    # stop holds none
+    # the refused command (another sweep: its own dir) gives its record back, unaccepted (a
+    # sweep job's stays pending); the stop holds none
     assert "trainer.max_steps=100000" in (local / ".hydra" / "overrides.yaml").read_text()
     assert not list(local.glob(".hydra-held-*"))
     refused = local_job_dir(tmp_path, "e2e-stop", "trainer.max_steps=99999")
-    assert len(list(refused.glob(".hydra-held-*"))) == 1 and not (refused / ".hydra").exists()
+    assert not list(refused.glob(".hydra-held-*")) and not (refused / ".hydra").exists()
+    assert "trainer.max_steps=99999" in (refused / ".hydra-pending" / "overrides.yaml").read_text()
 
 
 def job_python(pgid: int) -> int:

@@ -99,9 +99,12 @@ def test_a_config_from_elsewhere_is_refused_before_a_launch(tmp_path, sweep):
         assert r.returncode == 2, r.stderr
         assert named in r.stderr and "choose it with +experiment=<name>" in r.stderr
         assert r.stderr.count("\n") == 1 and not list(cwd.iterdir())
-    # conf/train.yaml spelled otherwise is conf/train.yaml: the launch goes on (to the next check)
+    # conf/train.yaml spelled otherwise is conf/train.yaml: the launch goes on (to the next check,
+    # after it took its record: a single run's refusal gives it back and leaves nothing)
     r = launched("--config-name", "train.yaml")
     assert r.returncode == 2 and "hydra.launcher.identity_file" in r.stderr, r.stderr
+    assert not list(cwd.rglob(".hydra-held-*")) and (sweep or not list(cwd.iterdir())), \
+        sorted(cwd.rglob("*"))
 
 
 def test_targets_from_gcloud_describe(gcloud, compose_config):
@@ -239,3 +242,41 @@ def test_the_run_name_reaches_the_worker_as_written(name):
 
     cmd = remote_command(SimpleNamespace(venv="/r/venv", root="/r"), [], name, job_name(name))
     assert OverridesParser.create().parse_override(cmd[4]).value() == name
+
+
+def test_a_pool_sweep_refused_once_its_jobs_hold_their_records_gives_them_back(tmp_path, gcloud):
+    """A sweep over a pool refused once every job is prepared (each holding its .hydra record in
+    its dir) leaves no record held: two jobs sharing a checkpoint dir on GCS; VMs gcloud does not
+    know; VMs whose workers refuse connections (each job's own failure). gcloud is the stand-in
+    (tests/sshd.py: Google Cloud cannot be reached from here)."""
+    (tmp_path / "key").write_text("")
+    sweep = ["-m", "hardware=v6e4", "optim.matrix_lr=0.01,0.02", "hydra/launcher=tpu_vm",
+             "hydra.launcher.pool=[vm-a,vm-b]", "hydra.launcher.zone=asia-northeast1-b",
+             f"hydra.launcher.identity_file={tmp_path / 'key'}"]
+    unreachable = ["hydra.sweep.dir=unreachable", "hydra.launcher.port=9", "hydra.launcher.retries=0"]
+    for extra, code, refused in (
+            [["checkpoint.dir=gs://bucket/shared"], 2, "checkpoint.dir=gs://bucket/shared is shared by jobs"],
+            [["hydra.sweep.dir=unknown"], 2, "gcloud does not know TPU vm-a"],
+            [unreachable, 1, "no VM of the pool is left to run it"]):
+        if extra == unreachable:
+            for name in ("vm-a", "vm-b"):
+                gcloud.add(tpu_node(name, "asia-northeast1-b", "v6e-4", [("127.0.0.1", "127.0.0.1")]))
+        r = subprocess.run([sys.executable, "-m", "xtrain", *sweep, *extra], cwd=tmp_path,
+                           env=cli_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == code and refused in r.stderr, r.stderr
+    assert len(list(tmp_path.rglob(".hydra-pending"))) == 6, sorted(tmp_path.rglob("*"))
+    assert not list(tmp_path.rglob(".hydra-held-*"))
+
+
+def test_a_missing_key_is_refused_before_any_vm_is_looked_up(tmp_path, gcloud):
+    """Also with a pool, which looks up its VMs before it runs a job there. gcloud is the
+    stand-in (tests/sshd.py), which records its calls: none is made."""
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    r = subprocess.run([sys.executable, "-m", "xtrain", "hardware=v6e4", "hydra/launcher=tpu_vm",
+                        "hydra.launcher.pool=[vm-a]", "hydra.launcher.zone=asia-northeast1-b",
+                        f"hydra.launcher.identity_file={tmp_path / 'no_key'}"],
+                       cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"hydra.launcher.identity_file={tmp_path / 'no_key'}: no such file" \
+        in r.stderr, r.stderr
+    assert not gcloud.calls() and not list(cwd.iterdir())

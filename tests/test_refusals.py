@@ -241,6 +241,8 @@ def test_bad_input_is_refused_fast_in_one_line(case, overrides, env, expected, w
     assert expected.format(**world) in lines[0]
     assert seconds < torch_import_s, f"refused after {seconds:.2f} s (import torch: {torch_import_s:.2f} s)"
     assert tree_digest(world["base"], world["corpus"]) == before  # nothing it did not mean to touch
+    # nor its own record: also one refused after it took the run dir (inputs, checkpoints, W&B)
+    assert not list((tmp_path / "run").glob(".hydra*")), sorted((tmp_path / "run").iterdir())
 
 
 def test_a_checkpoint_trained_with_another_tokenizer_is_not_resumed(world, tmp_path, torch_import_s):

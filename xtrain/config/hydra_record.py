@@ -10,11 +10,13 @@ is never taken for it) and :func:`accept` makes it ``.hydra/`` once every check 
   training starts (xtrain/train/run.py), which then logs :data:`ACCEPTED`;
 - a launch, once its checks here passed (xtrain/launcher/hydra_jobs.py); it accepts when worker
   0 logs that line (xtrain/launcher/launch.py), since the checks of paths and checkpoints run
-  there. A launch that stops following before then leaves its record held until the same
+  there. A launch interrupted (Ctrl-C) before then leaves its record held until the same
   command reattaches.
 A refused command (``checkpoint.keep_last=0``, or a model that differs from the run's checkpoint)
-never replaces the record of what trained. Only the first process of a run writes a record. Other
-modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
+never replaces the record of what trained. One refused after it took the run (a launch also when
+its workers could not be reached, or failed before that line) gives its record back
+(:func:`release`), and :func:`discard` removes it. Only the first process of a run writes a
+record. Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
 record alone). A command that keeps nothing in its run dir (one refused by the checks of its
 config, ``mode=plan``, ``mode=compile``) removes the record Hydra wrote for it (:func:`discard`),
 and the run dir if that leaves it empty (and ``outputs/``, if the command made it and leaves it
@@ -28,6 +30,8 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+
+from xtrain.errors import is_refusal
 
 RECORD = ".hydra"
 PENDING = ".hydra-pending"  # where Hydra writes a training's (xtrain/config/__init__.py hydra_subdir)
@@ -69,6 +73,32 @@ def hold(run_dir: str) -> str | None:
     except FileNotFoundError:
         return None
     return held
+
+
+@contextlib.contextmanager
+def released_on_refusal(*records: tuple[str, str | None]):
+    """A refusal raised in the body :func:`release`-s the ``(run_dir, held)`` records."""
+    try:
+        yield
+    except Exception as e:
+        if is_refusal(e):
+            for run_dir, held in records:
+                release(run_dir, held)
+        raise
+
+
+def release(run_dir: str, held: str | None) -> None:
+    """A command refused after :func:`hold` gives its record back as the pending one, where
+    :func:`discard` removes it; when another command's pending record is there meanwhile, this
+    one is removed here. A record already accepted is not touched."""
+    if held is None:
+        return
+    try:
+        os.rename(Path(run_dir) / held, Path(run_dir) / PENDING)
+    except FileNotFoundError:  # accepted (or never held)
+        return
+    except OSError:  # another command's pending record (a non-empty dir) is not replaced
+        shutil.rmtree(Path(run_dir) / held, ignore_errors=True)
 
 
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes in a record

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from xtrain.config import Mode
 from xtrain.config.choices import check_composed
-from xtrain.config.hydra_record import hold
+from xtrain.config.hydra_record import hold, release, released_on_refusal
 from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
 from xtrain.launcher.launch import hydra_str, launch_job, say
@@ -94,7 +94,9 @@ def run_prepared(job: Job) -> dict:
 
 
 def launch_from_hydra(cfg) -> dict:
-    return run_prepared(prepare_from_hydra(cfg))
+    job = prepare_from_hydra(cfg)
+    with released_on_refusal(*held_records([job])):
+        return run_prepared(job)
 
 
 def stop(job: Job) -> dict:
@@ -152,8 +154,9 @@ def launch_pool(hydra_context, config, job_overrides, initial_job_idx: int) -> l
     returns = list(hydra_jobs(hydra_context, config, job_overrides, initial_job_idx,
                               refusing(prepare_from_hydra)))
     jobs = [ret.return_value for ret in returns]
-    check_distinct_checkpoints(jobs)
-    outcomes = run_pool(jobs)
+    with released_on_refusal(*held_records(jobs)):  # those of jobs a pool's refusal ends unrun
+        check_distinct_checkpoints(jobs)
+        outcomes = run_pool(jobs)
     for ret, outcome in zip(returns, outcomes):
         failed = outcome.error is not None or outcome.result is None
         ret.status = JobStatus.FAILED if failed else JobStatus.COMPLETED
@@ -162,10 +165,17 @@ def launch_pool(hydra_context, config, job_overrides, initial_job_idx: int) -> l
     say("fleet: the sweep is over:\n" + table)
     with open(os.path.join(str(config.hydra.sweep.dir), "summary.txt"), "w") as f:
         f.write(table + "\n")
-    for outcome in outcomes:
-        if outcome.error is not None and is_refusal(outcome.error):
-            refuse(outcome.error)
+    refused = [(job, o.error) for job, o in zip(jobs, outcomes)
+               if o.error is not None and is_refusal(o.error)]
+    for job, _ in refused:
+        release(job.job_dir, job.record)  # as a single run's (xtrain/config/hydra_record.py)
+    if refused:
+        refuse(refused[0][1])
     return returns
+
+
+def held_records(jobs: list[Job]) -> list[tuple[str, str | None]]:
+    return [(job.job_dir, job.record) for job in jobs]
 
 
 def refusing(task):
