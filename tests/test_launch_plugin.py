@@ -80,8 +80,9 @@ def test_a_config_from_elsewhere_is_refused_before_a_launch(tmp_path, sweep):
     shutil.copytree(ROOT / "conf", tmp_path / "copy")
     cwd = tmp_path / "work"
     cwd.mkdir()
+    (tmp_path / "key").write_text("")  # a placeholder: no connection is made
     launch = ["hydra/launcher=tpu_vm", "hydra.launcher.hosts=[127.0.0.1]", "hydra.launcher.port=9",
-              f"hydra.launcher.identity_file={tmp_path / 'no_key'}",
+              "hydra.launcher.retries=0", f"hydra.launcher.identity_file={tmp_path / 'key'}",
               "optim.embedding_lr=0.1,0.2" if sweep else "optim.embedding_lr=0.1"]
 
     def launched(*chosen):
@@ -99,10 +100,10 @@ def test_a_config_from_elsewhere_is_refused_before_a_launch(tmp_path, sweep):
         assert r.returncode == 2, r.stderr
         assert named in r.stderr and "choose it with +experiment=<name>" in r.stderr
         assert r.stderr.count("\n") == 1 and not list(cwd.iterdir())
-    # conf/train.yaml spelled otherwise is conf/train.yaml: the launch goes on (to the next check,
-    # after it took its record: a single run's refusal gives it back and leaves nothing)
+    # conf/train.yaml spelled otherwise is conf/train.yaml: the launch goes on, takes its record
+    # and fails on the host nothing listens on; it gives its record back (a single run's goes)
     r = launched("--config-name", "train.yaml")
-    assert r.returncode == 2 and "hydra.launcher.identity_file" in r.stderr, r.stderr
+    assert r.returncode == 1 and "127.0.0.1:9 unreachable" in r.stderr, r.stderr
     assert not list(cwd.rglob(".hydra-held-*")) and (sweep or not list(cwd.iterdir())), \
         sorted(cwd.rglob("*"))
 
@@ -245,16 +246,19 @@ def test_the_run_name_reaches_the_worker_as_written(name):
 
 
 def test_a_pool_sweep_refused_once_its_jobs_hold_their_records_gives_them_back(tmp_path, gcloud):
-    """A sweep over a pool refused once every job is prepared (each holding its .hydra record in
-    its dir) leaves no record held: two jobs sharing a checkpoint dir on GCS; VMs gcloud does not
-    know; VMs whose workers refuse connections (each job's own failure). gcloud is the stand-in
-    (tests/sshd.py: Google Cloud cannot be reached from here)."""
-    (tmp_path / "key").write_text("")
+    """A sweep over a pool refused before or after its jobs hold their .hydra records leaves no
+    record held: its second job refused (the first one prepared); two jobs sharing a checkpoint
+    dir on GCS; VMs gcloud does not know; VMs whose workers refuse connections (each job's own
+    failure). gcloud is the stand-in (tests/sshd.py: Google Cloud cannot be reached from here)."""
+    (tmp_path / "key").write_text("")  # placeholders: no login is made
+    (tmp_path / "key.pub").write_text("ssh-ed25519 AAAA placeholder")
     sweep = ["-m", "hardware=v6e4", "optim.matrix_lr=0.01,0.02", "hydra/launcher=tpu_vm",
              "hydra.launcher.pool=[vm-a,vm-b]", "hydra.launcher.zone=asia-northeast1-b",
              f"hydra.launcher.identity_file={tmp_path / 'key'}"]
     unreachable = ["hydra.sweep.dir=unreachable", "hydra.launcher.port=9", "hydra.launcher.retries=0"]
     for extra, code, refused in (
+            [["hydra.sweep.dir=second", "hydra.launcher.recreate=true", "checkpoint.dir=gs://b/c,local"],
+             2, "hydra.launcher.recreate=true needs checkpoint.dir=gs://"],
             [["checkpoint.dir=gs://bucket/shared"], 2, "checkpoint.dir=gs://bucket/shared is shared by jobs"],
             [["hydra.sweep.dir=unknown"], 2, "gcloud does not know TPU vm-a"],
             [unreachable, 1, "no VM of the pool is left to run it"]):
@@ -264,7 +268,7 @@ def test_a_pool_sweep_refused_once_its_jobs_hold_their_records_gives_them_back(t
         r = subprocess.run([sys.executable, "-m", "xtrain", *sweep, *extra], cwd=tmp_path,
                            env=cli_env(), capture_output=True, text=True, timeout=120)
         assert r.returncode == code and refused in r.stderr, r.stderr
-    assert len(list(tmp_path.rglob(".hydra-pending"))) == 6, sorted(tmp_path.rglob("*"))
+    assert len(list(tmp_path.rglob(".hydra-pending"))) == 8, sorted(tmp_path.rglob("*"))
     assert not list(tmp_path.rglob(".hydra-held-*"))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from xtrain.config import Mode, sample_prompts
-from xtrain.config.hydra_record import hold, released_on_refusal, writes_record
+from xtrain.config.hydra_record import hold, released_on_error, writes_record
 from xtrain.errors import ConfigError
 from xtrain.hardware import run_devices
 from xtrain.inputs import check_inputs
@@ -64,7 +64,7 @@ def run(cfg, run_dir: str) -> dict | None:
     if cfg.mode == Mode.train and writes_record():
         with run_dir_lock(run_dir):
             record = hold(run_dir)
-            with released_on_refusal((run_dir, record)):
+            with released_on_error((run_dir, record)):
                 return run_checked(cfg, run_dir, record)
     return run_checked(cfg, run_dir, None)
 

@@ -13,10 +13,10 @@ is never taken for it) and :func:`accept` makes it ``.hydra/`` once every check 
   there. A launch interrupted (Ctrl-C) before then leaves its record held until the same
   command reattaches.
 A refused command (``checkpoint.keep_last=0``, or a model that differs from the run's checkpoint)
-never replaces the record of what trained. One refused after it took the run (a launch also when
-its workers could not be reached, or failed before that line) gives its record back
-(:func:`release`), and :func:`discard` removes it. Only the first process of a run writes a
-record. Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
+never replaces the record of what trained. One refused (or failed) after it took the run, a
+launch also when its workers could not be reached or failed before that line, gives its record
+back (:func:`release`): :func:`discard` removes a refused single run's, a launched sweep job's
+stays pending. Only the first process of a run writes a record. Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
 record alone). A command that keeps nothing in its run dir (one refused by the checks of its
 config, ``mode=plan``, ``mode=compile``) removes the record Hydra wrote for it (:func:`discard`),
 and the run dir if that leaves it empty (and ``outputs/``, if the command made it and leaves it
@@ -29,14 +29,16 @@ import contextlib
 import os
 import secrets
 import shutil
+import threading
 from pathlib import Path
-
-from xtrain.errors import is_refusal
 
 RECORD = ".hydra"
 PENDING = ".hydra-pending"  # where Hydra writes a training's (xtrain/config/__init__.py hydra_subdir)
 HELD = ".hydra-held-"  # + an id: a command's, from when it took the run until accepted
 ACCEPTED = "every check passed: .hydra/ now records this command"  # a log line, and a marker
+# A launch accepts in the thread that streams worker 0's log while its main thread may release:
+# one or the other takes the held record whole.
+_MOVING = threading.Lock()
 
 
 def writes_record(env=os.environ) -> bool:
@@ -50,15 +52,16 @@ def accept(run_dir: str, held: str) -> None:
     rename). A file already moved (by a launch reattached twice) is no error. Records held by
     commands never accepted (refused ones, or launches detached, then reattached) go with it."""
     pending = Path(run_dir) / held
-    if not pending.is_dir():
-        return
-    record = Path(run_dir) / RECORD
-    record.mkdir(exist_ok=True)
-    for path in pending.iterdir():
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(path, record / path.name)
-    with contextlib.suppress(OSError):
-        pending.rmdir()
+    with _MOVING:
+        if not pending.is_dir():
+            return
+        record = Path(run_dir) / RECORD
+        record.mkdir(exist_ok=True)
+        for path in pending.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(path, record / path.name)
+        with contextlib.suppress(OSError):
+            pending.rmdir()
     for stale in Path(run_dir).glob(HELD + "*"):
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -76,14 +79,14 @@ def hold(run_dir: str) -> str | None:
 
 
 @contextlib.contextmanager
-def released_on_refusal(*records: tuple[str, str | None]):
-    """A refusal raised in the body :func:`release`-s the ``(run_dir, held)`` records."""
+def released_on_error(*records: tuple[str, str | None]):
+    """An error raised in the body (a refusal, a failed launch, a crash) :func:`release`-s the
+    ``(run_dir, held)`` records not accepted by then."""
     try:
         yield
-    except Exception as e:
-        if is_refusal(e):
-            for run_dir, held in records:
-                release(run_dir, held)
+    except Exception:
+        for run_dir, held in records:
+            release(run_dir, held)
         raise
 
 
@@ -93,12 +96,13 @@ def release(run_dir: str, held: str | None) -> None:
     one is removed here. A record already accepted is not touched."""
     if held is None:
         return
-    try:
-        os.rename(Path(run_dir) / held, Path(run_dir) / PENDING)
-    except FileNotFoundError:  # accepted (or never held)
-        return
-    except OSError:  # another command's pending record (a non-empty dir) is not replaced
-        shutil.rmtree(Path(run_dir) / held, ignore_errors=True)
+    with _MOVING:
+        try:
+            os.rename(Path(run_dir) / held, Path(run_dir) / PENDING)
+        except FileNotFoundError:  # accepted (or never held)
+            return
+        except OSError:  # another command's pending record (a non-empty dir) is not replaced
+            shutil.rmtree(Path(run_dir) / held, ignore_errors=True)
 
 
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes in a record

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from xtrain.config import Mode
 from xtrain.config.choices import check_composed
-from xtrain.config.hydra_record import hold, release, released_on_refusal
+from xtrain.config.hydra_record import hold, release, released_on_error
 from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
 from xtrain.launcher.launch import hydra_str, launch_job, say
@@ -42,8 +42,15 @@ def prepare_from_hydra(cfg) -> Job:
     check_job(launcher, cfg.hardware, cfg.checkpoint.dir)
     return Job(copy.deepcopy(launcher), copy.deepcopy(cfg.hardware), job_overrides(cfg, hc.overrides.task),
                cfg.run.name, hc.runtime.output_dir,
-               checkpoint_dir(cfg, "<run dir on the VM>"), cfg.preemption.maintenance_lead_s,
-               None if launcher.stop else hold(hc.runtime.output_dir))
+               checkpoint_dir(cfg, "<run dir on the VM>"), cfg.preemption.maintenance_lead_s)
+
+
+def hold_record(job: Job) -> Job:
+    """Hold the job's .hydra record in its dir (xtrain/config/hydra_record.py), once every check
+    here passed (for every job of a pool's sweep); a stop holds none."""
+    if not job.cfg.stop:
+        job.record = hold(job.job_dir)
+    return job
 
 
 def check_workers_compose_it(hc) -> None:
@@ -94,8 +101,8 @@ def run_prepared(job: Job) -> dict:
 
 
 def launch_from_hydra(cfg) -> dict:
-    job = prepare_from_hydra(cfg)
-    with released_on_refusal(*held_records([job])):
+    job = hold_record(prepare_from_hydra(cfg))
+    with released_on_error((job.job_dir, job.record)):
         return run_prepared(job)
 
 
@@ -154,28 +161,24 @@ def launch_pool(hydra_context, config, job_overrides, initial_job_idx: int) -> l
     returns = list(hydra_jobs(hydra_context, config, job_overrides, initial_job_idx,
                               refusing(prepare_from_hydra)))
     jobs = [ret.return_value for ret in returns]
-    with released_on_refusal(*held_records(jobs)):  # those of jobs a pool's refusal ends unrun
-        check_distinct_checkpoints(jobs)
+    check_distinct_checkpoints(jobs)
+    jobs = [hold_record(job) for job in jobs]
+    with released_on_error(*[(job.job_dir, job.record) for job in jobs]):  # jobs left unrun
         outcomes = run_pool(jobs)
-    for ret, outcome in zip(returns, outcomes):
+    for job, ret, outcome in zip(jobs, returns, outcomes):
         failed = outcome.error is not None or outcome.result is None
+        if failed:  # as a single run's (xtrain/config/hydra_record.py)
+            release(job.job_dir, job.record)
         ret.status = JobStatus.FAILED if failed else JobStatus.COMPLETED
         ret.return_value = outcome.error if failed else outcome.result
     table = summary(outcome_rows(jobs, outcomes))
     say("fleet: the sweep is over:\n" + table)
     with open(os.path.join(str(config.hydra.sweep.dir), "summary.txt"), "w") as f:
         f.write(table + "\n")
-    refused = [(job, o.error) for job, o in zip(jobs, outcomes)
-               if o.error is not None and is_refusal(o.error)]
-    for job, _ in refused:
-        release(job.job_dir, job.record)  # as a single run's (xtrain/config/hydra_record.py)
-    if refused:
-        refuse(refused[0][1])
+    for outcome in outcomes:
+        if outcome.error is not None and is_refusal(outcome.error):
+            refuse(outcome.error)
     return returns
-
-
-def held_records(jobs: list[Job]) -> list[tuple[str, str | None]]:
-    return [(job.job_dir, job.record) for job in jobs]
 
 
 def refusing(task):
