@@ -353,7 +353,7 @@ def cli(*args, env=None, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["local checkpoints", "unknown pool entry", "pod profile in a pool",
-                                  "unknown tpu", "no login key to recreate with", "no target",
+                                  "unknown tpu", "a login key ssh-keygen cannot read", "no target",
                                   "no gcloud", "secret in the job's env"])
 def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path, case):
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
@@ -362,7 +362,7 @@ def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path,
     identity = fleet_cfg(tmp_path).identity_file  # a placeholder pair: never used to log in
     if case == "no target":  # said before the missing key
         identity = str(tmp_path / "no_such_key")
-    if case == "no login key to recreate with":  # a file, not a key, without its public half
+    if case == "a login key ssh-keygen cannot read":  # a file, not a key, without its public half
         identity = str(tmp_path / "not_a_key")
         Path(identity).write_text("not a key\n")
         os.chmod(identity, 0o644)  # readable by others: ssh-keygen's banner comes first

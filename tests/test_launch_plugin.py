@@ -104,8 +104,8 @@ def test_a_config_from_elsewhere_is_refused_before_a_launch(tmp_path, sweep):
     # and fails on the host nothing listens on; it gives its record back (a single run's goes)
     r = launched("--config-name", "train.yaml")
     assert r.returncode == 1 and "127.0.0.1:9 unreachable" in r.stderr, r.stderr
-    assert not list(cwd.rglob(".hydra-held-*")) and (sweep or not list(cwd.iterdir())), \
-        sorted(cwd.rglob("*"))
+    assert not list(cwd.rglob(".hydra-held-*")), sorted(cwd.rglob("*"))
+    assert len(list(cwd.rglob(".hydra-pending"))) == 1 if sweep else not list(cwd.iterdir())
 
 
 def test_targets_from_gcloud_describe(gcloud, compose_config):

@@ -10,13 +10,14 @@ is never taken for it) and :func:`accept` makes it ``.hydra/`` once every check 
   training starts (xtrain/train/run.py), which then logs :data:`ACCEPTED`;
 - a launch, once its checks here passed (xtrain/launcher/hydra_jobs.py); it accepts when worker
   0 logs that line (xtrain/launcher/launch.py), since the checks of paths and checkpoints run
-  there. A launch interrupted (Ctrl-C) before then leaves its record held until the same
-  command reattaches.
+  there. A launch interrupted (Ctrl-C), or whose job stopped (exit 143), before then leaves its
+  record held until the same command reattaches.
 A refused command (``checkpoint.keep_last=0``, or a model that differs from the run's checkpoint)
-never replaces the record of what trained. One refused (or failed) after it took the run, a
-launch also when its workers could not be reached or failed before that line, gives its record
-back (:func:`release`): :func:`discard` removes a refused single run's, a launched sweep job's
-stays pending. Only the first process of a run writes a record. Other modes write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
+never replaces the record of what trained. A command that took the run and then stops on an
+error (a refusal, a launch's unreachable or failed workers, a crash) gives its record back
+(:func:`release`): :func:`discard` removes a refused single run's; a launched sweep job's, or a
+crashed command's, stays pending. Only the first process of a run writes a record. Other modes
+write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
 record alone). A command that keeps nothing in its run dir (one refused by the checks of its
 config, ``mode=plan``, ``mode=compile``) removes the record Hydra wrote for it (:func:`discard`),
 and the run dir if that leaves it empty (and ``outputs/``, if the command made it and leaves it
@@ -50,7 +51,7 @@ def writes_record(env=os.environ) -> bool:
 def accept(run_dir: str, held: str) -> None:
     """The record ``held`` (:func:`hold`) becomes the run dir's record (each file replaced in one
     rename). A file already moved (by a launch reattached twice) is no error. Records held by
-    commands never accepted (refused ones, or launches detached, then reattached) go with it."""
+    commands never accepted (launches interrupted or stopped, then reattached) go with it."""
     pending = Path(run_dir) / held
     with _MOVING:
         if not pending.is_dir():
@@ -91,9 +92,9 @@ def released_on_error(*records: tuple[str, str | None]):
 
 
 def release(run_dir: str, held: str | None) -> None:
-    """A command refused after :func:`hold` gives its record back as the pending one, where
-    :func:`discard` removes it; when another command's pending record is there meanwhile, this
-    one is removed here. A record already accepted is not touched."""
+    """A command refused or failed after :func:`hold` gives its record back as the pending one,
+    where :func:`discard` removes it; when another command's pending record is there meanwhile,
+    this one is removed here. A record already accepted is not touched."""
     if held is None:
         return
     with _MOVING:
