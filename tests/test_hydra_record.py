@@ -3,6 +3,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from xtrain.config.hydra_record import PENDING, RECORD, accept, discard, hold, release
 
 
@@ -56,6 +58,19 @@ def test_a_released_record_is_pending_again_unless_another_commands_is(tmp_path)
     release(str(tmp_path), None)  # nothing held (other modes)
     assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD]
     assert (tmp_path / RECORD / "overrides.yaml").read_text() == "another"
+
+
+def test_a_record_whose_acceptance_failed_is_not_given_back(tmp_path):
+    """A launch warns when its accept fails (xtrain/launcher/launch.py accepting) and goes on; if
+    it then fails, its record, which passed the checks, is not released for discard."""
+    write_record(tmp_path / PENDING, "passed its checks")
+    held = hold(str(tmp_path))
+    (tmp_path / RECORD).write_text("a file where the record's dir goes")
+    with pytest.raises(OSError):
+        accept(str(tmp_path), held)
+    release(str(tmp_path), held)
+    assert not (tmp_path / PENDING).exists()
+    assert (tmp_path / held / "overrides.yaml").read_text() == "passed its checks"
 
 
 def test_nothing_to_hold_outside_a_training(tmp_path):

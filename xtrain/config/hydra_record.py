@@ -11,7 +11,8 @@ is never taken for it) and :func:`accept` makes it ``.hydra/`` once every check 
 - a launch, once its checks here passed (xtrain/launcher/hydra_jobs.py); it accepts when worker
   0 logs that line (xtrain/launcher/launch.py), since the checks of paths and checkpoints run
   there. A launch interrupted (Ctrl-C), or whose job stopped (exit 143), before then leaves its
-  record held until the same command reattaches.
+  record held until the same command reattaches; an acceptance that failed (the launch warns
+  and goes on) leaves what it did not move held until a command is accepted there.
 A refused command (``checkpoint.keep_last=0``, or a model that differs from the run's checkpoint)
 never replaces the record of what trained. A command that took the run and then stops on an
 error (a refusal, a launch's unreachable or failed workers, a crash) gives its record back
@@ -40,6 +41,9 @@ ACCEPTED = "every check passed: .hydra/ now records this command"  # a log line,
 # A launch accepts in the thread that streams worker 0's log while its main thread may release:
 # one or the other takes the held record whole.
 _MOVING = threading.Lock()
+# Records this process began to accept: never released, even when the accept failed part-way
+# (its command passed its checks; what did not move stays held, as a detached launch's does).
+_ACCEPTING: set[tuple[str, str]] = set()
 
 
 def writes_record(env=os.environ) -> bool:
@@ -54,6 +58,7 @@ def accept(run_dir: str, held: str) -> None:
     commands never accepted (launches interrupted or stopped, then reattached) go with it."""
     pending = Path(run_dir) / held
     with _MOVING:
+        _ACCEPTING.add((str(run_dir), held))
         if not pending.is_dir():
             return
         record = Path(run_dir) / RECORD
@@ -94,10 +99,13 @@ def released_on_error(*records: tuple[str, str | None]):
 def release(run_dir: str, held: str | None) -> None:
     """A command refused or failed after :func:`hold` gives its record back as the pending one,
     where :func:`discard` removes it; when another command's pending record is there meanwhile,
-    this one is removed here. A record already accepted is not touched."""
+    this one is removed here. A record already accepted, or whose acceptance failed, is not
+    touched."""
     if held is None:
         return
     with _MOVING:
+        if (str(run_dir), held) in _ACCEPTING:
+            return
         try:
             os.rename(Path(run_dir) / held, Path(run_dir) / PENDING)
         except FileNotFoundError:  # accepted (or never held)
