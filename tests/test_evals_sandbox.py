@@ -122,46 +122,55 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
 def sandbox_processes() -> list[str]:
     """Live processes of a sandbox uid, or descendants of this test process: none may outlive
     an evaluation. Zombies (state Z) are left out: nothing runs in them, and this machine's
-    init collects orphans' exit status only every few seconds."""
-    uids, parent, found = set(uid_range()), {}, []
+    init collects orphans' exit status only every few seconds. Under pytest-xdist the other
+    workers (this process's siblings) may be evaluating too: their programs are theirs."""
+    uids, parent, owner, stat, found = set(uid_range()), {}, {}, {}, []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             text = Path(f"/proc/{entry.name}/stat").read_text()
-            owner = entry.stat().st_uid
+            uid = entry.stat().st_uid
         except OSError:
             continue  # exited while scanning
         state, ppid = text.rsplit(")", 1)[1].split()[:2]
-        if state == "Z":
-            continue
-        parent[int(entry.name)] = int(ppid)
-        if owner in uids:
-            found.append(f"{entry.name} (uid {owner}): {text[:80]}")
+        if state != "Z":
+            pid = int(entry.name)
+            parent[pid], owner[pid], stat[pid] = int(ppid), uid, text
+    workers = {pid for pid, ppid in parent.items() if ppid == os.getppid()} \
+        if os.environ.get("PYTEST_XDIST_WORKER") else {os.getpid()}
     for pid in parent:
         ancestor = parent.get(pid)
-        while ancestor and ancestor != os.getpid():
+        while ancestor and ancestor not in workers:
             ancestor = parent.get(ancestor)
         if ancestor == os.getpid():
             found.append(f"{pid}: child of the test process")
+        elif not ancestor and owner[pid] in uids:  # reached init, or a parent that is gone
+            found.append(f"{pid} (uid {owner[pid]}): {stat[pid][:80]}")
     return found
-
-
-def leftover_dirs() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("xtrain-cpp-*")}
 
 
 def judge(completions: dict[str, tuple[str, str]], **overrides):
     cfg = EvalConfig(run_timeout_s=RUN_TIMEOUT, workers=2, **overrides)
-    dirs_before = leftover_dirs()
+    # The evaluation's temp dirs go to a dir of its own, where any left behind are its: another
+    # pytest-xdist worker may be evaluating at the same time.
+    tmp = Path(tempfile.mkdtemp(prefix="xtrain-test-tmp-"))
+    tmp.chmod(0o755)  # as /tmp: the sandbox uid passes through it (eval.sandbox=rlimits)
     # Earlier tests may leave long-lived helpers of this process (multiprocessing's resource
     # tracker, an emulator): only what appears during the evaluation counts.
     processes_before = set(sandbox_processes())
-    start = time.perf_counter()
-    scores, records = evaluate([PROBLEM], {PROBLEM.id: [c for c, _ in completions.values()]}, cfg)
-    elapsed = time.perf_counter() - start
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tempfile, "tempdir", str(tmp))
+            start = time.perf_counter()
+            scores, records = evaluate([PROBLEM], {PROBLEM.id: [c for c, _ in completions.values()]},
+                                       cfg)
+            elapsed = time.perf_counter() - start
+        new_dirs = {p.name for p in tmp.iterdir()}
+    finally:
+        shutil.rmtree(tmp)
     return {"records": dict(zip(completions, records)), "elapsed": elapsed, "scores": scores,
-            "processes": sorted(set(sandbox_processes()) - processes_before), "new_dirs": leftover_dirs() - dirs_before}
+            "processes": sorted(set(sandbox_processes()) - processes_before), "new_dirs": new_dirs}
 
 
 @pytest.fixture(scope="module")

@@ -286,7 +286,9 @@ def test_stop_sends_sigterm_then_sigkill_after_the_grace(remote, tmp_path):
     start(job, ["sleep", "60"])
     assert job.stop(grace_s=5) is False  # sleep ends on SIGTERM
     assert (job.state().state, job.state().exit_code) == ("exited", 143)
-    pid = start(job, ["bash", "-c", "trap '' TERM; sleep 60"])
+    trapped = tmp_path / "trapped"  # the stop comes once bash ignores TERM, not before
+    pid = start(job, ["bash", "-c", f"trap '' TERM; touch {trapped}; sleep 60"])
+    wait_for(trapped.exists)
     t0 = time.perf_counter()
     assert job.stop(grace_s=1) is True
     assert 1 <= time.perf_counter() - t0 < 10
