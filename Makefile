@@ -36,11 +36,16 @@ lock:
 train: $(STAMP)
 	$(PY) -m xtrain $(ARGS)
 
+# Two pytest-xdist workers (WORKERS=0: one process): most tests spend their time in a child process
+# that keeps about one core busy. Tests on the loopback hosts share one worker (tests/conftest.py).
+WORKERS ?= 2
+PYTEST  := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=15 $(ARGS)
+	$(PYTEST) -m "not slow" --durations=15 $(ARGS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow $(ARGS)
+	$(PYTEST) -m slow $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m tests.bench $(ARGS)

@@ -24,6 +24,15 @@ def pytest_configure(config):
     install()  # CI=true: a declared package that cannot be imported fails, never skips
 
 
+def pytest_collection_modifyitems(items):
+    """`make test` runs on two pytest-xdist workers: every test that reaches the loopback hosts
+    (tests/sshd.py) goes to one worker, since the hosts are this one machine for both workers and a
+    launch refuses a host that is busy with another job."""
+    for item in items:
+        if "sshd" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("loopback-hosts"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def xtrain_cache(tmp_path_factory):
     path = os.environ.get("XTRAIN_TEST_CACHE") or str(tmp_path_factory.mktemp("xtrain-cache"))
