@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -124,7 +125,7 @@ def sandbox_processes() -> list[str]:
     an evaluation. Zombies (state Z) are left out: nothing runs in them, and this machine's
     init collects orphans' exit status only every few seconds. Under pytest-xdist the other
     workers (this process's siblings) may be evaluating too: their programs are theirs."""
-    uids, parent, owner, stat, found = set(uid_range()), {}, {}, {}, []
+    uids, parent, owner, stat_line, found = set(uid_range()), {}, {}, {}, []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -136,7 +137,7 @@ def sandbox_processes() -> list[str]:
         state, ppid = text.rsplit(")", 1)[1].split()[:2]
         if state != "Z":
             pid = int(entry.name)
-            parent[pid], owner[pid], stat[pid] = int(ppid), uid, text
+            parent[pid], owner[pid], stat_line[pid] = int(ppid), uid, text
     workers = {pid for pid, ppid in parent.items() if ppid == os.getppid()} \
         if os.environ.get("PYTEST_XDIST_WORKER") else {os.getpid()}
     for pid in parent:
@@ -146,7 +147,7 @@ def sandbox_processes() -> list[str]:
         if ancestor == os.getpid():
             found.append(f"{pid}: child of the test process")
         elif not ancestor and owner[pid] in uids:  # reached init, or a parent that is gone
-            found.append(f"{pid} (uid {owner[pid]}): {stat[pid][:80]}")
+            found.append(f"{pid} (uid {owner[pid]}): {stat_line[pid][:80]}")
     return found
 
 
@@ -168,7 +169,7 @@ def judge(completions: dict[str, tuple[str, str]], **overrides):
             elapsed = time.perf_counter() - start
         new_dirs = {p.name for p in tmp.iterdir()}
     finally:
-        shutil.rmtree(tmp)
+        subprocess.run(["rm", "-rf", str(tmp)], check=True)  # deep_dirs nests past rmtree's recursion
     return {"records": dict(zip(completions, records)), "elapsed": elapsed, "scores": scores,
             "processes": sorted(set(sandbox_processes()) - processes_before), "new_dirs": new_dirs}
 
