@@ -286,7 +286,7 @@ def test_stop_sends_sigterm_then_sigkill_after_the_grace(remote, tmp_path):
     start(job, ["sleep", "60"])
     assert job.stop(grace_s=5) is False  # sleep ends on SIGTERM
     assert (job.state().state, job.state().exit_code) == ("exited", 143)
-    trapped = tmp_path / "trapped"  # the stop comes once bash ignores TERM, not before
+    trapped = tmp_path / "trapped"  # the stop comes once bash ignores TERM
     pid = start(job, ["bash", "-c", f"trap '' TERM; touch {trapped}; sleep 60"])
     wait_for(trapped.exists)
     t0 = time.perf_counter()
@@ -301,8 +301,10 @@ def test_a_job_that_exits_on_sigterm_keeps_its_own_exit_code(remote, tmp_path):
     128 + 15, which reads as a preemption. Several rounds: the job and the wrapper race."""
     worker, _, _ = make_worker(remote, tmp_path)
     job = RemoteJob(worker, "unit")
-    for _ in range(4):
-        start(job, ["bash", "-c", "trap 'exit 3' TERM; sleep 60 & wait"])
+    for attempt in range(4):
+        trapped = tmp_path / f"trapped{attempt}"  # the stop comes once bash has its TERM trap
+        start(job, ["bash", "-c", f"trap 'exit 3' TERM; touch {trapped}; sleep 60 & wait"])
+        wait_for(trapped.exists)
         job.stop(grace_s=5)
         assert (job.state().state, job.state().exit_code) == ("exited", 3)
 
