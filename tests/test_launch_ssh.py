@@ -249,6 +249,14 @@ def start(job, command, secrets=None, lockfile=None, grace=5):
     return job.start(command, "/", {"XTRAIN_WORKER": "0"}, secrets or {}, "a1", grace, lockfile)
 
 
+def start_trapped(job, trap: str, marker: Path, then: str) -> int:
+    """Start bash with ``trap`` and return once it is set: a stop before that would end bash by
+    SIGTERM's default action, whatever the trap says (as happens on a loaded machine)."""
+    pid = start(job, ["bash", "-c", f"{trap}; touch {marker}; {then}"])
+    wait_for(marker.exists)
+    return pid
+
+
 def wait_for(predicate, timeout=30.0):
     deadline = time.time() + timeout
     while not predicate():
@@ -286,9 +294,7 @@ def test_stop_sends_sigterm_then_sigkill_after_the_grace(remote, tmp_path):
     start(job, ["sleep", "60"])
     assert job.stop(grace_s=5) is False  # sleep ends on SIGTERM
     assert (job.state().state, job.state().exit_code) == ("exited", 143)
-    trapped = tmp_path / "trapped"  # the stop comes once bash ignores TERM
-    pid = start(job, ["bash", "-c", f"trap '' TERM; touch {trapped}; sleep 60"])
-    wait_for(trapped.exists)
+    pid = start_trapped(job, "trap '' TERM", tmp_path / "trapped", "sleep 60")
     t0 = time.perf_counter()
     assert job.stop(grace_s=1) is True
     assert 1 <= time.perf_counter() - t0 < 10
@@ -302,9 +308,7 @@ def test_a_job_that_exits_on_sigterm_keeps_its_own_exit_code(remote, tmp_path):
     worker, _, _ = make_worker(remote, tmp_path)
     job = RemoteJob(worker, "unit")
     for attempt in range(4):
-        trapped = tmp_path / f"trapped{attempt}"  # the stop comes once bash has its TERM trap
-        start(job, ["bash", "-c", f"trap 'exit 3' TERM; touch {trapped}; sleep 60 & wait"])
-        wait_for(trapped.exists)
+        start_trapped(job, "trap 'exit 3' TERM", tmp_path / f"trapped{attempt}", "sleep 60 & wait")
         job.stop(grace_s=5)
         assert (job.state().state, job.state().exit_code) == ("exited", 3)
 
