@@ -79,9 +79,9 @@ def xtrain_step(cfg, plan, batches, compile_step: bool) -> dict:
     return {"times": probe.times, "losses": probe.losses}
 
 
-def bare_compiled_loop(cfg, plan, batches) -> dict:
+def compiled_peer(cfg, plan, batches):
     """The peer: the same model compiled whole (``torch.compile(model)``), the optimizer's update
-    compiled, a plain Python loop."""
+    compiled, no framework. Returns its training step (batch index -> loss)."""
     from xtrain.model.gpt import GPT
     from xtrain.optim import build_optimizer
 
@@ -90,18 +90,62 @@ def bare_compiled_loop(cfg, plan, batches) -> dict:
     opt = build_optimizer(model, cfg.optim, STEPS)
     compiled = torch.compile(model)
     opt.compile_update(torch.compile)
-    times, losses = [], []
-    for i in range(STEPS):
-        t0 = time.perf_counter()
+
+    def step(i: int) -> torch.Tensor:
         tokens = batches[i % len(batches)][:, 0]
         loss = compiled(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def bare_compiled_loop(cfg, plan, batches) -> dict:
+    """The peer's steps in a plain Python loop."""
+    step = compiled_peer(cfg, plan, batches)
+    times, losses = [], []
+    for i in range(STEPS):
+        t0 = time.perf_counter()
+        loss = step(i)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     return {"times": times, "losses": losses}
+
+
+# The ops a compiled CPU step leaves to aten's own kernels: inductor calls the matmuls (oneDNN/MKL)
+# and torch's CPU flash attention as they are, and generates code only for the rest.
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+PROFILED_STEPS = 3
+
+
+def kernel_floor(cfg, plan, batches) -> dict:
+    """Per compiled step of the peer (xtrain's compiled step runs the same kernels at the same
+    speed, see the table): ms in the matmul and attention kernels (:data:`MATMUL_OPS`,
+    :data:`ATTENTION_OPS`), and the step's ms, from torch.profiler over :data:`PROFILED_STEPS`
+    steps after as many warm-up steps (inductor's cache is warm by then)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = compiled_peer(cfg, plan, batches)
+    for i in range(PROFILED_STEPS):
+        step(i)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for i in range(PROFILED_STEPS):
+            step(i)
+        seconds = time.perf_counter() - t0
+    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    if not any(op in self_us for op in ATTENTION_OPS):
+        raise AssertionError(f"cpu_peer: no flash attention kernel among the profiled ops "
+                             f"({sorted(self_us)[:20]}...): the floor would leave attention out")
+    per_step = {"matmul": sum(self_us.get(op, 0) for op in MATMUL_OPS),
+                "attention": sum(self_us.get(op, 0) for op in ATTENTION_OPS)}
+    return {**{k: v / 1e3 / PROFILED_STEPS for k, v in per_step.items()},
+            "step": seconds * 1e3 / PROFILED_STEPS}
 
 
 def muon_update(cfg, plan, batches, gram_form: bool) -> dict:
@@ -152,6 +196,7 @@ def run() -> str:
         runs["on"].append(xtrain_step(cfg, plan, batches, True))
         runs["peer"].append(bare_compiled_loop(cfg, plan, batches))
         ceiling = max(ceiling, matmul_ceiling())
+    floor = kernel_floor(cfg, plan, batches)
     muon = {"x": [], "gram": []}
     for _ in range(2):
         for form in muon:
@@ -174,6 +219,8 @@ def run() -> str:
     tps = {k: tokens / v for k, v in best.items()}
     gflops = {k: plan.flops_per_token * v / 1e9 for k, v in tps.items()}
     speedup, share = tps["on"] / tps["off"], gflops["on"] / ceiling
+    kernels = floor["matmul"] + floor["attention"]
+    bound = best["off"] * 1e3 / kernels
     first = ", ".join(f"{r['times'][0]:.1f} s" for r in runs["on"])
     rows = [("xtrain, trainer.compile=false", "off"), ("xtrain, trainer.compile=true", "on"),
             ("bare compiled loop (torch.compile(model), compiled update)", "peer")]
@@ -195,6 +242,14 @@ def run() -> str:
             f"{target(share >= CEILING_TARGET, 'cpu_peer: share of the matmul ceiling')}), "
             f"xtrain / peer tokens/s = {tps['on'] / tps['peer']:.2f}. First compiled step "
             f"(compile included; empty inductor cache, then warm): {first}.\n\n"
+            f"Where the compiled step goes (torch.profiler, {PROFILED_STEPS} steps of the peer "
+            f"after {PROFILED_STEPS} warm-up steps, {floor['step']:.0f} ms a step under the "
+            f"profiler): matmuls {floor['matmul']:.0f} ms, flash attention "
+            f"{floor['attention']:.0f} ms, the rest {floor['step'] - kernels:.0f} ms. Inductor "
+            f"calls those kernels as they are (aten's matmuls, torch's CPU flash attention) and "
+            f"generates code only for the rest, so compiling can shrink only the rest: compile on "
+            f"/ off is at most {best['off'] * 1e3:.0f} / {kernels:.0f} = **{bound:.2f}x** here, "
+            f"were everything else free.\n\n"
             f"The optimizer's update alone (compiled, from the gradients of one batch, the two "
             f"alternating twice, best median): every matrix's Newton-Schulz iterated on X "
             f"{muon_ms['x']:.1f} ms, the rectangular ones (the MLP's) in the Gram form "
