@@ -332,14 +332,17 @@ def test_a_refused_command_in_a_used_run_dir_removes_only_its_own_record(tmp_pat
 
 def test_a_refused_command_leaves_the_dirs_it_did_not_make(tmp_path):
     """An empty dir prepared for runs stays when a refused command (or mode=plan) removes the run
-    dir Hydra made in it; outputs/, which Hydra made, goes (test above)."""
+    dir Hydra made in it, and so does an empty run dir that was there before the command;
+    outputs/, which Hydra made, goes (test above)."""
     (tmp_path / "experiments" / "mine").mkdir(parents=True)
+    (tmp_path / "prepared" / "run").mkdir(parents=True)
     for args in (["model.depth=0"], ["mode=plan"]):
-        r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, *args, "hydra.run.dir=experiments/mine/run"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert r.returncode in (0, EXIT_REFUSED), r.stderr[-3000:]
-        assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["experiments",
-                                                                                   "experiments/mine"]
+        for run_dir in ("experiments/mine/run", "prepared/run"):
+            r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, *args, f"hydra.run.dir={run_dir}"],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            assert r.returncode in (0, EXIT_REFUSED), r.stderr[-3000:]
+            assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+                "experiments", "experiments/mine", "prepared", "prepared/run"], (args, run_dir)
 
 
 @pytest.mark.parametrize("name", ["d${model.depth}/x", "..", "${oc.env:XTRAIN_TEST_NAME}", "a" * 256])

@@ -21,8 +21,8 @@ crashed command's, stays pending. Only the first process of a run writes a recor
 write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
 record alone). A command that keeps nothing in its run dir (one refused by the checks of its
 config, ``mode=plan``, ``mode=compile``) removes the record Hydra wrote for it (:func:`discard`),
-and the run dir if that leaves it empty (and ``outputs/``, if the command made it and leaves it
-empty).
+and the run dir if Hydra made it and that leaves it empty (and ``outputs/``, if the command made
+it and leaves it empty).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import secrets
 import shutil
 import threading
 from pathlib import Path
+
+from hydra.experimental.callback import Callback
 
 RECORD = ".hydra"
 PENDING = ".hydra-pending"  # where Hydra writes a training's (xtrain/config/__init__.py hydra_subdir)
@@ -115,6 +117,30 @@ def release(run_dir: str, held: str | None) -> None:
 
 
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes in a record
+RUN_DIRS_FOUND: set[str] = set()  # single runs' dirs that were there before Hydra's mkdir
+
+
+class RunDirWatch(Callback):
+    """[hydra-core] conf/train.yaml's Hydra callback: notes a single run's dir that was already
+    there (an empty dir named by ``hydra.run.dir``), so that :func:`discard` leaves it. Hydra
+    makes the dir (``exist_ok``) in the same call that runs the job, so only a callback sees it
+    before."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import OmegaConf
+
+        hydra_config = HydraConfig.instance()
+        before = hydra_config.cfg
+        hydra_config.set_config(config)  # the run's name resolves from it, as in Hydra's run_job
+        try:
+            run_dir = OmegaConf.select(config, "hydra.run.dir")
+        except Exception:  # noqa: BLE001  (refused as Hydra reads it next, where it is reported)
+            return
+        finally:
+            hydra_config.cfg = before
+        if run_dir and os.path.isdir(run_dir):
+            RUN_DIRS_FOUND.add(os.path.abspath(run_dir))
 
 
 def discard(run_dir: str, cwd_before: set[str] | None = None) -> None:
@@ -143,6 +169,10 @@ def discard(run_dir: str, cwd_before: set[str] | None = None) -> None:
     for file in HYDRA_FILES:
         with contextlib.suppress(FileNotFoundError):
             (record / file).unlink()
+    if os.path.abspath(run_dir) in RUN_DIRS_FOUND:  # not Hydra's: it stays, and so do its parents
+        with contextlib.suppress(OSError):
+            record.rmdir()
+        return
     cwd = Path.cwd()
     parents = [p for p in Path(run_dir).absolute().parents if cwd_before is not None
                and p.is_relative_to(cwd) and p != cwd and p.relative_to(cwd).parts[0] not in cwd_before]
