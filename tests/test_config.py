@@ -40,7 +40,7 @@ def test_default_is_the_embedded_cpu_run(compose_config):
     assert cfg.run.name == "d4-cpu-cpp_local"
 
 
-def test_run_name_keeps_groups_and_identity_overrides(compose_config):
+def test_run_name_keeps_groups_and_identity_overrides(compose_config, monkeypatch):
     cfg = compose_config(["model=d2", "optim.matrix_lr=0.01", "trainer.max_steps=7", "mode=plan"])
     # max_steps and mode do not change what is trained (resume keeps working); the LR does.
     assert cfg.run.name == "d2-cpu-cpp_local-optim.matrix_lr_0.01"
@@ -60,6 +60,11 @@ def test_run_name_keeps_groups_and_identity_overrides(compose_config):
             assert compose_config([f"mode={mode}", f"checkpoint.resume={none}"]).run.name == "d4-cpu-cpp_local"
         assert compose_config([f"mode={mode}", "checkpoint.resume=gs://b/ckpt/y/step_000010"]).run.name == "y"
         assert compose_config([f"mode={mode}", f"checkpoint.resume='{long_path}'"]).run.name == "a-sweep,job"
+        # interpolated, as resolved (a path from the environment), also when it names this run
+        monkeypatch.setenv("XTRAIN_TEST_CK", "gs://b/ckpt/z/step_000010")
+        assert compose_config([f"mode={mode}", "checkpoint.resume=${oc.env:XTRAIN_TEST_CK}"]).run.name == "z"
+        own = compose_config([f"mode={mode}", "checkpoint.resume=/r/${run.name}/step_000010"])
+        assert own.run.name == "d4-cpu-cpp_local" and own.checkpoint.resume == "/r/d4-cpu-cpp_local/step_000010"
     # no path separators, and nothing storage tools read as a pattern (a checkpoint.dir of
     # gs://b/${run.name} is removed from by retention)
     name = compose_config(["data.train_files='gs://b/t/[0-9]*?.parquet'"]).run.name

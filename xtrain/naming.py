@@ -141,7 +141,10 @@ def run_dir_name(name: str) -> str:
     return name
 
 
-def run_name() -> str:
+_RESOLVING_RESUME: list[bool] = []  # set while run_name resolves checkpoint.resume (no recursion)
+
+
+def run_name(*, _root_=None) -> str:
     """The ``${xtrain_run_name:}`` resolver: the name of the job Hydra is composing."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -151,8 +154,32 @@ def run_name() -> str:
     # unresolved, and without the overrides that interpolate: one may name the run itself
     # (checkpoint.dir='gs://bucket/ckpt/${run.name}' gives every job of a sweep its own dir)
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)
-    return compose_name(dict(hc.runtime.choices), [o for o in overrides if not interpolates(o)],
-                        sweep=hc.mode == RunMode.MULTIRUN, primary=other_primary_config(hc))
+    kept = [o for o in overrides if not interpolates(o)]
+    sweep = hc.mode == RunMode.MULTIRUN
+    if _root_ is not None and not sweep and not _RESOLVING_RESUME:
+        kept += resolved_resume(overrides, _root_)
+    return compose_name(dict(hc.runtime.choices), kept, sweep=sweep, primary=other_primary_config(hc))
+
+
+def resolved_resume(overrides: list[str], root) -> list[str]:
+    """For a command that reads a checkpoint (``mode=sample|eval``), an interpolated
+    ``checkpoint.resume`` override (``'${oc.env:CK}'``) as its value in the composed config, so
+    that the command is named after the checkpoint's run (:func:`compose_name`), as with a path
+    written out. A value naming the run itself (``/r/${run.name}/step_N``) resolves with the name
+    composed without it, so the two agree. None when it does not resolve."""
+    from omegaconf import OmegaConf
+
+    pairs = dict(o.lstrip("+~").partition("=")[::2] for o in overrides)
+    if pairs.get("mode") not in READS_CHECKPOINT or not interpolates(pairs.get("checkpoint.resume", "")):
+        return []
+    _RESOLVING_RESUME.append(True)
+    try:
+        value = OmegaConf.select(root, "checkpoint.resume", throw_on_resolution_failure=False)
+    except Exception:  # noqa: BLE001  (reported where the config resolves it for the run)
+        value = None
+    finally:
+        _RESOLVING_RESUME.pop()
+    return [f"checkpoint.resume={value}"] if isinstance(value, str) and value else []
 
 
 def interpolates(override: str) -> bool:
