@@ -63,8 +63,11 @@ def test_run_name_keeps_groups_and_identity_overrides(compose_config, monkeypatc
         # interpolated, as resolved (a path from the environment), also when it names this run
         monkeypatch.setenv("XTRAIN_TEST_CK", "gs://b/ckpt/z/step_000010")
         assert compose_config([f"mode={mode}", "checkpoint.resume=${oc.env:XTRAIN_TEST_CK}"]).run.name == "z"
-        own = compose_config([f"mode={mode}", "checkpoint.resume=/r/${run.name}/step_000010"])
-        assert own.run.name == "d4-cpu-cpp_local" and own.checkpoint.resume == "/r/d4-cpu-cpp_local/step_000010"
+        assert compose_config([f"mode='{mode}'", "checkpoint.resume=${oc.env:XTRAIN_TEST_CK}"]).run.name == "z"
+        for own in ("/r/${run.name}/step_000010", "/r/${run.name}x/step_000010"):  # named by groups
+            cfg = compose_config([f"mode={mode}", f"checkpoint.resume={own}"])
+            assert cfg.run.name == "d4-cpu-cpp_local"
+            assert cfg.checkpoint.resume == own.replace("${run.name}", "d4-cpu-cpp_local")
     # no path separators, and nothing storage tools read as a pattern (a checkpoint.dir of
     # gs://b/${run.name} is removed from by retention)
     name = compose_config(["data.train_files='gs://b/t/[0-9]*?.parquet'"]).run.name

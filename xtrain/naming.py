@@ -13,6 +13,7 @@ A sweep's own dir (``multirun/<sweep>/``) is named the same way from its command
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import os
 import re
@@ -46,10 +47,16 @@ def shorten(parts: list[str], limit: int = MAX_NAME) -> str:
     return name.encode()[:limit - 13].decode(errors="ignore").rstrip("-_.") + "-" + digest
 
 
+def override_pairs(overrides: list[str]) -> dict[str, str]:
+    """``{key: value}`` of Hydra overrides, without the ``+``/``~`` of the key or quotes around
+    the value."""
+    return {o.partition("=")[0].lstrip("+~"): o.partition("=")[2].strip("'\"") for o in overrides}
+
+
 def compose_name(choices: dict, overrides: list[str], sweep: bool, primary: str | None = None) -> str:
     """A run's or a sweep's name; ``primary``: :func:`other_primary_config`."""
     given, extra = {}, []
-    pairs = dict((o.partition("=")[0].lstrip("+~"), o.partition("=")[2].strip("'\"")) for o in overrides)
+    pairs = override_pairs(overrides)
     resume = pairs.get("checkpoint.resume") not in (None, "", "null", "~")
     if pairs.get("mode") in READS_CHECKPOINT and resume and not sweep:
         # sampling or judging a checkpoint named by path logs (and keeps records) with the run
@@ -141,45 +148,51 @@ def run_dir_name(name: str) -> str:
     return name
 
 
-_RESOLVING_RESUME: list[bool] = []  # set while run_name resolves checkpoint.resume (no recursion)
+# Set while resolved_resume resolves checkpoint.resume, when run_name gives NAME_PENDING instead.
+_RESOLVING_RESUME = contextvars.ContextVar("xtrain_resolving_resume", default=False)
+NAME_PENDING = "xtrain-run-name-pending"
 
 
-def run_name(*, _root_=None) -> str:
-    """The ``${xtrain_run_name:}`` resolver: the name of the job Hydra is composing."""
+def run_name(*, _root_) -> str:
+    """The ``${xtrain_run_name:}`` resolver: the name of the job Hydra is composing (``_root_``:
+    its config, given by OmegaConf)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
+    if _RESOLVING_RESUME.get():
+        return NAME_PENDING
     hc = HydraConfig.get()
     # unresolved, and without the overrides that interpolate: one may name the run itself
-    # (checkpoint.dir='gs://bucket/ckpt/${run.name}' gives every job of a sweep its own dir)
+    # (checkpoint.dir='gs://bucket/ckpt/${run.name}' gives every job of a sweep its own dir);
+    # sample/eval's checkpoint.resume comes back resolved (resolved_resume)
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)
     kept = [o for o in overrides if not interpolates(o)]
     sweep = hc.mode == RunMode.MULTIRUN
-    if _root_ is not None and not sweep and not _RESOLVING_RESUME:
+    if not sweep:
         kept += resolved_resume(overrides, _root_)
     return compose_name(dict(hc.runtime.choices), kept, sweep=sweep, primary=other_primary_config(hc))
 
 
 def resolved_resume(overrides: list[str], root) -> list[str]:
     """For a command that reads a checkpoint (``mode=sample|eval``), an interpolated
-    ``checkpoint.resume`` override (``'${oc.env:CK}'``) as its value in the composed config, so
-    that the command is named after the checkpoint's run (:func:`compose_name`), as with a path
-    written out. A value naming the run itself (``/r/${run.name}/step_N``) resolves with the name
-    composed without it, so the two agree. None when it does not resolve."""
+    ``checkpoint.resume`` override (``'${oc.env:CK}'``) with its value in the composed config
+    ``root``, so that the command is named after the checkpoint's run (:func:`compose_name`), as
+    with a path written out. Nothing when the value does not resolve, or is built from the run's
+    own name (``/r/${run.name}/step_N``): such a command is named as before, from its groups."""
     from omegaconf import OmegaConf
 
-    pairs = dict(o.lstrip("+~").partition("=")[::2] for o in overrides)
+    pairs = override_pairs(overrides)
     if pairs.get("mode") not in READS_CHECKPOINT or not interpolates(pairs.get("checkpoint.resume", "")):
         return []
-    _RESOLVING_RESUME.append(True)
+    token = _RESOLVING_RESUME.set(True)
     try:
         value = OmegaConf.select(root, "checkpoint.resume", throw_on_resolution_failure=False)
-    except Exception:  # noqa: BLE001  (reported where the config resolves it for the run)
-        value = None
     finally:
-        _RESOLVING_RESUME.pop()
-    return [f"checkpoint.resume={value}"] if isinstance(value, str) and value else []
+        _RESOLVING_RESUME.reset(token)
+    if not isinstance(value, str) or not value or NAME_PENDING in value:
+        return []
+    return [f"checkpoint.resume={value}"]
 
 
 def interpolates(override: str) -> bool:
