@@ -21,8 +21,8 @@ crashed command's, stays pending. Only the first process of a run writes a recor
 write ``.hydra-<mode>/`` (``mode=sample`` or ``mode=plan`` in a training run's dir leave its
 record alone). A command that keeps nothing in its run dir (one refused by the checks of its
 config, ``mode=plan``, ``mode=compile``) removes the record Hydra wrote for it (:func:`discard`),
-and the run dir if Hydra made it and that leaves it empty (and ``outputs/``, if the command made
-it and leaves it empty).
+and the run dir if Hydra made it (a single run's dir that was there before stays) and that leaves
+it empty (and ``outputs/``, if the command made it and leaves it empty).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def release(run_dir: str, held: str | None) -> None:
 
 
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes in a record
-RUN_DIRS_FOUND: set[str] = set()  # single runs' dirs that were there before Hydra's mkdir
+_RUN_DIR_FOUND: list[str] = []  # this single run's dir, when it was there before Hydra's mkdir
 
 
 class RunDirWatch(Callback):
@@ -130,6 +130,7 @@ class RunDirWatch(Callback):
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
 
+        _RUN_DIR_FOUND.clear()
         hydra_config = HydraConfig.instance()
         before = hydra_config.cfg
         hydra_config.set_config(config)  # the run's name resolves from it, as in Hydra's run_job
@@ -140,14 +141,15 @@ class RunDirWatch(Callback):
         finally:
             hydra_config.cfg = before
         if run_dir and os.path.isdir(run_dir):
-            RUN_DIRS_FOUND.add(os.path.abspath(run_dir))
+            _RUN_DIR_FOUND.append(os.path.abspath(run_dir))
 
 
 def discard(run_dir: str, cwd_before: set[str] | None = None) -> None:
     """Remove the record Hydra wrote in ``run_dir`` for this command, and ``run_dir`` if that
     leaves it empty, and its parents in the working dir that leaves empty if they are under an
     entry the working dir did not have before the command (``cwd_before``: Hydra made them,
-    as conf/train.yaml's ``outputs/``). Only Hydra's files go, only from a record of xtrain's naming (not a
+    as conf/train.yaml's ``outputs/``); a single run's dir that was there before the command
+    (:class:`RunDirWatch`) stays, and so do its parents. Only Hydra's files go, only from a record of xtrain's naming (not a
     ``hydra.output_subdir`` set by hand), still where Hydra wrote it and naming this command's
     overrides as written: one held (:func:`hold`), or written meanwhile by another command, stays."""
     from hydra.core.hydra_config import HydraConfig
@@ -169,13 +171,10 @@ def discard(run_dir: str, cwd_before: set[str] | None = None) -> None:
     for file in HYDRA_FILES:
         with contextlib.suppress(FileNotFoundError):
             (record / file).unlink()
-    if os.path.abspath(run_dir) in RUN_DIRS_FOUND:  # not Hydra's: it stays, and so do its parents
-        with contextlib.suppress(OSError):
-            record.rmdir()
-        return
     cwd = Path.cwd()
     parents = [p for p in Path(run_dir).absolute().parents if cwd_before is not None
                and p.is_relative_to(cwd) and p != cwd and p.relative_to(cwd).parts[0] not in cwd_before]
-    for directory in (record, Path(run_dir), *parents):
+    found = os.path.abspath(run_dir) in _RUN_DIR_FOUND  # not Hydra's: it stays, and its parents
+    for directory in (record,) if found else (record, Path(run_dir), *parents):
         with contextlib.suppress(OSError):
             directory.rmdir()
