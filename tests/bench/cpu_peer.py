@@ -50,8 +50,9 @@ def matmul_ceiling() -> float:
     return best
 
 
-def xtrain_step(cfg, plan, batches, compile_step: bool) -> dict:
-    """xtrain's step through Lightning's Trainer, as `python -m xtrain` runs it (CPU engine)."""
+def xtrain_step(cfg, plan, batches, compile_step: bool, callbacks=(), steps: int = STEPS) -> dict:
+    """xtrain's step through Lightning's Trainer, as `python -m xtrain` runs it (CPU engine), for
+    ``steps`` steps, with ``callbacks`` added."""
     import lightning as L
 
     from tests.bench.probe import StepProbe
@@ -68,20 +69,21 @@ def xtrain_step(cfg, plan, batches, compile_step: bool) -> dict:
 
     torch.manual_seed(0)
     quiet_lightning_tpu_probe()
-    module = GPTModule(plan.gpt, cfg.optim, STEPS)
+    module = GPTModule(plan.gpt, cfg.optim, steps)
     probe = StepProbe()
     engine = CPUEngine(cfg.hardware, plan, cfg.trainer.collective_timeout_s, compile_step)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False,
-                        enable_model_summary=False, callbacks=[probe, *engine.callbacks(cfg.trainer, tempfile.gettempdir())],
+                        enable_model_summary=False,
+                        callbacks=[probe, *callbacks, *engine.callbacks(cfg.trainer, tempfile.gettempdir())],
                         limit_val_batches=0)
     trainer.fit(module, torch.utils.data.DataLoader(Batches(), batch_size=None))
     return {"times": probe.times, "losses": probe.losses}
 
 
-def compiled_peer(cfg, plan, batches):
+def bare_compiled_loop(cfg, plan, batches) -> dict:
     """The peer: the same model compiled whole (``torch.compile(model)``), the optimizer's update
-    compiled, no framework. Returns its training step (batch index -> loss)."""
+    compiled, a plain Python loop."""
     from xtrain.model.gpt import GPT
     from xtrain.optim import build_optimizer
 
@@ -90,26 +92,15 @@ def compiled_peer(cfg, plan, batches):
     opt = build_optimizer(model, cfg.optim, STEPS)
     compiled = torch.compile(model)
     opt.compile_update(torch.compile)
-
-    def step(i: int) -> torch.Tensor:
+    times, losses = [], []
+    for i in range(STEPS):
+        t0 = time.perf_counter()
         tokens = batches[i % len(batches)][:, 0]
         loss = compiled(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
-
-
-def bare_compiled_loop(cfg, plan, batches) -> dict:
-    """The peer's steps in a plain Python loop."""
-    step = compiled_peer(cfg, plan, batches)
-    times, losses = [], []
-    for i in range(STEPS):
-        t0 = time.perf_counter()
-        loss = step(i)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     return {"times": times, "losses": losses}
@@ -120,32 +111,42 @@ def bare_compiled_loop(cfg, plan, batches) -> dict:
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
-PROFILED_STEPS = 3
+WARMUP_STEPS, PROFILED_STEPS = 3, 5
 
 
 def kernel_floor(cfg, plan, batches) -> dict:
-    """Per compiled step of the peer (xtrain's compiled step runs the same kernels at the same
-    speed, see the table): ms in the matmul and attention kernels (:data:`MATMUL_OPS`,
-    :data:`ATTENTION_OPS`), and the step's ms, from torch.profiler over :data:`PROFILED_STEPS`
-    steps after as many warm-up steps (inductor's cache is warm by then)."""
+    """Per step of xtrain's compiled step (``trainer.compile=true``): ms in the matmul and
+    attention kernels (:data:`MATMUL_OPS`, :data:`ATTENTION_OPS`), and the step's ms, from
+    torch.profiler over :data:`PROFILED_STEPS` steps after :data:`WARMUP_STEPS` (inductor's cache
+    is warm by then)."""
+    import lightning as L
     from torch.profiler import ProfilerActivity, profile
 
-    step = compiled_peer(cfg, plan, batches)
-    for i in range(PROFILED_STEPS):
-        step(i)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for i in range(PROFILED_STEPS):
-            step(i)
-        seconds = time.perf_counter() - t0
-    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
-    if not any(op in self_us for op in ATTENTION_OPS):
-        raise AssertionError(f"cpu_peer: no flash attention kernel among the profiled ops "
-                             f"({sorted(self_us)[:20]}...): the floor would leave attention out")
+    class Profiled(L.Callback):
+        def __init__(self):
+            self.profile, self.seconds = profile(activities=[ProfilerActivity.CPU]), 0.0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == WARMUP_STEPS:
+                self.profile.start()
+                self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == WARMUP_STEPS + PROFILED_STEPS - 1:
+                self.seconds = time.perf_counter() - self.t0
+                self.profile.stop()
+
+    profiled = Profiled()
+    xtrain_step(cfg, plan, batches, True, callbacks=[profiled], steps=WARMUP_STEPS + PROFILED_STEPS)
+    self_us = {e.key: e.self_cpu_time_total for e in profiled.profile.key_averages()}
+    for what, ops in (("matmul", MATMUL_OPS), ("flash attention", ATTENTION_OPS)):
+        if not any(op in self_us for op in ops):
+            raise AssertionError(f"cpu_peer: no {what} kernel among the profiled ops "
+                                 f"({sorted(self_us)}): the floor would leave it out")
     per_step = {"matmul": sum(self_us.get(op, 0) for op in MATMUL_OPS),
                 "attention": sum(self_us.get(op, 0) for op in ATTENTION_OPS)}
     return {**{k: v / 1e3 / PROFILED_STEPS for k, v in per_step.items()},
-            "step": seconds * 1e3 / PROFILED_STEPS}
+            "step": profiled.seconds * 1e3 / PROFILED_STEPS}
 
 
 def muon_update(cfg, plan, batches, gram_form: bool) -> dict:
@@ -242,14 +243,14 @@ def run() -> str:
             f"{target(share >= CEILING_TARGET, 'cpu_peer: share of the matmul ceiling')}), "
             f"xtrain / peer tokens/s = {tps['on'] / tps['peer']:.2f}. First compiled step "
             f"(compile included; empty inductor cache, then warm): {first}.\n\n"
-            f"Where the compiled step goes (torch.profiler, {PROFILED_STEPS} steps of the peer "
-            f"after {PROFILED_STEPS} warm-up steps, {floor['step']:.0f} ms a step under the "
-            f"profiler): matmuls {floor['matmul']:.0f} ms, flash attention "
-            f"{floor['attention']:.0f} ms, the rest {floor['step'] - kernels:.0f} ms. Inductor "
-            f"calls those kernels as they are (aten's matmuls, torch's CPU flash attention) and "
-            f"generates code only for the rest, so compiling can shrink only the rest: compile on "
-            f"/ off is at most {best['off'] * 1e3:.0f} / {kernels:.0f} = **{bound:.2f}x** here, "
-            f"were everything else free.\n\n"
+            f"Where xtrain's compiled step goes (torch.profiler, {PROFILED_STEPS} steps after "
+            f"{WARMUP_STEPS} warm-up steps, {floor['step']:.0f} ms a step under the profiler): "
+            f"matmuls {floor['matmul']:.0f} ms, flash attention {floor['attention']:.0f} ms, the "
+            f"rest {floor['step'] - kernels:.0f} ms. Inductor calls those kernels as they are "
+            f"(aten's matmuls, torch's CPU flash attention) and generates code only for the rest, "
+            f"so compiling can shrink only the rest: were it free, compile on / off would be "
+            f"about {best['off'] * 1e3:.0f} / {kernels:.0f} = **{bound:.2f}x** here (the kernels' "
+            f"time varies by a few percent between runs).\n\n"
             f"The optimizer's update alone (compiled, from the gradients of one batch, the two "
             f"alternating twice, best median): every matrix's Newton-Schulz iterated on X "
             f"{muon_ms['x']:.1f} ms, the rectangular ones (the MLP's) in the Gram form "
