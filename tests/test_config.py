@@ -216,12 +216,18 @@ def test_cli_help_does_not_import_torch():
 
 
 def test_tab_completion_of_the_console_script_lists_options_and_fields():
-    """The README's completion command: Hydra completes the installed `xtrain` script."""
+    """The README's completion command: Hydra completes the installed `xtrain` script, with the
+    options that may be chosen (not the bases, such as hardware=_tpu)."""
     script = Path(sys.executable).with_name("xtrain")
-    for line, expected in (("xtrain hardware=v6", "hardware=v6e4"), ("xtrain optim.mat", "optim.matrix_lr=")):
-        r = subprocess.run([str(script), "-sc", "query=bash"], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "COMP_LINE": line})
-        assert expected in r.stdout.split(), (line, r.stdout, r.stderr[-500:])
+    for shell in ("bash", "fish"):
+        for line, expected in (("xtrain hardware=", {"hardware=v6e4", "hardware=cpu"}),
+                               ("xtrain optim.mat", {"optim.matrix_lr="}),
+                               ("xtrain data=", {"data=cpp16k", "data=cpp_local"})):
+            r = subprocess.run([str(script), "-sc", f"query={shell}"], capture_output=True, text=True,
+                               timeout=60, env={**os.environ, "COMP_LINE": line})
+            offered = set(r.stdout.split())
+            assert expected <= offered, (shell, line, r.stdout, r.stderr[-500:])
+            assert not any("=_" in word for word in offered), (shell, line, r.stdout)
 
 
 @pytest.mark.parametrize("override, choices", [

@@ -76,7 +76,10 @@ def main() -> None:
     find_plugins()
     CWD_BEFORE.update(os.listdir())
     try:
-        _main()
+        if completion_query(sys.argv[1:]):
+            complete_without_bases()
+        else:
+            _main()
     except KeyboardInterrupt:  # Ctrl-C outside training's own handling (xtrain/train/preemption.py)
         print("xtrain: interrupted (SIGINT); a run resumes from its last committed checkpoint",
               file=sys.stderr)
@@ -94,3 +97,24 @@ def find_plugins() -> None:
     launch = str(Path(__file__).resolve().parent.parent / "launch")
     if os.path.isdir(launch) and launch not in sys.path:
         sys.path.append(launch)
+
+
+def completion_query(args: list[str]) -> bool:
+    """Whether the command is Hydra's shell-completion query (``-sc query=bash``), as the function
+    ``xtrain -sc install=bash`` installs runs it."""
+    return any(a in ("-sc", "--shell-completion") and b.startswith("query=") for a, b in zip(args, args[1:]))
+
+
+def complete_without_bases() -> None:
+    """[hydra-core] Hydra's completion offers every file of a group, the bases too
+    (``hardware=_tpu``, which choices.check_choices refuses): its answer without them. Hydra
+    allows one completion plugin per shell, its own, so the answer is filtered here."""
+    import contextlib
+    import io
+    import re
+
+    answer = io.StringIO()
+    with contextlib.redirect_stdout(answer):
+        _main()
+    # bash: one line of words; fish: a word per line
+    print(re.sub(r"(?<!\S)[+~]*[\w/.]+=_\S*\s?", "", answer.getvalue()), end="")
