@@ -107,8 +107,8 @@ def completion_query(args: list[str]) -> bool:
 
 def complete_without_bases() -> None:
     """[hydra-core] Hydra's completion offers every file of a group, the bases too
-    (``hardware=_tpu``, which choices.check_choices refuses): its answer without them. Hydra
-    allows one completion plugin per shell, its own, so the answer is filtered here."""
+    (``hardware=_tpu``, refused as a choice by xtrain/config/choices.py): its answer without
+    them. Hydra allows one completion plugin per shell, its own, so the answer is filtered here."""
     import contextlib
     import io
     import re
