@@ -227,14 +227,20 @@ def test_values_of_a_secrets_form_are_masked_whatever_their_keys():
     assert "pat" in SECRET_WORDS and mask_secrets({"GH_PAT": "x"}, environ={}) == {"GH_PAT": "***"}
 
 
-def test_a_gs_run_dir_gets_metrics_console_log_bundle_and_plots(gcs_bucket, compose_config, tmp_path):
-    """metrics.jsonl, console.log, the bundle and the plots go through fsspec to the bucket."""
+def test_a_gs_run_dir_gets_metrics_console_log_bundle_and_plots(gcs_bucket, compose_config, tmp_path,
+                                                                 monkeypatch):
+    """metrics.jsonl, console.log, the bundle and the plots go through fsspec to the bucket; the
+    working dir gets nothing (the URL is no local path)."""
     from xtrain.modes import run
 
     bucket, _ = gcs_bucket
     run_dir = f"{bucket}/runs/tiny"
     cfg = compose_config(TINY + ["trainer.max_steps=6", "logger=[jsonl,tensorboard]"], output_dir=run_dir)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     run(cfg, run_dir)
+    assert list(cwd.iterdir()) == []
     fs = gcs_filesystem(bucket)
     root = run_dir.removeprefix("gs://")
     records = [json.loads(x) for x in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]

@@ -5,7 +5,7 @@ other's checkpoints step by step and take each other's .hydra record.
 The lock is ``flock`` on the run dir itself (no file is added to it), held by the training's first
 process until it ends: the kernel drops it when the process ends however it ends (a crash,
 SIGKILL), so no stale lock outlives a training. Where the filesystem has no ``flock`` (some
-network filesystems) the run goes on unlocked. Runs in other run dirs sharing a
+network filesystems, object storage: a ``gs://`` run dir) the run goes on unlocked. Runs in other run dirs sharing a
 ``checkpoint.dir`` are told apart by their checkpoints' run names (xtrain/inputs.py).
 """
 
@@ -17,6 +17,7 @@ import fcntl
 import os
 
 from xtrain.errors import ConfigError
+from xtrain.paths import is_local
 
 
 class RunDirInUse(ConfigError):
@@ -27,6 +28,9 @@ class RunDirInUse(ConfigError):
 @contextlib.contextmanager
 def run_dir_lock(run_dir: str):
     """Hold the run dir's lock inside the block; refused while another process trains there."""
+    if not is_local(run_dir):  # a bucket has no flock (and the URL is no local path to make)
+        yield
+        return
     os.makedirs(run_dir, exist_ok=True)  # Hydra made it; a caller of xtrain.modes.run may not have
     fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
