@@ -301,14 +301,17 @@ def test_a_refused_command_leaves_the_runs_record_and_an_accepted_one_replaces_i
     (["+trainer.max_step=5"], EXIT_REFUSED), (["trainer.sample_tokens=64"], EXIT_REFUSED),
     (["model=d20", "hardware.hbm_gib_per_chip=1"], EXIT_REFUSED),  # does not fit
     (["trainer.max_steps=${oc.env:XTRAIN_TEST_UNSET}"], EXIT_REFUSED),
+    (["hydra.run.dir=gs://b/runs/x"], EXIT_REFUSED), (["-m", "hydra.sweep.dir=gs://b/sweeps"], EXIT_REFUSED),
     (["mode=plan"], 0), (["mode=plan", "checkpoint.dir=/tmp/ckpt/${run.name}"], 0)],
-    ids=["range", "base", "unknown-key", "sampling", "fit", "unresolvable", "plan", "plan-interpolated"])
+    ids=["range", "base", "unknown-key", "sampling", "fit", "unresolvable", "url-run-dir", "url-sweep-dir",
+         "plan", "plan-interpolated"])
 def test_a_command_that_keeps_nothing_leaves_no_run_dir(tmp_path, overrides, code):
     """Hydra makes outputs/<run> and writes the command's record there before xtrain sees the
     config: a command refused by its config checks, or mode=plan, takes both away again, and
     outputs/ if it made that too."""
-    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, *overrides], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+    flags = [o for o in overrides if o.startswith("-")]  # before the overrides, as Hydra parses them
+    r = subprocess.run([sys.executable, "-m", "xtrain", *flags, *TINY, *(o for o in overrides if o not in flags)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == code, r.stderr[-3000:]
     assert len(r.stderr.splitlines()) == (1 if code else 0), r.stderr  # the refusal's line alone
     assert list(tmp_path.iterdir()) == []

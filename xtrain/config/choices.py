@@ -1,7 +1,9 @@
 """Checks of a composed config that need nothing but the config and Hydra's choices: which group
-options may be chosen (conf/<group>/<option>.yaml), which keys exist, the run's name."""
+options may be chosen (conf/<group>/<option>.yaml), which keys exist, the run's name and dir."""
 
 from __future__ import annotations
+
+import os
 
 from xtrain.errors import ConfigError
 
@@ -57,6 +59,24 @@ def check_composed(cfg, hydra_cfg) -> None:
     check_no_secret_values(cfg)
     check_no_secret_values(hydra_cfg, "hydra.")
     check_run_name(cfg.run.name)  # resolved: it may interpolate
+    check_local_dir(hydra_cfg)
+
+
+def check_local_dir(hydra_cfg) -> None:
+    """Refuse a URL as the job's dir (``hydra.run.dir=gs://b/x``, or a sweep's ``hydra.sweep.dir``):
+    Hydra makes it on this machine, so the job would train into a local ``./gs:/b/x`` (its
+    made dirs are removed again on refusal: xtrain/config/hydra_record.py, xtrain/sweeps.py)."""
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from xtrain.paths import is_local
+
+    key = "sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "run.dir"
+    where = str(OmegaConf.select(hydra_cfg, key))
+    if not is_local(where):
+        raise ConfigError(f"hydra.{key}={where}: Hydra makes this dir on this machine (here: "
+                          f"{os.path.abspath(where)}); give a local dir, and put checkpoints in a "
+                          "bucket with checkpoint.dir=gs://...")
 
 
 def check_known_keys(cfg, prefix: str = "") -> None:
