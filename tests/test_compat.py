@@ -25,7 +25,6 @@ PRIVATE_NAMES = [  # (module, attribute) every compat shim reaches for
     ("torch_xla", "_XLAC._get_tensors_xla_device_data_node"),
     ("torch_xla.core.xla_model", "_maybe_convert_to_cpu"),
     ("torch_xla.experimental.distributed_checkpoint._helpers", "_sharded_cpu_state_dict"),
-    ("torch_xla._internal.tpu", "num_available_chips"),
     ("torch_xla.experimental.custom_kernel", "trace_pallas"),
     ("torch_xla.experimental.custom_kernel", "_extract_backend_config"),
     ("torch_xla.core.xla_builder", "JaxCallable"),
@@ -127,38 +126,31 @@ def test_lightning_leaves_the_signal_handlers_in_place_during_fit():
     assert seen[1] is ours
 
 
-def pci_bus(root: Path, *vendors: str) -> str:
-    """A stand-in for /sys/bus/pci/devices holding devices of these vendors (this machine's bus
-    has no Google device; the probe reads only the vendor files)."""
-    for i, vendor in enumerate(vendors):
+def pci_bus(root: Path, *devices: tuple[str, str]) -> str:
+    """A stand-in for /sys/bus/pci/devices holding these (vendor, device) ids (this machine's bus
+    has no Google device)."""
+    for i, (vendor, device) in enumerate(devices):
         (root / f"0000:00:0{i}.0").mkdir(parents=True)
         (root / f"0000:00:0{i}.0" / "vendor").write_text(vendor + "\n")
+        (root / f"0000:00:0{i}.0" / "device").write_text(device + "\n")
     return str(root)
 
 
-def _probe(bus: str) -> subprocess.CompletedProcess:
-    code = ("import logging, sys; logging.basicConfig(); from xtrain import compat; "
-            f"print(compat.tpu_chips_on_pci({bus!r}), 'torch_xla' in sys.modules); "
-            "logging.warning('after the probe')")
-    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
+def test_the_tpu_probe_counts_googles_tpu_devices_without_importing_torch_xla(tmp_path):
+    """TPU chips are Google's devices with a TPU device id (torch_xla's own list, checked against
+    its source below); other devices of Google's or anyone's are not; and the answer costs no
+    import of torch_xla (seconds of every CPU run's start)."""
+    bus = pci_bus(tmp_path, ("0x8086", "0x006f"), ("0x1ae0", "0x006f"), ("0x1ae0", "0x0063"),
+                  ("0x1ae0", "0x0001"), ("0x1af4", "0x1000"))
+    code = ("import sys; from xtrain import compat; "
+            f"print(compat.tpu_chips_on_pci({bus!r}), 'torch_xla' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["2", "False"], r.stderr
+    from torch_xla._internal import tpu
 
-
-def test_the_tpu_probe_logs_nothing_of_torch_xlas_default_device(tmp_path):
-    """A fresh process without PJRT_DEVICE, logging as Hydra's runs do (root logger), on a bus
-    with a Google device: the probe's import of torch_xla must not print "Defaulting to
-    PJRT_DEVICE=CPU"; a warning logged after it still shows."""
-    r = _probe(pci_bus(tmp_path, "0x8086", "0x1ae0"))
-    assert r.returncode == 0 and r.stdout.split() == ["0", "True"], r.stderr  # counted by torch_xla
-    assert "PJRT_DEVICE" not in r.stderr and "after the probe" in r.stderr, r.stderr
-
-
-def test_the_tpu_probe_does_not_import_torch_xla_without_a_google_device(tmp_path):
-    """A CPU run's Trainer asks for TPUs: on a bus without Google devices the answer is 0 without
-    torch_xla's import (seconds of every CPU run's start)."""
-    r = _probe(pci_bus(tmp_path, "0x8086", "0x1af4"))
-    assert r.returncode == 0 and r.stdout.split() == ["0", "False"], r.stderr
+    assert sorted(compat.TPU_PCI_DEVICES) == sorted(tpu._TPU_PCI_DEVICE_IDS)
+    assert compat.GOOGLE_PCI_VENDOR == tpu._GOOGLE_PCI_VENDOR_ID
 
 
 def test_lightning_tpu_probe_answers_from_the_pci_bus_without_network(monkeypatch):

@@ -180,32 +180,22 @@ def full_cpu_tensors(tensors: dict) -> dict:
 
 
 GOOGLE_PCI_VENDOR = "0x1ae0"  # Google's PCI vendor id: TPU chips are among its devices
+# TPU chips' PCI device ids as torch_xla 2.9 lists them (jax 0.7: v2/v3 v4 v5e v6e 7x plc v5p)
+TPU_PCI_DEVICES = ("0x0027", "0x005e", "0x0063", "0x006f", "0x0076", "0x0056", "0x0062")
 
 
 def tpu_chips_on_pci(devices: str = "/sys/bus/pci/devices") -> int:
-    """[torch_xla] TPU chips attached to this host, read from the PCI bus (no network, no runtime).
-    A host with no Google device on the bus (``devices``) has none: answered without importing
-    torch_xla (seconds at the start of every CPU run); otherwise torch_xla counts them. That
-    import picks a default PJRT device and says so at WARNING on the root logger, which Hydra
-    prints on stdout as its own ("[HYDRA] Defaulting to PJRT_DEVICE=CPU"): that one message is
-    dropped while it imports (any other warning still shows)."""
-    import glob
-    import logging
-
-    if not any(Path(p).read_text().strip() == GOOGLE_PCI_VENDOR for p in glob.glob(f"{devices}/*/vendor")):
-        return 0
-
-    def not_the_default_device(record) -> bool:
-        return not record.getMessage().startswith("Defaulting to PJRT_DEVICE=")
-
-    logging.root.addFilter(not_the_default_device)
-    try:
-        from torch_xla._internal.tpu import num_available_chips
-    except ImportError:
-        return 0
-    finally:
-        logging.root.removeFilter(not_the_default_device)
-    return num_available_chips()
+    """[torch_xla] TPU chips attached to this host, counted on the PCI bus as torch_xla's
+    ``num_available_chips`` does (Google's vendor id, TPU device ids), without its import: seconds
+    at the start of every CPU run, and refusing a TPU profile on a machine without one must take
+    well under that."""
+    count = 0
+    for vendor in Path(devices).glob("*/vendor"):
+        device = vendor.with_name("device")
+        if vendor.read_text().strip() == GOOGLE_PCI_VENDOR and device.exists() and \
+                device.read_text().strip() in TPU_PCI_DEVICES:
+            count += 1
+    return count
 
 
 def data_handles(tensors) -> list[int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 from xtrain.errors import ConfigError
 
@@ -116,19 +115,3 @@ def _env_int(env, name: str, minimum: int) -> int:
     return value
 
 
-GOOGLE_PCI_VENDOR = "0x1ae0"
-# the PCI device ids torch_xla 2.9 counts as TPU chips (v2/v3, v4, v5e, v6e, 7x, two others)
-TPU_PCI_DEVICES = ("0x0027", "0x005e", "0x0063", "0x006f", "0x0076", "0x0056", "0x0062")
-
-
-def tpu_chips_on_this_host(pci_devices: str = "/sys/bus/pci/devices") -> int:
-    """TPU chips attached to this host, read from the PCI bus (Google's vendor id, TPU device ids).
-    torch_xla reads the same bus, but importing it costs seconds: refusing a TPU profile on a
-    machine without one must take well under that."""
-    count = 0
-    for vendor in Path(pci_devices).glob("*/vendor"):
-        device = vendor.with_name("device")
-        if vendor.read_text().strip() == GOOGLE_PCI_VENDOR and device.exists() and \
-                device.read_text().strip() in TPU_PCI_DEVICES:
-            count += 1
-    return count

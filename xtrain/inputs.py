@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import threading
 
+from xtrain import compat
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_checkpoints,
                                       latest_checkpoint, newer_commits, read_meta)
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
                            StorageError, warn)
-from xtrain.hardware import tpu_chips_on_this_host
 from xtrain.model.config import GPTConfig
 from xtrain.paths import is_local, url_to_fs
 
@@ -30,7 +30,7 @@ def check_host(hw) -> None:
     of libtpu asking a metadata server that is not there)."""
     if not hw.accelerator_type:
         return
-    found = tpu_chips_on_this_host()
+    found = compat.tpu_chips_on_pci()
     if found == 0:
         raise EnvironmentMismatch(
             f"hardware={hw.name} trains on a {hw.accelerator_type} TPU, and this machine has no TPU "
