@@ -25,6 +25,7 @@ PRIVATE_NAMES = [  # (module, attribute) every compat shim reaches for
     ("torch_xla", "_XLAC._get_tensors_xla_device_data_node"),
     ("torch_xla.core.xla_model", "_maybe_convert_to_cpu"),
     ("torch_xla.experimental.distributed_checkpoint._helpers", "_sharded_cpu_state_dict"),
+    ("torch_xla.experimental.distributed_checkpoint._helpers", "_CpuShards"),
     ("torch_xla.experimental.custom_kernel", "trace_pallas"),
     ("torch_xla.experimental.custom_kernel", "_extract_backend_config"),
     ("torch_xla.core.xla_builder", "JaxCallable"),

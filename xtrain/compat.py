@@ -146,10 +146,20 @@ def tensors_to_cpu(tensors) -> list:
 
 def sharded_cpu_state_dict(tensors: dict) -> dict:
     """[torch_xla] This host's shards of SPMD tensors copied to the host, with their indices for
-    DCP's SPMD save planner (the helper torch_xla's own CheckpointManager uses)."""
-    from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+    DCP's SPMD save planner (the helper torch_xla's own CheckpointManager uses), each distinct
+    shard once: torch_xla 2.9's ``dedup_tensors`` drops a shard listed twice in one host's plan
+    (two of its devices hold it: fsdp_tp's data axis on one 8-chip host) from every plan, and the
+    checkpoint committed without the tensor."""
+    import dataclasses
 
-    return _sharded_cpu_state_dict(tensors)
+    from torch_xla.experimental.distributed_checkpoint import _helpers
+
+    out = _helpers._sharded_cpu_state_dict(tensors)
+    for name, value in out.items():
+        if isinstance(value, _helpers._CpuShards):
+            distinct = {repr(shard.indices): shard for shard in value.shards}  # replicas: equal
+            out[name] = dataclasses.replace(value, shards=list(distinct.values()))
+    return out
 
 
 def full_cpu_tensors(tensors: dict) -> dict:
