@@ -220,6 +220,48 @@ def test_a_checkpoint_keeps_shards_that_two_devices_of_one_host_hold(tmp_path):
     assert out["w"] == np.arange(64.0).reshape(8, 8).tolist() and out["r"] == [0.0, 1.0, 2.0, 3.0]
 
 
+RESUME_TARGETS = r"""
+import json, sys
+import torch_xla
+from tests.conftest import compose_cfg
+from xtrain.checkpoint.async_io import FsspecCheckpointIO
+from xtrain.modes import run
+
+loaded_into = {}
+load = FsspecCheckpointIO.load_checkpoint
+def spy(self, path, *args, targets=None, **kwargs):
+    for key, t in (targets or {}).items():
+        xla = t.device.type == "xla"
+        loaded_into[key] = [t.device.type, torch_xla._XLAC._get_xla_sharding_spec(t) if xla else ""]
+    return load(self, path, *args, targets=targets, **kwargs)
+FsspecCheckpointIO.load_checkpoint = spy
+overrides = json.loads(sys.argv[2])
+run(compose_cfg(overrides + ["trainer.max_steps=2"], output_dir=sys.argv[1]), sys.argv[1])
+run(compose_cfg(overrides + ["trainer.max_steps=3"], output_dir=sys.argv[1]), sys.argv[1])
+print("RESULT " + json.dumps(loaded_into))
+"""
+
+
+def test_a_resume_reads_into_the_sharded_model_and_optimizer_state(tmp_path):
+    """The checkpoint is read once the model is sharded on the devices and the optimizer exists
+    (SPMDStrategy.restore_checkpoint_after_setup), straight into those tensors: on a pod each
+    host then reads only its shards. Read before setup, the targets were the model's whole CPU
+    copy and no optimizer state, which reached the devices unsharded."""
+    overrides = common(2) + ["hardware.engine=xla", "parallelism=fsdp", "trainer.device_batch_size=2"]
+    r = subprocess.run([sys.executable, "-c", RESUME_TARGETS, str(tmp_path), json.dumps(overrides)],
+                       cwd=ROOT, env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4",
+                                      "WANDB_MODE": "offline"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded_into = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    for key in [f"/state_dict/model.{name}" for name in D2_WEIGHTS]:
+        assert loaded_into.get(key, [None])[0] == "xla", (key, loaded_into.get(key))
+        assert loaded_into[key][1].startswith("{devices=[4,1]"), (key, loaded_into[key])
+    momentum = [k for k in loaded_into if k.endswith("/momentum_buffer")]
+    assert len(momentum) == 12 and all(loaded_into[k][0] == "xla" for k in momentum), loaded_into
+    assert all(loaded_into[k][1].startswith("{devices=[4,1]") for k in momentum), loaded_into
+
+
 def _compile_run(tmp_path, steps, extra=()):
     overrides = common(steps) + [
         "hardware.engine=xla", "trainer.device_batch_size=2", "trainer.log_every=10",

@@ -101,6 +101,15 @@ class SPMDStrategy(SingleDeviceStrategy):
     def is_global_zero(self) -> bool:
         return self.processes.primary
 
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Resume after setup (Lightning's default is before): :meth:`load_checkpoint` reads into
+        the model and optimizer state once they are sharded on the devices. Before setup the
+        model is a whole CPU copy and no optimizer exists, so every host read the whole
+        checkpoint, and the optimizer state reached the devices unsharded (a full copy per chip)
+        until the first step."""
+        return True
+
     def setup_environment(self) -> None:
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
         from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
