@@ -148,6 +148,27 @@ def test_a_crafted_dcp_metadata_pickle_runs_no_code_and_is_refused(tmp_path):
         read(str(ckpt))
 
 
+def test_a_checkpoint_whose_tensors_lack_one_its_state_refers_to_is_refused(tmp_path):
+    """A committed checkpoint without a tensor its state.pt names (torch_xla 2.9's planner left
+    such tensors out: fsdp_tp on one 8-chip host, tests/test_xla.py) is refused by name, by the
+    early check and by the read, instead of failing on a KeyError after reading the rest."""
+    import pickle
+
+    from xtrain.checkpoint.io import check_loadable, read
+
+    ckpt = tmp_path / "step_000001"
+    _save(str(ckpt), {"w": torch.ones(3), "b": torch.zeros(2)})
+    metadata_file = ckpt / "tensors" / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())  # the file written above: trusted here
+    del metadata.state_dict_metadata["/state_dict/b"]
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    for load in (check_loadable, read):
+        with pytest.raises(CheckpointError, match=rf"^checkpoint {ckpt}: tensors/ lacks 1 of the "
+                           r"tensors its state.pt refers to \(/state_dict/b\): it was saved "
+                           "incomplete"):
+            load(str(ckpt))
+
+
 def test_retention_counts_only_the_commits_up_to_the_new_one(tmp_path):
     """A run that resumed from step 10 past a damaged step 20 commits step 15: with keep_last=1
     the old rule (the newest commits overall) kept only the damaged 20 and deleted 15, the

@@ -160,7 +160,8 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
         raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
     skeleton = _load_state(fs, root, path)
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
-        tensors = _read_tensors(fs, path, staging, targets, sharded, process_group)
+        tensors = _read_tensors(fs, path, staging, targets, sharded, process_group,
+                                referenced=_references(skeleton))
     return join_tensors(skeleton, tensors)
 
 
@@ -169,9 +170,32 @@ def check_loadable(path: str) -> None:
     ``state.pt`` or DCP metadata holds, reading only those two small files: run before a model
     is built or data prepared, so a crafted checkpoint is turned away in seconds."""
     fs, root = url_to_fs(str(path))
-    _load_state(fs, root, path)
+    skeleton = _load_state(fs, root, path)
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging, _refusals(path):
-        _reader(fs, path, staging).read_metadata()
+        stored = _reader(fs, path, staging).read_metadata().state_dict_metadata
+    _check_complete(path, _references(skeleton), stored)
+
+
+def _references(skeleton) -> set[str]:
+    """The tensor keys a :func:`split_tensors` skeleton refers to."""
+    if isinstance(skeleton, str) and skeleton.startswith(TENSOR_REF):
+        return {skeleton[len(TENSOR_REF):]}
+    if isinstance(skeleton, (dict, list, tuple)):
+        values = skeleton.values() if isinstance(skeleton, dict) else skeleton
+        return set().union(*(_references(v) for v in values))
+    return set()
+
+
+def _check_complete(path: str, referenced: set[str], stored) -> None:
+    """Refuse a checkpoint whose tensors/ lacks a tensor its ``state.pt`` refers to (such a
+    checkpoint committed: fsdp_tp on one 8-chip host, before xtrain/compat.py
+    sharded_cpu_state_dict kept replicated shards)."""
+    missing = sorted(referenced - set(stored))
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path}: tensors/ lacks {len(missing)} of the tensors its state.pt refers "
+            f"to ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): it was saved "
+            "incomplete and cannot be loaded")
 
 
 def _load_state(fs, root: str, path: str):
@@ -298,12 +322,13 @@ def _reader(fs, path: str, staging: str) -> CheckedReader:
 
 
 def _read_tensors(fs, path: str, staging: str, targets, sharded: bool, process_group,
-                  prefix: str = "") -> dict:
+                  prefix: str = "", referenced: set[str] = frozenset()) -> dict:
     import torch.distributed.checkpoint as dcp
 
     reader = _reader(fs, path, staging)
     with _refusals(path):
         stored = reader.read_metadata().state_dict_metadata
+        _check_complete(path, referenced, stored)
         tensors = dict(targets or {})
         for key, info in stored.items():
             if key not in tensors and key.startswith(prefix):
