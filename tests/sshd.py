@@ -157,10 +157,17 @@ exec {python} {script} "$@"
 '''
 
 
+# acceleratorType -> the node's acceleratorConfig (TPU API v2 AcceleratorConfig: type, topology)
+ACCELERATOR_CONFIGS = {"v6e-1": ("V6E", "1x1"), "v6e-4": ("V6E", "2x2"), "v6e-8": ("V6E", "2x4"),
+                       "v5litepod-8": ("V5LITE_POD", "2x4"), "v4-8": ("V4", "2x2x1"),
+                       "v4-32": ("V4", "2x2x4")}
+
+
 def tpu_node(name: str, zone: str, accelerator: str, endpoints, state: str = "READY") -> dict:
     """A TPU VM as gcloud describes it; ``endpoints``: (internal, external) address per worker."""
+    kind, topology = ACCELERATOR_CONFIGS[accelerator]
     return {
-        "acceleratorConfig": {"topology": "2x2", "type": accelerator.split("-")[0].upper()},
+        "acceleratorConfig": {"topology": topology, "type": kind},
         "acceleratorType": accelerator,
         "apiVersion": "V2",
         "cidrBlock": "10.146.0.0/20",

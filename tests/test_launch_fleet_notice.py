@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
 import pytest
@@ -109,8 +110,8 @@ def test_a_vm_down_after_the_signal_wait_but_within_the_lead_preempted_a_notice_
 
 def test_a_vm_that_keeps_sending_notices_ends_the_job_after_max_recreates(
         gcloud, tmp_path, v6e4, monkeypatch):
-    """Every run of the job stops for a notice at once (a maintenance window open for hours) and
-    the VM stays up: each re-run counts as a preemption, so the loop ends with the budget."""
+    """Every run of the job stops for a notice at once and the VM stays up (gcloud showing no
+    maintenance for it): each re-run counts as a preemption, so the loop ends with the budget."""
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
     monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.0)
     envs = stand_in(monkeypatch, iter([NOTICE] * 10))
@@ -123,6 +124,50 @@ def test_a_vm_that_keeps_sending_notices_ends_the_job_after_max_recreates(
     # between the runs the VM was never down: not said to be "READY again"
     assert sum("is still READY after the job's GCE notice" in m for m in messages) == 3, messages
     assert not any("READY again" in m for m in messages), messages
+
+
+def maintenance_window(started_s: float, ends_in_s: float) -> dict:
+    """A node's ``upcomingMaintenance`` (TPU API v2 Node): a window opened ``started_s`` ago."""
+    def at(offset_s):
+        when = datetime.now(timezone.utc) + timedelta(seconds=offset_s)
+        return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+    return {"type": "SCHEDULED", "canReschedule": True, "maintenanceStatus": "PENDING",
+            "windowStartTime": at(-started_s), "windowEndTime": at(ends_in_s),
+            "latestWindowStartTime": at(-started_s)}
+
+
+@pytest.mark.parametrize("vm_goes_down", [False, True])
+def test_a_notice_stop_inside_an_open_maintenance_window_is_watched_until_the_window_ends(
+        gcloud, tmp_path, v6e4, monkeypatch, vm_goes_down):
+    """gcloud shows the node's window open (the notice the job stopped for) past VM_DOWN_WAIT_S
+    plus the lead: the fleet keeps watching instead of running the job again into the same
+    window (it would stop at once, each run spending one of max_recreates). The window ends with
+    the VM up: one re-run there, one preemption counted. The VM goes down inside the window: it
+    is recreated, as for any preemption."""
+    window = maintenance_window(started_s=60, ends_in_s=60 if vm_goes_down else 1.5)
+    node = {**tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]),
+            "upcomingMaintenance": window}
+    gcloud.add({**node, "x-states": ["READY"] * 12 + ["PREEMPTED"]} if vm_goes_down else node)
+    gcloud.scenario("vm-a", states=["CREATING", "READY"])
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.1)
+    envs = stand_in(monkeypatch, iter([NOTICE, FINISHED]))
+    messages = []
+    job = fleet.Job(fleet_cfg(tmp_path), v6e4, [], "run", str(tmp_path / "job"), notice_lead_s=0.1)
+    t0 = time.monotonic()
+    out = fleet.run_on_vm(job, log=messages.append)
+    assert (out["step"], out["preemptions"], len(envs)) == (40, 1, 2)
+    assert any(m.startswith("fleet: TPU vm-a announces maintenance (SCHEDULED PENDING, window "
+                            f"starts {window['windowStartTime']} (") for m in messages), messages
+    if vm_goes_down:
+        assert changes(gcloud) == ["delete", "create"]
+        assert any("fleet: TPU vm-a is PREEMPTED: job run preempted (preemption 1)" in m
+                   for m in messages), messages
+    else:
+        assert time.monotonic() - t0 >= 1.5  # until the window's end, not VM_DOWN_WAIT_S + lead
+        assert changes(gcloud) == []
+        assert any(m.startswith("fleet: TPU vm-a is still READY after the job's GCE notice")
+                   for m in messages), messages
 
 
 @pytest.mark.parametrize("recreate", [True, False])

@@ -145,20 +145,26 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
         notice = result.get("stopped_for") == NOTICE
         try:
             wait_for_vm_loss(vm, VM_DOWN_WAIT_S + (job.notice_lead_s if notice else 0.0), log,
-                             notice)
+                             notice, job.notice_lead_s)
         except NoticeStop as stop:
             stop.result = result  # what a launch without recreate reports
             raise
     return result
 
 
-def wait_for_vm_loss(vm: Vm, wait_s: float, log=say, notice: bool = False) -> None:
+def wait_for_vm_loss(vm: Vm, wait_s: float, log=say, notice: bool = False,
+                     lead_s: float = 0.0) -> None:
     """After the job stopped (exit 143) for a signal or, with ``notice``, a GCE notice: raise
     VmLost (lost since the stop) if ``vm`` goes down within ``wait_s``. Otherwise a notice's stop
-    raises NoticeStop and a signal's returns: it was the job's own."""
+    raises NoticeStop and a signal's returns: it was the job's own.
+
+    After a notice the watch also lasts while gcloud shows the node's maintenance under way or
+    its window starting within ``lead_s`` (what stopped the job): a window stays open for hours,
+    and a job run again inside it would stop at once, each time spending one of
+    ``max_recreates``."""
     log(f"fleet: the job on {vm} stopped for {'a GCE notice' if notice else 'a signal'}; "
         f"watching the VM for up to {wait_s:g} s")
-    stopped = time.monotonic()
+    stopped, announced = time.monotonic(), False
     while True:
         try:
             state = vm.state()
@@ -168,7 +174,13 @@ def wait_for_vm_loss(vm: Vm, wait_s: float, log=say, notice: bool = False) -> No
             if vm_health(state, vm.cfg.queued) != UP:
                 raise VmLost(vm.name, state, stopped)
         if time.monotonic() - stopped >= wait_s:
-            break
+            maintenance = vm.maintenance(lead_s) if notice else None
+            if maintenance is None:
+                break
+            if not announced:
+                log(f"fleet: {vm} announces maintenance ({maintenance}): watching it until the "
+                    "maintenance is over before running the job again")
+                announced = True
         time.sleep(vm.cfg.poll_s)
     if notice:
         raise NoticeStop(vm.name, state, stopped, f"is still {state} after the job's GCE notice")

@@ -11,6 +11,7 @@ from xtrain.launcher.launch import say
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.targets import MAINTENANCE, node_state, node_targets
+from xtrain.train.notices import upcoming_maintenance
 
 UP, PENDING, DOWN = "up", "pending", "down"
 NOT_FOUND = "NOT_FOUND"  # gcloud does not know the name (deleted)
@@ -80,6 +81,16 @@ class Vm:
         # is no more usable than a node of its own
         node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
         return MAINTENANCE if node is not None and node_state(node) == MAINTENANCE else state
+
+    def maintenance(self, lead_s: float) -> str | None:
+        """The maintenance the node announces now (TPU API v2 ``Node.upcomingMaintenance``, as
+        the job's own watcher judges the metadata server's: under way, or a window starting
+        within ``lead_s``), else None; None too when gcloud cannot say."""
+        try:
+            node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
+        except LaunchError:
+            return None
+        return upcoming_maintenance((node or {}).get("upcomingMaintenance"), lead_s)
 
     def health(self) -> str:
         return vm_health(self.state(), self.cfg.queued)

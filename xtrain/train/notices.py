@@ -73,19 +73,27 @@ def _rfc3339(value) -> datetime | None:
 
 
 def maintenance_notice(value: str | None, lead_s: float, now: datetime | None = None) -> str | None:
-    """The reason to stop that an ``instance/upcoming-maintenance`` answer gives, or None: maintenance
-    ONGOING, or a window starting within ``lead_s`` seconds of ``now`` (a window already ended is
-    stale: no notice). Anything else (empty, not JSON, not an object, an ``error`` object, PENDING
-    with a start later than the lead time or none that parses) is no notice."""
+    """The reason to stop that an ``instance/upcoming-maintenance`` answer gives, or None (see
+    :func:`upcoming_maintenance`; an answer that is not JSON is none)."""
     try:
         info = json.loads(value) if value else None
     except ValueError:
         return None
+    reason = upcoming_maintenance(info, lead_s, now)
+    return f"{UPCOMING_MAINTENANCE}: {reason}" if reason else None
+
+
+def upcoming_maintenance(info, lead_s: float, now: datetime | None = None) -> str | None:
+    """What an UpcomingMaintenance object (the metadata server's answer, or a TPU node's
+    ``upcomingMaintenance`` as gcloud describes it) announces now, or None: maintenance ONGOING,
+    or a window starting within ``lead_s`` seconds of ``now`` (a window already ended is stale:
+    no notice). Anything else (not an object, an ``error`` object, PENDING with a start later
+    than the lead time or none that parses) is no notice."""
     if not isinstance(info, dict) or "error" in info:
         return None
     status = str(info.get("maintenanceStatus", "")).strip().upper()
     kind = info.get("type", info.get("maintenanceType"))
-    described = f"{UPCOMING_MAINTENANCE}: {kind or 'maintenance'} {status or '(no status)'}"
+    described = f"{kind or 'maintenance'} {status or '(no status)'}"
     if status == "ONGOING":
         return described
     start, end = _rfc3339(info.get("windowStartTime")), _rfc3339(info.get("windowEndTime"))
