@@ -148,25 +148,35 @@ def test_a_crafted_dcp_metadata_pickle_runs_no_code_and_is_refused(tmp_path):
         read(str(ckpt))
 
 
-def test_a_checkpoint_whose_tensors_lack_one_its_state_refers_to_is_refused(tmp_path):
-    """A committed checkpoint without a tensor its state.pt names (torch_xla 2.9's planner left
-    such tensors out: fsdp_tp on one 8-chip host, tests/test_xla.py) is refused by name, by the
-    early check and by the read, instead of failing on a KeyError after reading the rest."""
+def test_a_checkpoint_whose_tensors_lack_one_its_state_refers_to_is_refused(tmp_path, capsys):
+    """A committed checkpoint whose files match its manifest but whose tensors/ lacks a tensor its
+    state.pt names (torch_xla 2.9's planner left such tensors out: fsdp_tp on one 8-chip host,
+    tests/test_xla.py) is refused by name, by the early check and by the read, instead of
+    failing on a KeyError after reading the rest; a resume passes it over for the one before."""
     import pickle
 
     from xtrain.checkpoint.io import check_loadable, read
+    from xtrain.paths import url_to_fs
 
-    ckpt = tmp_path / "step_000001"
+    older, ckpt = tmp_path / "step_000001", tmp_path / "step_000002"
+    _save(str(older), {"w": torch.ones(3), "b": torch.zeros(2)})
     _save(str(ckpt), {"w": torch.ones(3), "b": torch.zeros(2)})
     metadata_file = ckpt / "tensors" / ".metadata"
     metadata = pickle.loads(metadata_file.read_bytes())  # the file written above: trusted here
     del metadata.state_dict_metadata["/state_dict/b"]
     metadata_file.write_bytes(pickle.dumps(metadata))
+    fs, root = url_to_fs(str(ckpt))  # the manifest agrees: as saved so, not damaged since
+    recorded = json.loads((ckpt / manifest.MANIFEST).read_text())["files"]
+    manifest.write(fs, root, {**recorded, **manifest.describe(fs, root, ["tensors/.metadata"])})
+    assert manifest.problems(str(ckpt)) == []
     for load in (check_loadable, read):
         with pytest.raises(CheckpointError, match=rf"^checkpoint {ckpt}: tensors/ lacks 1 of the "
                            r"tensors its state.pt refers to \(/state_dict/b\): it was saved "
                            "incomplete"):
             load(str(ckpt))
+    capsys.readouterr()
+    assert newest_intact(str(tmp_path)) == str(older)
+    assert f"checkpoint {ckpt} is corrupt (tensors/ lacks 1 of the tensors" in capsys.readouterr().err
 
 
 def test_retention_counts_only_the_commits_up_to_the_new_one(tmp_path):
@@ -220,7 +230,8 @@ def test_the_early_check_leaves_an_unreadable_newest_meta_json_to_the_runs_fallb
     for step in (10, 20):
         io = FsspecCheckpointIO(retries=0)
         io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": step,
-                            "xtrain_meta": {"config": {"model": OmegaConf.to_container(cfg.model)}}},
+                            "xtrain_meta": {"config": {"model": OmegaConf.to_container(
+                                cfg.model, enum_to_str=True)}}},  # as run_meta writes it
                            str(tmp_path / f"step_{step:06d}"))
         assert io.wait() is not None
     meta = tmp_path / "step_000020" / "meta.json"

@@ -180,12 +180,17 @@ def check_named_checkpoint(resume: str, verify: bool = True) -> None:
 
 
 def newest_intact(directory: str) -> str | None:
-    """The newest committed checkpoint in ``directory`` whose files still match its manifest. A
-    newer committed one that does not (truncated, altered: the storage broke after the commit) is
-    named in a warning and passed over; a training run then renames it aside, kept for inspection
-    (xtrain/train/run.py, resume_point)."""
+    """The newest committed checkpoint in ``directory`` whose files still match its manifest and
+    hold every tensor its ``state.pt`` names. A newer committed one that does not (truncated,
+    altered: the storage broke after the commit; saved incomplete) is named in a warning and
+    passed over; a training run then renames it aside, kept for inspection (xtrain/train/run.py,
+    resume_point)."""
+    from xtrain.checkpoint.io import lacking, missing_tensors
+
     for _, path in reversed(committed_checkpoints(directory)):
         found = manifest.problems(path)
+        if not found and (missing := missing_tensors(path)):
+            found = [f"tensors/ lacks {lacking(missing)}"]
         if not found:
             return path
         warn(f"checkpoint {path} is corrupt ({'; '.join(found)}): not resuming from it, "

@@ -169,11 +169,17 @@ def check_loadable(path: str) -> None:
     """Refuse (CheckpointError) a checkpoint that :func:`read` would refuse for what its
     ``state.pt`` or DCP metadata holds, reading only those two small files: run before a model
     is built or data prepared, so a crafted checkpoint is turned away in seconds."""
+    _check_complete(path, missing_tensors(path))
+
+
+def missing_tensors(path: str) -> list[str]:
+    """The tensors the checkpoint's ``state.pt`` refers to that its tensors/ lacks (empty: none),
+    from those two small files; refused (CheckpointError) where :func:`read` would refuse them."""
     fs, root = url_to_fs(str(path))
     skeleton = _load_state(fs, root, path)
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging, _refusals(path):
         stored = _reader(fs, path, staging).read_metadata().state_dict_metadata
-    _check_complete(path, _references(skeleton), stored)
+    return sorted(_references(skeleton) - set(stored))
 
 
 def _references(skeleton) -> set[str]:
@@ -186,16 +192,19 @@ def _references(skeleton) -> set[str]:
     return set()
 
 
-def _check_complete(path: str, referenced: set[str], stored) -> None:
+def lacking(missing: list[str]) -> str:
+    """What :func:`missing_tensors` found, for a message: how many, and the first few."""
+    return (f"{len(missing)} of the tensors its state.pt refers to ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''})")
+
+
+def _check_complete(path: str, missing: list[str]) -> None:
     """Refuse a checkpoint whose tensors/ lacks a tensor its ``state.pt`` refers to (such a
     checkpoint committed: fsdp_tp on one 8-chip host, before xtrain/compat.py
     sharded_cpu_state_dict kept replicated shards)."""
-    missing = sorted(referenced - set(stored))
     if missing:
-        raise CheckpointError(
-            f"checkpoint {path}: tensors/ lacks {len(missing)} of the tensors its state.pt refers "
-            f"to ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): it was saved "
-            "incomplete and cannot be loaded")
+        raise CheckpointError(f"checkpoint {path}: tensors/ lacks {lacking(missing)}: it was saved "
+                              "incomplete and cannot be loaded")
 
 
 def _load_state(fs, root: str, path: str):
@@ -328,7 +337,7 @@ def _read_tensors(fs, path: str, staging: str, targets, sharded: bool, process_g
     reader = _reader(fs, path, staging)
     with _refusals(path):
         stored = reader.read_metadata().state_dict_metadata
-        _check_complete(path, referenced, stored)
+        _check_complete(path, sorted(referenced - set(stored)))
         tensors = dict(targets or {})
         for key, info in stored.items():
             if key not in tensors and key.startswith(prefix):
