@@ -138,13 +138,13 @@ def maintenance_window(started_s: float, ends_in_s: float) -> dict:
 
 
 @pytest.mark.parametrize("vm_goes_down", [False, True])
-def test_a_notice_stop_inside_an_open_maintenance_window_is_watched_until_the_window_ends(
+def test_after_a_notice_stop_the_vm_takes_no_job_while_gcloud_shows_its_maintenance(
         gcloud, tmp_path, v6e4, monkeypatch, vm_goes_down):
     """gcloud shows the node's window open (the notice the job stopped for) past VM_DOWN_WAIT_S
-    plus the lead: the fleet keeps watching instead of running the job again into the same
-    window (it would stop at once, each run spending one of max_recreates). The window ends with
-    the VM up: one re-run there, one preemption counted. The VM goes down inside the window: it
-    is recreated, as for any preemption."""
+    plus the lead: with recreate, the job is not run again into the same window (it would stop at
+    once, each run spending one of max_recreates) until the window ends: then once, one
+    preemption counted. A VM that goes down inside the window is recreated, as for any
+    preemption."""
     window = maintenance_window(started_s=60, ends_in_s=60 if vm_goes_down else 1.5)
     node = {**tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]),
             "upcomingMaintenance": window}
@@ -161,13 +161,72 @@ def test_a_notice_stop_inside_an_open_maintenance_window_is_watched_until_the_wi
                             f"starts {window['windowStartTime']} (") for m in messages), messages
     if vm_goes_down:
         assert changes(gcloud) == ["delete", "create"]
-        assert any("fleet: TPU vm-a is PREEMPTED: job run preempted (preemption 1)" in m
-                   for m in messages), messages
     else:
         assert time.monotonic() - t0 >= 1.5  # until the window's end, not VM_DOWN_WAIT_S + lead
         assert changes(gcloud) == []
-        assert any(m.startswith("fleet: TPU vm-a is still READY after the job's GCE notice")
+        assert any(m.startswith("fleet: TPU vm-a: its maintenance is no longer announced")
                    for m in messages), messages
+
+
+def test_without_recreate_a_notice_stop_ends_the_launch_without_waiting_for_the_window(
+        gcloud, tmp_path, v6e4, monkeypatch):
+    """Nothing is re-run without recreate: the launch ends as stopped (run it again later), not
+    after the node's maintenance window."""
+    gcloud.add({**tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]),
+                "upcomingMaintenance": maintenance_window(started_s=60, ends_in_s=3600)})
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.1)
+    stand_in(monkeypatch, iter([NOTICE]))
+    messages = []
+    job = fleet.Job(fleet_cfg(tmp_path, recreate=False), v6e4, [], "run", str(tmp_path / "job"),
+                    notice_lead_s=0.1)
+    out = fleet.run_on_vm(job, log=messages.append)
+    assert (out["preempted"], out["stopped_for"]) == (True, "notice")
+    assert not any("announces maintenance" in m for m in messages), messages
+
+
+def test_a_gcloud_that_cannot_say_whether_maintenance_is_announced_is_not_waited_for(
+        tmp_path, v6e4):
+    """gcloud failing (a stand-in failing by hand: the real CLI cannot run here) before any
+    maintenance was seen: no verdict, so the VM is not held back."""
+    vm = fleet.Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=(messages := []).append)
+
+    def fails(*args, **kwargs):
+        raise LaunchError("gcloud: deadline exceeded")
+
+    vm.gcloud.find = fails
+    vm.wait_out_maintenance(300)
+    assert messages == ["fleet: TPU vm-a: gcloud: deadline exceeded; its maintenance unknown, "
+                        "not waited for"]
+
+
+def test_a_pool_vm_waits_out_its_maintenance_while_another_takes_the_job(
+        gcloud, tmp_path, v6e4, monkeypatch):
+    """In a pool with recreate the noticed job goes back to the queue at once, for another VM,
+    while the noticed VM takes no job until gcloud no longer shows its maintenance."""
+    nodes = {name: tpu_node(name, ZONE, "v6e-4", [(host, host)])
+             for name, host in (("vm-a", HOSTS[0]), ("vm-b", HOSTS[1]))}
+    for node in nodes.values():
+        gcloud.add(node)
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.0)
+    monkeypatch.setattr(pool, "locate", lambda *args, **kwargs: {})  # no earlier launch to find
+    ran_on = []
+
+    def launch(cfg, *args, **kwargs):
+        ran_on.append(cfg.tpu)
+        if len(ran_on) > 1:
+            return FINISHED
+        gcloud.add({**nodes[cfg.tpu], "upcomingMaintenance": maintenance_window(60, 1.5)})
+        return NOTICE
+
+    monkeypatch.setattr(fleet, "launch_job", launch)
+    cfg = fleet_cfg(tmp_path, tpu=None, pool=["vm-a", "vm-b"])
+    messages = []
+    (outcome,) = pool.run_pool([fleet.Job(cfg, v6e4, [], "run", str(tmp_path / "job"))],
+                               log=messages.append)
+    assert (outcome.state, outcome.history.count, outcome.result["step"]) == ("finished", 1, 40)
+    assert ran_on[0] != ran_on[1]
+    assert any(m.startswith(f"[{ran_on[0]}] fleet: TPU {ran_on[0]} announces maintenance")
+               for m in messages), messages
 
 
 @pytest.mark.parametrize("recreate", [True, False])

@@ -305,6 +305,7 @@ def window(status="PENDING", start="2024-11-15T04:00:00Z", end="2024-11-15T08:00
     (window(start="2024-11-07T23:00:00Z", end="2024-11-08T03:00:00Z"), False),  # ended: stale
     (window(start="soon"), False), (window(start=None), False), (window(start=7), False),
     (window("ONGOING"), True), (window("ongoing", start=None, end=None), True),
+    (window("ONGOING", start="2024-11-07T23:00:00Z", end="2024-11-08T03:00:00Z"), False),  # stale
     (window("UNKNOWN"), False),
     (window(type=None, maintenanceType="UNSCHEDULED", start="2024-11-08T04:01:00Z"), True),
 ])

@@ -89,6 +89,10 @@ class LauncherConfig:
     queued: bool = False
     # a recreation (delete, create with capacity retries, wait for READY) that takes longer fails
     ready_timeout_s: float = limits(3600.0, gt=0)
+    # after a job stopped for a GCE notice on a VM that stayed up, the VM takes no job while
+    # gcloud shows its maintenance under way or its window open or near (a window lasts hours),
+    # this long at most (xtrain/launcher/vm.py, Vm.wait_out_maintenance)
+    maintenance_wait_s: float = limits(21600.0, ge=0)
     # wait after "no capacity", doubled each time, at most 16x
     capacity_backoff_s: float = limits(60.0, gt=0)
     poll_s: float = limits(15.0, gt=0)  # between gcloud describes while waiting for a VM

@@ -45,9 +45,10 @@ from xtrain.observe.preemptions import NOTICE, launch_env
 
 class NoticeStop(VmLost):
     """The job stopped for a GCE notice and its VM stayed READY past the notice's lead (maintenance
-    cancelled, done by live migration, or still to come): a preemption whose VM needs no recreation,
-    counted like one, so ``max_recreates`` bounds a VM that keeps sending notices. ``result``: the
-    stopped job's, reported as it is when the launch does not re-run jobs (no ``recreate``)."""
+    cancelled, done by live migration, or still to come: with ``recreate`` the VM takes no job
+    until gcloud shows it over, Vm.wait_out_maintenance): a preemption whose VM needs no
+    recreation, counted like one, so ``max_recreates`` bounds a VM that keeps sending notices.
+    ``result``: the stopped job's, reported as it is when the launch does not re-run jobs."""
 
     result: dict = {}
 
@@ -145,26 +146,20 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
         notice = result.get("stopped_for") == NOTICE
         try:
             wait_for_vm_loss(vm, VM_DOWN_WAIT_S + (job.notice_lead_s if notice else 0.0), log,
-                             notice, job.notice_lead_s)
+                             notice)
         except NoticeStop as stop:
             stop.result = result  # what a launch without recreate reports
             raise
     return result
 
 
-def wait_for_vm_loss(vm: Vm, wait_s: float, log=say, notice: bool = False,
-                     lead_s: float = 0.0) -> None:
+def wait_for_vm_loss(vm: Vm, wait_s: float, log=say, notice: bool = False) -> None:
     """After the job stopped (exit 143) for a signal or, with ``notice``, a GCE notice: raise
     VmLost (lost since the stop) if ``vm`` goes down within ``wait_s``. Otherwise a notice's stop
-    raises NoticeStop and a signal's returns: it was the job's own.
-
-    After a notice the watch also lasts while gcloud shows the node's maintenance under way or
-    its window starting within ``lead_s`` (what stopped the job): a window stays open for hours,
-    and a job run again inside it would stop at once, each time spending one of
-    ``max_recreates``."""
+    raises NoticeStop and a signal's returns: it was the job's own."""
     log(f"fleet: the job on {vm} stopped for {'a GCE notice' if notice else 'a signal'}; "
         f"watching the VM for up to {wait_s:g} s")
-    stopped, announced = time.monotonic(), False
+    stopped = time.monotonic()
     while True:
         try:
             state = vm.state()
@@ -174,13 +169,7 @@ def wait_for_vm_loss(vm: Vm, wait_s: float, log=say, notice: bool = False,
             if vm_health(state, vm.cfg.queued) != UP:
                 raise VmLost(vm.name, state, stopped)
         if time.monotonic() - stopped >= wait_s:
-            maintenance = vm.maintenance(lead_s) if notice else None
-            if maintenance is None:
-                break
-            if not announced:
-                log(f"fleet: {vm} announces maintenance ({maintenance}): watching it until the "
-                    "maintenance is over before running the job again")
-                announced = True
+            break
         time.sleep(vm.cfg.poll_s)
     if notice:
         raise NoticeStop(vm.name, state, stopped, f"is still {state} after the job's GCE notice")
@@ -227,6 +216,8 @@ def run_on_vm(job: Job, log=say) -> dict:
                                   "run the same command once the VM is READY, or add "
                                   "hydra.launcher.recreate=true to recreate it and resume "
                                   "unattended") from None
+            if isinstance(lost, NoticeStop):
+                vm.wait_out_maintenance(job.notice_lead_s)
         vm.restore(history.lost_so_far)
         log(f"fleet: re-running {job.run_name} on {vm} (it resumes from its newest committed "
             "checkpoint)")

@@ -4,7 +4,8 @@ One thread per VM takes the next job from one queue, so every VM runs one job at
 next job goes to the first free VM. A job whose VM is preempted goes back to the front of the
 queue: to another VM, or to the same one once it is recreated (``recreate=true``); without
 ``recreate`` the preempted VM leaves the pool. A job that stopped for its VM's GCE notice while
-the VM stayed up (fleet.NoticeStop) is handled the same way, the VM needing no recreation. A VM
+the VM stayed up (fleet.NoticeStop) is handled the same way, the VM needing no recreation (with
+``recreate`` it takes no job while gcloud shows its maintenance: Vm.wait_out_maintenance). A VM
 that refuses a job before starting it (another job or program holds it, unreachable, a failed
 setup) leaves the pool too, and the job goes back to the queue for another VM; once every VM has
 left, the jobs not run fail, naming why each VM left. A job still running on one of the VMs
@@ -19,7 +20,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from xtrain.launcher.fleet import Job, Preemptions, attempt, check_known, preempted
+from xtrain.launcher.fleet import Job, NoticeStop, Preemptions, attempt, check_known, preempted
 from xtrain.launcher.launch import job_name, parallel, say
 from xtrain.launcher.runner import LaunchError, VmUnavailable
 from xtrain.launcher.ssh import Ssh
@@ -116,6 +117,7 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
     while (i := queue.take(vm.name)) is not None:
         job, out = jobs[i], outcomes[i]
         ran_on, out.vm = out.vm, vm.name
+        noticed = False  # the job stopped for a GCE notice on this VM, which stayed up
         try:
             state = vm.state()
             if vm_health(state, vm.cfg.queued) == UP:
@@ -126,7 +128,7 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
             why = f"it is {state}"
         except VmLost as lost:  # a NoticeStop too: the job goes back to the queue
             queue.finish(i, requeue=_survives(vm, job, out, lost))
-            why = f"it {lost.why}"
+            why, noticed = f"it {lost.why}", isinstance(lost, NoticeStop)
         except VmUnavailable as e:  # not the job's failure: recreating would not help either
             out.vm = ran_on  # it never ran here
             queue.finish(i, requeue=True)
@@ -138,6 +140,8 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
             queue.finish(i)
             continue
         if vm.cfg.recreate:
+            if noticed:  # its job is back in the queue, for another VM meanwhile
+                vm.wait_out_maintenance(job.notice_lead_s)
             why = _restore(vm, out.history)
             if why is None:
                 continue

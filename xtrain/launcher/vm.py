@@ -82,15 +82,40 @@ class Vm:
         node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
         return MAINTENANCE if node is not None and node_state(node) == MAINTENANCE else state
 
-    def maintenance(self, lead_s: float) -> str | None:
-        """The maintenance the node announces now (TPU API v2 ``Node.upcomingMaintenance``, as
-        the job's own watcher judges the metadata server's: under way, or a window starting
-        within ``lead_s``), else None; None too when gcloud cannot say."""
-        try:
-            node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
-        except LaunchError:
-            return None
-        return upcoming_maintenance((node or {}).get("upcomingMaintenance"), lead_s)
+    def wait_out_maintenance(self, lead_s: float) -> None:
+        """After a job stopped for a GCE notice on this VM, which stayed up: wait while gcloud
+        shows the node's maintenance (TPU API v2 ``Node.upcomingMaintenance``, judged as the
+        job's own watcher judges the metadata server's: under way, or a window starting within
+        ``lead_s`` and not ended) and the node is READY, ``maintenance_wait_s`` at most. A job
+        started inside a window (hours) would stop again at once. A gcloud that cannot answer
+        ends the wait before anything was announced, and is asked again after."""
+        t0, announced = time.monotonic(), None
+        while (waited := time.monotonic() - t0) < self.cfg.maintenance_wait_s:
+            try:
+                node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
+            except LaunchError as e:
+                if announced is None:
+                    self.log(f"fleet: {self}: {e}; its maintenance unknown, not waited for")
+                    return
+                time.sleep(self.cfg.poll_s)  # no verdict: asked again
+                continue
+            if node is None or node_state(node) != "READY":  # gone or down: restore's to handle
+                return
+            reason = upcoming_maintenance(node.get("upcomingMaintenance"), lead_s)
+            if reason is None:
+                if announced:
+                    self.log(f"fleet: {self}: its maintenance is no longer announced after "
+                             f"{clock(waited)}")
+                return
+            if announced is None:
+                self.log(f"fleet: {self} announces maintenance ({reason}): it takes no job until "
+                         f"that is over (hydra.launcher.maintenance_wait_s="
+                         f"{self.cfg.maintenance_wait_s:g} at most)")
+            announced = reason
+            time.sleep(self.cfg.poll_s)
+        if announced:
+            self.log(f"fleet: {self} still announces maintenance ({announced}) after "
+                     f"{clock(waited)}: going on")
 
     def health(self) -> str:
         return vm_health(self.state(), self.cfg.queued)

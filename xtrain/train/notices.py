@@ -86,21 +86,21 @@ def maintenance_notice(value: str | None, lead_s: float, now: datetime | None = 
 def upcoming_maintenance(info, lead_s: float, now: datetime | None = None) -> str | None:
     """What an UpcomingMaintenance object (the metadata server's answer, or a TPU node's
     ``upcomingMaintenance`` as gcloud describes it) announces now, or None: maintenance ONGOING,
-    or a window starting within ``lead_s`` seconds of ``now`` (a window already ended is stale:
-    no notice). Anything else (not an object, an ``error`` object, PENDING with a start later
-    than the lead time or none that parses) is no notice."""
+    or a window starting within ``lead_s`` seconds of ``now``. A window already ended is stale,
+    whatever its status. Anything else (not an object, an ``error`` object, PENDING with a start
+    later than the lead time or none that parses) is no notice."""
     if not isinstance(info, dict) or "error" in info:
         return None
     status = str(info.get("maintenanceStatus", "")).strip().upper()
     kind = info.get("type", info.get("maintenanceType"))
     described = f"{kind or 'maintenance'} {status or '(no status)'}"
-    if status == "ONGOING":
-        return described
     start, end = _rfc3339(info.get("windowStartTime")), _rfc3339(info.get("windowEndTime"))
-    if start is None:
-        return None
     now = now or datetime.now(timezone.utc)
     if end is not None and end <= now:
+        return None
+    if status == "ONGOING":
+        return described
+    if start is None:
         return None
     ahead = (start - now).total_seconds()
     if ahead > lead_s:
