@@ -53,6 +53,15 @@ def stand_in(monkeypatch, results, gcloud=None, node=None, states_then=None) -> 
     return envs
 
 
+def run_job(tmp_path, v6e4, **job) -> tuple[dict, list[str], float]:
+    """fleet.run_on_vm of one job on vm-a (fleet_cfg's fields): its result, the fleet's messages
+    and the seconds it took."""
+    messages, t0 = [], time.monotonic()
+    out = fleet.run_on_vm(fleet.Job(fleet_cfg(tmp_path), v6e4, [], "run", str(tmp_path / "job"),
+                                    **job), log=messages.append)
+    return out, messages, time.monotonic() - t0
+
+
 def changes(gcloud) -> list[str]:
     return [c[3] for c in gcloud.calls() if c[3] != "describe"]
 
@@ -64,11 +73,8 @@ def test_a_notice_stop_whose_vm_stays_up_past_the_lead_is_rerun_on_the_same_vm(
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
     monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.2)
     envs = stand_in(monkeypatch, iter([NOTICE, FINISHED]))
-    messages = []
-    job = fleet.Job(fleet_cfg(tmp_path), v6e4, [], "run", str(tmp_path / "job"), notice_lead_s=0.4)
-    t0 = time.monotonic()
-    out = fleet.run_on_vm(job, log=messages.append)
-    assert time.monotonic() - t0 >= 0.6  # watched VM_DOWN_WAIT_S + the lead, not less
+    out, messages, seconds = run_job(tmp_path, v6e4, notice_lead_s=0.4)
+    assert seconds >= 0.6  # watched VM_DOWN_WAIT_S + the lead, not less
     assert (out["step"], out["loss"], out["preemptions"]) == (40, 1.25, 1)
     assert changes(gcloud) == []  # the same VM, neither deleted nor created
     assert "fleet: the job on TPU vm-a stopped for a GCE notice; watching the VM for up to 0.6 s" \
@@ -152,20 +158,48 @@ def test_after_a_notice_stop_the_vm_takes_no_job_while_gcloud_shows_its_maintena
     gcloud.scenario("vm-a", states=["CREATING", "READY"])
     monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.1)
     envs = stand_in(monkeypatch, iter([NOTICE, FINISHED]))
-    messages = []
-    job = fleet.Job(fleet_cfg(tmp_path), v6e4, [], "run", str(tmp_path / "job"), notice_lead_s=0.1)
-    t0 = time.monotonic()
-    out = fleet.run_on_vm(job, log=messages.append)
+    out, messages, seconds = run_job(tmp_path, v6e4, notice_lead_s=0.1)
     assert (out["step"], out["preemptions"], len(envs)) == (40, 1, 2)
     assert any(m.startswith("fleet: TPU vm-a announces maintenance (SCHEDULED PENDING, window "
                             f"starts {window['windowStartTime']} (") for m in messages), messages
     if vm_goes_down:
         assert changes(gcloud) == ["delete", "create"]
+        assert seconds < 30  # the wait ended with the VM, long before the window
     else:
-        assert time.monotonic() - t0 >= 1.5  # until the window's end, not VM_DOWN_WAIT_S + lead
+        assert seconds >= 1.5  # until the window's end, not VM_DOWN_WAIT_S + lead
         assert changes(gcloud) == []
         assert any(m.startswith("fleet: TPU vm-a: its maintenance is no longer announced")
                    for m in messages), messages
+
+
+def test_the_wait_for_maintenance_ends_after_maintenance_wait_s(gcloud, tmp_path, v6e4,
+                                                                monkeypatch):
+    gcloud.add({**tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]),
+                "upcomingMaintenance": maintenance_window(started_s=60, ends_in_s=3600)})
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.1)
+    envs = stand_in(monkeypatch, iter([NOTICE, FINISHED]))
+    job = fleet.Job(fleet_cfg(tmp_path, maintenance_wait_s=0.5), v6e4, [], "run",
+                    str(tmp_path / "job"), notice_lead_s=0.1)
+    messages = []
+    t0 = time.monotonic()
+    out = fleet.run_on_vm(job, log=messages.append)
+    assert (out["step"], len(envs)) == (40, 2) and 0.5 <= time.monotonic() - t0 < 30
+    assert any(m.startswith("fleet: TPU vm-a: maintenance not over after ")
+               and "(last seen: SCHEDULED PENDING" in m for m in messages), messages
+
+
+def test_a_node_under_maintenance_is_waited_for_until_healthy(gcloud, tmp_path, v6e4):
+    """The maintenance under way: the node READY with health UNHEALTHY_MAINTENANCE (two
+    describes here) takes no job either; healthy again with nothing announced, the wait ends."""
+    gcloud.add({**tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]),
+                "x-health": ["UNHEALTHY_MAINTENANCE", "UNHEALTHY_MAINTENANCE", "HEALTHY"]})
+    messages = []
+    vm = fleet.Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=messages.append)
+    vm.wait_out_maintenance(0.1)
+    assert [c[3] for c in gcloud.calls()] == ["describe"] * 3
+    assert messages[0].startswith("fleet: TPU vm-a announces maintenance (health "
+                                  "UNHEALTHY_MAINTENANCE): it takes no job until that is over")
+    assert messages[1].startswith("fleet: TPU vm-a: its maintenance is no longer announced")
 
 
 def test_without_recreate_a_notice_stop_ends_the_launch_without_waiting_for_the_window(
@@ -202,7 +236,8 @@ def test_a_gcloud_that_cannot_say_whether_maintenance_is_announced_is_not_waited
 def test_a_pool_vm_waits_out_its_maintenance_while_another_takes_the_job(
         gcloud, tmp_path, v6e4, monkeypatch):
     """In a pool with recreate the noticed job goes back to the queue at once, for another VM,
-    while the noticed VM takes no job until gcloud no longer shows its maintenance."""
+    while the noticed VM takes no job until gcloud no longer shows its maintenance, or until no
+    job is left (here: the pool ends with the other VM's run, not with the hour's window)."""
     nodes = {name: tpu_node(name, ZONE, "v6e-4", [(host, host)])
              for name, host in (("vm-a", HOSTS[0]), ("vm-b", HOSTS[1]))}
     for node in nodes.values():
@@ -215,14 +250,17 @@ def test_a_pool_vm_waits_out_its_maintenance_while_another_takes_the_job(
         ran_on.append(cfg.tpu)
         if len(ran_on) > 1:
             return FINISHED
-        gcloud.add({**nodes[cfg.tpu], "upcomingMaintenance": maintenance_window(60, 1.5)})
+        gcloud.add({**nodes[cfg.tpu], "upcomingMaintenance": maintenance_window(60, 3600)})
         return NOTICE
 
     monkeypatch.setattr(fleet, "launch_job", launch)
-    cfg = fleet_cfg(tmp_path, tpu=None, pool=["vm-a", "vm-b"])
+    # maintenance_wait_s bounds a wait that would outlast the pool's jobs: 40 s, not 6 h
+    cfg = fleet_cfg(tmp_path, tpu=None, pool=["vm-a", "vm-b"], maintenance_wait_s=40)
     messages = []
+    t0 = time.monotonic()
     (outcome,) = pool.run_pool([fleet.Job(cfg, v6e4, [], "run", str(tmp_path / "job"))],
                                log=messages.append)
+    assert time.monotonic() - t0 < 30
     assert (outcome.state, outcome.history.count, outcome.result["step"]) == ("finished", 1, 40)
     assert ran_on[0] != ran_on[1]
     assert any(m.startswith(f"[{ran_on[0]}] fleet: TPU {ran_on[0]} announces maintenance")

@@ -113,9 +113,10 @@ def show_plan(cfg, plan: RunPlan) -> None:
 
 def checkpoint_to_read(cfg, run_dir: str) -> str:
     """``checkpoint.resume``, else the newest committed checkpoint of the run whose files match
-    its manifest (a damaged newer one is warned about and passed over); refused (with the path)
-    when there is none, the one named is not committed or damaged, or either cannot be loaded
-    safely (xtrain/checkpoint/io.py, check_loadable)."""
+    its manifest and hold every tensor it names (a damaged or incomplete newer one is warned
+    about and passed over); refused (with the path) when there is none, the one named is not
+    committed or damaged, or either cannot be loaded safely (xtrain/checkpoint/io.py,
+    check_loadable)."""
     from xtrain.checkpoint.io import check_loadable
     from xtrain.errors import InputError
     from xtrain.inputs import check_named_checkpoint, checkpoint_dir, newest_intact

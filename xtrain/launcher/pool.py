@@ -68,9 +68,14 @@ class JobQueue:
                     self.placed.pop(i, None)
                     self.in_flight += 1
                     return i
-                if not self.pending and not self.in_flight:
+                if self.drained():
                     return None
                 self.cond.wait()
+
+    def drained(self) -> bool:
+        """Nothing is left to run or to come back."""
+        with self.cond:
+            return not self.pending and not self.in_flight
 
     def finish(self, i: int, requeue: bool = False) -> None:
         with self.cond:
@@ -141,7 +146,7 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
             continue
         if vm.cfg.recreate:
             if noticed:  # its job is back in the queue, for another VM meanwhile
-                vm.wait_out_maintenance(job.notice_lead_s)
+                vm.wait_out_maintenance(job.notice_lead_s, needed=lambda: not queue.drained())
             why = _restore(vm, out.history)
             if why is None:
                 continue

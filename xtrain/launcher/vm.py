@@ -82,15 +82,17 @@ class Vm:
         node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
         return MAINTENANCE if node is not None and node_state(node) == MAINTENANCE else state
 
-    def wait_out_maintenance(self, lead_s: float) -> None:
+    def wait_out_maintenance(self, lead_s: float, needed=lambda: True) -> None:
         """After a job stopped for a GCE notice on this VM, which stayed up: wait while gcloud
         shows the node's maintenance (TPU API v2 ``Node.upcomingMaintenance``, judged as the
         job's own watcher judges the metadata server's: under way, or a window starting within
-        ``lead_s`` and not ended) and the node is READY, ``maintenance_wait_s`` at most. A job
-        started inside a window (hours) would stop again at once. A gcloud that cannot answer
-        ends the wait before anything was announced, and is asked again after."""
+        ``lead_s`` and not ended) or the node under it (health UNHEALTHY_MAINTENANCE), at most
+        ``maintenance_wait_s`` and while ``needed()`` (a pool with no job left needs no VM). A
+        job started inside a window (hours) would stop again at once. A node down or gone is
+        :meth:`restore`'s. A gcloud that cannot answer ends the wait before anything was
+        announced, and is asked again after."""
         t0, announced = time.monotonic(), None
-        while (waited := time.monotonic() - t0) < self.cfg.maintenance_wait_s:
+        while (waited := time.monotonic() - t0) < self.cfg.maintenance_wait_s and needed():
             try:
                 node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)
             except LaunchError as e:
@@ -99,9 +101,11 @@ class Vm:
                     return
                 time.sleep(self.cfg.poll_s)  # no verdict: asked again
                 continue
-            if node is None or node_state(node) != "READY":  # gone or down: restore's to handle
+            state = NOT_FOUND if node is None else node_state(node)
+            if state not in ("READY", MAINTENANCE):
                 return
-            reason = upcoming_maintenance(node.get("upcomingMaintenance"), lead_s)
+            reason = (f"health {MAINTENANCE}" if state == MAINTENANCE else
+                      upcoming_maintenance(node.get("upcomingMaintenance"), lead_s))
             if reason is None:
                 if announced:
                     self.log(f"fleet: {self}: its maintenance is no longer announced after "
@@ -113,9 +117,9 @@ class Vm:
                          f"{self.cfg.maintenance_wait_s:g} at most)")
             announced = reason
             time.sleep(self.cfg.poll_s)
-        if announced:
-            self.log(f"fleet: {self} still announces maintenance ({announced}) after "
-                     f"{clock(waited)}: going on")
+        if announced and needed():
+            self.log(f"fleet: {self}: maintenance not over after {clock(waited)} (last seen: "
+                     f"{announced}): going on")
 
     def health(self) -> str:
         return vm_health(self.state(), self.cfg.queued)
