@@ -71,12 +71,12 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
     checkpoint whose files match its manifest and, unless ``rewind``, not older than a commit in
     ``ckpt_dir``; it gives way to commits a run started from it wrote there: the same command
     run again continues its own work), else the newest such one in ``ckpt_dir`` holding every
-    tensor it names (newer corrupt or incomplete ones warned about and passed over), else None; checked against the configured model. Each
-    checkpoint's checksums are read once: by the ``early`` call (:func:`check_inputs`) for
-    ``checkpoint.resume``, so a bad one is refused before any work (and one that cannot be
-    loaded safely, which imports torch); by the run's call for the newest one (the early call
-    checks that one's model unverified, and leaves one whose meta.json is unreadable to the
-    run's call)."""
+    tensor it names (newer corrupt or incomplete ones warned about and passed over), else None;
+    checked against the configured model. Each checkpoint's checksums are read once: by the
+    ``early`` call (:func:`check_inputs`) for ``checkpoint.resume``, so a bad one is refused
+    before any work (and one that cannot be loaded safely, which imports torch); by the run's
+    call for the newest one (the early call checks that one's model unverified, and leaves one
+    whose meta.json is unreadable to the run's call)."""
     started_from = resume
     if resume and continued(resume, ckpt_dir):
         resume = None  # the same command run again (after a stop): its own newer work wins

@@ -107,7 +107,7 @@ class SPMDStrategy(SingleDeviceStrategy):
         the model and optimizer state once they are sharded on the devices. Before setup the
         model is a whole CPU copy and no optimizer exists, so every host read the whole
         checkpoint, and the optimizer state reached the devices unsharded (a full copy per chip)
-        until the first step."""
+        until training started."""
         return True
 
     def setup_environment(self) -> None:
