@@ -177,6 +177,18 @@ def test_a_suspended_queued_resource_is_recreated_as_one(gcloud, tmp_path, v6e4)
     assert Vm("qr-a", fleet_cfg(tmp_path, tpu="qr-a", queued=True), v6e4).state() == "ACTIVE"
 
 
+def test_a_suspending_queued_resource_is_deleted_once_suspended(gcloud, tmp_path, v6e4):
+    """SUSPENDING: the service is taking the resource down (preempted); the recreation waits for
+    SUSPENDED before its delete, as for DELETING."""
+    gcloud.add({**queued_resource("qr-a", "v6e-4", "SUSPENDING"),
+                "x-states": ["SUSPENDING", "SUSPENDING", "SUSPENDED"]}, queued=True)
+    gcloud.scenario("qr-a", states=["ACTIVE"])
+    Vm("qr-a", fleet_cfg(tmp_path, tpu="qr-a", queued=True), v6e4, log=print).restore()
+    queued = [c[3] for c in gcloud.calls() if c[2] == "queued-resources"]
+    assert queued[:5] == ["describe", "describe", "describe", "delete", "describe"], queued
+    assert "create" in queued
+
+
 def test_a_recreation_that_never_gets_ready_is_deleted_and_fails(gcloud, tmp_path, v6e4):
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="TERMINATED"))
     gcloud.scenario("vm-a", states=["CREATING"])

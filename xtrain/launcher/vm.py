@@ -23,8 +23,10 @@ NOT_FOUND = "NOT_FOUND"  # gcloud does not know the name (deleted)
 NODE_STATES = {"READY": UP, "CREATING": PENDING, "STARTING": PENDING, "RESTARTING": PENDING,
                "REIMAGING": PENDING, "REPAIRING": PENDING, "UNHIDING": PENDING,
                MAINTENANCE: PENDING}
-# QueuedResourceState.State: ACTIVE is usable, these are on their way; SUSPENDING, SUSPENDED
-# (preempted), FAILED (no capacity in time) and DELETING must be deleted and created again.
+# QueuedResourceState.State: ACTIVE is usable, these are on their way; SUSPENDED (preempted) and
+# FAILED (no capacity in time) must be deleted and created again; SUSPENDING (being taken down by
+# the service, a state the TPU API's delete does not mention) and DELETING once they are out
+# (Vm.restore waits for them).
 QUEUED_STATES = {"ACTIVE": UP, "CREATING": PENDING, "ACCEPTED": PENDING, "PROVISIONING": PENDING,
                  "WAITING_FOR_RESOURCES": PENDING, MAINTENANCE: PENDING}  # (its node's health)
 
@@ -169,7 +171,7 @@ class Vm:
                     self.gcloud.delete(self.name, cfg.zone, cfg.project, cfg.queued)
                 raise LaunchError(f"{self} is still {state} after {clock(waited)} "
                                   f"(hydra.launcher.ready_timeout_s={cfg.ready_timeout_s:g})")
-            if health == PENDING or state == "DELETING":  # on its way up, or out
+            if health == PENDING or state in ("DELETING", "SUSPENDING"):  # on its way up, or out
                 time.sleep(cfg.poll_s)
                 continue
             if state != NOT_FOUND:
