@@ -259,7 +259,10 @@ def test_ctrl_c_while_a_run_starts_ends_it_in_one_line(tmp_path):
         time.sleep(0.02)
     p.send_signal(signal.SIGINT)
     code, out, err = finish(p)
-    assert code == 130, err[-3000:]
+    # 130, or death by SIGINT, which a shell reports as 130 too: CPython 3.11 at times ends a
+    # process that caught its KeyboardInterrupt that way (its process-wide flag for an unhandled
+    # one is set by other code paths as well; cpython gh-128130): seen once in CI here
+    assert code in (130, -signal.SIGINT), err[-3000:]
     assert "Traceback" not in err and "step " not in out
     assert err.splitlines()[-1] == ("xtrain: interrupted (SIGINT); a run resumes from its last "
                                     "committed checkpoint")
