@@ -123,14 +123,13 @@ def checkpoint_to_read(cfg, run_dir: str) -> str:
 
     if cfg.checkpoint.resume:
         check_named_checkpoint(cfg.checkpoint.resume)
-        path = cfg.checkpoint.resume
-    else:
-        directory = checkpoint_dir(cfg, run_dir)
-        path = newest_intact(directory)
-        if path is None:
-            raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} "
-                             "(train this run first, or set checkpoint.resume=PATH)")
-    check_loadable(path)  # before the tokenizer, the data or the model
+        check_loadable(cfg.checkpoint.resume)  # before the tokenizer, the data or the model
+        return cfg.checkpoint.resume
+    directory = checkpoint_dir(cfg, run_dir)
+    path = newest_intact(directory)  # checked as loadable on the way (missing_tensors)
+    if path is None:
+        raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} "
+                         "(train this run first, or set checkpoint.resume=PATH)")
     return path
 
 
