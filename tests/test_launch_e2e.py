@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,15 +131,27 @@ def test_tpu_vm_trains_d2_remotely_and_returns_its_final_loss(remote, gcloud, hy
     assert "MASTER_ADDR=10.146.0.5" in (job_dir(remote, "e2e-vm") / "run.sh").read_text()
 
 
-def test_a_launched_sweeps_jobs_log_to_its_wandb_group(remote, tmp_path):
-    """The worker runs its job alone, outside the sweep: the group is resolved here and passed on."""
+def test_a_launched_sweeps_jobs_log_to_its_wandb_group_and_keep_its_run_on_a_new_vm(remote,
+                                                                                   tmp_path):
+    """The worker runs its job alone, outside the sweep: the group is resolved here and passed on.
+    The W&B run id is the local job dir's: the same command on a VM that lost its disk (a
+    recreated spot VM: no job or run dir there) continues the same W&B run."""
     args = TINY + ["trainer.max_steps=2", "run.name=e2e-group", "logger=[jsonl,wandb]",
                    "logger.wandb.mode=offline"] + remote.overrides()
+    remote_run = remote.root(HOSTS[0]) / "runs" / "e2e-group"
     r = run_xtrain(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    (run,) = wandb_runs(remote.root(HOSTS[0]) / "runs" / "e2e-group")
-    sweep = local_job_dir(tmp_path, "e2e-group").parent.name
+    (run,) = wandb_runs(remote_run)
+    local = local_job_dir(tmp_path, "e2e-group")
+    sweep = local.parent.name
     assert "," in sweep and run["group"] == sweep  # its name, quoted on the worker's command line
+    for gone in (remote_run, job_dir(remote, "e2e-group")):
+        shutil.rmtree(gone)
+    r = run_xtrain(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (again,) = wandb_runs(remote_run)
+    assert again["id"] == run["id"] == (local / "wandb-run-id").read_text()
+    assert (remote_run / "wandb-run-id").read_text() == run["id"]
 
 
 def tree_snapshot(root: Path) -> dict:

@@ -323,6 +323,28 @@ def test_a_jobs_result_says_why_only_this_attempt_stopped(tmp_path):
     assert "stopped_for" not in third and "stop_reason" not in third
 
 
+def test_the_job_dirs_metrics_keep_the_attempts_of_a_vm_that_was_recreated(tmp_path):
+    """Each attempt's result copies rank 0's metrics.jsonl into the job dir. On the same VM the
+    remote file continues the copy; a recreated VM's (a new disk) starts over and is appended,
+    so the earlier attempts' records stay."""
+    from xtrain.observe.plots import read_records
+
+    def rows(*steps) -> str:
+        return "".join(json.dumps({"step": s, "kind": "train", "loss": 10.0 - s / 10}) + "\n"
+                       for s in steps)
+
+    def fetched(metrics: str) -> str:
+        worker0 = SimpleNamespace(root="/remote", run=lambda *args: SimpleNamespace(stdout=metrics))
+        result(worker0, "run", str(tmp_path), [JobState("exited", 0, False, None, 0, None)],
+               lambda m: None, "a")
+        return (tmp_path / "metrics.jsonl").read_text()
+
+    assert fetched(rows(5, 10)) == rows(5, 10)
+    assert fetched(rows(5, 10, 15)) == rows(5, 10, 15)  # the same VM: its file, not twice
+    assert fetched(rows(15, 20)) == rows(5, 10, 15, 15, 20)  # a new VM resumed at step 10
+    assert [r["step"] for r in read_records(str(tmp_path))] == [5, 10, 15, 20]
+
+
 def test_without_recreate_a_notice_stop_whose_vm_stays_up_is_reported_not_failed(
         gcloud, tmp_path, v6e4, monkeypatch):
     """Without recreate nothing is re-run: the stopped job's result is the launch's (exit 143 at

@@ -166,6 +166,22 @@ def test_wandb_mode_follows_the_key_and_wandb_mode(tmp_path, monkeypatch):
     assert choose_mode("online", {}) == "online"  # `wandb login` stored a key
 
 
+def test_a_wandb_run_left_open_by_a_failed_job_is_not_the_next_jobs(tmp_path, monkeypatch):
+    """Jobs of a sweep share a process: one that failed before closing its run must not hand it
+    to the next (W&B's default outside notebooks returns the run already open)."""
+    from xtrain.observe.wandb_run import RUN_ID_FILE, wandb_logger
+
+    monkeypatch.delenv("XTRAIN_WANDB_RUN_ID", raising=False)
+    first = wandb_logger(str(tmp_path / "a"), str(tmp_path / "a"), "a", {}, mode="offline")
+    try:
+        second = wandb_logger(str(tmp_path / "b"), str(tmp_path / "b"), "b", {}, mode="offline")
+        assert second.experiment.id == (tmp_path / "b" / RUN_ID_FILE).read_text()
+        assert second.experiment.id != first.experiment.id
+        second.experiment.finish()
+    finally:
+        first.experiment.finish()
+
+
 def test_logger_options_compose_against_their_schema_and_every_target_imports(compose_config):
     import importlib
 

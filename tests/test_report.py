@@ -110,13 +110,38 @@ def test_the_summary_and_the_eval_chart_take_scores_not_timings():
     samples = [{"id": "a", "difficulty": "easy", "compiled": True, "outcome": "passed"},
                {"id": "a", "difficulty": "easy", "compiled": False, "outcome": "compile_error"}]
     scores = score(samples, [1])
-    records = [{"kind": "eval", "step": 10, **scores, "cpp_eval_seconds": 9.0},
-               {"kind": "eval", "step": 20, **{k: v / 2 for k, v in scores.items()},
+    # the best score neither first nor last, so "best" cannot be either of those
+    records = [{"kind": "eval", "step": 10, **{k: v / 2 for k, v in scores.items()},
+                "cpp_eval_seconds": 9.0},
+               {"kind": "eval", "step": 20, **scores, "cpp_eval_seconds": 8.0},
+               {"kind": "eval", "step": 30, **{k: v / 4 for k, v in scores.items()},
                 "cpp_eval_seconds": 1.0, "cpp_generate_tok_per_s": 50.0}]
     assert eval_metrics(records) == sorted(scores)  # every score, nothing else
     row = summary_row("run", records, eval_metrics(records))
     assert row["best cpp_pass_rate"] == scores["cpp_pass_rate"] == 0.5
     assert not [k for k in row if "seconds" in k or "tok_per_s" in k]
+
+
+def test_records_follow_the_last_attempt_and_a_torn_line_is_skipped(tmp_path, caplog):
+    """A run killed at step 16 (its last checkpoint at 10) resumed and logged steps 12 and 14
+    again: the killed attempt's records from step 12 on are gone, those before stay, and so do
+    its interruption records; the resumed run's line cut short by a VM's stop is skipped."""
+    from xtrain.observe.plots import read_records
+
+    lines = [{"step": 10, "kind": "train", "loss": 3.0}, {"step": 10, "kind": "val", "val_bpb": 2.0},
+             {"step": 12, "kind": "train", "loss": 2.9}, {"step": 14, "kind": "train", "loss": 2.8},
+             {"step": 14, "kind": "val", "val_bpb": 1.9}, {"step": 16, "kind": "train", "loss": 2.7},
+             {"step": 16, "kind": "stop", "stopped_for": "signal"},
+             {"step": 10, "kind": "preemption", "preemptions": 1},
+             {"step": 12, "kind": "train", "loss": 2.95}, {"step": 14, "kind": "train", "loss": 2.85}]
+    text = "\n".join(json.dumps(x) for x in lines) + '\n{"step": 16, "kind": "tra\n'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    with caplog.at_level("WARNING"):
+        records = read_records(str(tmp_path))
+    assert [(r["kind"], r["step"]) for r in records] == [
+        ("train", 10), ("val", 10), ("preemption", 10), ("train", 12), ("train", 14), ("stop", 16)]
+    assert [r["loss"] for r in records if r["kind"] == "train"] == [3.0, 2.95, 2.85]
+    assert "metrics.jsonl: skipped 1 line(s) that are not JSON records" in caplog.text
 
 
 def test_report_refuses_an_unknown_metric_and_a_dir_without_runs(sweep, tmp_path):

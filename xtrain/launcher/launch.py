@@ -35,7 +35,9 @@ from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.sync import code_files, source_root, sync
 from xtrain.launcher.targets import resolve_targets
 from xtrain.launcher.worker import Worker
+from xtrain.observe.plots import parse_records
 from xtrain.observe.preemptions import ATTEMPT, NOTICE
+from xtrain.observe.wandb_run import RUN_ID_ENV, run_id
 
 PREEMPTED = 143  # xtrain's exit code after a SIGTERM checkpoint (128 + SIGTERM)
 
@@ -87,7 +89,8 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
             log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
         # not before_start: a start cut short may have left the job running (job.start raises
         # VmUnavailable itself where the worker refused it)
-        attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log)
+        attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log,
+                              {RUN_ID_ENV: run_id(job_dir)})
         log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
             f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
         offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
@@ -164,8 +167,10 @@ def parallel(fn, items):
     return [f.result() for f in futures]
 
 
-def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, log) -> str:
-    """Start a new attempt of the job on every worker; returns its id. If one worker cannot
+def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, log,
+                job_ids: dict[str, str]) -> str:
+    """Start a new attempt of the job on every worker; returns its id. ``job_ids``: variables
+    naming the job itself, kept in the local job dir (the W&B run id). If one worker cannot
     start, those that did are stopped (a pod's workers would wait for the missing one) and
     marked seen, so the next launch starts afresh; the error is raised."""
     attempt = time.strftime("%Y%m%d-%H%M%S-") + random_tokens.token_hex(3)
@@ -177,7 +182,8 @@ def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, lo
     def start(job):
         try:
             return job.start(commands[job.worker.index], job.worker.code,
-                             job_env(cfg, job.worker, workers, attempt), secret_values, attempt,
+                             {**job_env(cfg, job.worker, workers, attempt), **job_ids},
+                             secret_values, attempt,
                              cfg.stop_grace_s, lockfile)
         except (LaunchError, OSError) as e:
             return e
@@ -321,11 +327,9 @@ def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dic
     record only from this ``attempt`` (an earlier one's would say why that one stopped)."""
     r = worker0.run(f"cat {shlex.quote(run_dir(worker0, job_id))}/metrics.jsonl 2>/dev/null\n",
                     "metrics")
-    with open(os.path.join(job_dir, "metrics.jsonl"), "w") as f:
-        f.write(r.stdout)
+    keep_metrics(os.path.join(job_dir, "metrics.jsonl"), r.stdout)
     final: dict = {}
-    for line in r.stdout.splitlines():
-        row = json.loads(line)
+    for row in parse_records(r.stdout, f"{worker0}: metrics.jsonl"):
         if row.get("kind") != "stop" or row.get("attempt") == attempt:
             final.update(row)
     final["remote_run_dir"] = run_dir(worker0, job_id)
@@ -339,6 +343,16 @@ def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dic
     shown = ", ".join(f"{k} {final[k]}" for k in ("step", "loss", "val_loss") if k in final)
     log(f"launch: job {job_id} ended on every worker: {shown or 'no metrics'}")
     return final
+
+
+def keep_metrics(path: str, remote: str) -> None:
+    """The job dir's copy of rank 0's metrics.jsonl. The remote file only grows while its run dir
+    lasts; one that does not continue the copy is a new run dir (a VM recreated after a
+    preemption): it is appended, so the copy keeps the earlier attempts' records (plots and
+    xtrain.report read the last attempt's records of steps logged twice)."""
+    have = open(path).read() if os.path.exists(path) else ""
+    with open(path, "w") as f:
+        f.write(remote if remote.startswith(have) else have + remote)
 
 
 def stop_job(jobs, probes, grace_s: float, log) -> dict:

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 
 from xtrain.paths import url_to_fs
 
+log = logging.getLogger(__name__)
 NOT_METRICS = ("step", "time", "kind")
+# records of a run's interruptions, kept when a resumed run logs their steps again
+KEPT_ON_RESUME = ("preemption", "stop")
 # the run dir's plots: file name -> (title, [(record kind, metric, label)], y label)
 RUN_PLOTS = {
     "loss.png": ("loss", [("train", "loss", "train"), ("val", "val_loss", "validation")],
@@ -21,15 +25,45 @@ RUN_PLOTS = {
 
 
 def read_records(run_dir: str, filename: str = "metrics.jsonl") -> list[dict]:
-    """A run's records, the last one of each (kind, step) winning: a resumed run logs again
-    from its checkpoint's step."""
-    fs, root = url_to_fs(f"{run_dir.rstrip('/')}/{filename}")
-    latest = {}
-    for line in fs.cat_file(root).decode().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            latest[(r.get("kind", "train" if "loss" in r else "other"), r["step"])] = r
+    """A run's records as its last attempt logged them. A resumed run logs again from its
+    checkpoint's step: a train record at or before a step already logged drops every earlier
+    record from that step on (the interrupted attempt's, which training no longer follows),
+    except ``preemption`` and ``stop`` records, the history of the interruptions."""
+    path = f"{run_dir.rstrip('/')}/{filename}"
+    fs, root = url_to_fs(path)
+    records: list[dict] = []
+    furthest = -1
+    for r in parse_records(fs.cat_file(root).decode(), path):
+        if _kind(r) == "train":
+            if r["step"] <= furthest:
+                records = [x for x in records if x["step"] < r["step"] or x.get("kind") in KEPT_ON_RESUME]
+            furthest = r["step"]
+        records.append(r)
+    latest = {(_kind(r), r["step"]): r for r in records}
     return sorted(latest.values(), key=lambda r: r["step"])
+
+
+def parse_records(text: str, source: str) -> list[dict]:
+    """The records of a metrics.jsonl's text. A line that is not a record (one cut short when a VM
+    stopped mid-write) is skipped with a warning naming ``source``."""
+    records, torn = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            r["step"] = int(r["step"])
+        except (ValueError, KeyError, TypeError):
+            torn += 1
+            continue
+        records.append(r)
+    if torn:
+        log.warning("%s: skipped %d line(s) that are not JSON records", source, torn)
+    return records
+
+
+def _kind(record: dict) -> str:
+    return record.get("kind", "train" if "loss" in record else "other")
 
 
 def metric_names(records: list[dict]) -> set[str]:

@@ -23,6 +23,9 @@ from xtrain.paths import url_to_fs
 
 log = logging.getLogger(__name__)
 RUN_ID_FILE = "wandb-run-id"  # in the run dir: the W&B run a resumed run continues
+# set by the launcher (xtrain/launcher/launch.py) from the local job dir, which outlives the VM:
+# a job re-run on a recreated VM (an empty run dir) continues the same W&B run
+RUN_ID_ENV = "XTRAIN_WANDB_RUN_ID"
 _OFFLINE_NAMES = ("offline", "dryrun")
 
 
@@ -61,16 +64,18 @@ def choose_mode(mode: WandbMode | str, environ=os.environ) -> str:
     return "offline"
 
 
-def run_id(run_dir: str) -> str:
+def run_id(run_dir: str, environ=os.environ) -> str:
     """The run dir's W&B run id, created on first use: the same for every restart of the run (a
-    resumed run continues its W&B run), new once the run dir is gone."""
+    resumed run continues its W&B run), new once the run dir is gone. A launched job's id comes
+    from its launcher (RUN_ID_ENV) and is written to the run dir."""
     fs, root = url_to_fs(f"{run_dir.rstrip('/')}/{RUN_ID_FILE}")
-    if fs.exists(root):
+    given = environ.get(RUN_ID_ENV, "").strip()
+    if not given and fs.exists(root):
         return fs.cat_file(root).decode().strip()
-    new = secrets.token_hex(6)  # W&B ids: lowercase letters and digits
+    chosen = given or secrets.token_hex(6)  # W&B ids: lowercase letters and digits
     fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(root, new.encode())
-    return new
+    fs.pipe_file(root, chosen.encode())
+    return chosen
 
 
 def describe_mode(chosen: str, mode: WandbMode | str, files: str, environ=os.environ) -> str:
@@ -98,9 +103,11 @@ def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
     settings = wandb.Settings(mode=chosen, console="off", silent=True, git_root=git_root,
                               disable_git=git_root is None)
     os.makedirs(local_dir, exist_ok=True)
+    # finish_previous: a run left open in this process (a sweep's earlier job that failed) is
+    # finished, not continued (W&B's default outside notebooks returns it)
     run = wandb.init(project=project, entity=entity, name=run_name, id=run_id(run_dir),
                      resume="allow", group=group, tags=list(tags) or None, dir=local_dir,
-                     config=run_config, settings=settings)
+                     config=run_config, settings=settings, reinit="finish_previous")
     # the x axis of every chart is the training step (WandbLogger logs it as trainer/global_step)
     run.define_metric("trainer/global_step")
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)

@@ -72,12 +72,11 @@ def build_run_log(cfg, plan: RunPlan, run_dir: str, engine: Engine, start_step: 
     from xtrain.observe.bundle import write_bundle
     from xtrain.observe.loggers import build_run_log as build
 
-    run_log = build(cfg.logger, run_dir, cfg.run.name, to_plain(cfg), plan.max_steps, start_step,
-                    engine.rank)
-    if engine.rank == 0:
+    if engine.rank == 0:  # first: a failure here leaves no logger (a W&B run) open
         write_bundle(run_dir, start_step, to_plain(cfg), {"engine": engine.name, "mesh": plan.mesh,
                                                           "devices": engine.devices()})
-    return run_log
+    return build(cfg.logger, run_dir, cfg.run.name, to_plain(cfg), plan.max_steps, start_step,
+                 engine.rank)
 
 
 def run_meta(cfg, tokenizer_fingerprint: str | None = None, max_steps: int | None = None) -> dict:
