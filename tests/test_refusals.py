@@ -370,7 +370,12 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
             ("hardware.env.HF_TOKEN", "HF_TOKEN", ["mode=plan", f"+hardware.env.HF_TOKEN={value}"]),
             ("hardware.env.MY_API_KEY", "MY_API_KEY",
              ["-m", "mode=plan", f"++hardware.env.MY_API_KEY={value}", "optim.matrix_lr=0.01,0.02"]),
-            ("hardware.env", "HF_TOKEN", ["mode=plan", f"hardware.env={{XLA_FLAGS: x, HF_TOKEN: {value}}}"])):
+            ("hardware.env", "HF_TOKEN", ["mode=plan", f"hardware.env={{XLA_FLAGS: x, HF_TOKEN: {value}}}"]),
+            ("hardware.env", "HF_TOKEN", ["mode=plan", f"hardware.env={{'HF_TOKEN': '{value}'}}"]),
+            ("hardware.env.hfToken", "hfToken", ["mode=plan", f"+hardware.env.hfToken={value}"]),
+            # an AWS secret access key (base64) may start with a slash: no file, no path's name
+            ("hardware.env.AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY",
+             ["mode=plan", f"+hardware.env.AWS_SECRET_ACCESS_KEY=/{value}"])):
         r = subprocess.run([sys.executable, "-m", "xtrain", *args], cwd=tmp_path, capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
@@ -394,6 +399,27 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
                         "+hardware.env.GOOGLE_APPLICATION_CREDENTIALS=/home/me/service-account.json"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_hydras_rerun_which_unpickles_a_file_is_refused(tmp_path):
+    """``--experimental-rerun FILE`` would unpickle FILE: a crafted one runs code."""
+    import pickle
+
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    crafted = tmp_path / "config.pickle"
+    crafted.write_bytes(pickle.dumps(Payload()))
+    for args in (["--experimental-rerun", str(crafted)], [f"--experimental-re={crafted}"]):
+        r = subprocess.run([sys.executable, "-m", "xtrain", *args], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+        assert r.stderr.startswith(f"xtrain: config error: {args[0].split('=')[0]}: Hydra's re-run "
+                                   "unpickles a file, which can run code")
+        assert not marker.exists()
 
 
 def test_a_secret_in_a_config_file_is_refused_and_leaves_nothing(tmp_path):

@@ -67,8 +67,23 @@ def secondary_process_overrides(env=os.environ) -> list[str]:
     return ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
 
+RERUN_OPTION = "--experimental-rerun"
+
+
+def check_no_rerun(args: list[str]) -> None:
+    """Hydra's ``--experimental-rerun FILE`` unpickles FILE (a run dir's config.pickle), so any
+    code a crafted file holds would run: refused, like an abbreviation argparse would accept."""
+    for arg in args:
+        option = arg.split("=", 1)[0]
+        if len(option) > 2 and RERUN_OPTION.startswith(option):
+            raise ConfigError(f"{option}: Hydra's re-run unpickles a file, which can run code; not "
+                              "supported (run the command again: its overrides are in the run "
+                              "dir's .hydra/overrides.yaml)")
+
+
 def main() -> None:
     try:
+        check_no_rerun(sys.argv[1:])
         check_no_secret_overrides(sys.argv[1:])
     except ConfigError as ex:
         refuse(ex)

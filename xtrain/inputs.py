@@ -14,7 +14,7 @@ import threading
 from xtrain import compat
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_checkpoints,
-                                      latest_checkpoint, newer_commits, read_meta)
+                                      latest_checkpoint, newer_commits, read_meta, saved_config)
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
                            StorageError, warn)
 from xtrain.model.config import GPTConfig
@@ -53,11 +53,10 @@ def saved_meta(path: str) -> dict:
 def check_compatible(path: str, gpt: GPTConfig, meta: dict) -> None:
     """Refuse a checkpoint whose model (in its ``meta``, see :func:`saved_meta`) differs in
     shape from the configured one."""
-    from omegaconf import OmegaConf
-
+    saved = saved_config(meta, path)
     try:
-        saved_model = OmegaConf.create(meta["config"]["model"])
-    except (KeyError, TypeError, ValueError) as e:
+        saved_model = saved.model
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
     diff = gpt.differences(GPTConfig.from_model(saved_model))
     if diff:

@@ -136,13 +136,11 @@ def checkpoint_to_read(cfg, run_dir: str) -> str:
 def checkpoint_inputs(path: str):
     """A checkpoint's saved config (which decides the model and tokenizer, not this run's), its
     tokenizer and its step."""
-    from omegaconf import OmegaConf
-
-    from xtrain.checkpoint.layout import read_meta
+    from xtrain.checkpoint.layout import read_meta, saved_config
     from xtrain.data import prepare
 
     meta = read_meta(path)
-    saved = OmegaConf.create(meta["config"])
+    saved = saved_config(meta, path)
     return saved, prepare(saved.data, log=log.info), int(meta.get("step") or 0)
 
 

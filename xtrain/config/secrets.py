@@ -19,10 +19,19 @@ SECRET_VALUE = re.compile(r"://[^/\s:@]*:[^/\s@]+@|\b(gh[pousr]_[A-Za-z0-9]{30,}
                           r"|hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{30,}|AKIA[0-9A-Z]{16})\b")
 
 
+# words of a name saying its value is a file (GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN_PATH)
+PATH_WORDS = {"credential", "credentials", "file", "path", "dir"}
+
+
+def _words(name: str) -> list[str]:
+    """WANDB_API_KEY, wandb-api-key and wandbApiKey all give wandb, api, key."""
+    return re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower())
+
+
 def is_secret_name(name: str) -> bool:
-    """WANDB_API_KEY, HF_TOKEN, GOOGLE_APPLICATION_CREDENTIALS: a word of the name says secret
-    (``tokenizer`` or ``keep_last`` do not)."""
-    return any(word in SECRET_WORDS for word in re.split(r"[^a-z0-9]+", name.lower()))
+    """WANDB_API_KEY, HF_TOKEN, hfToken, GOOGLE_APPLICATION_CREDENTIALS: a word of the name says
+    secret (``tokenizer`` or ``keep_last`` do not)."""
+    return any(word in SECRET_WORDS for word in _words(name))
 
 
 def has_secret_value(text: str) -> bool:
@@ -35,18 +44,28 @@ SECRET_NAMES_VAR = "XTRAIN_SECRET_NAMES"
 MIN_SECRET_CHARS = 8  # shorter values under secret names are flags (HF_HUB_DISABLE_IMPLICIT_TOKEN=1)
 
 
-def may_be_secret(value: str) -> bool:
-    """Whether a value under a secret's name can be one: not a short flag
-    (``HF_HUB_DISABLE_IMPLICIT_TOKEN=1``) nor a path (``GOOGLE_APPLICATION_CREDENTIALS=/sa.json``)."""
-    return len(value) >= MIN_SECRET_CHARS and not value.startswith(("/", "~", "./", "../"))
+def may_be_secret(value: str, name: str = "") -> bool:
+    """Whether a value under the secret's name ``name`` can be one: not a short flag
+    (``HF_HUB_DISABLE_IMPLICIT_TOKEN=1``) nor a path, which a value starting like one is when the
+    name says it is a file (``GOOGLE_APPLICATION_CREDENTIALS=/sa.json``) or the file exists here
+    (an AWS secret access key, base64, may start with a slash)."""
+    if len(value) < MIN_SECRET_CHARS:
+        return False
+    if value.startswith(("/", "~", "./", "../")):
+        return not (PATH_WORDS & set(_words(name)) or os.path.exists(os.path.expanduser(value)))
+    return True
+
+
+def secret_env(environ=os.environ) -> dict[str, str]:
+    """Environment variables whose names say they are secret (WANDB_API_KEY, ...), or that a
+    launcher forwarded as secrets, with values long enough to be one."""
+    forwarded = set(environ.get(SECRET_NAMES_VAR, "").split(","))
+    return {k: v for k, v in environ.items()
+            if (is_secret_name(k) or k in forwarded) and len(v) >= MIN_SECRET_CHARS}
 
 
 def secret_values(environ=os.environ) -> set[str]:
-    """Values of environment variables whose names say they are secret (WANDB_API_KEY, ...), or
-    that a launcher forwarded as secrets."""
-    forwarded = set(environ.get(SECRET_NAMES_VAR, "").split(","))
-    return {v for k, v in environ.items()
-            if (is_secret_name(k) or k in forwarded) and len(v) >= MIN_SECRET_CHARS}
+    return set(secret_env(environ).values())
 
 
 def _instead(name: str | None) -> str:
@@ -64,9 +83,10 @@ def check_no_secret_overrides(args: list[str]) -> None:
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
         # the key's last part, and the keys of a dict value (hardware.env={HF_TOKEN:...})
-        names = [re.split(r"[./@]", key)[-1], *re.findall(r"[{,]\s*([A-Za-z_][\w-]*)\s*:", value)]
+        names = [re.split(r"[./@]", key)[-1],
+                 *re.findall(r"[{,]\s*['\"]?([A-Za-z_][\w-]*)['\"]?\s*:", value)]
         name = next((n for n in names[1:] if is_secret_name(n)), None)  # a dict value: any of its keys
-        if not name and is_secret_name(names[0]) and may_be_secret(value):
+        if not name and is_secret_name(names[0]) and may_be_secret(value, names[0]):
             name = names[0]
         if name or has_secret_value(value):
             raise ConfigError(
@@ -85,7 +105,7 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=resolved)
-    env_secrets = {v for v in secret_values() if may_be_secret(v)} if resolved else set()
+    env_secrets = {v for k, v in secret_env().items() if may_be_secret(v, k)} if resolved else set()
     found = _secret_values(plain, prefix.rstrip("."), "", env_secrets)
     if found:
         key, name = found[0]
@@ -112,7 +132,7 @@ def _secret_values(node, path: str, name: str, env_secrets: set[str]) -> list[tu
     literal = node
     while INTERPOLATION.search(literal):
         literal = INTERPOLATION.sub("", literal)
-    by_name = literal == node and is_secret_name(name) and may_be_secret(node)
+    by_name = literal == node and is_secret_name(name) and may_be_secret(node, name)
     if by_name or has_secret_value(literal) or any(secret in node for secret in env_secrets):
         return [(path, name)]
     return []
