@@ -187,6 +187,46 @@ def test_code_files_are_tracked_and_untracked_not_ignored_minus_secrets_and_data
     assert "+ /pkg/\n" in rules and "+ /pkg/mod.py\n" in rules and rules.endswith("- *\n")
 
 
+@pytest.mark.parametrize("rel, text, why", [
+    # a service account key as Google names its download (private key shortened; key headers are
+    # spelled in pieces, as this file is synced too)
+    ("my-project-1a2b3c4d5e6f.json", '{"type": "service_account", "project_id": "p",\n'
+     ' "private_key": "-----BEGIN ' + 'PRIVATE KEY-----\\nMIIEvQ\\n-----END PRIVATE KEY-----\\n"}\n',
+     "a private key"),
+    ("deploy/host", "-----BEGIN OPENSSH " + "PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjE\n", "a private key"),
+    ("run_tpu.sh", "#!/bin/bash\nexport WANDB_API_KEY=0f1e2d3c4b5a69788796a5b4c3d2e1f0a1b2c3d4\n",
+     "WANDB_API_KEY set to a literal"),
+    ("conf/private.yaml", "model: d4\napi_key: '9a8b7c6d5e4f3a2b1c0d'  # prod\n", "api_key set to a literal"),
+    ("notes.bak", "pip install --index-url https://ci:" + "pw4ever@pypi.example.com/simple x\n",
+     "a value of a secret's form"),
+    ("pkg/env_copy.py", "# HOME_TOKEN_VALUE\n", "the value of a secret environment variable"),
+])
+def test_a_file_whose_text_holds_a_secret_is_refused_whatever_its_name(tmp_path, monkeypatch, rel,
+                                                                      text, why):
+    root = git_tree(tmp_path / "repo")
+    monkeypatch.setenv("HOME_TOKEN", "HOME_TOKEN_VALUE")
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text(text)
+    with pytest.raises(ConfigError) as e:
+        code_files(root, Runner())
+    assert str(e.value).startswith(f"1 file(s) to sync hold a secret: {rel} ({why}")
+    assert "hydra.launcher.exclude" in str(e.value)
+    for secret in ("MIIEvQ", "b3BlbnNzaC1rZXktdjE", "0f1e2d3c", "9a8b7c6d", "pw4ever", "HOME_TOKEN_VALUE"):
+        assert secret not in str(e.value)
+    assert rel not in code_files(root, Runner(), exclude=[Path(rel).name])
+
+
+def test_code_that_names_secrets_is_synced():
+    """This checkout (its tests spell fake secrets in pieces) and code that only handles them."""
+    from xtrain.config.secrets import secret_in_text
+
+    code_files(ROOT, Runner())  # refuses nothing
+    for text in ('token = tokenizer.encode_ordinary(text_chunk)\n', 'api_key: ${oc.env:WANDB_API_KEY}\n',
+                 'export HF_TOKEN="$HF_TOKEN"\n', 'GOOGLE_APPLICATION_CREDENTIALS=/home/me/sa-key-0123.json\n',
+                 'password_field: password_input_box\n', "keep_last: 3\n"):
+        assert secret_in_text(text) is None, text
+
+
 def test_a_big_file_is_refused_before_anything_is_copied(tmp_path):
     root = git_tree(tmp_path / "repo")
     (root / "weights.bin").write_bytes(b"\0" * (3 * 2**20))

@@ -242,7 +242,7 @@ def test_values_of_a_secrets_form_are_masked_whatever_their_keys():
     from xtrain.observe.bundle import mask_secrets
 
     github, hf = "ghp_" + "A1b2" * 9, "hf_" + "Xy9" * 11
-    config = {"pip_args": ["--index-url=https://ci:s3cr3tT0k@pypi.example.com/simple"],
+    config = {"pip_args": ["--index-url=https://ci:" + "s3cr3tT0k@pypi.example.com/simple"],  # in pieces: synced
               "env": {"GH_LOGIN": github, "NOTE": f"made with {hf}"}, "aws": "AKIA" + "Q7" * 8,
               "keep": ["https://pypi.org/simple", "gs://bucket/runs", "git@github.com:o/r.git",
                        "hf_hub", "ghp_short", "sk-learn", "step_000020"]}

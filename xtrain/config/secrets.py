@@ -60,12 +60,38 @@ def secret_env(environ=os.environ) -> dict[str, str]:
     """Environment variables whose names say they are secret (WANDB_API_KEY, ...), or that a
     launcher forwarded as secrets, with values long enough to be one."""
     forwarded = set(environ.get(SECRET_NAMES_VAR, "").split(","))
-    return {k: v for k, v in environ.items()
-            if (is_secret_name(k) or k in forwarded) and len(v) >= MIN_SECRET_CHARS}
+    return {k: v for k, v in environ.items() if k != SECRET_NAMES_VAR  # (names, no secret)
+            and (is_secret_name(k) or k in forwarded) and len(v) >= MIN_SECRET_CHARS}
 
 
 def secret_values(environ=os.environ) -> set[str]:
     return set(secret_env(environ).values())
+
+
+# What marks a file as holding a secret (the launchers refuse to sync one,
+# xtrain/launcher/sync.py): a private key (a Google service account's key file holds one), a
+# value of a secret's form, and a secret-named variable or key set, in a shell, dotenv or YAML
+# line, to a literal of 16 or more characters with a digit (no interpolation, path or
+# expression): ``export WANDB_API_KEY=1a2b...``, ``api_key: 1a2b...``.
+PRIVATE_KEY = re.compile(r"-----BEGIN ([A-Z]+ )*PRIVATE KEY-----")
+ASSIGNED_LITERAL = re.compile(
+    r"""^\s*(?:export\s+)?([A-Za-z_][\w-]*)\s*[=:]\s*(['"]?)([A-Za-z0-9_+/=.-]{16,})\2\s*(?:#.*)?$""",
+    re.MULTILINE)
+
+
+def secret_in_text(text: str, env_secrets=frozenset()) -> str | None:
+    """Why ``text`` (a file's) holds a secret, without the secret; None when it seems not to."""
+    if PRIVATE_KEY.search(text):
+        return "a private key"
+    if has_secret_value(text):
+        return "a value of a secret's form (an access token, a URL's user:password@)"
+    for m in ASSIGNED_LITERAL.finditer(text):
+        name, value = m[1], m[3]
+        if is_secret_name(name) and may_be_secret(value, name) and any(c.isdigit() for c in value):
+            return f"{name} set to a literal"
+    if any(secret in text for secret in env_secrets):
+        return "the value of a secret environment variable"
+    return None
 
 
 def _instead(name: str | None) -> str:

@@ -5,7 +5,8 @@ deleted locally is deleted on the worker, so a removed module cannot linger ther
 Never synced, whatever git says: .git, virtual environments, run outputs, caches, dotenv, key and
 credential files (and folders such as .ssh and .aws), secret-named files, pickles, checkpoints and
 data formats (``ALWAYS_EXCLUDED``); a file over ``max_file_mb`` is refused before
-anything is copied, because data does not belong in the code tree.
+anything is copied, because data does not belong in the code tree, and so is one whose text
+holds a secret, whatever its name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from xtrain.config.secrets import may_be_secret, secret_env, secret_in_text
 from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError
 
@@ -63,7 +65,29 @@ def code_files(root: Path, runner, exclude=(), max_file_mb: float = 20.0) -> lis
                               "data does not belong in the synced code; git-ignore it or add it "
                               "to hydra.launcher.exclude")
         files.append(rel)
+    check_no_secrets(root, files)
     return files
+
+
+def check_no_secrets(root: Path, files: list[str]) -> None:
+    """Refuse to sync files that hold a secret (xtrain/config/secrets.py secret_in_text: a private
+    key, a service account's key, a token, a secret-named variable set to a literal, this
+    environment's secrets) whatever their names: every worker would get a copy."""
+    env_secrets = {v for k, v in secret_env().items() if may_be_secret(v, k)}
+    found = []
+    for rel in files:
+        data = (root / rel).read_bytes()
+        if b"\0" in data[:8192]:  # binary: no text secret to read
+            continue
+        why = secret_in_text(data.decode("utf-8", errors="replace"), env_secrets)
+        if why:
+            found.append(f"{rel} ({why})")
+    if found:
+        raise ConfigError(f"{len(found)} file(s) to sync hold a secret: {'; '.join(found[:5])}"
+                          f"{' ...' if len(found) > 5 else ''}; they would be copied to every "
+                          "worker: move the secret into an environment variable "
+                          "(hydra.launcher.secrets forwards it), or git-ignore the file or add it "
+                          "to hydra.launcher.exclude")
 
 
 def excluded(rel: str, patterns) -> bool:
