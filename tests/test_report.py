@@ -233,6 +233,12 @@ def test_secrets_are_masked_by_name_and_by_value():
                       "notes": ["uses ***"], "api_key": "***", "checkpoint": {"keep_last": 2}}
     assert relevant_env(env) == {"HF_TOKEN": "***", "PJRT_DEVICE": "CPU", "WANDB_API_KEY": "***",
                                  "XLA_FLAGS": "--x"}
+    # code.diff: literals set under secret names, with no such variable in this environment
+    diff = ("+export WANDB_API_KEY=" + "0f1e2d3c" * 5 + "\n-  api_key: '" + "9a8b" * 5 + "'  # prod\n"
+            " token = tokenizer.encode(text)\n+GOOGLE_APPLICATION_CREDENTIALS=/etc/sa-key-0123.json\n")
+    assert mask_secrets(diff, {}) == (
+        "+export WANDB_API_KEY=***\n-  api_key: '***'  # prod\n token = tokenizer.encode(text)\n"
+        "+GOOGLE_APPLICATION_CREDENTIALS=/etc/sa-key-0123.json\n")
 
 
 def test_values_of_a_secrets_form_are_masked_whatever_their_keys():

@@ -74,9 +74,24 @@ def secret_values(environ=os.environ) -> set[str]:
 # line, to a literal of 16 or more characters with a digit (no interpolation, path or
 # expression): ``export WANDB_API_KEY=1a2b...``, ``api_key: 1a2b...``.
 PRIVATE_KEY = re.compile(r"-----BEGIN ([A-Z]+ )*PRIVATE KEY-----")
-ASSIGNED_LITERAL = re.compile(
-    r"""^\s*(?:export\s+)?([A-Za-z_][\w-]*)\s*[=:]\s*(['"]?)([A-Za-z0-9_+/=.-]{16,})\2\s*(?:#.*)?$""",
+ASSIGNED_LITERAL = re.compile(  # (a line may start with a diff's + or -)
+    r"""(?:^[+-]?|[\s;])(?:export\s+)?([A-Za-z_][\w-]*)\s*[=:]\s*(['"]?)([A-Za-z0-9_+/=.-]{16,})\2(?=\s|$)""",
     re.MULTILINE)
+
+
+def _assigned_secrets(text: str):
+    """The matches of ASSIGNED_LITERAL whose literal is a secret."""
+    for m in ASSIGNED_LITERAL.finditer(text):
+        name, value = m[1], m[3]
+        if is_secret_name(name) and may_be_secret(value, name) and any(c.isdigit() for c in value):
+            yield m
+
+
+def mask_assigned(text: str, mask: str) -> str:
+    """``text`` with the literals secret-named variables or keys are set to replaced by ``mask``."""
+    for m in sorted(_assigned_secrets(text), key=lambda m: -m.start(3)):
+        text = text[:m.start(3)] + mask + text[m.end(3):]
+    return text
 
 
 def secret_in_text(text: str, env_secrets=frozenset()) -> str | None:
@@ -85,10 +100,8 @@ def secret_in_text(text: str, env_secrets=frozenset()) -> str | None:
         return "a private key"
     if has_secret_value(text):
         return "a value of a secret's form (an access token, a URL's user:password@)"
-    for m in ASSIGNED_LITERAL.finditer(text):
-        name, value = m[1], m[3]
-        if is_secret_name(name) and may_be_secret(value, name) and any(c.isdigit() for c in value):
-            return f"{name} set to a literal"
+    for m in _assigned_secrets(text):
+        return f"{m[1]} set to a literal"
     if any(secret in text for secret in env_secrets):
         return "the value of a secret environment variable"
     return None
