@@ -53,3 +53,17 @@ def test_generation_ends_once_the_function_is_closed_or_a_marker_appears():
     assert ended(PROMPT, "  if (n) {\n    return \"}\";\n  }\n  return \"\";\n}")
     assert ended(PROMPT, "  return \"x\";\n<|bos|>", ["<|bos|>"])
     assert not ended(PROMPT, "  return \"x\";\n<|bos", ["<|bos|>"])
+
+
+def test_an_empty_body_is_cut_at_its_first_character():
+    assert cut(PROMPT, "}\n\nint main() { f(1); }\n") == "}\n"
+
+
+def test_an_unterminated_quote_ends_at_its_line_and_hides_no_brace_after_it():
+    raw = '  return "oops;\n}\nint main() { return 0; }\n'
+    assert cut(PROMPT, raw) == '  return "oops;\n}\n'
+
+
+def test_a_raw_string_with_an_encoding_prefix_hides_its_braces():
+    raw = '  auto s = u8R"d(}{)d";\n  return "";\n}\nint main() {}\n'
+    assert cut(PROMPT, raw) == '  auto s = u8R"d(}{)d";\n  return "";\n}\n'

@@ -127,6 +127,9 @@ def test_two_processes_judge_cpp_from_the_checkpoint_of_each_evaluated_step(refe
     evals = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [10, STEPS]
     assert all("cpp_snapshot_seconds" not in r for r in evals)  # no copy of the live model
+    # the two steps' completions differ, so a step judged with the other's weights would show
+    codes = [[p["code"] for p in read_jsonl(run / f"cpp_eval/step_{r['step']:06d}.jsonl")] for r in evals]
+    assert codes[0] != codes[1]
     for record in evals:
         step = record["step"]
         alone = tmp_path / f"alone{step}"

@@ -19,6 +19,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -325,6 +326,27 @@ def test_a_gce_vm_is_known_by_its_dmi_product_name(tmp_path, monkeypatch, produc
         dmi.write_text(product)
     monkeypatch.setattr(notices, "_DMI_PRODUCT", dmi)
     assert notices.on_gce() is gce
+
+
+def test_on_gce_the_vms_own_metadata_server_is_watched_unless_turned_off(
+        metadata_server, compose_config, tmp_path, monkeypatch):
+    """No metadata_url set: on GCE (by its DMI name) the watcher asks the VM's metadata server.
+    That server exists only on GCE: its address is pointed at the stand-in here."""
+    dmi = tmp_path / "product_name"
+    dmi.write_text("Google Compute Engine\n")
+    monkeypatch.setattr(notices, "_DMI_PRODUCT", dmi)
+    monkeypatch.setattr(notices, "GCE_METADATA_URL", metadata_server.url)
+    cfg = compose_config(TINY).preemption
+    assert not cfg.metadata_url
+    assert notices.watch(compose_config(TINY + ["preemption.watch_notices=false"]).preemption,
+                         SimpleNamespace(notice=print)) is None
+    told = threading.Event()
+    watcher = notices.watch(cfg, SimpleNamespace(notice=lambda reason: told.set()))
+    try:
+        metadata_server.announce("preempted", "TRUE")
+        assert told.wait(30), "the notice on the VM's metadata server was not seen"
+    finally:
+        watcher.stop()
 
 
 def test_off_gce_no_watcher_thread_runs(compose_config, tmp_path, monkeypatch):

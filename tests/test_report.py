@@ -101,6 +101,21 @@ def test_report_keeps_runs_of_one_name_apart(sweep, tmp_path, other_sweep):
     assert len(steps) == 2 and "10" in steps and len(set(steps)) == 2
 
 
+def test_the_summary_takes_the_last_loss_and_bpb_and_the_median_rate_past_the_first_step():
+    """Figures worked out by hand: the loss and bpb rise at the end (last is not lowest), and
+    step 1's rate (it compiles) stays out of the median."""
+    from xtrain.report import summary_row
+
+    records = [{"kind": "train", "step": 1, "loss": 5.0, "tok_per_s": 10.0},
+               {"kind": "train", "step": 2, "loss": 4.0, "tok_per_s": 300.0},
+               {"kind": "val", "step": 2, "val_bpb": 1.5},
+               {"kind": "train", "step": 3, "loss": 3.0, "tok_per_s": 100.0},
+               {"kind": "train", "step": 4, "loss": 3.5, "tok_per_s": 200.0},
+               {"kind": "val", "step": 4, "val_bpb": 1.75}]
+    assert summary_row("r", records, []) == {"run": "r", "steps": 4, "final loss": 3.5,
+                                             "final val bpb": 1.75, "tok/s (median)": 200.0}
+
+
 def test_the_summary_and_the_eval_chart_take_scores_not_timings():
     """An eval record also holds seconds and tokens/s: "best" of those would be the slowest."""
     from xtrain.evals.harness import score

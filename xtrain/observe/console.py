@@ -145,7 +145,6 @@ class ProgressDisplay(Sink):
         self.max_steps = max_steps
         self.log = log or logging.getLogger("xtrain.progress")
         self.tty = sys.stdout.isatty() if tty is None else tty
-        self.refreshes = 0
         self._progress = self._task = None
         if self.tty:
             self._start_bar(start_step, console)
@@ -172,7 +171,6 @@ class ProgressDisplay(Sink):
                                   tok_s=f"{record['tok_per_s']:,.0f}", mfu=mfu,
                                   elapsed=clock(record.get("elapsed_s")), eta=clock(record.get("eta_s")))
             self._progress.refresh()
-            self.refreshes += 1
 
     def close(self, status: str = "success") -> None:
         if self._progress is not None:
