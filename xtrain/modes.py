@@ -76,7 +76,8 @@ def run_checked(cfg, run_dir: str, record: str | None) -> dict | None:
         path = checkpoint_to_read(cfg, run_dir)
         with ConsoleLog(run_dir):
             return (sample if cfg.mode == Mode.sample else evaluate)(cfg, run_dir, path)
-    with ConsoleLog(run_dir if cfg.mode == Mode.train else None):
+    # console.log is process 0's (the others may share its run dir; their lines reach stdout)
+    with ConsoleLog(run_dir if cfg.mode == Mode.train and writes_record() else None):
         plan = plan_run(cfg, run_dir)
         if cfg.mode == Mode.compile:
             return compile_for_tpu(cfg, plan)
