@@ -68,6 +68,12 @@ def secret_values(environ=os.environ) -> set[str]:
     return set(secret_env(environ).values())
 
 
+def env_secrets(environ=os.environ) -> set[str]:
+    """The values of :func:`secret_env` that may be secrets (:func:`may_be_secret`): what a text
+    written or synced must not hold."""
+    return {v for k, v in secret_env(environ).items() if may_be_secret(v, k)}
+
+
 # What marks a file as holding a secret (the launchers refuse to sync one,
 # xtrain/launcher/sync.py): a private key (a Google service account's key file holds one), a
 # value of a secret's form, and a secret-named variable or key set, in a shell, dotenv or YAML
@@ -75,8 +81,8 @@ def secret_values(environ=os.environ) -> set[str]:
 # expression): ``export WANDB_API_KEY=1a2b...``, ``api_key: 1a2b...``.
 PRIVATE_KEY = re.compile(r"-----BEGIN ([A-Z]+ )*PRIVATE KEY-----")
 ASSIGNED_LITERAL = re.compile(  # (a line may start with a diff's + or -)
-    r"""(?:^[+-]?|[\s;])(?:export\s+)?([A-Za-z_][\w-]*)\s*[=:]\s*(['"]?)([A-Za-z0-9_+/=.-]{16,})\2(?=\s|$)""",
-    re.MULTILINE)
+    r"""(?:^[+-]?|[\s;])(?:export\s+)?([A-Za-z_][\w-]*)\s*[=:]\s*"""
+    r"""(['"]?)([A-Za-z0-9_+/=.-]{16,})\2(?=\s|$)""", re.MULTILINE)
 
 
 def _assigned_secrets(text: str):
@@ -94,15 +100,16 @@ def mask_assigned(text: str, mask: str) -> str:
     return text
 
 
-def secret_in_text(text: str, env_secrets=frozenset()) -> str | None:
-    """Why ``text`` (a file's) holds a secret, without the secret; None when it seems not to."""
+def secret_in_text(text: str, known=frozenset()) -> str | None:
+    """Why ``text`` (a file's) holds a secret, without the secret; None when it seems not to.
+    ``known``: secret values to look for (:func:`env_secrets`)."""
     if PRIVATE_KEY.search(text):
         return "a private key"
     if has_secret_value(text):
         return "a value of a secret's form (an access token, a URL's user:password@)"
     for m in _assigned_secrets(text):
         return f"{m[1]} set to a literal"
-    if any(secret in text for secret in env_secrets):
+    if any(secret in text for secret in known):
         return "the value of a secret environment variable"
     return None
 
@@ -144,8 +151,7 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=resolved)
-    env_secrets = {v for k, v in secret_env().items() if may_be_secret(v, k)} if resolved else set()
-    found = _secret_values(plain, prefix.rstrip("."), "", env_secrets)
+    found = _secret_values(plain, prefix.rstrip("."), "", env_secrets() if resolved else set())
     if found:
         key, name = found[0]
         raise ConfigError(f"{key}: a secret is never written into a config (it would be copied into "
@@ -156,22 +162,22 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
 INTERPOLATION = re.compile(r"\$\{[^${}]*\}")
 
 
-def _secret_values(node, path: str, name: str, env_secrets: set[str]) -> list[tuple[str, str]]:
+def _secret_values(node, path: str, name: str, known: set[str]) -> list[tuple[str, str]]:
     """(key, its last part) of each string in the plain ``node`` that is a secret: by its form
     (in the text around any interpolations), by the name of its key (unless it reads the
-    environment, or is a short flag or a path), or by holding one of ``env_secrets``."""
+    environment, or is a short flag or a path), or by holding one of ``known``."""
     if isinstance(node, dict):
         return [found for key, value in node.items()
-                for found in _secret_values(value, f"{path}.{key}" if path else str(key), str(key), env_secrets)]
+                for found in _secret_values(value, f"{path}.{key}" if path else str(key), str(key), known)]
     if isinstance(node, list):  # a list's items go by the list's key
         return [found for i, value in enumerate(node)
-                for found in _secret_values(value, f"{path}[{i}]", name, env_secrets)]
+                for found in _secret_values(value, f"{path}[{i}]", name, known)]
     if not isinstance(node, str) or node == "???":  # (a missing value)
         return []
     literal = node
     while INTERPOLATION.search(literal):
         literal = INTERPOLATION.sub("", literal)
     by_name = literal == node and is_secret_name(name) and may_be_secret(node, name)
-    if by_name or has_secret_value(literal) or any(secret in node for secret in env_secrets):
+    if by_name or has_secret_value(literal) or any(secret in node for secret in known):
         return [(path, name)]
     return []

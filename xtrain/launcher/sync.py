@@ -17,7 +17,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from xtrain.config.secrets import may_be_secret, secret_env, secret_in_text
+from xtrain.config.secrets import env_secrets, secret_in_text
 from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError
 
@@ -71,15 +71,15 @@ def code_files(root: Path, runner, exclude=(), max_file_mb: float = 20.0) -> lis
 
 def check_no_secrets(root: Path, files: list[str]) -> None:
     """Refuse to sync files that hold a secret (xtrain/config/secrets.py secret_in_text: a private
-    key, a service account's key, a token, a secret-named variable set to a literal, this
-    environment's secrets) whatever their names: every worker would get a copy."""
-    env_secrets = {v for k, v in secret_env().items() if may_be_secret(v, k)}
+    key, a token, a secret-named variable set to a literal, this environment's secrets) whatever
+    their names: every worker would get a copy."""
+    known = env_secrets()
     found = []
     for rel in files:
         data = (root / rel).read_bytes()
         if b"\0" in data[:8192]:  # binary: no text secret to read
             continue
-        why = secret_in_text(data.decode("utf-8", errors="replace"), env_secrets)
+        why = secret_in_text(data.decode("utf-8", errors="replace"), known)
         if why:
             found.append(f"{rel} ({why})")
     if found:
