@@ -255,6 +255,25 @@ def test_a_ready_node_under_maintenance_is_waited_for_not_used_nor_recreated(gcl
     assert Path(cfg.known_hosts).read_text() == recorded  # the same VM: its key stays trusted
 
 
+@pytest.mark.parametrize("maintenance_wait_s", [30, 0.2])
+def test_a_node_under_maintenance_is_waited_for_up_to_maintenance_wait_s(gcloud, tmp_path, v6e4,
+                                                                         maintenance_wait_s):
+    """Maintenance lasts longer than a VM takes to come up (hours): while the node says so,
+    maintenance_wait_s bounds the wait, not ready_timeout_s."""
+    node = tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])])
+    gcloud.add({**node, "x-health": ["UNHEALTHY_MAINTENANCE"] * 12 + ["HEALTHY"]})
+    cfg = fleet_cfg(tmp_path, ready_timeout_s=0.1, maintenance_wait_s=maintenance_wait_s)
+    vm = Vm("vm-a", cfg, v6e4, log=print)
+    if maintenance_wait_s < 1:
+        with pytest.raises(LaunchError, match=r"TPU vm-a is still UNHEALTHY_MAINTENANCE after .*"
+                                              r"\(hydra.launcher.maintenance_wait_s=0.2\)"):
+            vm.restore()
+    else:
+        vm.restore()
+        assert (vm.state(), vm.health()) == ("READY", UP)
+    assert not [c for c in gcloud.calls() if c[3] != "describe"]
+
+
 def test_an_active_queued_resource_whose_node_is_under_maintenance_is_waited_for(gcloud,
                                                                                  tmp_path, v6e4):
     """A queued resource stays ACTIVE while its node (of the same name) is READY with health

@@ -91,7 +91,8 @@ class LauncherConfig:
     ready_timeout_s: float = limits(3600.0, gt=0)
     # after a job stopped for a GCE notice on a VM that stayed up, the VM takes no job while
     # gcloud shows its maintenance under way or its window open or near (a window lasts hours),
-    # this long at most (xtrain/launcher/vm.py, Vm.wait_out_maintenance)
+    # this long at most (xtrain/launcher/vm.py, Vm.wait_out_maintenance); it also bounds the
+    # wait for a node whose health says maintenance while it is being brought back (Vm.restore)
     maintenance_wait_s: float = limits(21600.0, ge=0)
     # wait after "no capacity", doubled each time, at most 16x
     capacity_backoff_s: float = limits(60.0, gt=0)

@@ -151,7 +151,7 @@ class Vm:
     def restore(self, lost_so_far=lambda: 0.0) -> None:
         """Bring the VM back to READY: delete it when it is down, create it again, retry with
         backoff while the zone has no capacity, wait while it comes up; all within
-        ``ready_timeout_s``. A create refused by quota raises QuotaExceeded at once. After a
+        ``ready_timeout_s`` (``maintenance_wait_s`` while the node is under maintenance, if longer). A create refused by quota raises QuotaExceeded at once. After a
         create, forgets the old VM's host keys and connections and waits for the new one's login."""
         cfg = self.cfg
         t0, backoff, created = time.monotonic(), cfg.capacity_backoff_s, False
@@ -166,11 +166,15 @@ class Vm:
                 break
             was_down = True
             waited = time.monotonic() - t0
-            if waited > cfg.ready_timeout_s:
+            # a node under maintenance comes back by itself, after hours maybe
+            limit = (("maintenance_wait_s", cfg.maintenance_wait_s)
+                     if state == MAINTENANCE and cfg.maintenance_wait_s > cfg.ready_timeout_s
+                     else ("ready_timeout_s", cfg.ready_timeout_s))
+            if waited > limit[1]:
                 if created:  # a VM nobody uses would run up its cost unattended
                     self.gcloud.delete(self.name, cfg.zone, cfg.project, cfg.queued)
                 raise LaunchError(f"{self} is still {state} after {clock(waited)} "
-                                  f"(hydra.launcher.ready_timeout_s={cfg.ready_timeout_s:g})")
+                                  f"(hydra.launcher.{limit[0]}={limit[1]:g})")
             if health == PENDING or state in ("DELETING", "SUSPENDING"):  # on its way up, or out
                 time.sleep(cfg.poll_s)
                 continue
