@@ -32,6 +32,7 @@ RUN_TIMEOUT = 2.0
 # inside the function body).
 PROMPT = """#include <arpa/inet.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -117,13 +118,19 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
         "escaping_daemon": ("  if (fork() == 0) {\n    setsid();\n"
                             "    if (fork() == 0) for (;;) pause();\n    _exit(0);\n  }\n"
                             "  return 42;\n}\n", "passed"),
+        # a daemon whose leader thread exits while another runs on: /proc shows the process as a
+        # zombie (its leader's state), yet it runs
+        "daemon_behind_a_zombie_leader": (
+            "  if (fork() == 0) {\n    setsid();\n    pthread_t t;\n"
+            "    pthread_create(&t, nullptr, [](void*) -> void* { for (;;) pause(); }, nullptr);\n"
+            "    pthread_exit(nullptr);\n  }\n  usleep(200000);\n  return 42;\n}\n", "passed"),
     }
 
 
 def sandbox_processes() -> list[str]:
     """Live processes of a sandbox uid, or descendants of this test process: none may outlive
-    an evaluation. Zombies (state Z) are left out: nothing runs in them, and this machine's
-    init collects orphans' exit status only every few seconds. Under pytest-xdist the other
+    an evaluation. Zombies (every thread in state Z) are left out: nothing runs in them, and this
+    machine's init collects orphans' exit status only every few seconds. Under pytest-xdist the other
     workers (this process's siblings) may be evaluating too: their programs are theirs."""
     uids, parent, owner, stat_line, found = set(uid_range()), {}, {}, {}, []
     for entry in os.scandir("/proc"):
@@ -134,8 +141,8 @@ def sandbox_processes() -> list[str]:
             uid = entry.stat().st_uid
         except OSError:
             continue  # exited while scanning
-        state, ppid = text.rsplit(")", 1)[1].split()[:2]
-        if state != "Z":
+        ppid = text.rsplit(")", 1)[1].split()[1]
+        if _runs(entry.name):
             pid = int(entry.name)
             parent[pid], owner[pid], stat_line[pid] = int(ppid), uid, text
     workers = {pid for pid, ppid in parent.items() if ppid == os.getppid()} \
@@ -149,6 +156,16 @@ def sandbox_processes() -> list[str]:
         elif not ancestor and owner[pid] in uids:  # reached init, or a parent that is gone
             found.append(f"{pid} (uid {owner[pid]}): {stat_line[pid][:80]}")
     return found
+
+
+def _runs(pid: str) -> bool:
+    """Whether any thread of ``pid`` is other than a zombie (a process whose leader thread exited
+    shows the leader's state Z while its other threads run)."""
+    try:
+        return any(Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+                   for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return False  # exited while scanning
 
 
 def judge(completions: dict[str, tuple[str, str]], **overrides):
@@ -245,7 +262,8 @@ def test_fallback_without_bubblewrap_still_contains_programs(capfd, monkeypatch)
     root_only.chmod(0o755)  # root may write here, the sandbox uid may not
     programs = {k: v for k, v in hostile_programs(0, str(root_only / "escaped")).items()
                 if k in ("infinite_loop", "fork_bomb", "allocate_64_gib", "huge_output",
-                         "escaping_daemon", "write_outside", "reference")}
+                         "escaping_daemon", "daemon_behind_a_zombie_leader", "write_outside",
+                         "reference")}
     try:
         result = judge(programs, sandbox="rlimits")
         assert not (root_only / "escaped").exists()

@@ -360,8 +360,13 @@ def _processes_of(uid: int) -> list[int]:
 
 
 def _is_zombie(pid: str) -> bool:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    """Whether every thread of ``pid`` is dead: a process whose leader thread exited shows the
+    leader's state (Z) while its other threads may run on."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            return False
+    return True
 
 
 def _count_own() -> int:
