@@ -342,7 +342,14 @@ def test_the_job_dirs_metrics_keep_the_attempts_of_a_vm_that_was_recreated(tmp_p
     assert fetched(rows(5, 10)) == rows(5, 10)
     assert fetched(rows(5, 10, 15)) == rows(5, 10, 15)  # the same VM: its file, not twice
     assert fetched(rows(15, 20)) == rows(5, 10, 15, 15, 20)  # a new VM resumed at step 10
-    assert [r["step"] for r in read_records(str(tmp_path))] == [5, 10, 15, 20]
+    assert fetched(rows(15, 20, 25)) == rows(5, 10, 15, 15, 20, 25)  # that VM again
+    assert [r["step"] for r in read_records(str(tmp_path))] == [5, 10, 15, 20, 25]
+    # a copy cut short mid-line (the launcher stopped while writing it) keeps the next VM's
+    # first record whole
+    (tmp_path / "metrics.jsonl").write_text(rows(5, 10) + '{"step": 1')
+    (tmp_path / "metrics.jsonl.from").unlink()
+    assert fetched(rows(10, 15)) == rows(5, 10) + '{"step": 1\n' + rows(10, 15)
+    assert [r["step"] for r in read_records(str(tmp_path))] == [5, 10, 15]
 
 
 def test_without_recreate_a_notice_stop_whose_vm_stays_up_is_reported_not_failed(

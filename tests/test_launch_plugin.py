@@ -200,6 +200,9 @@ def test_code_files_are_tracked_and_untracked_not_ignored_minus_secrets_and_data
     ("notes.bak", "pip install --index-url https://ci:" + "pw4ever@pypi.example.com/simple x\n",
      "a value of a secret's form"),
     ("pkg/env_copy.py", "# HOME_TOKEN_VALUE\n", "the value of a secret environment variable"),
+    ("train.py", 'import wandb\nwandb.login(key="' + '0f1e2d3c4b5a69788796a5b4c3d2e1f0a1b2c3d4")\n',
+     "key set to a literal"),
+    ("card.json", '{"model": "d4", "hf_token": "' + '9a8b7c6d5e4f3a2b1c0d"}\n', "hf_token set to a literal"),
 ])
 def test_a_file_whose_text_holds_a_secret_is_refused_whatever_its_name(tmp_path, monkeypatch, rel,
                                                                       text, why):
@@ -223,7 +226,13 @@ def test_code_that_names_secrets_is_synced():
     code_files(ROOT, Runner())  # refuses nothing
     for text in ('token = tokenizer.encode_ordinary(text_chunk)\n', 'api_key: ${oc.env:WANDB_API_KEY}\n',
                  'export HF_TOKEN="$HF_TOKEN"\n', 'GOOGLE_APPLICATION_CREDENTIALS=/home/me/sa-key-0123.json\n',
-                 'password_field: password_input_box\n', "keep_last: 3\n"):
+                 'password_field: password_input_box\n', "keep_last: 3\n",
+                 # names and hashes, not secrets: dotted names, words joined, an annotation, a
+                 # lock file's hash (under no secret's name)
+                 'key = "transformer.h.0.attn.c_attn.weight"\n', 'pat = "checkpoint_step_00001000"\n',
+                 "eos_token: endoftext_50256_token\n", "Gost2814789Key = rfc4357.Gost28147_89_Key\n",
+                 "def sign(private_key: PKCS7PrivateKeyTypes2, data): ...\n",
+                 'hash = "sha256:0f1e2d3c4b5a69788796a5b4c3d2e1f0"\n'):
         assert secret_in_text(text) is None, text
 
 

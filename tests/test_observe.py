@@ -131,6 +131,18 @@ def _on_a_terminal(args: list[str], env: dict, timeout: float = 240) -> tuple[in
     return code, out.getvalue().decode(errors="replace")
 
 
+def test_the_first_step_of_a_start_is_logged_whatever_log_every(tmp_path):
+    """So a resumed run's records mark at once where the interrupted attempt's stop counting."""
+    run_dir = tmp_path / "run"
+    args = ["trainer.log_every=10", "checkpoint.every=4"]
+    code, _, err = finish(xtrain(run_dir, *args, "trainer.max_steps=4"))
+    assert code == 0, err[-3000:]
+    code, _, err = finish(xtrain(run_dir, *args, "trainer.max_steps=12"))
+    assert code == 0, err[-3000:]
+    train = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert train == [1, 4, 5, 10, 12]  # each start's first and last step, and every tenth
+
+
 def test_wandb_without_a_key_on_a_terminal_goes_offline_in_one_line_and_never_prompts(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["HOME"] = str(tmp_path / "home")  # no ~/.netrc, no W&B settings

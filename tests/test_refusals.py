@@ -365,6 +365,8 @@ def test_a_bad_run_name_is_refused_before_hydra_makes_its_directory(tmp_path, na
 
 def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tmp_path):
     """Its value would be in the run's name, .hydra/, multirun.yaml and the process list."""
+    from xtrain.config.secrets import check_no_secret_overrides
+
     value = "hf_" + os.urandom(8).hex()
     for key, name, args in (
             ("hardware.env.HF_TOKEN", "HF_TOKEN", ["mode=plan", f"+hardware.env.HF_TOKEN={value}"]),
@@ -394,6 +396,7 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
                                    "command line") and "pass it in an environment variable instead" in r.stderr
         assert list(tmp_path.iterdir()) == []
     # flags and paths under such names are no secrets, as in a config file
+    check_no_secret_overrides(["hardware.env={HF_HUB_DISABLE_IMPLICIT_TOKEN: '1', XLA_FLAGS: x}"])
     r = subprocess.run([sys.executable, "-m", "xtrain", "hardware=v6e4", "mode=plan",
                         "+hardware.env.HF_HUB_DISABLE_IMPLICIT_TOKEN=1",
                         "+hardware.env.GOOGLE_APPLICATION_CREDENTIALS=/home/me/service-account.json"],

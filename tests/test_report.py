@@ -140,7 +140,8 @@ def test_the_summary_and_the_eval_chart_take_scores_not_timings():
 def test_records_follow_the_last_attempt_and_a_torn_line_is_skipped(tmp_path, caplog):
     """A run killed at step 16 (its last checkpoint at 10) resumed and logged steps 12 and 14
     again: the killed attempt's records from step 12 on are gone, those before stay, and so do
-    its interruption records; the resumed run's line cut short by a VM's stop is skipped."""
+    its interruption records; the resumed run's line cut short by a VM's stop is skipped. (A
+    start logs its first step whatever its log_every: tests/test_observe.py.)"""
     from xtrain.observe.plots import read_records
 
     lines = [{"step": 10, "kind": "train", "loss": 3.0}, {"step": 10, "kind": "val", "val_bpb": 2.0},

@@ -71,32 +71,28 @@ def read_meta(path: str) -> dict:
 
 
 def saved_config(meta: dict, path: str):
-    """The config a checkpoint's ``meta`` (:func:`read_meta`) holds, as an OmegaConf object.
-    xtrain writes it resolved, so a string holding ``${`` comes from a crafted file: it is refused,
-    not resolved (``${oc.env:...}`` would read a secret into a path or an error message)."""
+    """The config a checkpoint's ``meta`` (:func:`read_meta`) holds, as an OmegaConf object whose
+    strings are only text: xtrain writes the config resolved, so a ``${...}`` there is a value
+    (one a config escaped) or a crafted file's, and is never resolved (``${oc.env:...}`` would
+    read a secret into a path or an error message)."""
     from omegaconf import OmegaConf
 
     config = meta.get("config") if isinstance(meta, dict) else None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: meta.json holds no config")
-    crafted = next(_interpolations(config, "config"), None)
-    if crafted:
-        raise CheckpointError(f"{path}: meta.json's {crafted} holds an interpolation (${{...}}); "
-                              "xtrain writes its configs resolved, so this checkpoint is not one "
-                              "of its own: refused")
-    return OmegaConf.create(config)
+    return OmegaConf.create(_escaped(config))
 
 
-def _interpolations(value, where: str):
-    """Dotted paths of the strings holding ``${`` in a JSON value."""
-    if isinstance(value, str) and "${" in value:
-        yield where
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _interpolations(v, f"{where}.{k}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _interpolations(v, f"{where}[{i}]")
+def _escaped(value):
+    """A JSON value with every ``${`` escaped, as OmegaConf reads a literal one (backslashes before
+    it doubled: OmegaConf reads ``\\\\`` there as one)."""
+    if isinstance(value, str):
+        return re.sub(r"(\\*)\$\{", lambda m: 2 * m[1] + "\\${", value)
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
 
 
 def stale_checkpoints(steps: list[int], keep_last: int, keep_every: int) -> list[int]:

@@ -68,7 +68,7 @@ def secret_values(environ=os.environ) -> set[str]:
     return set(secret_env(environ).values())
 
 
-def env_secrets(environ=os.environ) -> set[str]:
+def forbidden_values(environ=os.environ) -> set[str]:
     """The values of :func:`secret_env` that may be secrets (:func:`may_be_secret`): what a text
     written or synced must not hold."""
     return {v for k, v in secret_env(environ).items() if may_be_secret(v, k)}
@@ -76,39 +76,54 @@ def env_secrets(environ=os.environ) -> set[str]:
 
 # What marks a file as holding a secret (the launchers refuse to sync one,
 # xtrain/launcher/sync.py): a private key (a Google service account's key file holds one), a
-# value of a secret's form, and a secret-named variable or key set, in a shell, dotenv or YAML
-# line, to a literal of 16 or more characters with a digit (no interpolation, path or
-# expression): ``export WANDB_API_KEY=1a2b...``, ``api_key: 1a2b...``.
+# value of a secret's form, and a secret-named variable, key or argument set to a literal that
+# looks random (:func:`_looks_random`) in a shell, dotenv, YAML, JSON or Python line:
+# ``export WANDB_API_KEY=1a2b...``, ``api_key: 1a2b...``, ``"token": "1a2b..."``,
+# ``wandb.login(key="1a2b...")``, ``os.environ["HF_TOKEN"] = "..."``.
 PRIVATE_KEY = re.compile(r"-----BEGIN ([A-Z]+ )*PRIVATE KEY-----")
 ASSIGNED_LITERAL = re.compile(  # (a line may start with a diff's + or -)
-    r"""(?:^[+-]?|[\s;])(?:export\s+)?([A-Za-z_][\w-]*)\s*[=:]\s*"""
-    r"""(['"]?)([A-Za-z0-9_+/=.-]{16,})\2(?=\s|$)""", re.MULTILINE)
+    r"""(?:^[+-]?|[\s;({,.\[])(?:export\s+)?(['"]?)([A-Za-z_][\w-]*)\1\]?\s*(?::\s*\w+\s*)?([=:])\s*"""
+    r"""(['"]?)([A-Za-z0-9_+/=.-]{16,})\4(?=[\s,;)\]}]|$)(.*)$""", re.MULTILINE)
+DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # rfc4357.Gost28147_89_EncryptedKey
+
+
+def _looks_random(value: str) -> bool:
+    """A run of 8 or more letters and digits mixed, between the ``_ . -`` that join words: a key
+    or a token (``0f1e2d3c...``), not a name (``checkpoint_step_00001000``, ``some_identifier_2024``,
+    a dotted one)."""
+    return not DOTTED_NAME.fullmatch(value) and any(
+        len(part) >= 8 and re.search(r"[A-Za-z]", part) and re.search(r"\d", part)
+        for part in re.split(r"[_.-]+", value))
 
 
 def _assigned_secrets(text: str):
-    """The matches of ASSIGNED_LITERAL whose literal is a secret."""
+    """The matches of ASSIGNED_LITERAL whose literal is a secret. An unquoted value after a colon
+    is YAML's only where the line ends with it (``api_key: PKCS7KeyTypes,`` is an annotation)."""
     for m in ASSIGNED_LITERAL.finditer(text):
-        name, value = m[1], m[3]
-        if is_secret_name(name) and may_be_secret(value, name) and any(c.isdigit() for c in value):
+        name, separator, quote, value, rest = m[2], m[3], m[4], m[5], m[6]
+        if separator == ":" and not quote and rest.strip() and not rest.strip().startswith("#"):
+            continue
+        if is_secret_name(name) and may_be_secret(value, name) and _looks_random(value):
             yield m
 
 
 def mask_assigned(text: str, mask: str) -> str:
     """``text`` with the literals secret-named variables or keys are set to replaced by ``mask``."""
-    for m in sorted(_assigned_secrets(text), key=lambda m: -m.start(3)):
-        text = text[:m.start(3)] + mask + text[m.end(3):]
+    for m in sorted(_assigned_secrets(text), key=lambda m: -m.start(5)):
+        text = text[:m.start(5)] + mask + text[m.end(5):]
     return text
 
 
 def secret_in_text(text: str, known=frozenset()) -> str | None:
     """Why ``text`` (a file's) holds a secret, without the secret; None when it seems not to.
-    ``known``: secret values to look for (:func:`env_secrets`)."""
+    ``known``: secret values to look for (:func:`forbidden_values`)."""
     if PRIVATE_KEY.search(text):
         return "a private key"
     if has_secret_value(text):
         return "a value of a secret's form (an access token, a URL's user:password@)"
-    for m in _assigned_secrets(text):
-        return f"{m[1]} set to a literal"
+    assigned = next(_assigned_secrets(text), None)
+    if assigned:
+        return f"{assigned[2]} set to a literal"
     if any(secret in text for secret in known):
         return "the value of a secret environment variable"
     return None
@@ -128,12 +143,10 @@ def check_no_secret_overrides(args: list[str]) -> None:
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        # the key's last part, and the keys of a dict value (hardware.env={HF_TOKEN:...})
-        names = [re.split(r"[./@]", key)[-1],
-                 *re.findall(r"[{,]\s*['\"]?([A-Za-z_][\w-]*)['\"]?\s*:", value)]
-        name = next((n for n in names[1:] if is_secret_name(n)), None)  # a dict value: any of its keys
-        if not name and is_secret_name(names[0]) and may_be_secret(value, names[0]):
-            name = names[0]
+        # the key's last part with its value, and the pairs of a dict value (hardware.env={HF_TOKEN: ...})
+        pairs = [(re.split(r"[./@]", key)[-1], value),
+                 *re.findall(r"[{,]\s*['\"]?([A-Za-z_][\w-]*)['\"]?\s*:\s*['\"]?([^,}'\"]*)", value)]
+        name = next((n for n, v in pairs if is_secret_name(n) and may_be_secret(v.strip(), n)), None)
         if name or has_secret_value(value):
             raise ConfigError(
                 f"{key}: a secret is never given on the command line (it would be written to the "
@@ -151,7 +164,7 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=resolved)
-    found = _secret_values(plain, prefix.rstrip("."), "", env_secrets() if resolved else set())
+    found = _secret_values(plain, prefix.rstrip("."), "", forbidden_values() if resolved else set())
     if found:
         key, name = found[0]
         raise ConfigError(f"{key}: a secret is never written into a config (it would be copied into "

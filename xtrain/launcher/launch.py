@@ -90,7 +90,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
         # not before_start: a start cut short may have left the job running (job.start raises
         # VmUnavailable itself where the worker refused it)
         attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log,
-                              {RUN_ID_ENV: run_id(job_dir)})
+                              {RUN_ID_ENV: run_id(job_dir, environ={})})
         log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
             f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
         offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
@@ -168,9 +168,9 @@ def parallel(fn, items):
 
 
 def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, log,
-                job_ids: dict[str, str]) -> str:
-    """Start a new attempt of the job on every worker; returns its id. ``job_ids``: variables
-    naming the job itself, kept in the local job dir (the W&B run id). If one worker cannot
+                job_identity_env: dict[str, str]) -> str:
+    """Start a new attempt of the job on every worker; returns its id. ``job_identity_env``:
+    variables naming the job itself, kept in the local job dir (the W&B run id). If one worker cannot
     start, those that did are stopped (a pod's workers would wait for the missing one) and
     marked seen, so the next launch starts afresh; the error is raised."""
     attempt = time.strftime("%Y%m%d-%H%M%S-") + random_tokens.token_hex(3)
@@ -182,7 +182,7 @@ def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, lo
     def start(job):
         try:
             return job.start(commands[job.worker.index], job.worker.code,
-                             {**job_env(cfg, job.worker, workers, attempt), **job_ids},
+                             {**job_env(cfg, job.worker, workers, attempt), **job_identity_env},
                              secret_values, attempt,
                              cfg.stop_grace_s, lockfile)
         except (LaunchError, OSError) as e:
@@ -347,12 +347,19 @@ def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dic
 
 def keep_metrics(path: str, remote: str) -> None:
     """The job dir's copy of rank 0's metrics.jsonl. The remote file only grows while its run dir
-    lasts; one that does not continue the copy is a new run dir (a VM recreated after a
-    preemption): it is appended, so the copy keeps the earlier attempts' records (plots and
-    xtrain.report read the last attempt's records of steps logged twice)."""
+    lasts; one that does not continue the copy's part from it is a new run dir (a VM recreated
+    after a preemption): it is appended to the copy, so the copy keeps the earlier attempts'
+    records (plots and xtrain.report read the last attempt's records of steps logged twice).
+    ``<path>.from`` holds where the current run dir's part of the copy begins."""
     have = open(path).read() if os.path.exists(path) else ""
+    start = int(open(path + ".from").read()) if os.path.exists(path + ".from") else 0
+    if not remote.startswith(have[start:]):
+        start = len(have) + (1 if have and not have.endswith("\n") else 0)
+        have += "\n" if have and not have.endswith("\n") else ""
+        with open(path + ".from", "w") as f:
+            f.write(str(start))
     with open(path, "w") as f:
-        f.write(remote if remote.startswith(have) else have + remote)
+        f.write(have[:start] + remote)
 
 
 def stop_job(jobs, probes, grace_s: float, log) -> dict:

@@ -17,7 +17,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from xtrain.config.secrets import env_secrets, secret_in_text
+from xtrain.config.secrets import forbidden_values, secret_in_text
 from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError
 
@@ -73,7 +73,7 @@ def check_no_secrets(root: Path, files: list[str]) -> None:
     """Refuse to sync files that hold a secret (xtrain/config/secrets.py secret_in_text: a private
     key, a token, a secret-named variable set to a literal, this environment's secrets) whatever
     their names: every worker would get a copy."""
-    known = env_secrets()
+    known = forbidden_values()
     found = []
     for rel in files:
         data = (root / rel).read_bytes()

@@ -79,7 +79,7 @@ class MetricsLogger(L.Callback):
         # device tensors -> Python floats in one transfer (the engine knows how)
         self.fetch = fetch or (lambda tensors: [float(t) for t in tensors])
         self._started = self._t0 = self._batch_t0 = self._eta_from = None
-        self._step0 = 0
+        self._step0 = self._first_step = 0
         self.batch_shares = batch_shares
         self.tokens = 0  # consumed by the steps so far (this run and the ones it resumed)
         self._tokens0 = 0
@@ -99,6 +99,10 @@ class MetricsLogger(L.Callback):
     def on_train_start(self, trainer, pl_module):
         self._started = self._t0 = time.perf_counter()
         self._step0, self._tokens0 = trainer.global_step, self.tokens
+        # this start's first step is always logged (step 1 of a new run): a resumed run's first
+        # record then marks where the records of the attempt it resumed stop counting
+        # (xtrain/observe/plots.py read_records), whatever trainer.log_every is now
+        self._first_step = trainer.global_step + 1
         self.timer.take()
         resumed = preemptions.record(trainer.global_step)  # a re-run after a preemption
         if resumed and trainer.global_rank == 0:
@@ -114,7 +118,7 @@ class MetricsLogger(L.Callback):
         rows = batch[0]  # [rows, micro-batches, T+1] on this process; a host-side shape, no device read
         self.tokens += rows.numel() // rows.shape[-1] * (rows.shape[-1] - 1) * self.batch_shares
         step = trainer.global_step
-        if step % self.log_every and step not in (1, trainer.max_steps):
+        if step % self.log_every and step not in (self._first_step, trainer.max_steps):
             return
         # every process: under DDP each holds its own rows' loss and this is a collective; under
         # SPMD the loss is already the global one and this does nothing
