@@ -44,7 +44,7 @@ def test_rerun_resumes_and_grad_accumulation_is_derived(compose_config, tmp_path
     assert summary["step"] == 15
     records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
     steps = [r["step"] for r in records]
-    assert steps == [1, 5, 10, 15]  # the second run started at step 10, not 0
+    assert steps == [1, 5, 10, 11, 15]  # the second run started at step 10, not 0 (11: its first)
     assert records[-1]["tokens"] == 15 * 512
 
 
