@@ -151,8 +151,9 @@ class Vm:
     def restore(self, lost_so_far=lambda: 0.0) -> None:
         """Bring the VM back to READY: delete it when it is down, create it again, retry with
         backoff while the zone has no capacity, wait while it comes up; all within
-        ``ready_timeout_s`` (``maintenance_wait_s`` while the node is under maintenance, if longer). A create refused by quota raises QuotaExceeded at once. After a
-        create, forgets the old VM's host keys and connections and waits for the new one's login."""
+        ``ready_timeout_s`` (``maintenance_wait_s`` while the node is under maintenance, if
+        longer). A create refused by quota raises QuotaExceeded at once. After a create, forgets
+        the old VM's host keys and connections and waits for the new one's login."""
         cfg = self.cfg
         t0, backoff, created = time.monotonic(), cfg.capacity_backoff_s, False
         ssh = Ssh(cfg, self.runner, self.log)

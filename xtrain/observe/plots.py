@@ -36,7 +36,8 @@ def read_records(run_dir: str, filename: str = "metrics.jsonl") -> list[dict]:
     for r in parse_records(fs.cat_file(root).decode(), path):
         if _kind(r) == "train":
             if r["step"] <= furthest:
-                records = [x for x in records if x["step"] < r["step"] or x.get("kind") in KEPT_ON_RESUME]
+                records = [x for x in records
+                           if x["step"] < r["step"] or x.get("kind") in KEPT_ON_RESUME]
             furthest = r["step"]
         records.append(r)
     latest = {(_kind(r), r["step"]): r for r in records}
