@@ -33,6 +33,7 @@ RUN_TIMEOUT = 2.0
 PROMPT = """#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -118,6 +119,9 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
         "escaping_daemon": ("  if (fork() == 0) {\n    setsid();\n"
                             "    if (fork() == 0) for (;;) pause();\n    _exit(0);\n  }\n"
                             "  return 42;\n}\n", "passed"),
+        # a user namespace of its own would open more of the kernel to it (bubblewrap 0.8+, as
+        # .ci/run installs it here, forbids one)
+        "nested_user_namespace": ("  return unshare(CLONE_NEWUSER) == 0 ? 41 : 42;\n}\n", "passed"),
         # a daemon whose leader thread exits while another runs on: /proc shows the process as a
         # zombie (its leader's state), yet it runs
         "daemon_behind_a_zombie_leader": (
@@ -304,6 +308,29 @@ def test_auto_without_bubblewrap_falls_back_and_says_why(tmp_path, monkeypatch, 
     box.close()
     assert box.mode == "rlimits"
     assert "bwrap not found (sudo apt-get install bubblewrap)" in capfd.readouterr().err
+
+
+def test_a_bubblewrap_that_cannot_disable_user_namespaces_still_sandboxes(monkeypatch):
+    """Forbidding nested user namespaces needs one of bwrap's own: a bwrap refusing that (a
+    setuid one with none, stood in for by a wrapper of the real one) runs without it."""
+    bin_dir = Path(tempfile.mkdtemp(prefix="xtrain-test-bwrap-"))
+    try:
+        wrapper = bin_dir / "bwrap"
+        wrapper.write_text("#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = --disable-userns ] && "
+                           "{ echo 'bwrap: no user namespace' >&2; exit 1; }; done\n"
+                           f"exec {shutil.which('bwrap')} \"$@\"\n")
+        wrapper.chmod(0o755)
+        bin_dir.chmod(0o755)  # the sandbox uid runs it
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        box = Sandbox(EvalConfig(sandbox="bwrap"), 1)
+        box.close()
+    finally:
+        shutil.rmtree(bin_dir)
+    assert box.mode == "bwrap" and box._bwrap[0] == str(wrapper)
+    assert not set(sandbox_module.NO_USERNS) & set(box._bwrap)
+    real = Sandbox(EvalConfig(sandbox="bwrap"), 1)  # this machine's bubblewrap 0.8 takes it
+    real.close()
+    assert set(sandbox_module.NO_USERNS) <= set(real._bwrap)
 
 
 def test_without_root_and_bubblewrap_auto_refuses_and_rlimits_says_what_it_risks(

@@ -15,10 +15,10 @@ compiler message). Every command runs
 - with stdout and stderr sent to files in the session dir, so RLIMIT_FSIZE caps them and a
   program printing forever dies of SIGXFSZ instead of filling a pipe or the disk;
 - inside bubblewrap (``bwrap``, Debian package ``bubblewrap``), the well-kept tool Flatpak uses:
-  new user, PID, network, IPC and UTS namespaces (no network at all, not even loopback), a
-  read-only view of /usr only (no /root, /home, /work, /etc secrets), a read-only root and
-  /dev, the session's own dirs as /box (its working dir), /tmp and /dev/shm and nothing else
-  writable, killed with its parent. /tmp and /dev/shm are not bubblewrap's tmpfs, and its root
+  new user, PID, network, IPC and UTS namespaces (no network at all, not even loopback; from
+  bubblewrap 0.8 no nested user namespace), a read-only view of /usr only (no /root, /home,
+  /work, /etc secrets), a read-only root and /dev, the session's own dirs as /box (its working
+  dir), /tmp and /dev/shm and nothing else writable, killed with its parent. /tmp and /dev/shm are not bubblewrap's tmpfs, and its root
   (a tmpfs too) is read-only: a tmpfs is RAM, unbounded (its ``--size`` needs bubblewrap 0.7,
   newer than Ubuntu 22.04's), and one program could fill the host's memory.
 
@@ -56,6 +56,8 @@ from xtrain.errors import ConfigError
 from xtrain.evals.config import EvalConfig
 
 INSTALL = "sudo apt-get install bubblewrap"
+# no user namespace of its own for the program (a nested one would open more of the kernel to it)
+NO_USERNS = ("--unshare-user", "--disable-userns")
 _UID_LOCKS = Path(tempfile.gettempdir()) / "xtrain-sandbox-uids"
 _UID_CANDIDATES = 4096  # uids tried below the top of this namespace's uid range
 _warned: list[list[str]] = []
@@ -139,6 +141,10 @@ class Sandbox:
             self._bwrap = [] if bwrap is None else self._bwrap_argv(bwrap)
             problem = f"bwrap not found ({INSTALL})" if bwrap is None else \
                 self._probe_bwrap()
+            if problem is not None and NO_USERNS[-1] in self._bwrap:
+                # it needs a user namespace of bwrap's own (a setuid bwrap may have none)
+                self._bwrap = [a for a in self._bwrap if a not in NO_USERNS]
+                problem = self._probe_bwrap()
             if problem is None:
                 return "bwrap"
             if self.cfg.sandbox == "bwrap":
@@ -184,6 +190,8 @@ class Sandbox:
         argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
                 "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/box",
                 "--setenv", "LANG", "C.UTF-8", "--ro-bind", "/usr", "/usr"]
+        if NO_USERNS[-1] in subprocess.run([bwrap, "--help"], capture_output=True, text=True).stdout:
+            argv += NO_USERNS  # bubblewrap 0.8+
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
             if os.path.islink(top):  # merged /usr (Debian 12): these are symlinks into /usr
                 argv += ["--symlink", os.readlink(top), top]
