@@ -344,6 +344,9 @@ def test_the_job_dirs_metrics_keep_the_attempts_of_a_vm_that_was_recreated(tmp_p
     assert fetched(rows(15, 20)) == rows(5, 10, 15, 15, 20)  # a new VM resumed at step 10
     assert fetched(rows(15, 20, 25)) == rows(5, 10, 15, 15, 20, 25)  # that VM again
     assert [r["step"] for r in read_records(str(tmp_path))] == [5, 10, 15, 20, 25]
+    (tmp_path / "metrics.jsonl").unlink()  # the copy removed by hand: the remote file again
+    assert fetched(rows(15, 20, 25)) == rows(15, 20, 25)
+    assert fetched(rows(15, 20, 25, 30)) == rows(15, 20, 25, 30)
     # a copy cut short mid-line (the launcher stopped while writing it) keeps the next VM's
     # first record whole
     (tmp_path / "metrics.jsonl").write_text(rows(5, 10) + '{"step": 1')

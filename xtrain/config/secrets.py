@@ -65,6 +65,7 @@ def secret_env(environ=os.environ) -> dict[str, str]:
 
 
 def secret_values(environ=os.environ) -> set[str]:
+    """The values of :func:`secret_env`: what a record masks."""
     return set(secret_env(environ).values())
 
 
@@ -143,7 +144,8 @@ def check_no_secret_overrides(args: list[str]) -> None:
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        # the key's last part with its value, and the pairs of a dict value (hardware.env={HF_TOKEN: ...})
+        # the key's last part with its value, and the pairs of a dict value
+        # (hardware.env={HF_TOKEN: ...})
         pairs = [(re.split(r"[./@]", key)[-1], value),
                  *re.findall(r"[{,]\s*['\"]?([A-Za-z_][\w-]*)['\"]?\s*:\s*['\"]?([^,}'\"]*)", value)]
         name = next((n for n, v in pairs if is_secret_name(n) and may_be_secret(v.strip(), n)), None)

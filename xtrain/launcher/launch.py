@@ -170,9 +170,9 @@ def parallel(fn, items):
 def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, log,
                 job_identity_env: dict[str, str]) -> str:
     """Start a new attempt of the job on every worker; returns its id. ``job_identity_env``:
-    variables naming the job itself, kept in the local job dir (the W&B run id). If one worker cannot
-    start, those that did are stopped (a pod's workers would wait for the missing one) and
-    marked seen, so the next launch starts afresh; the error is raised."""
+    variables naming the job itself, kept in the local job dir (the W&B run id). If one worker
+    cannot start, those that did are stopped (a pod's workers would wait for the missing one)
+    and marked seen, so the next launch starts afresh; the error is raised."""
     attempt = time.strftime("%Y%m%d-%H%M%S-") + random_tokens.token_hex(3)
     workers = [j.worker for j in jobs]
     commands = [remote_command(w, overrides, run_name, jobs[0].job_id) for w in workers]
@@ -353,11 +353,12 @@ def keep_metrics(path: str, remote: str) -> None:
     ``<path>.from`` holds where the current run dir's part of the copy begins."""
     have = open(path).read() if os.path.exists(path) else ""
     start = int(open(path + ".from").read()) if os.path.exists(path + ".from") else 0
+    start = start if start <= len(have) else 0  # the copy itself was replaced
     if not remote.startswith(have[start:]):
-        start = len(have) + (1 if have and not have.endswith("\n") else 0)
         have += "\n" if have and not have.endswith("\n") else ""
-        with open(path + ".from", "w") as f:
-            f.write(str(start))
+        start = len(have)
+    with open(path + ".from", "w") as f:
+        f.write(str(start))
     with open(path, "w") as f:
         f.write(have[:start] + remote)
 
