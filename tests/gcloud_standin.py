@@ -6,7 +6,9 @@ It records every call (argv, one JSON line each in calls.jsonl) and replays reso
 ``--format=json`` shapes (TPU API v2 Node and QueuedResource) from its state directory:
 
     nodes/NAME.json       a TPU VM; a describe prints it (its x-states and x-health lists, if
-                          any, give its state and health one describe at a time, the last stays)
+                          any, give its state and health one describe at a time, the last stays;
+                          a state of ANSWERLESS fails that describe as gcloud does when it
+                          cannot refresh its auth token)
     queued/NAME.json      a queued resource (its node is nodes/NAME.json)
     scenarios/NAME.json   what happens to NAME next (all optional):
       creates      outcomes of the next creates, in order: "ok", "no-capacity" (the TPU API's
@@ -36,6 +38,8 @@ STATE = os.environ["XTRAIN_FAKE_GCLOUD"]
 NO_CAPACITY = ('{"code": 8, "message": "There is no more capacity in the zone \\"%s\\"; you can '
                'try in another zone where Cloud TPU Nodes are offered (see '
                'https://cloud.google.com/tpu/docs/regions) [EID: 0x5e0b1a2f]"}')
+TOKEN_REFRESH = ("There was a problem refreshing your current auth tokens: ('Connection aborted.', "
+                 "RemoteDisconnected('Remote end closed connection without response'))")
 QUOTA = ("RESOURCE_EXHAUSTED: Quota limit 'TPUV6EPreemptiblePerProjectPerRegionForTPUAPI' has been "
          "exceeded. Limit: 0 in region %s.")
 
@@ -128,6 +132,9 @@ def describe(path: str, queued: bool) -> None:
         state = states.pop(0) if len(states) > 1 else states[0]
         resource["state"] = {"state": state} if queued else state
         save(path, {**resource, "x-states": states})
+        if state == "ANSWERLESS":
+            fail(["compute", "tpus", "queued-resources" if queued else "tpu-vm", "describe"],
+                 TOKEN_REFRESH)
     healths = resource.get("x-health", [])
     if healths:  # the node's Node.health, replayed the same way
         resource["health"] = healths.pop(0) if len(healths) > 1 else healths[0]

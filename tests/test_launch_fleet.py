@@ -200,6 +200,19 @@ def test_a_recreation_that_never_gets_ready_is_deleted_and_fails(gcloud, tmp_pat
     assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create", "delete"]
 
 
+def test_a_recreation_goes_on_through_a_describe_gcloud_fails(gcloud, tmp_path, v6e4):
+    """The stand-in's describe fails once while the new VM comes up, as gcloud does when it
+    cannot refresh its auth token: the recreation asks again (one create, no second delete) and
+    ends with the VM READY instead of failing and leaving it unused."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="PREEMPTED"))
+    gcloud.scenario("vm-a", states=["CREATING", "ANSWERLESS", "READY"])
+    messages = []
+    Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=messages.append).restore()
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create"]
+    assert any("no answer from gcloud" in m and "auth tokens" in m for m in messages), messages
+    assert any("vm-a is READY again" in m for m in messages)
+
+
 def by_topology(name: str, kind: str | None, topology: str | None) -> dict:
     """A node created with ``--type``/``--topology``: no acceleratorType, perhaps an
     acceleratorConfig {type, topology} (TPU API v2 AcceleratorConfig)."""
@@ -533,6 +546,32 @@ def test_a_vm_that_refuses_jobs_leaves_the_pool_and_the_others_run_them(
                                        "it: TPU vm-")
         assert "TPU vm-a: it refused job" in str(o.error)
         assert "TPU vm-b: it refused job" in str(o.error)
+
+
+def test_a_pool_job_is_not_failed_for_a_describe_gcloud_fails(gcloud, remote, tmp_path,
+                                                               tpu_profile, monkeypatch):
+    """A describe of the stand-in fails (gcloud's auth-token refresh error) as vm-b is about to
+    take job-0, and again after job-1 failed: job-0 runs anyway (its launch asks the worker), and
+    job-1's failure stays its own, not the gcloud error nor a preemption. The jobs are stood in
+    for (their outcome, not training, is tested here)."""
+    # describes: check_known's two, locate's two, then serve's before job-0, serve's before
+    # job-1 and attempt's after it
+    vm_b = tpu_node("vm-b", ZONE, "v6e-4", [(HOSTS[1], HOSTS[1])])
+    gcloud.add({**vm_b, "x-states": ["READY"] * 4 + ["ANSWERLESS", "READY", "ANSWERLESS",
+                                                     "READY"]})
+
+    def launch(cfg, hardware, overrides, run_name, *args, **kwargs):
+        if run_name == "job-1":
+            raise LaunchError(f"worker 0 ({HOSTS[1]}) failed (exit code 1)")
+        return {"loss": 2.0}
+
+    monkeypatch.setattr(fleet, "launch_job", launch)
+    cfg = loopback_cfg(remote, tmp_path, hosts=[], pool=["vm-b"])
+    jobs = [Job(cfg, tpu_profile, [], f"job-{i}", str(tmp_path / f"job-{i}")) for i in range(2)]
+    outcomes = run_pool(jobs, log=print)
+    assert [(o.vm, o.state) for o in outcomes] == [("vm-b", "finished"), ("vm-b", "failed")]
+    assert outcomes[0].result["loss"] == 2.0
+    assert "exit code 1" in str(outcomes[1].error) and outcomes[1].history.count == 0
 
 
 def ended_unwatched(remote, host, job: str) -> None:

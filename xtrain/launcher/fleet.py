@@ -38,7 +38,7 @@ from xtrain.launcher.logs import log_path
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh, check_identity
 from xtrain.launcher.targets import TARGET_REQUIRED, check_type
-from xtrain.launcher.vm import UP, Vm, VmLost, clock, vm_health
+from xtrain.launcher.vm import NO_ANSWER, UP, Vm, VmLost, clock, vm_health
 from xtrain.limits import out_of_range
 from xtrain.observe.preemptions import NOTICE, launch_env
 
@@ -137,8 +137,8 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
     except (VmLost, InputError):  # a refused input is never a preemption, whatever the VM's state
         raise
     except LaunchError as e:
-        state = vm.state()
-        if vm_health(state, vm.cfg.queued) != UP:
+        state = vm.answer()  # no answer: the job's own failure, as far as is known
+        if state != NO_ANSWER and vm_health(state, vm.cfg.queued) != UP:
             raise VmLost(vm.name, state) from e
         raise
     result = {**result, **history.summary(), "vm": vm.name}
@@ -161,13 +161,11 @@ def wait_for_vm_loss(vm: Vm, wait_s: float, log=say, notice: bool = False) -> No
         f"watching the VM for up to {wait_s:g} s")
     stopped = time.monotonic()
     while True:
-        try:
-            state = vm.state()
-        except LaunchError as e:  # no verdict: asked again until the wait is over
-            state = f"up as far as is known ({e})"
-        else:
-            if vm_health(state, vm.cfg.queued) != UP:
-                raise VmLost(vm.name, state, stopped)
+        state = vm.answer()  # no answer: asked again until the wait is over
+        if state == NO_ANSWER:
+            state = "up as far as is known (gcloud did not answer)"
+        elif vm_health(state, vm.cfg.queued) != UP:
+            raise VmLost(vm.name, state, stopped)
         if time.monotonic() - stopped >= wait_s:
             break
         time.sleep(vm.cfg.poll_s)

@@ -24,7 +24,7 @@ from xtrain.launcher.fleet import Job, NoticeStop, Preemptions, attempt, check_k
 from xtrain.launcher.launch import job_name, parallel, say
 from xtrain.launcher.runner import LaunchError, VmUnavailable
 from xtrain.launcher.ssh import Ssh
-from xtrain.launcher.vm import UP, Vm, VmLost, clock, vm_health
+from xtrain.launcher.vm import NO_ANSWER, UP, Vm, VmLost, clock, vm_health
 from xtrain.launcher.targets import node_targets
 from xtrain.launcher.worker import Worker
 
@@ -124,8 +124,8 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
         ran_on, out.vm = out.vm, vm.name
         noticed = False  # the job stopped for a GCE notice on this VM, which stayed up
         try:
-            state = vm.state()
-            if vm_health(state, vm.cfg.queued) == UP:
+            state = vm.answer()  # no answer: the job's launch asks the worker itself
+            if state == NO_ANSWER or vm_health(state, vm.cfg.queued) == UP:
                 out.result, out.error = attempt(vm, job, out.history, vm.log), None
                 queue.finish(i)
                 continue

@@ -15,6 +15,7 @@ from xtrain.train.notices import upcoming_maintenance
 
 UP, PENDING, DOWN = "up", "pending", "down"
 NOT_FOUND = "NOT_FOUND"  # gcloud does not know the name (deleted)
+NO_ANSWER = "NO_ANSWER"  # gcloud could not answer (a token refresh, a network blip): no verdict
 # TPU API v2 Node.State (cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.nodes):
 # READY is usable, these come up by themselves; every other state (PREEMPTED, TERMINATED,
 # STOPPED, STOPPING, DELETING, HIDDEN, UNKNOWN, ...) means the node must be deleted and recreated.
@@ -126,15 +127,20 @@ class Vm:
     def health(self) -> str:
         return vm_health(self.state(), self.cfg.queued)
 
+    def answer(self) -> str:
+        """:meth:`state`, or NO_ANSWER (logged) when gcloud fails: one failed call among the
+        hundreds a long wait makes must not end a job or a recreation."""
+        try:
+            return self.state()
+        except LaunchError as e:
+            self.log(f"fleet: {self}: no answer from gcloud: {e}")
+            return NO_ANSWER
+
     def check(self) -> None:
         """``vm_check`` for launch_job: raises VmLost when the VM is not READY. A gcloud that
         cannot answer gives no verdict: the job is then polled over ssh as usual."""
-        try:
-            state = self.state()
-        except LaunchError as e:
-            self.log(f"fleet: {self}: {e}; asking the worker instead")
-            return
-        if vm_health(state, self.cfg.queued) != UP:
+        state = self.answer()
+        if state != NO_ANSWER and vm_health(state, self.cfg.queued) != UP:
             raise VmLost(self.name, state)
 
     def addresses(self) -> set[str]:
@@ -152,7 +158,7 @@ class Vm:
         """Bring the VM back to READY: delete it when it is down, create it again, retry with
         backoff while the zone has no capacity, wait while it comes up; all within
         ``ready_timeout_s`` (``maintenance_wait_s`` while the node is under maintenance, if
-        longer). A create refused by quota raises QuotaExceeded at once. After a create, forgets
+        longer), asking gcloud again while it fails to answer. A create refused by quota raises QuotaExceeded at once. After a create, forgets
         the old VM's host keys and connections and waits for the new one's login."""
         cfg = self.cfg
         t0, backoff, created = time.monotonic(), cfg.capacity_backoff_s, False
@@ -161,8 +167,8 @@ class Vm:
         old = self.addresses()
         was_down = False
         while True:
-            state = self.state()
-            health = vm_health(state, cfg.queued)
+            state = self.answer()
+            health = PENDING if state == NO_ANSWER else vm_health(state, cfg.queued)  # asked again
             if health == UP:
                 break
             was_down = True
