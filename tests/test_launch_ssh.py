@@ -336,6 +336,9 @@ def test_a_pid_recorded_before_a_restart_is_neither_running_nor_signalled(remote
     boot.write_text("0c1d5a6e-0000-4000-8000-000000000000\n")
     try:
         assert job.state().state == "lost"  # ended by the restart, no exit code
+        reattached = job.follow(0)  # the log to its end, not a wait on the unrelated group
+        reattached.communicate(timeout=30)
+        assert reattached.returncode == 0
         assert job.stop(grace_s=1) is False and live_group(unrelated) != []
         new = start(job, ["sleep", "60"])  # a new start cleans up only its own boot's job
         assert live_group(unrelated) != [] and job.state().state == "running"
@@ -343,6 +346,59 @@ def test_a_pid_recorded_before_a_restart_is_neither_running_nor_signalled(remote
         assert live_group(new) == []
     finally:
         os.killpg(unrelated, signal.SIGKILL)
+
+
+# A job that cuts its own log stream (the remote end of it, a tail on the loopback host, which is
+# this machine) once its last line reached the local copy (argv[1]), five times; then it stops
+# the stream, prints its last words and exits 1, the stream killed a second later.
+CUTTING_JOB = """
+import os, signal, subprocess, sys, time
+def tails():
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _follows(p)]
+def _follows(pid):
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+    except OSError:
+        return False
+    return argv[0].endswith(b"tail") and any(a.endswith(b"/jobs/unit/log") for a in argv)
+def arrived(text):
+    while not (os.path.exists(sys.argv[1]) and text in open(sys.argv[1]).read() and tails()):
+        time.sleep(0.05)
+for i in range(5):
+    print("tick", i, flush=True)
+    arrived(f"tick {i}")
+    for pid in tails():
+        os.kill(pid, signal.SIGKILL)
+print("tick 5", flush=True)
+arrived("tick 5")
+stopped = tails()
+for pid in stopped:
+    os.kill(pid, signal.SIGSTOP)
+print("last words", flush=True)
+subprocess.Popen(["bash", "-c", "sleep 1; kill -KILL " + " ".join(map(str, stopped))],
+                 start_new_session=True)
+sys.exit(1)
+"""
+
+
+def test_a_log_stream_cut_again_and_again_is_followed_to_the_jobs_last_line(remote, tmp_path):
+    """Five cuts, each after the reconnect brought new lines, with retries=0 (three cuts in a
+    row allowed): the launcher follows on. A cut just before the job's last line, the job ended
+    when the launcher asks: that line is still fetched, into the local log and the failure."""
+    from xtrain.launcher.launch import follow
+    from xtrain.launcher.logs import log_path
+
+    worker, _, messages = make_worker(remote, tmp_path, retries=0, backoff_s=0.1)
+    job = RemoteJob(worker, "unit")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    start(job, [sys.executable, "-c", CUTTING_JOB, log_path(str(job_dir), 0)])
+    with pytest.raises(LaunchError, match="exit code 1") as failure:
+        follow([job], str(job_dir), [0], worker.ssh.cfg, messages.append)
+    assert "last words" in str(failure.value)
+    assert Path(log_path(str(job_dir), 0)).read_text().splitlines() == [
+        *(f"tick {i}" for i in range(6)), "last words"]
+    assert sum("log stream cut" in m for m in messages) == 5
 
 
 def test_a_stale_tpu_lock_is_removed_and_a_held_one_refused(remote, tmp_path):

@@ -140,11 +140,14 @@ class RemoteJob:
         return int(r.stdout.split()[-1])
 
     def follow(self, offset: int):
-        """Stream the log from byte ``offset`` until the job's wrapper exits (tail --pid)."""
-        d = q(self.dir)
+        """Stream the log from byte ``offset`` until the job's wrapper exits (tail --pid); when
+        its pid is not this boot's (the VM restarted: the pid may be another process's now),
+        print the log to its end and return."""
+        d, tail = q(self.dir), f"tail -c +{offset + 1}"
         return self.worker.ssh.stream(
-            self.worker.host,
-            f'exec tail -c +{offset + 1} -s 0.2 --pid="$(cat {d}/pid)" -F {d}/log', "follow")
+            self.worker.host, GROUP_ALIVE_SH + f'pid=$(cat {d}/pid)\n'
+            f'if this_boot {d} && group_alive "$pid"; then exec {tail} -s 0.2 --pid="$pid" '
+            f'-F {d}/log; else exec {tail} {d}/log; fi', "follow")
 
     def stop(self, grace_s: float) -> bool:
         """SIGTERM, then SIGKILL after ``grace_s``; True when it had to be killed."""

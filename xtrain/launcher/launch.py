@@ -40,6 +40,9 @@ from xtrain.observe.preemptions import ATTEMPT, NOTICE
 from xtrain.observe.wandb_run import RUN_ID_ENV, run_id
 
 PREEMPTED = 143  # xtrain's exit code after a SIGTERM checkpoint (128 + SIGTERM)
+# A log stream that lived this long, or brought new lines, was a working reconnect: a later cut
+# starts the count of cuts in a row again
+STREAM_LIVED_S = 60.0
 
 
 def say(message: str) -> None:
@@ -253,18 +256,19 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
     on the first failure stop the others. Returns the final states; raises LaunchError with the
     first failure's log tail."""
     ended: queue.Queue = queue.Queue()
-    streams = {}
+    streams, opened = {}, {}
 
     def open_stream(i, offset):
         streams[i] = LogStream(jobs[i], log_path(job_dir, i), offset, ended, log,
                                on_line0 if i == 0 else None)
+        opened[i] = (time.monotonic(), offset)
         streams[i].start()
 
     for job, offset in zip(jobs, offsets):
         open_stream(job.worker.index, offset)
     final: dict[int, JobState] = {}
     first_failure = None
-    cuts = dict.fromkeys(streams, 0)
+    cuts, drained = dict.fromkeys(streams, 0), set()
     try:
         while len(final) < len(jobs):
             i = ended.get()
@@ -278,6 +282,9 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                 raise LaunchError(f"{e}; the job may still be running there: run the same "
                                   "command to reattach") from e
             if state.state == "running":  # the connection dropped, not the job
+                since, offset = opened[i]
+                if streams[i].offset > offset or time.monotonic() - since > STREAM_LIVED_S:
+                    cuts[i] = 0  # the last reconnect worked: only cuts in a row count
                 cuts[i] += 1
                 if cuts[i] > cfg.retries + 3:
                     raise LaunchError(f"{jobs[i].worker}: its log stream keeps dropping; the job "
@@ -285,6 +292,10 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                 log(f"launch: {jobs[i].worker}: log stream cut; the job is still running, "
                     "reattaching")
                 time.sleep(min(cfg.backoff_s, 2.0))
+                open_stream(i, streams[i].offset)
+                continue
+            if not streams[i].whole and i not in drained:  # cut before the job's last lines
+                drained.add(i)
                 open_stream(i, streams[i].offset)
                 continue
             final[i] = state

@@ -27,6 +27,7 @@ def tail_lines(path: str, lines: int = 30) -> str:
 class LogStream(threading.Thread):
     """Follows one job's log from byte ``offset``; puts the worker index on ``ended`` when the
     stream stops (the job ended, or the connection dropped: the launcher polls to tell which).
+    ``whole`` says whether it ended by itself (tail's exit 0: the log was read to the job's end).
     Each line also goes to ``on_line``, when given."""
 
     def __init__(self, job, path: str, offset: int, ended: queue.Queue, echo=print, on_line=None):
@@ -35,6 +36,7 @@ class LogStream(threading.Thread):
         self.on_line = on_line
         self.index = job.worker.index
         self.proc = None
+        self.whole = False
 
     def run(self) -> None:
         try:
@@ -49,7 +51,7 @@ class LogStream(threading.Thread):
                         self.echo(f"[w{self.index}] {text}")
                     if self.on_line is not None:
                         self.on_line(text)
-            self.proc.wait()
+            self.whole = self.proc.wait() == 0
         finally:
             self.ended.put(self.index)
 
