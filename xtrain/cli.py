@@ -95,10 +95,23 @@ def main() -> None:
             complete_without_bases()
         else:
             _main()
+            exit_if_jobs_stopped()
     except KeyboardInterrupt:  # Ctrl-C outside training's own handling (xtrain/train/preemption.py)
         print("xtrain: interrupted (SIGINT); a run resumes from its last committed checkpoint",
               file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def exit_if_jobs_stopped() -> None:
+    """A launched sweep whose jobs stopped before finishing ends as a stopped single run does:
+    exit 143, so that a script can tell and run the same command to resume them."""
+    from xtrain.launcher import STOPPED_JOBS
+
+    if STOPPED_JOBS:
+        print(f"xtrain: {len(STOPPED_JOBS)} job(s) of the sweep stopped before finishing ("
+              + "; ".join(STOPPED_JOBS) + "): run the same command to resume them",
+              file=sys.stderr)
+        sys.exit(143)
 
 
 def find_plugins() -> None:

@@ -13,6 +13,7 @@ from xtrain.config import Mode
 from xtrain.config.choices import check_composed
 from xtrain.config.hydra_record import hold, release, released_on_error
 from xtrain.errors import ConfigError, is_refusal, refuse
+from xtrain.launcher import STOPPED_JOBS
 from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
 from xtrain.launcher.launch import hydra_str, launch_job, say
 from xtrain.naming import config_dirs_elsewhere, primary_config_name
@@ -131,7 +132,17 @@ def launch_sweep(hydra_context, config, job_overrides, initial_job_idx: int) -> 
         if ret.status == JobStatus.FAILED:
             exit_on_launch_error(ret)
             break
+    note_stopped(returns)
     return returns
+
+
+def note_stopped(returns) -> None:
+    """Add the jobs that stopped before finishing (their result says preempted) to STOPPED_JOBS."""
+    from hydra.core.utils import JobStatus
+
+    for ret in returns:
+        if ret.status == JobStatus.COMPLETED and (ret.return_value or {}).get("preempted"):
+            STOPPED_JOBS.append(" ".join(ret.overrides) or "(no overrides)")
 
 
 def hydra_jobs(hydra_context, config, job_overrides, initial_job_idx: int, task):
@@ -178,6 +189,7 @@ def launch_pool(hydra_context, config, job_overrides, initial_job_idx: int) -> l
     for outcome in outcomes:
         if outcome.error is not None and is_refusal(outcome.error):
             refuse(outcome.error)
+    note_stopped(returns)
     return returns
 
 
