@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,6 +142,30 @@ def test_sigterm_when_the_save_fails_says_so_and_exits_unfinished(tmp_path):
     assert code == 143, err[-3000:]
     assert "its checkpoint could not be written, the newest committed one is None" in out
     assert "giving up on checkpoint" in err
+
+
+def test_a_final_checkpoint_that_cannot_be_written_fails_the_run(tmp_path):
+    """Storage breaks during the final save (held between its state and its commit by the
+    fault-injection pause): the run ends with exit 1 and one line naming the newest committed
+    checkpoint, not as finished (a sweep, a launcher or mode=sample would take the weights for
+    saved)."""
+    run_dir = tmp_path / "run"
+    proc = xtrain(run_dir, "trainer.max_steps=6", "checkpoint.every=0", "checkpoint.retries=0",
+                  env={"XTRAIN_FAULT_SAVE_PAUSE": "3"})
+    err = ""
+    for line in proc.stderr:  # the one save: the final one
+        err += line
+        if "commit pending" in line:
+            break
+    ckpts = run_dir / "checkpoints"
+    shutil.rmtree(ckpts)  # storage breaks: a file where the checkpoint directory was
+    ckpts.write_text("")
+    code, out, rest = finish(proc)
+    err += rest
+    assert code == 1, err[-3000:]
+    assert ("xtrain: checkpoint error: training reached step 6, but its final checkpoint could not "
+            "be written (the warnings above say why); the newest committed one is None") in err
+    assert "giving up on checkpoint" in err and "param_checksum" not in out
 
 
 def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):

@@ -193,6 +193,36 @@ def test_retention_counts_only_the_commits_up_to_the_new_one(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010", "step_000015", "step_000020"]
 
 
+def test_a_deletion_retention_could_not_make_warns_and_is_made_after_the_next_commit(
+        tmp_path, monkeypatch, capsys):
+    """Storage fails the first deletion retention asks for (as a flaky bucket can): the commit
+    stands and the run goes on with a warning (the error once reached the next save, and a
+    preemption's save, and ended the run); the next commit deletes what is still stale."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from xtrain.checkpoint.async_io import FsspecCheckpointIO
+    from xtrain.train.checkpointing import PeriodicCheckpoint
+
+    for step in (5, 10):
+        _save(str(tmp_path / f"step_{step:06d}"), {"w": torch.full((3,), float(step))})
+    real_rm, failures = LocalFileSystem.rm, [OSError("503 Service Unavailable")]
+
+    def flaky(self, path, recursive=False, **kwargs):
+        if failures:
+            raise failures.pop()
+        return real_rm(self, path, recursive=recursive, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "rm", flaky)
+    keeper = PeriodicCheckpoint(str(tmp_path), every=5, checkpoint_io=FsspecCheckpointIO(), keep_last=1)
+    keeper._committed({"step": 10, "path": str(tmp_path / "step_000010")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005", "step_000010"]
+    assert (f"could not remove the old checkpoint {tmp_path / 'step_000005'} (OSError: 503 "
+            "Service Unavailable); tried again after the next commit") in capsys.readouterr().err
+    _save(str(tmp_path / "step_000015"), {"w": torch.full((3,), 15.0)})
+    keeper._committed({"step": 15, "path": str(tmp_path / "step_000015")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000015"]
+
+
 def test_a_deletion_cut_short_leaves_no_committed_checkpoint(tmp_path, monkeypatch):
     """Retention and a re-save of a step delete whole directories; the commit marker goes
     first, so a kill in the middle (here: the recursive delete failing) cannot leave a

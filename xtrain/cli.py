@@ -105,7 +105,7 @@ def main() -> None:
 def exit_if_jobs_stopped() -> None:
     """A launched sweep whose jobs stopped before finishing ends as a stopped single run does:
     exit 143, so that a script can tell and run the same command to resume them."""
-    from xtrain.launcher import STOPPED_JOBS
+    from xtrain.launcher.hydra_jobs import STOPPED_JOBS
 
     if STOPPED_JOBS:
         print(f"xtrain: {len(STOPPED_JOBS)} job(s) of the sweep stopped before finishing ("

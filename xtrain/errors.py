@@ -10,6 +10,7 @@ from pathlib import Path
 EXIT_REFUSED = 2  # every refused input: config, data, checkpoint, environment
 EXIT_LAUNCH_FAILED = 1  # a remote launch failed (a worker's job, an unreachable host)
 EXIT_PEER_LOST = 3  # another process of a multi-process run vanished
+EXIT_NOT_SAVED = 1  # training ended, but its final checkpoint could not be written
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped at once (a second Ctrl-C), without a checkpoint
 
 
@@ -76,14 +77,21 @@ class PeerLost(RuntimeError):
     kind = "peer"
 
 
+class CheckpointNotWritten(RuntimeError):
+    """Training ended, but storage kept failing its final checkpoint: the newest committed one
+    (named) is older; re-running the command trains again from it."""
+
+    kind = "checkpoint"
+
+
 def is_refusal(ex: BaseException) -> bool:
-    """Refused input (exit 2), a failed remote launch (exit 1), a lost process (exit 3), or
-    Hydra's composition errors."""
+    """Refused input (exit 2), a failed remote launch (exit 1), a lost process (exit 3), a final
+    checkpoint not written (exit 1), or Hydra's composition errors."""
     from hydra.errors import CompactHydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return isinstance(ex, (InputError, LaunchError, PeerLost, CompactHydraException,
-                           OmegaConfBaseException))
+    return isinstance(ex, (InputError, LaunchError, PeerLost, CheckpointNotWritten,
+                           CompactHydraException, OmegaConfBaseException))
 
 
 def one_line(ex: BaseException) -> str:
@@ -92,7 +100,7 @@ def one_line(ex: BaseException) -> str:
     ``_``-prefixed bases and Hydra's search path)."""
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(ex, (InputError, LaunchError, PeerLost)):
+    if isinstance(ex, (InputError, LaunchError, PeerLost, CheckpointNotWritten)):
         return f"xtrain: {ex.kind} error: {ex}"
     if isinstance(ex, OmegaConfBaseException):  # refused by one of xtrain's resolvers?
         inner = ex.__cause__ or ex.__context__  # (OmegaConf wraps a resolver's error unchained)
@@ -125,7 +133,8 @@ def _options(group: str) -> list[str]:
 def refuse(ex: BaseException) -> None:
     """End the process with the one line and the exit code of ``ex``."""
     print(one_line(ex), file=sys.stderr, flush=True)
-    codes = {LaunchError: EXIT_LAUNCH_FAILED, PeerLost: EXIT_PEER_LOST}
+    codes = {LaunchError: EXIT_LAUNCH_FAILED, PeerLost: EXIT_PEER_LOST,
+             CheckpointNotWritten: EXIT_NOT_SAVED}
     sys.exit(next((code for kind, code in codes.items() if isinstance(ex, kind)), EXIT_REFUSED))
 
 

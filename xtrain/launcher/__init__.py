@@ -18,9 +18,6 @@ from __future__ import annotations
 from xtrain.launcher.runner import LaunchError
 
 PLUGIN_PREFIX = "hydra_plugins.xtrain_launchers."
-# The launched jobs of this process's sweep that stopped before finishing (a signal, a notice, a
-# preemption not survived): xtrain/cli.py then exits 143, as a single run stopped does
-STOPPED_JOBS: list[str] = []
 
 
 def is_remote(launcher_cfg) -> bool:
@@ -35,4 +32,4 @@ def launch_from_hydra(cfg) -> dict:
     return launch(cfg)
 
 
-__all__ = ["LaunchError", "STOPPED_JOBS", "is_remote", "launch_from_hydra"]
+__all__ = ["LaunchError", "is_remote", "launch_from_hydra"]

@@ -13,11 +13,14 @@ from xtrain.config import Mode
 from xtrain.config.choices import check_composed
 from xtrain.config.hydra_record import hold, release, released_on_error
 from xtrain.errors import ConfigError, is_refusal, refuse
-from xtrain.launcher import STOPPED_JOBS
 from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
 from xtrain.launcher.launch import hydra_str, launch_job, say
 from xtrain.naming import config_dirs_elsewhere, primary_config_name
 from xtrain.paths import PRIMARY_CONFIG
+
+# The launched jobs of this process's sweep that stopped before finishing (a signal, a notice, a
+# preemption not survived): xtrain/cli.py then exits 143, as a single run stopped does
+STOPPED_JOBS: list[str] = []
 
 
 def prepare_from_hydra(cfg) -> Job:

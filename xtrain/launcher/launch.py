@@ -40,7 +40,7 @@ from xtrain.observe.preemptions import ATTEMPT, NOTICE
 from xtrain.observe.wandb_run import RUN_ID_ENV, run_id
 
 PREEMPTED = 143  # xtrain's exit code after a SIGTERM checkpoint (128 + SIGTERM)
-# A log stream that lived this long, or brought new lines, was a working reconnect: a later cut
+# A log stream that lived this long, or brought new lines, was a working connection: its cut
 # starts the count of cuts in a row again
 STREAM_LIVED_S = 60.0
 
@@ -256,12 +256,11 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
     on the first failure stop the others. Returns the final states; raises LaunchError with the
     first failure's log tail."""
     ended: queue.Queue = queue.Queue()
-    streams, opened = {}, {}
+    streams = {}
 
     def open_stream(i, offset):
         streams[i] = LogStream(jobs[i], log_path(job_dir, i), offset, ended, log,
                                on_line0 if i == 0 else None)
-        opened[i] = (time.monotonic(), offset)
         streams[i].start()
 
     for job, offset in zip(jobs, offsets):
@@ -276,16 +275,9 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                 continue
             if vm_check is not None:
                 vm_check()  # a preempted VM raises here, before a poll waits for it over ssh
-            try:
-                state = jobs[i].state()
-            except LaunchError as e:
-                raise LaunchError(f"{e}; the job may still be running there: run the same "
-                                  "command to reattach") from e
+            state = _poll(jobs[i])
             if state.state == "running":  # the connection dropped, not the job
-                since, offset = opened[i]
-                if streams[i].offset > offset or time.monotonic() - since > STREAM_LIVED_S:
-                    cuts[i] = 0  # the last reconnect worked: only cuts in a row count
-                cuts[i] += 1
+                cuts[i] = 1 if streams[i].worked(STREAM_LIVED_S) else cuts[i] + 1  # in a row
                 if cuts[i] > cfg.retries + 3:
                     raise LaunchError(f"{jobs[i].worker}: its log stream keeps dropping; the job "
                                       "continues there: run the same command to reattach")
@@ -319,6 +311,14 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                           f"its log ({log_path(job_dir, first_failure)}):\n"
                           + tail_lines(log_path(job_dir, first_failure)))
     return [final[j.worker.index] for j in jobs]
+
+
+def _poll(job) -> JobState:
+    try:
+        return job.state()
+    except LaunchError as e:
+        raise LaunchError(f"{e}; the job may still be running there: run the same command to "
+                          "reattach") from e
 
 
 def failed(state: JobState) -> bool:

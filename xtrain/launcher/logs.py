@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 
 _print_lock = threading.Lock()
 
@@ -37,6 +38,7 @@ class LogStream(threading.Thread):
         self.index = job.worker.index
         self.proc = None
         self.whole = False
+        self.opened = (time.monotonic(), offset)
 
     def run(self) -> None:
         try:
@@ -54,6 +56,11 @@ class LogStream(threading.Thread):
             self.whole = self.proc.wait() == 0
         finally:
             self.ended.put(self.index)
+
+    def worked(self, lived_s: float) -> bool:
+        """Whether the stream brought new lines or lasted ``lived_s``: a working connection."""
+        since, offset = self.opened
+        return self.offset > offset or time.monotonic() - since > lived_s
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -10,8 +10,9 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
-from xtrain.checkpoint.layout import newer_commits, set_aside, stale_checkpoints, step_dir, step_dirs
-from xtrain.errors import warn
+from xtrain.checkpoint.layout import (latest_checkpoint, newer_commits, set_aside,
+                                     stale_checkpoints, step_dir, step_dirs)
+from xtrain.errors import CheckpointNotWritten, warn
 from xtrain.train.preemption import StopRequest
 
 
@@ -41,6 +42,7 @@ class PeriodicCheckpoint(L.Callback):
         self.last_saved_step = None
         self.preempted = False
         self.preemption_saved = False  # the stop's checkpoint committed (False: upload gave up)
+        self.final_saved = None  # the end's likewise (None: training did not end, nothing saved)
         checkpoint_io.on_commit = self._committed
 
     def save(self, trainer, wait: bool = False) -> bool:
@@ -60,9 +62,23 @@ class PeriodicCheckpoint(L.Callback):
         doomed = set(stale_checkpoints(committed, self.keep_last, self.keep_every))
         for step, path, done in dirs:
             if step in doomed or (not done and step < result["step"]):
-                self.io.remove_checkpoint(path)
+                try:
+                    self.io.remove_checkpoint(path)
+                except Exception as e:  # noqa: BLE001  (storage errors come in many types)
+                    # the commit stands: a failed deletion must not fail the next save
+                    warn(f"could not remove the old checkpoint {path} ({type(e).__name__}: {e}); "
+                         "tried again after the next commit")
         if self.report:
             self.report({k: v for k, v in result.items() if k != "path"})
+
+    def check_final_saved(self, step: int) -> None:
+        """After training: raise CheckpointNotWritten when it ended at ``step`` but its final
+        checkpoint could not be written (a run must not look finished without its weights)."""
+        if self.final_saved is False and not self.preempted:
+            raise CheckpointNotWritten(
+                f"training reached step {step}, but its final checkpoint could not be written (the "
+                f"warnings above say why); the newest committed one is "
+                f"{latest_checkpoint(self.directory)}: run the same command to train again from it")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         checkpoint["xtrain_meta"] = self.meta
@@ -84,4 +100,4 @@ class PeriodicCheckpoint(L.Callback):
     def on_train_end(self, trainer, pl_module):
         if self.stop is not None:
             self.stop.settle()
-        self.save(trainer, wait=True)
+        self.final_saved = self.save(trainer, wait=True)

@@ -323,6 +323,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                 accept(run_dir, record)
                 log.info(ACCEPTED)  # a launcher accepts its local record at this line
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
+            callbacks.checkpointer.check_final_saved(trainer.global_step)
             status = "preempted" if callbacks.checkpointer.preempted else "success"
             if status == "preempted":  # why, for the launcher (xtrain/observe/preemptions.py)
                 run_log.record("stop", trainer.global_step, stop_record(callbacks.stop.stopped_for,
