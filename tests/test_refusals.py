@@ -46,6 +46,9 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("bad-override", ["trainer.max_steps=[1"], {}, "cannot parse override 'trainer.max_steps=[1'"),
     ("unknown-mode", ["mode=nope"], {}, "mode: Invalid value 'nope'"),
     ("unknown-attention", ["model.attention=nope"], {}, "model.attention: Invalid value 'nope'"),
+    ("tpu-profile-on-the-cpu-engine", ["hardware=v6e4", "hardware.engine=cpu", "mode=plan"], {},
+     "hardware.engine=cpu with hardware=v6e4: the cpu engine would run on the host's CPU and "
+     "leave the v6e-4 TPU unused"),
     ("flash-on-cpu", ["model.attention=flash"], {},
      "model.attention=flash: the Pallas kernels need a TPU (hardware.engine=cpu)"),
     ("sample-no-prompts", ["mode=sample", "sample.prompts=[]"], {},

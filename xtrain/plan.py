@@ -17,7 +17,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from xtrain.config import TENSOR_AXIS, Attention, Engine, TrainConfig
+from xtrain.config import TENSOR_AXIS, Attention, Engine, Mode, TrainConfig
 from xtrain.limits import out_of_range
 from xtrain.errors import ConfigError
 from xtrain.model.config import GPTConfig
@@ -275,7 +275,7 @@ def resolve(cfg, devices: int) -> RunPlan:
     model, data, hw, trainer = cfg.model, cfg.data, cfg.hardware, cfg.trainer
     check_ranges(cfg)
     check_profile(hw)
-    check_engine_can_honour(cfg.parallelism, hw)
+    check_engine_can_honour(cfg.parallelism, hw, cfg.mode)
     check_validation_split(data)
     if model.vocab_size is None:
         model.vocab_size = data.vocab_size
@@ -316,12 +316,19 @@ def resolve(cfg, devices: int) -> RunPlan:
                    (hw.hourly_usd_spot, hw.hourly_usd_on_demand))
 
 
-def check_engine_can_honour(par, hw) -> None:
+def check_engine_can_honour(par, hw, mode: Mode = Mode.train) -> None:
     """Settings the cpu engine would ignore while they still name the run: it replicates every
-    parameter (fsdp and tensor axes, and sharding rules, need the xla engine), and it starts no
-    XLA runtime to give ``hardware.env`` to (a TPU profile's own env is left alone)."""
+    parameter (fsdp and tensor axes, and sharding rules, need the xla engine), it starts no
+    XLA runtime to give ``hardware.env`` to (a TPU profile's own env is left alone), and it
+    trains on the host's CPU, not on a TPU profile's chips (sampling or scoring a checkpoint
+    there is fine)."""
     if hw.engine != Engine.cpu:
         return
+    if hw.accelerator_type and mode not in (Mode.sample, Mode.eval):
+        raise ConfigError(f"hardware.engine=cpu with hardware={hw.name}: the cpu engine would run "
+                          f"on the host's CPU and leave the {hw.accelerator_type} TPU unused (and "
+                          "the plan would count its chips); TPU profiles train with "
+                          "hardware.engine=xla, the cpu profiles (hardware=cpu) on the CPU")
     if par.fsdp != 1 or par.tensor != 1 or par.rules:
         raise ConfigError(f"parallelism={par.name} shards parameters (fsdp={par.fsdp}, "
                           f"tensor={par.tensor}, {len(par.rules)} rules): the cpu engine replicates "
