@@ -49,6 +49,10 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("tpu-profile-on-the-cpu-engine", ["hardware=v6e4", "hardware.engine=cpu", "mode=plan"], {},
      "hardware.engine=cpu with hardware=v6e4: the cpu engine would run on the host's CPU and "
      "leave the v6e-4 TPU unused"),
+    ("splash-head-dim", ["hardware=v6e4", "model=d4", "model.window_pattern=SL",
+                         "model.attention=flash", "mode=plan"], {},
+     "model.head_dim=64: layers [0, 2] run splash attention on the TPU (model.attention=flash, "
+     "model.window_pattern), whose kernel takes head_dim in multiples of 128"),
     ("flash-on-cpu", ["model.attention=flash"], {},
      "model.attention=flash: the Pallas kernels need a TPU (hardware.engine=cpu)"),
     ("sample-no-prompts", ["mode=sample", "sample.prompts=[]"], {},

@@ -296,6 +296,8 @@ def resolve(cfg, devices: int) -> RunPlan:
         raise ConfigError("model.scan=true needs the XLA engine (hardware.engine=xla): the CPU "
                           "engine runs the blocks in a loop")
     gpt = GPTConfig.from_model(model)
+    if on_tpu:
+        gpt.check_tpu_kernel_shapes()
     if trainer.device_batch_size is None:
         trainer.device_batch_size = default_device_batch(hw.device_tokens, model.sequence_len)
     mesh = mesh_shape(cfg.parallelism, devices)

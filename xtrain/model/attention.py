@@ -23,15 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from xtrain.config import BATCH_AXES, Attention
-from xtrain.model.config import SPLASH_BLOCK
-
-
-def tpu_kernel(backend: str, window: int | None) -> str | None:
-    """The Pallas kernel a layer runs on the TPU: flash has no sliding windows, so windowed
-    layers of a flash model run splash."""
-    if backend not in (Attention.flash, Attention.splash):
-        return None
-    return (Attention.flash if backend == Attention.flash and window is None else Attention.splash).value
+from xtrain.model.config import SPLASH_BLOCK, SPLASH_HEAD_DIM, tpu_kernel
 
 
 def attend(q, k, v, window: int | None, backend: str, block: int | None = None, partition_spec=None):
@@ -205,8 +197,9 @@ def tpu_splash_attention(q, k, v, window: int | None, partition_spec=None):
     import torch_xla.distributed.spmd as xs
     from torch_xla.experimental.splash_attention import splash_attention
 
-    if q.size(-1) % 128:
-        raise ValueError(f"splash attention needs head_dim % 128 == 0 (got {q.size(-1)})")
+    if q.size(-1) % SPLASH_HEAD_DIM:  # (the planner refuses such a config first)
+        raise ValueError(f"splash attention needs head_dim % {SPLASH_HEAD_DIM} == 0 "
+                         f"(got {q.size(-1)})")
     try:  # what call_jax needs; without it, it asserts "Jax is required" and names nothing
         import torchax  # noqa: F401  (torch_xla's bundled copy; it imports flax)
     except ImportError as e:

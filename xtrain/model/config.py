@@ -17,6 +17,15 @@ from xtrain.errors import ConfigError
 
 # Block size of the Pallas splash kernel (queries and keys per tile), capped at the sequence.
 SPLASH_BLOCK = 512
+SPLASH_HEAD_DIM = 128  # torch_xla's splash kernel takes head_dim in multiples of this
+
+
+def tpu_kernel(backend: str, window: int | None) -> str | None:
+    """The Pallas kernel a layer runs on the TPU (None: not a Pallas backend): flash has no
+    sliding windows, so windowed layers of a flash model run splash."""
+    if backend not in ("flash", "splash"):
+        return None
+    return "flash" if backend == "flash" and window is None else "splash"
 
 
 def parse_window_pattern(pattern: str, n_layer: int, window_len: int) -> tuple[int | None, ...]:
@@ -97,6 +106,17 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    def check_tpu_kernel_shapes(self) -> None:
+        """Refuse (the planner, on TPU profiles) what a Pallas kernel would refuse at the first
+        step, on the VM."""
+        splash = [i for i, w in enumerate(self.windows) if tpu_kernel(self.attention, w) == "splash"]
+        if splash and self.head_dim % SPLASH_HEAD_DIM:
+            raise ConfigError(
+                f"model.head_dim={self.head_dim}: layers {splash} run splash attention on the TPU "
+                f"(model.attention={self.attention}, model.window_pattern), whose kernel takes "
+                f"head_dim in multiples of {SPLASH_HEAD_DIM}; use a head_dim of {SPLASH_HEAD_DIM}, "
+                "or a pattern without S (sliding) layers")
 
     @property
     def kv_dim(self) -> int:

@@ -7,7 +7,7 @@ import os
 
 from xtrain.errors import ConfigError
 from xtrain.hardware import libtpu_init_args
-from xtrain.model.attention import tpu_kernel
+from xtrain.model.config import tpu_kernel
 from xtrain.preflight.cache import stack_versions
 
 
