@@ -53,6 +53,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
                          "model.attention=flash", "mode=plan"], {},
      "model.head_dim=64: layers [0, 2] run splash attention on the TPU (model.attention=flash, "
      "model.window_pattern), whose kernel takes head_dim in multiples of 128"),
+    ("sweep-with-cfg", ["-m", "--cfg", "job"], {},
+     "xtrain: config error: --cfg with --multirun: Hydra takes one of --run, --multirun, --cfg"),
     ("flash-on-cpu", ["model.attention=flash"], {},
      "model.attention=flash: the Pallas kernels need a TPU (hardware.engine=cpu)"),
     ("sample-no-prompts", ["mode=sample", "sample.prompts=[]"], {},

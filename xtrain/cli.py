@@ -81,8 +81,23 @@ def check_no_rerun(args: list[str]) -> None:
                               "dir's .hydra/overrides.yaml)")
 
 
+# Hydra's modes, one per command (two end in Hydra's ValueError and its traceback)
+HYDRA_MODES = {"-r": "--run", "-m": "--multirun", "-c": "--cfg", "-i": "--info",
+               "-sc": "--shell-completion"}
+
+
+def check_one_hydra_mode(args: list[str]) -> None:
+    named = {a.split("=", 1)[0] for a in args}
+    modes = sorted({long for short, long in HYDRA_MODES.items() if {short, long} & named})
+    if len(modes) > 1:
+        raise ConfigError(f"{' with '.join(modes)}: Hydra takes one of "
+                          f"{', '.join(HYDRA_MODES.values())} per command (a sweep job's config: "
+                          "--cfg job with that job's overrides, without -m)")
+
+
 def main() -> None:
     try:
+        check_one_hydra_mode(sys.argv[1:])
         check_no_rerun(sys.argv[1:])
         check_no_secret_overrides(sys.argv[1:])
     except ConfigError as ex:
