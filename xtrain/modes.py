@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 
-from xtrain.config import Mode, sample_prompts
+from xtrain.config import Engine, Mode, sample_prompts
 from xtrain.config.hydra_record import hold, released_on_error, writes_record
 from xtrain.errors import ConfigError
-from xtrain.hardware import run_devices
+from xtrain.hardware import cpu_processes, launch_environment, run_devices
 from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
 from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
@@ -61,12 +61,27 @@ def run(cfg, run_dir: str) -> dict | None:
     (xtrain/config/hydra_record.py): a training refused for running beside another leaves that
     one's console.log and record alone."""
     check_config(cfg)  # the config alone, before the run dir is taken or anything written there
+    check_environment(cfg)
     if cfg.mode == Mode.train and writes_record():
         with run_dir_lock(run_dir):
             record = hold(run_dir)
             with released_on_error((run_dir, record)):
                 return run_checked(cfg, run_dir, record)
     return run_checked(cfg, run_dir, None)
+
+
+def check_environment(cfg) -> None:
+    """What a training needs of this process's environment, checked with the config (a launch
+    checks it on the workers): the W&B key for online logging, a multi-process CPU run's
+    rendezvous variables (MASTER_ADDR, RANK, ...)."""
+    if cfg.mode != Mode.train:
+        return
+    if cfg.logger.wandb is not None:
+        from xtrain.observe.wandb_run import choose_mode
+
+        choose_mode(cfg.logger.wandb.mode)  # online without a key is refused
+    if cfg.hardware.engine == Engine.cpu and cpu_processes(cfg.hardware) > 1:
+        launch_environment(cfg.hardware)
 
 
 def run_checked(cfg, run_dir: str, record: str | None) -> dict | None:
@@ -83,10 +98,6 @@ def run_checked(cfg, run_dir: str, record: str | None) -> dict | None:
             return compile_for_tpu(cfg, plan)
         if cfg.mode == Mode.plan:
             return show_plan(cfg, plan)
-        if cfg.logger.wandb is not None:
-            from xtrain.observe.wandb_run import choose_mode
-
-            choose_mode(cfg.logger.wandb.mode)  # online without a key is refused
         check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
         from xtrain.train.run import train
 
