@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -572,6 +573,30 @@ def test_a_pool_job_is_not_failed_for_a_describe_gcloud_fails(gcloud, remote, tm
     assert [(o.vm, o.state) for o in outcomes] == [("vm-b", "finished"), ("vm-b", "failed")]
     assert outcomes[0].result["loss"] == 2.0
     assert "exit code 1" in str(outcomes[1].error) and outcomes[1].history.count == 0
+
+
+def test_a_pool_stop_stops_the_job_where_it_runs_past_a_vm_that_is_down(gcloud, remote, tmp_path,
+                                                                       tpu_profile):
+    """hydra.launcher.stop=true over pool=[vm-a, vm-b], vm-a PREEMPTED (the stand-in's), the job
+    running on vm-b: it is stopped there, then the stop fails naming vm-a (the refusal of vm-a
+    ended the stop before vm-b was asked)."""
+    from xtrain.launcher.hydra_jobs import stop
+
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [(HOSTS[0], HOSTS[0])], state="PREEMPTED"))
+    gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [(HOSTS[1], HOSTS[1])]))
+    running = remote.root(HOSTS[1]) / "jobs" / "pool-stop"
+    running.mkdir(parents=True)
+    sleeper = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    try:
+        (running / "pid").write_text(f"{sleeper.pid}\n")
+        cfg = loopback_cfg(remote, tmp_path, hosts=[], pool=["vm-a", "vm-b"], stop=True)
+        with pytest.raises(LaunchError, match=r"job pool-stop: stopped where it ran, not every VM "
+                                              r"of the pool could be asked: TPU vm-a: .*PREEMPTED"):
+            stop(Job(cfg, tpu_profile, [], "pool-stop", str(tmp_path / "job")))
+        assert sleeper.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        sleeper.kill()
+        shutil.rmtree(running)
 
 
 def ended_unwatched(remote, host, job: str) -> None:

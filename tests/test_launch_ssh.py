@@ -401,6 +401,26 @@ def test_a_log_stream_cut_again_and_again_is_followed_to_the_jobs_last_line(remo
     assert sum("log stream cut" in m for m in messages) == 5
 
 
+def test_a_stop_stops_the_job_where_workers_answer_and_names_the_others(remote, tmp_path,
+                                                                        compose_config):
+    """A pod's worker 1 does not answer (nothing listens on 127.0.0.4): hydra.launcher.stop=true
+    still stops the job on worker 0 (the start's probe of every worker stopped it before), then
+    fails naming worker 1."""
+    from xtrain.launcher.launch import job_name, launch_job
+
+    worker, _, _ = make_worker(remote, tmp_path, job=job_name("pod-stop"))
+    job = RemoteJob(worker, job_name("pod-stop"))
+    start(job, ["sleep", "60"])
+    cfg = OmegaConf.structured(LauncherConfig(**remote.launcher_fields(
+        hosts=[HOSTS[0], "127.0.0.4"], kind="pod", retries=0, stop=True, stop_grace_s=5,
+        remote_dir=str(tmp_path / "hosts") + "/{host}")))
+    pod = compose_config(["hardware=cpu", "hardware.hosts=2"]).hardware
+    with pytest.raises(LaunchError, match=r"could not be stopped where the workers did not "
+                                          r"answer: worker 1 \(127\.0\.0\.4\): .*unreachable"):
+        launch_job(cfg, pod, [], "pod-stop", str(tmp_path / "job"))
+    assert (job.state().state, job.state().exit_code) == ("exited", 143)
+
+
 def test_a_stale_tpu_lock_is_removed_and_a_held_one_refused(remote, tmp_path):
     worker, _, _ = make_worker(remote, tmp_path)
     job = RemoteJob(worker, "unit")

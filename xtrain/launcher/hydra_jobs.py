@@ -15,6 +15,7 @@ from xtrain.config.hydra_record import hold, release, released_on_error
 from xtrain.errors import ConfigError, is_refusal, refuse
 from xtrain.launcher.fleet import Job, check_job, derive, run_on_vm
 from xtrain.launcher.launch import hydra_str, launch_job, say
+from xtrain.launcher.runner import LaunchError
 from xtrain.naming import config_dirs_elsewhere, primary_config_name
 from xtrain.paths import PRIMARY_CONFIG
 
@@ -111,12 +112,21 @@ def launch_from_hydra(cfg) -> dict:
 
 
 def stop(job: Job) -> dict:
-    """``hydra.launcher.stop=true``: stop the job wherever it runs (every VM of a pool)."""
-    stopped = False
-    for vm in job.cfg.pool or [None]:
-        cfg = derive(job.cfg, tpu=vm, pool=[]) if vm else job.cfg
-        stopped |= launch_job(cfg, job.hardware, job.overrides, job.run_name,
-                              job.job_dir)["stopped"]
+    """``hydra.launcher.stop=true``: stop the job wherever it runs (every VM of a pool; one that
+    cannot be reached, or is not READY, is named once the others were tried)."""
+    if not job.cfg.pool:
+        return launch_job(job.cfg, job.hardware, job.overrides, job.run_name, job.job_dir)
+    stopped, problems = False, []
+    for vm in job.cfg.pool:
+        try:
+            stopped |= launch_job(derive(job.cfg, tpu=vm, pool=[]), job.hardware, job.overrides,
+                                  job.run_name, job.job_dir)["stopped"]
+        except (ConfigError, LaunchError) as e:  # a VM down or unreachable: the next ones
+            say(f"fleet: TPU {vm}: {e}")
+            problems.append(f"TPU {vm}: {e}")
+    if problems:
+        raise LaunchError(f"job {job.run_name}: {'stopped where it ran, ' if stopped else ''}"
+                          f"not every VM of the pool could be asked: {'; '.join(problems)}")
     return {"stopped": stopped}
 
 

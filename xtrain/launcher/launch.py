@@ -40,9 +40,7 @@ from xtrain.observe.preemptions import ATTEMPT, NOTICE
 from xtrain.observe.wandb_run import RUN_ID_ENV, run_id
 
 PREEMPTED = 143  # xtrain's exit code after a SIGTERM checkpoint (128 + SIGTERM)
-# A log stream that lived this long, or brought new lines, was a working connection: its cut
-# starts the count of cuts in a row again
-STREAM_LIVED_S = 60.0
+STREAM_LIVED_S = 60.0  # a log stream that lived this long (or brought lines) was working
 
 
 def say(message: str) -> None:
@@ -70,12 +68,12 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     workers = [Worker(t, ssh, cfg.remote_dir, cfg.venv)
                for t in resolve_targets(cfg, hardware, Gcloud(runner))]
     job_id = job_name(run_name)
+    os.makedirs(job_dir, exist_ok=True)
+    if cfg.stop:  # on every worker that answers
+        return stop_job(workers, job_id, cfg.stop_grace_s, log)
     with before_start():
         probes = parallel(lambda w: w.probe(job_id), workers)
     jobs = [RemoteJob(w, job_id) for w in workers]
-    os.makedirs(job_dir, exist_ok=True)
-    if cfg.stop:
-        return stop_job(jobs, probes, cfg.stop_grace_s, log)
     if reattachable(jobs, probes, overrides, run_name, log):  # whatever else runs there
         attempt = next(p.job.attempt for p in probes if p.job.attempt)
         log(f"launch: job {job_id} (attempt {attempt}) is already on the workers: reattaching")
@@ -374,14 +372,29 @@ def keep_metrics(path: str, remote: str) -> None:
         f.write(have[:start] + remote)
 
 
-def stop_job(jobs, probes, grace_s: float, log) -> dict:
-    """``hydra.launcher.stop=true``: SIGTERM the job where it runs (SIGKILL after the grace)."""
-    running = [j for j, p in zip(jobs, probes) if p.job.state == "running"]
-    if not running:
-        log(f"launch: job {jobs[0].job_id} is not running on any worker")
-        return {"stopped": False}
-    killed = parallel(lambda j: j.stop(grace_s), running)
-    parallel(lambda j: j.acknowledge(), running)  # the next launch starts (and resumes) afresh
-    log(f"launch: stopped job {jobs[0].job_id} on {len(running)} worker(s)"
-        + (" (killed after the grace period)" if any(killed) else ""))
-    return {"stopped": True}
+def stop_job(workers, job_id: str, grace_s: float, log) -> dict:
+    """``hydra.launcher.stop=true``: SIGTERM the job where it runs (SIGKILL after the grace) on
+    every worker that answers, then raise LaunchError naming those that did not."""
+    def stop_one(worker):
+        try:
+            if worker.probe(job_id).job.state != "running":
+                return "idle"
+            job = RemoteJob(worker, job_id)
+            killed = job.stop(grace_s)
+            job.acknowledge()  # the next launch starts (and resumes) afresh
+            return "killed" if killed else "stopped"
+        except LaunchError as e:  # a pod's host that is gone keeps no other from being stopped
+            return e
+
+    outcomes = parallel(stop_one, workers)
+    stopped = [o for o in outcomes if o in ("stopped", "killed")]
+    if stopped:
+        log(f"launch: stopped job {job_id} on {len(stopped)} worker(s)"
+            + (" (killed after the grace period)" if "killed" in outcomes else ""))
+    unreached = [f"{w}: {o}" for w, o in zip(workers, outcomes) if isinstance(o, LaunchError)]
+    if unreached:
+        raise LaunchError(f"job {job_id} could not be stopped where the workers did not answer: "
+                          f"{'; '.join(unreached)}; run the same command again to stop it there")
+    if not stopped:
+        log(f"launch: job {job_id} is not running on any worker")
+    return {"stopped": bool(stopped)}
