@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import bisect
+import hashlib
 import queue
 import threading
 from collections import OrderedDict, deque
@@ -101,6 +102,13 @@ def read_unit(unit: tuple[str, int]) -> list[str]:
     return texts
 
 
+def units_digest(units: list[tuple[str, int]]) -> str:
+    """What a saved position counts in: each unit's shard file name and row group, in order (not
+    where the shards live: the same corpus moved elsewhere is the same data)."""
+    names = "\n".join(f"{url.rstrip('/').rsplit('/', 1)[-1]}#{rg}" for url, rg in units)
+    return hashlib.sha256(names.encode()).hexdigest()[:16]
+
+
 class BestFitBuffer:
     """Buffered documents bucketed by length, so "the largest that fits" is a bisection instead
     of a scan (the scan was the loader's bottleneck). Ties go to the earliest buffered document."""
@@ -154,6 +162,7 @@ class PackedLoader:
         self.units = index_units(shards, threads=max(threads, 4))
         if len(self.units) < world:
             raise DataError(f"{files}: {len(self.units)} row groups cannot be split over {world} hosts")
+        self.units_digest = units_digest(self.units)
         self._state = {"epoch": 0, "cursor": 0, "buffer": []}
         self._orders: dict[int, list[int]] = {}
         self.cropped_tokens = 0
@@ -172,12 +181,19 @@ class PackedLoader:
     def state_dict(self) -> dict:
         return {"epoch": self._state["epoch"], "cursor": self._state["cursor"],
                 "buffer": [list(ref) for ref in self._state["buffer"]], "seed": self.seed,
-                "rank": self.rank, "world": self.world}
+                "rank": self.rank, "world": self.world, "units": self.units_digest,
+                "unit_count": len(self.units)}
 
     def load_state_dict(self, state: dict) -> None:
         if (state["seed"], state["rank"], state["world"]) != (self.seed, self.rank, self.world):
             raise DataError(f"loader state is for seed/rank/world {state['seed']}/{state['rank']}/"
                             f"{state['world']}, this loader is {self.seed}/{self.rank}/{self.world}")
+        if state.get("units", self.units_digest) != self.units_digest:  # (older states: none)
+            raise DataError(
+                f"the checkpoint's data position counts {state['unit_count']} row groups of other "
+                f"shards than this data's {len(self.units)}: resumed, it would read other documents "
+                "than the run had left (some twice, some never); resume with the shards the run "
+                "trained on, or train a new run (another run.name)")
         self._state = {"epoch": state["epoch"], "cursor": state["cursor"],
                        "buffer": [tuple(ref) for ref in state["buffer"]]}
 
