@@ -171,7 +171,7 @@ def test_resume_at_step_k_is_bitwise_identical(corpus, k):
     assert all(np.array_equal(x, y) for x, y in zip(after, uninterrupted[k:], strict=True))
 
 
-def test_a_position_saved_over_other_shards_is_refused_and_one_over_moved_shards_resumes(
+def test_a_position_saved_over_other_shards_or_seed_is_refused_over_moved_shards_resumed(
         corpus, tmp_path):
     """A shard added since the save would shift the shuffled order under the saved cursor (row
     groups read twice or never, or an IndexError past the end); the same shards in another
@@ -190,6 +190,10 @@ def test_a_position_saved_over_other_shards_is_refused_and_one_over_moved_shards
     with pytest.raises(DataError, match=r"the checkpoint's data position counts 24 row groups of "
                                         r"other shards than this data's 32: resumed, it would read"):
         PackedLoader(str(grown), tok, 48, 3, seed=7).load_state_dict(state)
+    with pytest.raises(DataError, match=r"data position is for seed 7 on process 0 of 1, this "
+                                        r"run's loader for seed 8 on process 0 of 1: resume with "
+                                        r"the trainer.seed"):
+        PackedLoader(str(moved), tok, 48, 3, seed=8).load_state_dict(state)
 
 
 @pytest.mark.parametrize("k", [1, 4, 6])

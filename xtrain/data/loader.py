@@ -186,8 +186,10 @@ class PackedLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if (state["seed"], state["rank"], state["world"]) != (self.seed, self.rank, self.world):
-            raise DataError(f"loader state is for seed/rank/world {state['seed']}/{state['rank']}/"
-                            f"{state['world']}, this loader is {self.seed}/{self.rank}/{self.world}")
+            raise DataError(f"the checkpoint's data position is for seed {state['seed']} on process "
+                            f"{state['rank']} of {state['world']}, this run's loader for seed "
+                            f"{self.seed} on process {self.rank} of {self.world}: resume with the "
+                            "trainer.seed and the number of processes the run was saved with")
         if state.get("units", self.units_digest) != self.units_digest:  # (older states: none)
             raise DataError(
                 f"the checkpoint's data position counts {state['unit_count']} row groups of other "
