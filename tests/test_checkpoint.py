@@ -269,6 +269,15 @@ def test_a_run_made_longer_says_its_learning_rate_schedule_changes(tmp_path):
             "the learning rate follows the new length's schedule (warmup, warmdown) from step 3 on") in err
     lrs = {r["step"]: r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "lr" in r}
     assert lrs[4] > lrs[3]  # what the line warns of
+    # continued on purpose with twice the rows per step: said too (the XLA engine's batch also
+    # follows the devices, which name no run)
+    code, _, err = finish(xtrain(tmp_path / "wider", "trainer.max_steps=8", "optim.warmdown_ratio=0.5",
+                                 "trainer.device_batch_size=8",
+                                 f"checkpoint.resume={tmp_path}/run/checkpoints/step_000006"))
+    assert code == 0, err[-3000:]
+    assert ("step_000006 was trained at 256 tokens per step, this run trains at 512 "
+            "(trainer.total_batch_size, the devices' batch): the steps that remain see that many "
+            "tokens each") in err
 
 
 def test_ctrl_c_while_a_run_starts_ends_it_in_one_line(tmp_path):

@@ -79,14 +79,17 @@ def build_run_log(cfg, plan: RunPlan, run_dir: str, engine: Engine, start_step: 
                  engine.rank)
 
 
-def run_meta(cfg, tokenizer_fingerprint: str | None = None, max_steps: int | None = None) -> dict:
+def run_meta(cfg, tokenizer_fingerprint: str | None = None, max_steps: int | None = None,
+             total_batch_size: int | None = None) -> dict:
     """What every checkpoint records about the run that wrote it (the config's secrets masked,
-    the tokenizer's fingerprint, the last step its learning-rate schedule led to)."""
+    the tokenizer's fingerprint, the last step its learning-rate schedule led to, its tokens
+    per step)."""
     from xtrain.observe.bundle import mask_secrets
 
     versions = compat.installed_versions(("torch", "lightning"))
     return {"config": mask_secrets(to_plain(cfg)), "tokenizer_sha256": tokenizer_fingerprint,
-            "max_steps": max_steps, "python": platform.python_version(), **versions}
+            "max_steps": max_steps, "total_batch_size": total_batch_size,
+            "python": platform.python_version(), **versions}
 
 
 def build_profiler(trainer_cfg, run_dir: str):
@@ -155,7 +158,8 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
     checkpointer = PeriodicCheckpoint(
         ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last, ckpt.keep_every, stop=stop,
         report=lambda r: run_log.record("checkpoint", r["step"], {k: v for k, v in r.items() if k != "step"}),
-        meta=run_meta(cfg, tokenizer.fingerprint, plan.max_steps), timer=timer)
+        meta=run_meta(cfg, tokenizer.fingerprint, plan.max_steps, plan.batch.total_batch_size),
+        timer=timer)
     sampler = SampleCallback(tokenizer, cfg.sample, trainer_cfg.sample_tokens, trainer_cfg.sample_every,
                              run_log, timer, plan.gpt.sequence_len)
     cpp_eval = None
@@ -170,8 +174,8 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
                      debug_dump(engine.rank, engine.host_rows))
 
 
-def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer, engine: Engine,
-                 max_steps: int) -> tuple[str | None, int]:
+def resume_point(ckpt, ckpt_dir: str, run_name: str, tokenizer, engine: Engine,
+                 plan: RunPlan) -> tuple[str | None, int]:
     """The checkpoint to start from (``checkpoint.resume``, else the newest intact committed one,
     as process 0 sees it: every process must resume from the same step) and its step (0 for a
     fresh run). One trained with another tokenizer is refused: its token ids mean other text.
@@ -184,7 +188,8 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer, engine: Eng
 
     primary = engine.processes.primary
     resume_from = engine.processes.broadcast(
-        resume_checkpoint(ckpt.resume, ckpt_dir, gpt, run_name, rewind=ckpt.rewind) if primary else None)
+        resume_checkpoint(ckpt.resume, ckpt_dir, plan.gpt, run_name, rewind=ckpt.rewind)
+        if primary else None)
     if not resume_from:
         return None, 0
     meta = read_meta(resume_from)
@@ -199,10 +204,15 @@ def resume_point(ckpt, ckpt_dir: str, gpt, run_name: str, tokenizer, engine: Eng
                      f"since {ckpt.resume}, which it continues; to rewind again, move its newer "
                      "checkpoints away (or use another run.name)")
         log.info("resuming from %s", resume_from)
+        max_steps, tokens = plan.max_steps, plan.batch.total_batch_size
         if meta.get("max_steps") not in (None, max_steps) and step < max_steps:
             warn(f"{resume_from} was trained toward step {meta['max_steps']}, this run toward step "
                  f"{max_steps} (trainer.max_steps): the learning rate follows the new length's "
                  f"schedule (warmup, warmdown) from step {step} on")
+        if meta.get("total_batch_size") not in (None, tokens):
+            warn(f"{resume_from} was trained at {meta['total_batch_size']:,} tokens per step, this "
+                 f"run trains at {tokens:,} (trainer.total_batch_size, the devices' batch): the "
+                 "steps that remain see that many tokens each")
         set_aside_newer(step, ckpt_dir, "rewound" if resume_from == ckpt.resume else "corrupt")
     return resume_from, step
 
@@ -302,8 +312,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                                 host_rows=engine.host_rows)
         module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                            token_bytes=tokenizer.token_bytes)
-        resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, plan.gpt, cfg.run.name,
-                                               tokenizer, engine, plan.max_steps)
+        resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, cfg.run.name, tokenizer,
+                                               engine, plan)
         if start_step == plan.max_steps and engine.processes.primary:  # a finished run, run again
             log.info("%s is at this run's last step %d (trainer.max_steps): nothing to train",
                      resume_from, start_step)
