@@ -222,7 +222,10 @@ def test_tab_completion_of_the_console_script_lists_options_and_fields():
     for shell in ("bash", "fish"):
         for line, expected in (("xtrain hardware=", {"hardware=v6e4", "hardware=cpu"}),
                                ("xtrain optim.mat", {"optim.matrix_lr="}),
-                               ("xtrain data=", {"data=cpp16k", "data=cpp_local"})):
+                               ("xtrain data=", {"data=cpp16k", "data=cpp_local"}),
+                               # an enum as a command line writes it, not Hydra's Mode.train
+                               ("xtrain mode=", {"mode=train"}),
+                               ("xtrain model.attention=", {"model.attention=auto"})):
             r = subprocess.run([str(script), "-sc", f"query={shell}"], capture_output=True, text=True,
                                timeout=60, env={**os.environ, "COMP_LINE": line})
             offered = set(r.stdout.split())
@@ -239,3 +242,13 @@ def test_enum_fields_refuse_unknown_values_with_the_choices(override, choices):
     assert r.returncode == 2
     key = override.split("=")[0]
     assert r.stderr == f"xtrain: config error: {key}: Invalid value 'nope', expected one of [{choices}]\n"
+
+
+def test_an_enum_written_as_its_member_is_refused_naming_the_plain_value():
+    """OmegaConf reads model.attention=Attention.chunked as chunked, but the run would be named
+    after the override as written: another dir than model.attention=chunked's."""
+    r = _cli("model.attention=Attention.chunked")
+    assert r.returncode == 2
+    assert r.stderr == ("xtrain: config error: model.attention=Attention.chunked: write "
+                        "model.attention=chunked (the run's name is made of the overrides as "
+                        "written)\n")

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from xtrain import compat
 from xtrain.config import Mode, register
-from xtrain.config.choices import check_composed
+from xtrain.config.choices import check_composed, check_plain_enum_values, enum_member
 from xtrain.config.hydra_record import discard, writes_record
 from xtrain.config.secrets import check_no_secret_overrides
 from xtrain.errors import EXIT_INTERRUPTED, ConfigError, is_refusal, refuse
@@ -98,6 +98,7 @@ def check_one_hydra_mode(args: list[str]) -> None:
 def main() -> None:
     try:
         check_one_hydra_mode(sys.argv[1:])
+        check_plain_enum_values(sys.argv[1:])
         check_no_rerun(sys.argv[1:])
         check_no_secret_overrides(sys.argv[1:])
     except ConfigError as ex:
@@ -159,5 +160,7 @@ def complete_without_bases() -> None:
     answer = io.StringIO()
     with contextlib.redirect_stdout(answer):
         _main()
-    # bash: one line of words; fish: a word per line
-    print(re.sub(r"(?<!\S)[+~]*[\w/.]+=_\S*\s?", "", answer.getvalue()), end="")
+    # bash: one line of words; fish: a word per line; an enum's value as written on a command
+    # line (mode=train, not Hydra's mode=Mode.train)
+    words = re.sub(r"(?<!\S)[+~]*[\w/.]+=_\S*\s?", "", answer.getvalue())
+    print(re.sub(r"=" + enum_member().pattern, r"=\g<value>", words), end="")
