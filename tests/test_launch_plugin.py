@@ -296,9 +296,10 @@ def test_the_run_name_reaches_the_worker_as_written(name):
 
 def test_a_pool_sweep_refused_once_its_jobs_hold_their_records_gives_them_back(tmp_path, gcloud):
     """A sweep over a pool refused before or after its jobs hold their .hydra records leaves no
-    record held: its second job refused (the first one prepared); two jobs sharing a checkpoint
-    dir on GCS; VMs gcloud does not know; VMs whose workers refuse connections (each job's own
-    failure). gcloud is the stand-in (tests/sshd.py: Google Cloud cannot be reached from here)."""
+    record held: its second job refused (by the sweep's checks of every job: it leaves no sweep
+    dir); two jobs sharing a checkpoint dir on GCS; VMs gcloud does not know; VMs whose workers
+    refuse connections (each job's own failure). gcloud is the stand-in (tests/sshd.py: Google
+    Cloud cannot be reached from here)."""
     (tmp_path / "key").write_text("")  # placeholders: no login is made
     (tmp_path / "key.pub").write_text("ssh-ed25519 AAAA placeholder")
     sweep = ["-m", "hardware=v6e4", "optim.matrix_lr=0.01,0.02", "hydra/launcher=tpu_vm",
@@ -317,17 +318,22 @@ def test_a_pool_sweep_refused_once_its_jobs_hold_their_records_gives_them_back(t
         r = subprocess.run([sys.executable, "-m", "xtrain", *sweep, *extra], cwd=tmp_path,
                            env=cli_env(), capture_output=True, text=True, timeout=120)
         assert r.returncode == code and refused in r.stderr, r.stderr
-    assert len(list(tmp_path.rglob(".hydra-pending"))) == 8, sorted(tmp_path.rglob("*"))
+    assert not (tmp_path / "second").exists()
+    assert len(list(tmp_path.rglob(".hydra-pending"))) == 6, sorted(tmp_path.rglob("*"))
     assert not list(tmp_path.rglob(".hydra-held-*"))
 
 
-def test_a_missing_key_is_refused_before_any_vm_is_looked_up(tmp_path, gcloud):
+@pytest.mark.parametrize("sweep", [[], ["-m", "optim.matrix_lr=0.01,0.02"]], ids=["run", "sweep"])
+def test_a_missing_key_is_refused_before_any_vm_is_looked_up(tmp_path, gcloud, sweep):
     """Also with a pool, which looks up its VMs before it runs a job there. gcloud is the
-    stand-in (tests/sshd.py), which records its calls: none is made."""
+    stand-in (tests/sshd.py), which records its calls: none is made. A sweep is refused with the
+    checks of its jobs' configs: it leaves no multirun/ (its multirun.yaml and a job's held
+    record stayed)."""
     cwd = tmp_path / "work"
     cwd.mkdir()
-    r = subprocess.run([sys.executable, "-m", "xtrain", "hardware=v6e4", "hydra/launcher=tpu_vm",
-                        "hydra.launcher.pool=[vm-a]", "hydra.launcher.zone=asia-northeast1-b",
+    r = subprocess.run([sys.executable, "-m", "xtrain", *sweep, "hardware=v6e4",
+                        "hydra/launcher=tpu_vm", "hydra.launcher.pool=[vm-a]",
+                        "hydra.launcher.zone=asia-northeast1-b",
                         f"hydra.launcher.identity_file={tmp_path / 'no_key'}"],
                        cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and f"hydra.launcher.identity_file={tmp_path / 'no_key'}: no such file" \

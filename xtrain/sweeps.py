@@ -23,6 +23,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     from xtrain.config.choices import check_composed
     from xtrain.errors import ConfigError, is_refusal
     from xtrain.launcher import is_remote
+    from xtrain.launcher.fleet import check_job
     from xtrain.launcher.hydra_jobs import check_workers_compose_it
     from xtrain.modes import check_config
 
@@ -39,6 +40,8 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                 if is_remote(hydra_cfg.launcher):
                     check_workers_compose_it(hydra_cfg)
                 check_config(job)
+                if is_remote(hydra_cfg.launcher):  # the fleet's: keys, zone, gcloud, pool
+                    check_job(hydra_cfg.launcher, job.hardware, job.checkpoint.dir)
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
                 if not is_refusal(e):
                     raise
