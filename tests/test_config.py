@@ -252,3 +252,5 @@ def test_an_enum_written_as_its_member_is_refused_naming_the_plain_value():
     assert r.stderr == ("xtrain: config error: model.attention=Attention.chunked: write "
                         "model.attention=chunked (the run's name is made of the overrides as "
                         "written)\n")
+    r = _cli("mode=plan", "sample.prompt=Engine.start")  # no member of Engine: a string
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -167,6 +167,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "holds a different model (n_layer 2 -> 4"),
     ("cpu2-without-launch-variables", ["hardware=cpu2"], {"MASTER_ADDR": "", "RANK": ""},
      "hardware=cpu2 runs 2 processes; MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK not set"),
+    ("cpp-eval-without-its-compiler", ["eval.cpp_every=5", "eval.gxx=g++-nowhere"], {},
+     "eval.gxx='g++-nowhere': compiler not found on PATH"),
     ("wandb-online-without-key", ["logger=[jsonl,wandb]", "logger.wandb.mode=online"],
      {"WANDB_API_KEY": "", "WANDB_BASE_URL": "https://wandb.invalid"},  # no key, none in ~/.netrc
      "logger.wandb.mode=online but no W&B key: export WANDB_API_KEY"),

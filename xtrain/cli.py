@@ -13,6 +13,7 @@ job``, tab completion, ``mode=plan`` and every refusal stay fast.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import hydra
@@ -20,7 +21,7 @@ from omegaconf import DictConfig
 
 from xtrain import compat
 from xtrain.config import Mode, register
-from xtrain.config.choices import check_composed, check_plain_enum_values, enum_member
+from xtrain.config.choices import check_composed
 from xtrain.config.hydra_record import discard, writes_record
 from xtrain.config.secrets import check_no_secret_overrides
 from xtrain.errors import EXIT_INTERRUPTED, ConfigError, is_refusal, refuse
@@ -95,6 +96,34 @@ def check_one_hydra_mode(args: list[str]) -> None:
                           "--cfg job with that job's overrides, without -m)")
 
 
+def enum_member() -> re.Pattern:
+    """An enum field's value written as its member (``model.attention=Attention.chunked``), the
+    form Hydra's completion shows, for the enums of xtrain's config schema: OmegaConf reads it as
+    the value, but a run's name is made of the overrides as written (xtrain/naming.py)."""
+    return re.compile(rf"(?P<enum>{'|'.join(sorted(config_enums()))})\.(?P<value>\w+)")
+
+
+def config_enums() -> dict:
+    """The enums of xtrain's config schema (defined in xtrain/config/), by name."""
+    from enum import Enum
+
+    return {e.__name__: e for e in Enum.__subclasses__()
+            if e.__module__.startswith("xtrain.config")}
+
+
+def check_plain_enum_values(args: list[str]) -> None:
+    """Refuse an enum written as its member: ``model.attention=Attention.chunked`` would name
+    another run than ``model.attention=chunked``, which would resume nothing of the other's."""
+    pattern, enums = enum_member(), config_enums()
+    for arg in args:
+        key, _, value = arg.partition("=")
+        member = pattern.fullmatch(value.strip("'\""))
+        is_member = member and member["value"] in enums[member["enum"]].__members__
+        if is_member and not key.startswith("-"):
+            raise ConfigError(f"{arg}: write {key}={member['value']} (the run's name is made of the "
+                              "overrides as written)")
+
+
 def main() -> None:
     try:
         check_one_hydra_mode(sys.argv[1:])
@@ -155,7 +184,6 @@ def complete_without_bases() -> None:
     them. Hydra allows one completion plugin per shell, its own, so the answer is filtered here."""
     import contextlib
     import io
-    import re
 
     answer = io.StringIO()
     with contextlib.redirect_stdout(answer):

@@ -72,14 +72,18 @@ def run(cfg, run_dir: str) -> dict | None:
 
 def check_environment(cfg) -> None:
     """What a training needs of this process's environment, checked with the config (a launch
-    checks it on the workers): the W&B key for online logging, a multi-process CPU run's
-    rendezvous variables (MASTER_ADDR, RANK, ...)."""
+    checks it on the workers): the W&B key for online logging, the C++ evaluation's compiler,
+    a multi-process CPU run's rendezvous variables (MASTER_ADDR, RANK, ...)."""
     if cfg.mode != Mode.train:
         return
     if cfg.logger.wandb is not None:
         from xtrain.observe.wandb_run import choose_mode
 
         choose_mode(cfg.logger.wandb.mode)  # online without a key is refused
+    if cfg.eval.cpp_every:  # (the evaluation's own check compiles in its sandbox, later)
+        from xtrain.evals.harness import find_gxx
+
+        find_gxx(cfg.eval)
     if cfg.hardware.engine == Engine.cpu and cpu_processes(cfg.hardware) > 1:
         launch_environment(cfg.hardware)
 

@@ -4,7 +4,6 @@ options may be chosen (conf/<group>/<option>.yaml), which keys exist, the run's 
 from __future__ import annotations
 
 import os
-import re
 
 from xtrain.errors import ConfigError
 
@@ -13,30 +12,6 @@ def is_base(option) -> bool:
     """A config group option that is a base (a file named ``_*``, such as conf/hardware/_tpu.yaml):
     other options extend it, alone it is incomplete."""
     return isinstance(option, str) and option.startswith("_")
-
-
-def enum_member() -> re.Pattern:
-    """An enum field's value written as its member (``model.attention=Attention.chunked``), the
-    form Hydra's completion shows, for the enums of xtrain's config schema: OmegaConf reads it as
-    the value, but a run's name is made of the overrides as written (xtrain/naming.py)."""
-    from enum import Enum
-
-    import xtrain.config  # noqa: F401  (the schema's enums, defined in xtrain/config/)
-
-    names = sorted(e.__name__ for e in Enum.__subclasses__() if e.__module__.startswith("xtrain.config"))
-    return re.compile(rf"(?P<enum>{'|'.join(names)})\.(?P<value>\w+)")
-
-
-def check_plain_enum_values(args: list[str]) -> None:
-    """Refuse an enum written as its member: ``model.attention=Attention.chunked`` would name
-    another run than ``model.attention=chunked``, which would resume nothing of the other's."""
-    pattern = enum_member()
-    for arg in args:
-        key, _, value = arg.partition("=")
-        member = pattern.fullmatch(value.strip("'\""))
-        if member and not key.startswith("-"):
-            raise ConfigError(f"{arg}: write {key}={member['value']} (the run's name is made of the "
-                              "overrides as written)")
 
 
 def check_choices(choices) -> None:

@@ -65,7 +65,7 @@ def prepare(cfg: EvalConfig) -> list[Problem]:
     problems = load_problems(cfg.cpp_file)
     sandbox = Sandbox(cfg, 1)
     try:
-        _check_toolchain(sandbox, _find_gxx(cfg), cfg)
+        _check_toolchain(sandbox, find_gxx(cfg), cfg)
     finally:
         sandbox.close()
     return problems
@@ -96,7 +96,7 @@ def evaluate(problems: Sequence[Problem], completions: Mapping[str, Sequence[str
     missing = [p.id for p in problems if not completions.get(p.id)]
     if missing:
         raise ValueError(f"no completions for problem(s) {', '.join(missing[:5])}")
-    gxx = _find_gxx(cfg)
+    gxx = find_gxx(cfg)
     jobs = [(p, i, c) for p in problems for i, c in enumerate(completions[p.id])]
     workers = min(cfg.workers or len(os.sched_getaffinity(0)), len(jobs))
     marker = f"xtrain-tests-passed-{secrets.token_hex(8)}"  # unguessable by the program
@@ -115,7 +115,8 @@ def evaluate(problems: Sequence[Problem], completions: Mapping[str, Sequence[str
     return scores, records
 
 
-def _find_gxx(cfg: EvalConfig) -> str:
+def find_gxx(cfg: EvalConfig) -> str:
+    """The compiler's path; refused (a config error) when it is not on PATH."""
     gxx = shutil.which(cfg.gxx)
     if gxx is None:
         raise ConfigError(f"eval.gxx={cfg.gxx!r}: compiler not found on PATH")

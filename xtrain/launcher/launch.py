@@ -265,15 +265,15 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
         open_stream(job.worker.index, offset)
     final: dict[int, JobState] = {}
     first_failure = None
-    cuts, drained = dict.fromkeys(streams, 0), set()
+    cuts, drained = dict.fromkeys(streams, 0), {}  # drained: the end seen before the last lines
     try:
         while len(final) < len(jobs):
             i = ended.get()
             if i in final:
                 continue
-            if vm_check is not None:
+            if vm_check is not None and i not in drained:
                 vm_check()  # a preempted VM raises here, before a poll waits for it over ssh
-            state = _poll(jobs[i])
+            state = drained.get(i) or _poll(jobs[i])
             if state.state == "running":  # the connection dropped, not the job
                 cuts[i] = 1 if streams[i].worked(STREAM_LIVED_S) else cuts[i] + 1  # in a row
                 if cuts[i] > cfg.retries + 3:
@@ -285,7 +285,7 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                 open_stream(i, streams[i].offset)
                 continue
             if not streams[i].whole and i not in drained:  # cut before the job's last lines
-                drained.add(i)
+                drained[i] = state
                 open_stream(i, streams[i].offset)
                 continue
             final[i] = state

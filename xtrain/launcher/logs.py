@@ -38,7 +38,7 @@ class LogStream(threading.Thread):
         self.index = job.worker.index
         self.proc = None
         self.whole = False
-        self.opened = (time.monotonic(), offset)
+        self.opened, self.closed_at = (time.monotonic(), offset), None
 
     def run(self) -> None:
         try:
@@ -55,12 +55,14 @@ class LogStream(threading.Thread):
                         self.on_line(text)
             self.whole = self.proc.wait() == 0
         finally:
+            self.closed_at = time.monotonic()
             self.ended.put(self.index)
 
     def worked(self, lived_s: float) -> bool:
-        """Whether the stream brought new lines or lasted ``lived_s``: a working connection."""
+        """Whether the stream, once ended, had brought new lines or lasted ``lived_s``: a working
+        connection."""
         since, offset = self.opened
-        return self.offset > offset or time.monotonic() - since > lived_s
+        return self.offset > offset or self.closed_at - since > lived_s
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -158,8 +158,9 @@ class Vm:
         """Bring the VM back to READY: delete it when it is down, create it again, retry with
         backoff while the zone has no capacity, wait while it comes up; all within
         ``ready_timeout_s`` (``maintenance_wait_s`` while the node is under maintenance, if
-        longer), asking gcloud again while it fails to answer. A create refused by quota raises QuotaExceeded at once. After a create, forgets
-        the old VM's host keys and connections and waits for the new one's login."""
+        longer), asking gcloud again while it fails to answer. A create refused by quota raises
+        QuotaExceeded at once. After a create, forgets the old VM's host keys and connections
+        and waits for the new one's login."""
         cfg = self.cfg
         t0, backoff, created = time.monotonic(), cfg.capacity_backoff_s, False
         ssh = Ssh(cfg, self.runner, self.log)
@@ -171,7 +172,7 @@ class Vm:
             health = PENDING if state == NO_ANSWER else vm_health(state, cfg.queued)  # asked again
             if health == UP:
                 break
-            was_down = True
+            was_down = was_down or state != NO_ANSWER
             waited = time.monotonic() - t0
             # a node under maintenance comes back by itself, after hours maybe
             limit = (("maintenance_wait_s", cfg.maintenance_wait_s)
