@@ -362,7 +362,10 @@ def _follows(pid):
         return False
     return argv[0].endswith(b"tail") and any(a.endswith(b"/jobs/unit/log") for a in argv)
 def arrived(text):
+    deadline = time.time() + 60  # the launcher gave up: end, not wait for it forever
     while not (os.path.exists(sys.argv[1]) and text in open(sys.argv[1]).read() and tails()):
+        if time.time() > deadline:
+            sys.exit(2)
         time.sleep(0.05)
 for i in range(5):
     print("tick", i, flush=True)
@@ -393,8 +396,11 @@ def test_a_log_stream_cut_again_and_again_is_followed_to_the_jobs_last_line(remo
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     start(job, [sys.executable, "-c", CUTTING_JOB, log_path(str(job_dir), 0)])
-    with pytest.raises(LaunchError, match="exit code 1") as failure:
-        follow([job], str(job_dir), [0], worker.ssh.cfg, messages.append)
+    try:
+        with pytest.raises(LaunchError, match="exit code 1") as failure:
+            follow([job], str(job_dir), [0], worker.ssh.cfg, messages.append)
+    finally:
+        job.stop(grace_s=1)  # (ended already, unless the follow gave up on it)
     assert "last words" in str(failure.value)
     assert Path(log_path(str(job_dir), 0)).read_text().splitlines() == [
         *(f"tick {i}" for i in range(6)), "last words"]
