@@ -96,11 +96,11 @@ def check_one_hydra_mode(args: list[str]) -> None:
                           "--cfg job with that job's overrides, without -m)")
 
 
-def enum_member() -> re.Pattern:
+def enum_member(enums: dict) -> re.Pattern:
     """An enum field's value written as its member (``model.attention=Attention.chunked``), the
-    form Hydra's completion shows, for the enums of xtrain's config schema: OmegaConf reads it as
-    the value, but a run's name is made of the overrides as written (xtrain/naming.py)."""
-    return re.compile(rf"(?P<enum>{'|'.join(sorted(config_enums()))})\.(?P<value>\w+)")
+    form Hydra's completion shows, for ``enums`` (by name): OmegaConf reads it as the value, but
+    a run's name is made of the overrides as written (xtrain/naming.py)."""
+    return re.compile(rf"(?P<enum>{'|'.join(sorted(enums))})\.(?P<value>\w+)")
 
 
 def config_enums() -> dict:
@@ -114,7 +114,8 @@ def config_enums() -> dict:
 def check_plain_enum_values(args: list[str]) -> None:
     """Refuse an enum written as its member: ``model.attention=Attention.chunked`` would name
     another run than ``model.attention=chunked``, which would resume nothing of the other's."""
-    pattern, enums = enum_member(), config_enums()
+    enums = config_enums()
+    pattern = enum_member(enums)
     for arg in args:
         key, _, value = arg.partition("=")
         member = pattern.fullmatch(value.strip("'\""))
@@ -191,4 +192,4 @@ def complete_without_bases() -> None:
     # bash: one line of words; fish: a word per line; an enum's value as written on a command
     # line (mode=train, not Hydra's mode=Mode.train)
     words = re.sub(r"(?<!\S)[+~]*[\w/.]+=_\S*\s?", "", answer.getvalue())
-    print(re.sub(r"=" + enum_member().pattern, r"=\g<value>", words), end="")
+    print(re.sub(r"=" + enum_member(config_enums()).pattern, r"=\g<value>", words), end="")
