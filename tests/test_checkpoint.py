@@ -72,6 +72,20 @@ def test_sigterm_then_same_command_resumes_bitwise(tmp_path):
     assert [r["step"] for r in ckpt] == [stopped_at, 40] and all(r["ckpt_s"] > 0 for r in ckpt)
 
 
+def test_a_stop_between_logged_steps_records_the_loss_of_its_step(tmp_path):
+    # logged: the first step and the last (trainer.log_every=1000), and the step a stop ends at
+    proc = xtrain(tmp_path, "trainer.max_steps=500", "trainer.log_every=1000")
+    wait_for_step(tmp_path, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc)
+    assert code == 143, err[-3000:]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    stop = records[-1]
+    assert stop["kind"] == "stop" and stop["step"] > 1  # a stop is acted on a step after its signal
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, stop["step"]]
+    assert records[-2]["kind"] == "train" and records[-2]["loss"] > 0
+
+
 def test_sigterm_resume_through_gcs_emulator(tmp_path, gcs_bucket):
     bucket, _ = gcs_bucket  # the emulator's environment is this process's, children inherit it
     straight, resumed, stopped_at = preempt_and_resume(tmp_path, f"{bucket}/ckpt")

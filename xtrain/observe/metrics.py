@@ -29,6 +29,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from xtrain.errors import warn
 from xtrain.observe import preemptions
@@ -80,6 +81,7 @@ class MetricsLogger(L.Callback):
         self.fetch = fetch or (lambda tensors: [float(t) for t in tensors])
         self._started = self._t0 = self._batch_t0 = self._eta_from = None
         self._step0 = self._first_step = 0
+        self._logged_step = None
         self.batch_shares = batch_shares
         self.tokens = 0  # consumed by the steps so far (this run and the ones it resumed)
         self._tokens0 = 0
@@ -120,6 +122,17 @@ class MetricsLogger(L.Callback):
         step = trainer.global_step
         if step % self.log_every and step not in (self._first_step, trainer.max_steps):
             return
+        self._log(trainer, pl_module, step, now)
+
+    def on_exception(self, trainer, pl_module, exception):
+        # a stop (xtrain/train/checkpointing.py raises it on every process at the same step,
+        # after the step's checkpoint): that step's loss is recorded, as a last step's is; the
+        # resumed run's records begin after it
+        if isinstance(exception, SIGTERMException) and self._logged_step != trainer.global_step:
+            self._log(trainer, pl_module, trainer.global_step, time.perf_counter())
+
+    def _log(self, trainer, pl_module, step: int, now: float) -> None:
+        self._logged_step = step
         # every process: under DDP each holds its own rows' loss and this is a collective; under
         # SPMD the loss is already the global one and this does nothing
         loss = trainer.strategy.reduce(pl_module.last_loss, reduce_op="mean")
