@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from conftest import assert_same_tensors, checkpoint_tensors, finish, gcs_filesystem, losses, xtrain
 from xtrain.checkpoint import manifest
+from xtrain.checkpoint.layout import COMMIT_MARKER
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
 from xtrain.errors import CheckpointError
 from xtrain.inputs import newest_intact, resume_checkpoint
@@ -333,6 +334,61 @@ def test_each_host_records_its_own_files(tmp_path):
     _flip_a_bit(ckpt / "tensors" / written[1], 100)  # the second host's file
     (problem,) = manifest.problems(str(ckpt))
     assert problem.startswith(f"tensors/{written[1]} changed since it was saved")
+
+
+def _host_whose_storage_fails_once(rank: int, world: int, init: str, root: str) -> None:
+    """One host of test_a_storage_error_on_one_host_fails_that_save_on_all_and_spares_the_next."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from xtrain.checkpoint import io as ckpt_io
+
+    # a storage error on one host only (a Cloud Storage 503 for its request) cannot be produced on
+    # demand here (the emulator answers every process alike): the second host's first listing of
+    # the files it wrote raises one, as gcsfs would
+    failures = [OSError("503 from the bucket")] if rank == 1 else []
+    describe = manifest.describe
+
+    def flaky_describe(*args):
+        if failures:
+            raise failures.pop()
+        return describe(*args)
+
+    manifest.describe = flaky_describe
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    outcomes = []
+    for step in (1, 2):
+        tensors = ckpt_io.snapshot({f"host{rank}/w": torch.full((256,), float(step))}, sharded=False)
+        t0 = time.monotonic()
+        try:
+            ckpt_io.write(f"{root}/step_{step:06d}", tensors, b"state", {"step": step}, rank=rank,
+                          process_group=dist.group.WORLD)
+            outcomes.append(["committed", time.monotonic() - t0])
+        except Exception as e:  # noqa: BLE001
+            outcomes.append([f"{type(e).__name__}: {e}", time.monotonic() - t0])
+    dist.destroy_process_group()
+    Path(root, f"{rank}.json").write_text(json.dumps(outcomes))
+
+
+def test_a_storage_error_on_one_host_fails_that_save_on_all_and_spares_the_next(tmp_path):
+    """Two gloo processes; the second host's listing of its files fails once. That save fails
+    on both hosts at once (not after the collective timeout, which would close the checkpoint
+    group's connections and fail every later save), and the next save commits."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_host_whose_storage_fails_once, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path)),
+             nprocs=2)
+    (first0, second0), (first1, second1) = [json.loads((tmp_path / f"{r}.json").read_text())
+                                            for r in range(2)]
+    assert first1[0] == "OSError: 503 from the bucket"
+    assert first0[0] == "RuntimeError: another process could not list the files it wrote"
+    assert first0[1] < 15 and first1[1] < 15  # the timeout is 30 s
+    assert not (tmp_path / "step_000001" / COMMIT_MARKER).exists()
+    assert second0[0] == second1[0] == "committed"
+    assert manifest.problems(str(tmp_path / "step_000002")) == []
 
 
 @pytest.mark.parametrize("damage", ["truncated", "bit_flipped"])

@@ -197,6 +197,34 @@ def test_sigkill_of_one_rank_is_named_and_the_newest_checkpoint_resumes(tmp_path
     assert max(losses(run)) == STEPS
 
 
+def test_a_stop_checkpoint_committed_as_a_rank_dies_is_kept_and_recorded(tmp_path):
+    """SIGTERM to both; rank 1 killed once every host's files are written and rank 0 holds the
+    commit (the fault-injection pause): the commit stands, recorded as the stop's checkpoint,
+    though the processes could not confirm it together; the run still exits as stopped (143).
+    Only the first and last steps are logged otherwise: the stop's own record of its loss, a
+    collective, meets the dead rank and is given up."""
+    run = tmp_path / "run"
+    procs = xtrain_processes(run, "checkpoint.every=1000", "trainer.log_every=1000",
+                             "trainer.collective_timeout_s=60", env={"XTRAIN_FAULT_SAVE_PAUSE": "4"})
+    wait_for_step(run, 1, procs[0])
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + 120
+    while not list(run.glob("checkpoints/step_*/state.pt")):  # rank 0 is in the pause
+        assert time.time() < deadline and procs[0].poll() is None, procs[0].communicate()[1][-3000:]
+        time.sleep(0.05)
+    procs[1].kill()
+    code, out, err = finish_all(procs[:1], timeout=120)[0]
+    procs[1].wait()
+    assert code == 143, err[-3000:]
+    stopped_at = stop_step(out)
+    assert "checkpoint committed" in out
+    assert [s for s, _ in committed_checkpoints(str(run / "checkpoints"))] == [stopped_at]
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "checkpoint"] == [stopped_at]
+    assert records[-1]["kind"] == "stop" and records[-1]["step"] == stopped_at
+
+
 def wait_until_joined(port: int, rank: int, deadline: float, procs) -> None:
     """Until ``rank`` has joined the run: its heartbeat counter is in the rendezvous store
     (xtrain/engines/processes.py's Heartbeat)."""

@@ -92,13 +92,6 @@ def _dcp_kwargs(process_group) -> dict:
     return {"process_group": process_group, "no_dist": process_group is None}
 
 
-def _barrier(process_group) -> None:
-    if process_group is not None:
-        import torch.distributed as dist
-
-        dist.barrier(group=process_group)
-
-
 def _agree(error: Exception | None, process_group) -> None:
     """Raise on every process when any one failed, so all of them retry a save together (a
     lone retry would wait at the first barrier for processes that moved on)."""
@@ -118,37 +111,70 @@ def _agree(error: Exception | None, process_group) -> None:
 def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = False,
           rank: int = 0, process_group=None) -> None:
     """Write one checkpoint and commit it (raises on any storage error; nothing is committed
-    then). ``tensors`` is a :func:`snapshot`, ``rest`` the serialised skeleton."""
+    then). ``tensors`` is a :func:`snapshot`, ``rest`` the serialised skeleton.
+
+    Collective on several processes. A storage error on one of them is caught and shared at the
+    next collective rather than raised between two (a process that skips a collective stalls
+    the others until the timeout, which closes the checkpoint group's connections for good)."""
     import torch.distributed.checkpoint as dcp
 
     fs, root = url_to_fs(path)
+    error = None
     if rank == 0:
-        if is_committed(path):  # never deleted: a commit is kept, moved aside (and said so)
-            warn(f"checkpoint {path} was already committed: moved aside to "
-                 f"{set_aside(path, 'replaced')} (kept, not deleted); writing this step anew")
-        elif fs.exists(root):  # a torn attempt at this step (never committed)
-            remove(path)
-        fs.makedirs(root, exist_ok=True)
-    _barrier(process_group)
+        try:
+            _prepare(path, fs, root)
+        except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
+            error = e
+    _agree(error, process_group)
     written: list[str] = []  # this host's DCP files
     # the URL, not the bare root: DCP resolves its own filesystem from the protocol
     dcp.save(tensors, storage_writer=compat.fsspec_writer(f"{path.rstrip('/')}/tensors", written),
              planner=_planner(sharded, "save"), **_dcp_kwargs(process_group))
     # every host records what it wrote; the first host writes the manifest (xtrain/checkpoint/manifest.py)
-    entries = manifest.gather(manifest.describe(fs, root, [f"tensors/{f}" for f in written]),
-                              process_group)
-    error = None
-    if rank == 0:
+    try:
+        mine = manifest.describe(fs, root, [f"tensors/{f}" for f in written])
+    except Exception as e:  # noqa: BLE001
+        mine, error = None, e
+    entries = manifest.gather(mine, process_group)  # None: some host could not describe its files
+    committed = False
+    if rank == 0 and error is None:
         try:
-            fs.pipe_file(f"{root}/state.pt", rest)
-            _fault_injection_pause()
-            fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
-            own = ["tensors/.metadata", "state.pt", "meta.json"]  # .metadata: DCP's, by this host
-            manifest.write(fs, root, {**entries, **manifest.describe(fs, root, own)})
-            fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
-        except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
+            if entries is None:
+                raise RuntimeError("another process could not list the files it wrote")
+            _commit(fs, root, rest, meta, entries)
+            committed = True
+        except Exception as e:  # noqa: BLE001
             error = e
-    _agree(error, process_group)
+    try:
+        _agree(error, process_group)
+    except Exception as e:  # noqa: BLE001
+        if not committed:
+            raise
+        # every host's files were written and described (the gather said so): the commit stands,
+        # whatever became of the other processes since (the engine names a lost one)
+        warn(f"checkpoint {path} committed, but the processes could not confirm it together "
+             f"({type(e).__name__}: {e})")
+
+
+def _prepare(path: str, fs, root: str) -> None:
+    """The first host's start of a save: the step's directory, empty."""
+    if is_committed(path):  # never deleted: a commit is kept, moved aside (and said so)
+        warn(f"checkpoint {path} was already committed: moved aside to "
+             f"{set_aside(path, 'replaced')} (kept, not deleted); writing this step anew")
+    elif fs.exists(root):  # a torn attempt at this step (never committed)
+        remove(path)
+    fs.makedirs(root, exist_ok=True)
+
+
+def _commit(fs, root: str, rest: bytes, meta: dict, entries: dict) -> None:
+    """The first host's end of a save, once every host's tensors are written: the skeleton, the
+    metadata, the manifest, then the commit marker."""
+    fs.pipe_file(f"{root}/state.pt", rest)
+    _fault_injection_pause()
+    fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
+    own = ["tensors/.metadata", "state.pt", "meta.json"]  # .metadata: DCP's, by this host
+    manifest.write(fs, root, {**entries, **manifest.describe(fs, root, own)})
+    fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
 
 
 def read(path: str, targets: dict | None = None, *, sharded: bool = False, process_group=None):

@@ -42,8 +42,9 @@ def describe(fs, root: str, relative: list[str]) -> dict[str, dict]:
     return out
 
 
-def gather(entries: dict, process_group) -> dict:
-    """Every host's entries, merged on the first host (a no-op on one host). Collective."""
+def gather(entries: dict | None, process_group) -> dict | None:
+    """Every host's entries, merged on the first host (a no-op on one host); None there when
+    any host's are None (it could not describe its files). Collective."""
     if process_group is None:
         return entries
     import torch.distributed as dist
@@ -52,8 +53,12 @@ def gather(entries: dict, process_group) -> dict:
     gathered = [None] * ranks if dist.get_rank(process_group) == 0 else None
     dist.gather_object(entries, gathered, dst=dist.get_global_rank(process_group, 0),
                        group=process_group)
+    if gathered is None:
+        return {}
+    if any(part is None for part in gathered):
+        return None
     merged: dict = {}
-    for part in gathered or []:
+    for part in gathered:
         merged.update(part)
     return merged
 

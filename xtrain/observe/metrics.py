@@ -129,7 +129,11 @@ class MetricsLogger(L.Callback):
         # after the step's checkpoint): that step's loss is recorded, as a last step's is; the
         # resumed run's records begin after it
         if isinstance(exception, SIGTERMException) and self._logged_step != trainer.global_step:
-            self._log(trainer, pl_module, trainer.global_step, time.perf_counter())
+            try:
+                self._log(trainer, pl_module, trainer.global_step, time.perf_counter())
+            except Exception as e:  # noqa: BLE001  (a peer gone since the stop's checkpoint)
+                # the stop's exit status matters more than the record (the launcher reads it)
+                warn(f"the loss of step {trainer.global_step} was not recorded ({type(e).__name__}: {e})")
 
     def _log(self, trainer, pl_module, step: int, now: float) -> None:
         self._logged_step = step
