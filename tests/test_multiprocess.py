@@ -54,11 +54,11 @@ def start(cmd, env=None):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def xtrain_processes(run_dir, *overrides, env=None, port=None) -> list[subprocess.Popen]:
-    """Two `python -m xtrain` processes joined by the standard variables."""
+def xtrain_processes(run_dir, *overrides, env=None, port=None, ranks=(0, 1)) -> list[subprocess.Popen]:
+    """Two `python -m xtrain` processes joined by the standard variables (``ranks``: of those)."""
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()), "WORLD_SIZE": "2"}
     cmd = [sys.executable, "-m", "xtrain", *COMMON, *TWO, *overrides, f"hydra.run.dir={run_dir}"]
-    return [start(cmd, {**launch, **(env or {}), "RANK": str(rank)}) for rank in range(2)]
+    return [start(cmd, {**launch, **(env or {}), "RANK": str(rank)}) for rank in ranks]
 
 
 def finish_all(procs, timeout=300) -> list[tuple[int, str, str]]:
@@ -195,6 +195,19 @@ def test_sigkill_of_one_rank_is_named_and_the_newest_checkpoint_resumes(tmp_path
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
     assert f"resuming from {run}/checkpoints/step_{committed[-1]:06d}" in results[0][1]
     assert max(losses(run)) == STEPS
+
+
+def test_a_process_whose_peer_never_joins_says_so_within_the_timeout(tmp_path):
+    """Rank 0 started without rank 1, and rank 1 without rank 0 (each as if the other's host
+    refused its command at start): each ends as a lost peer (exit 3), saying what it waited for."""
+    timeout = 5
+    (alone0,), (alone1,) = [xtrain_processes(tmp_path / f"run{rank}", f"trainer.collective_timeout_s={timeout}",
+                                             ranks=(rank,)) for rank in (0, 1)]
+    (code0, _, err0), (code1, _, err1) = finish_all([alone0, alone1], timeout=120)
+    assert (code0, code1) == (3, 3), err0[-2000:] + err1[-2000:]
+    assert "xtrain: peer error: not every process of 2 joined rank 0's store at 127.0.0.1:" in err0
+    assert "xtrain: peer error: rank 0's store at 127.0.0.1:" in err1
+    assert f"within trainer.collective_timeout_s={timeout} s" in err0 and "Traceback" not in err0 + err1
 
 
 def test_a_stop_checkpoint_committed_as_a_rank_dies_is_kept_and_recorded(tmp_path):

@@ -47,7 +47,7 @@ class CPUEngine(Engine):
         processes, self.address, self.port = Processes(), None, None
         if plan.hosts > 1:  # joined before anything else, so a missing peer fails fast
             rank, world, self.address, self.port = launch_environment(hardware)
-            processes = join_gloo(rank, world, timeout_s)
+            processes = join_gloo(rank, world, timeout_s, f"{self.address}:{self.port}")
         super().__init__(plan, processes)
         keep_freed_memory()
         self.timeout_s = timeout_s

@@ -142,13 +142,22 @@ class Heartbeat:
         self._thread.join(timeout=2 * self.INTERVAL_S)
 
 
-def join_gloo(rank: int, world: int, timeout_s: float) -> Processes:
-    """Join the run's processes over gloo (torch's env:// rendezvous: MASTER_ADDR:MASTER_PORT,
-    where rank 0 or torchrun's agent hosts the store)."""
+def join_gloo(rank: int, world: int, timeout_s: float, store: str) -> Processes:
+    """Join the run's processes over gloo (torch's env:// rendezvous: ``store`` is
+    MASTER_ADDR:MASTER_PORT, where rank 0 or torchrun's agent hosts the store)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    from xtrain.errors import PeerLost
+
+    try:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    except dist.DistError as e:  # the store's own words name no process
+        missing = (f"not every process of {world} joined rank 0's store at {store}" if rank == 0
+                   else f"rank 0's store at {store} did not let this rank {rank} join")
+        raise PeerLost(f"{missing} within trainer.collective_timeout_s={timeout_s:g} s: a process "
+                       "that was not started, or that ended at start (its log says why) "
+                       f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
     return joined(rank, world, timeout_s)
 
 
