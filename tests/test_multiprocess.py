@@ -210,6 +210,19 @@ def test_a_process_whose_peer_never_joins_says_so_within_the_timeout(tmp_path):
     assert f"within trainer.collective_timeout_s={timeout} s" in err0 and "Traceback" not in err0 + err1
 
 
+def test_processes_given_different_configs_are_refused_naming_the_keys(tmp_path):
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-m", "xtrain", *COMMON, *TWO, f"hydra.run.dir={tmp_path / 'run'}"]
+    extra = {0: [], 1: ["optim.matrix_lr=0.05", "trainer.max_steps=30"]}
+    procs = [start(cmd + extra[rank], {**launch, "RANK": str(rank)}) for rank in (0, 1)]
+    (code0, _, err0), (code1, _, err1) = finish_all(procs, timeout=120)
+    assert (code0, code1) == (2, 2), err0[-2000:] + err1[-2000:]
+    for err in (err0, err1):
+        assert ("xtrain: config error: rank 1 of 2 has another config than rank 0 (rank 1: "
+                "optim.matrix_lr, run.name, trainer.max_steps)") in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_a_stop_checkpoint_committed_as_a_rank_dies_is_kept_and_recorded(tmp_path):
     """SIGTERM to both; rank 1 killed once every host's files are written and rank 0 holds the
     commit (the fault-injection pause): the commit stands, recorded as the stop's checkpoint,

@@ -64,6 +64,27 @@ class Processes:
 
         return result
 
+    def check_same(self, what: str, value: dict) -> None:
+        """Refuse (ConfigError, on every process) a run whose processes hold different ``value``s
+        (nested dicts; ``what`` names it): processes given different commands would train
+        different models as one, or wait for each other's collectives until the timeout."""
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        from xtrain.errors import ConfigError
+
+        values = [None] * self.world
+        dist.all_gather_object(values, value, group=self.group)
+        others = [r for r, v in enumerate(values) if v != values[0]]
+        if others:
+            keys = differing_keys(values[0], values[others[0]])
+            raise ConfigError(
+                f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} of {self.world} "
+                f"{'have' if len(others) > 1 else 'has'} another {what} than rank 0 (rank {others[0]}: "
+                f"{', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}): every process of a run "
+                "needs the same command and files")
+
     def vanished(self) -> str | None:
         """Which process is gone, in words, or None when all are alive (or it cannot be told)."""
         return self.heartbeat.vanished() if self.heartbeat else None
@@ -79,6 +100,19 @@ class Processes:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self.group = self.checkpoint_group = None
+
+
+def differing_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two nested dicts (either one lacking a key
+    counts)."""
+    keys = []
+    for key in sorted(a.keys() | b.keys(), key=str):
+        left, right = a.get(key), b.get(key)
+        if isinstance(left, dict) and isinstance(right, dict):
+            keys += differing_keys(left, right, f"{prefix}{key}.")
+        elif left != right or (key in a) != (key in b):
+            keys.append(f"{prefix}{key}")
+    return keys
 
 
 class Heartbeat:

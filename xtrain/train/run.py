@@ -304,8 +304,10 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
     trainer_cfg = cfg.trainer
     ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
     with naming_lost_peers(engine):
+        engine.processes.check_same("config", to_plain(cfg))
         check_shared(ckpt_dir, engine.processes)
         tokenizer = prepare_data(cfg.data, engine)
+        engine.processes.check_same("tokenizer", {"sha256": tokenizer.fingerprint})
         L.seed_everything(trainer_cfg.seed, verbose=False)
         loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
                                 rows=engine.global_rows, accum=plan.batch.grad_accum_steps,
