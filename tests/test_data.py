@@ -306,6 +306,21 @@ def test_tokenizer_has_bos_and_byte_lengths(corpus):
     assert int(tok.token_bytes[ids].sum()) == len(text.encode())
 
 
+@pytest.mark.parametrize("token_bytes, found", [
+    (torch.ones(399, dtype=torch.int32), "expected 400 byte lengths .*found 399"),
+    (torch.ones(1, 400, dtype=torch.int32), r"expected 400 .*found an array of shape \(1, 400\)"),
+    ({"sizes": torch.ones(400)}, "holds a dict, not a tensor of byte lengths"),
+])
+def test_token_bytes_of_another_vocabulary_are_refused_at_load(corpus, tmp_path, token_bytes, found):
+    """Validation indexes token_bytes by every target id: a short one failed there, at the end of
+    a training run, after its last checkpoint."""
+    directory = tmp_path / "tok"
+    shutil.copytree(corpus[0] / "tok", directory)
+    torch.save(token_bytes, directory / "token_bytes.pt")
+    with pytest.raises(DataError, match=rf"^{directory}/token_bytes.pt: .*{found}"):
+        load_tokenizer(str(directory))
+
+
 def test_xtrain_bpe_encodes_through_tiktoken_with_the_same_ids(compose_config):
     """The loader encodes xtrain's HF-trained BPE with tiktoken (faster): it must give HF's ids
     for every document of the default corpus, and for text outside it."""

@@ -202,14 +202,13 @@ def file_fingerprint(directory: str) -> str | None:
 
 def load_tokenizer(directory: str, threads: int = 2) -> Tokenizer:
     """``tokenizer.json`` (HF) if present, else nanochat's ``tokenizer.pkl`` (tiktoken, read by
-    :func:`load_tiktoken_pickle`: data only, never code)."""
-    import torch
-
+    :func:`load_tiktoken_pickle`: data only, never code), with its ``token_bytes.pt`` checked
+    against the vocabulary."""
     fs, root = url_to_fs(directory)
     if not fs.exists(f"{root}/token_bytes.pt"):
         raise DataError(f"{directory}: no token_bytes.pt (needed for bits-per-byte)")
-    with fs.open(f"{root}/token_bytes.pt", "rb") as f:
-        token_bytes = torch.load(io.BytesIO(f.read()), weights_only=True).numpy()
+    token_bytes = _read_token_bytes(fs.cat_file(f"{root}/token_bytes.pt"),
+                                    f"{directory}/token_bytes.pt")
     if fs.exists(f"{root}/tokenizer.json"):
         import json
 
@@ -219,10 +218,36 @@ def load_tokenizer(directory: str, threads: int = 2) -> Tokenizer:
         text, fingerprint = raw.decode(), hashlib.sha256(raw).hexdigest()
         fast = tiktoken_from_hf(json.loads(text))
         if fast is not None:
-            return Tokenizer(fast, "tiktoken", token_bytes, threads, fingerprint)
-        return Tokenizer(HFTokenizer.from_str(text), "hf", token_bytes, threads, fingerprint)
+            tok = Tokenizer(fast, "tiktoken", token_bytes, threads, fingerprint)
+        else:
+            tok = Tokenizer(HFTokenizer.from_str(text), "hf", token_bytes, threads, fingerprint)
+        return _check_token_bytes(tok, directory, "tokenizer.json")
     if fs.exists(f"{root}/tokenizer.pkl"):
         raw = fs.cat_file(f"{root}/tokenizer.pkl")
         enc = load_tiktoken_pickle(io.BytesIO(raw), f"{directory}/tokenizer.pkl")
-        return Tokenizer(enc, "tiktoken", token_bytes, threads, hashlib.sha256(raw).hexdigest())
+        tok = Tokenizer(enc, "tiktoken", token_bytes, threads, hashlib.sha256(raw).hexdigest())
+        return _check_token_bytes(tok, directory, "tokenizer.pkl")
     raise DataError(f"{directory}: neither tokenizer.json nor tokenizer.pkl found")
+
+
+def _read_token_bytes(data: bytes, where: str) -> np.ndarray:
+    import torch
+
+    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(loaded, torch.Tensor):
+        raise DataError(f"{where}: holds a {type(loaded).__name__}, not a tensor of byte lengths "
+                        "(one per token)")
+    return loaded.numpy()
+
+
+def _check_token_bytes(tok: Tokenizer, directory: str, vocabulary: str) -> Tokenizer:
+    """Refuse a ``token_bytes.pt`` that is not one byte length per token of ``vocabulary``'s:
+    validation indexes it by every target id (bits per byte), and a short or 2-D one failed
+    there, at the end of a training run, after its last checkpoint."""
+    shape = tok.token_bytes.shape
+    if shape != (tok.vocab_size,):
+        found = f"{shape[0]}" if len(shape) == 1 else f"an array of shape {shape}"
+        raise DataError(f"{directory}/token_bytes.pt: expected {tok.vocab_size} byte lengths (one "
+                        f"per token of {vocabulary}), found {found}: it belongs to another "
+                        "tokenizer; put this tokenizer's own token_bytes.pt beside it")
+    return tok
