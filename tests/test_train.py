@@ -30,6 +30,9 @@ def test_cpu_smoke_loss_falls_and_run_dir_is_complete(compose_config, tmp_path):
     assert records[-1]["loss"] < records[0]["loss"] - 1.5, records
     val = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "val_bpb" in r]
     assert val and 0 < val[-1]["val_bpb"] < 10
+    # the last step is committed before its validation runs: one that fails loses no step
+    last = [r["kind"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["step"] == 30]
+    assert last.index("checkpoint") < last.index("val"), last
     assert summary["step"] == 30
     steps = [s for s, _ in committed_checkpoints(str(tmp_path / "checkpoints"))]
     assert steps == [30]

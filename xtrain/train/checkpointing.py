@@ -28,9 +28,10 @@ def set_aside_newer(step: int, directory: str, reason: str) -> None:
 
 
 class PeriodicCheckpoint(L.Callback):
-    """Saves every ``every`` steps (asynchronously), at the end and when a stop (preemption) is
-    requested (both waiting for the commit); after each commit prunes by retention and removes
-    torn attempts older than it, and reports the save's seconds."""
+    """Saves every ``every`` steps (asynchronously), at the last step (before the final
+    validation) and when a stop (preemption) is requested (both waiting for the commit); after
+    each commit prunes by retention and removes torn attempts older than it, and reports the
+    save's seconds."""
 
     def __init__(self, directory: str, every: int, checkpoint_io: FsspecCheckpointIO,
                  keep_last: int = 2, keep_every: int = 0, meta: dict | None = None,
@@ -94,10 +95,15 @@ class PeriodicCheckpoint(L.Callback):
             # Lightning's stop-by-signal exception, raised now: with only should_stop set it would
             # still run validation, which a 30 s preemption notice has no time for
             raise SIGTERMException
+        elif trainer.global_step >= trainer.max_steps:
+            # committed before the final validation, which Lightning runs after this hook: a
+            # validation that fails then loses no trained step
+            self.final_saved = self.save(trainer, wait=True)
         elif self.every and trainer.global_step % self.every == 0:
             self.save(trainer)
 
     def on_train_end(self, trainer, pl_module):
         if self.stop is not None:
             self.stop.settle()
-        self.final_saved = self.save(trainer, wait=True)
+        if self.final_saved is None:  # no last step was trained here (a run resumed at it)
+            self.final_saved = self.save(trainer, wait=True)
