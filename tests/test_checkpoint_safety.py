@@ -210,6 +210,68 @@ def test_an_interpolation_in_meta_json_is_text_never_resolved(world, tmp_path, m
     assert secret not in out + err
 
 
+def _with_data(world, tmp_path, **data) -> Path:
+    """A copy of the run's newest checkpoint whose meta.json's data config holds ``data``."""
+    ckpt = tmp_path / "crafted" / "step_000004"
+    shutil.copytree(world["run"] / "checkpoints" / "step_000004", ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["config"]["data"].update(data)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    _reseal(str(ckpt))
+    return ckpt
+
+
+def _trained_tokenizer(world) -> Path:
+    meta = json.loads((world["run"] / "checkpoints" / "step_000004" / "meta.json").read_text())
+    return Path(meta["config"]["data"]["tokenizer"])
+
+
+@pytest.mark.parametrize("mode", ["sample", "eval"])
+def test_sample_and_eval_refuse_a_tokenizer_the_checkpoint_was_not_trained_with(world, tmp_path, mode):
+    """Same size, two token ids swapped, where the checkpoint's config says its tokenizer is: the
+    model's ids would be decoded as other text without a word."""
+    tok = tmp_path / "tok"
+    shutil.copytree(_trained_tokenizer(world), tok)
+    spec = json.loads((tok / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tok / "tokenizer.json").write_text(json.dumps(spec))
+    ckpt = _with_data(world, tmp_path, tokenizer=str(tok))
+    code, out, err = finish(xtrain(tmp_path / "run", f"mode={mode}", f"checkpoint.resume={ckpt}",
+                                   f"data.tokenizer={tok}", "sample.max_tokens=4"))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == EXIT_REFUSED, err[-3000:]
+    assert len(lines) == 1 and re.fullmatch(
+        rf"xtrain: checkpoint error: {ckpt} was trained with the tokenizer of {tok} \(sha256 \w+\), "
+        rf"not with the one in {tok} \(sha256 \w+\): its token ids mean other text; point "
+        "data.tokenizer at a copy of the tokenizer it was trained with", lines[0]), lines
+    assert "sampling" not in out and "evaluating" not in out
+
+
+def test_sample_builds_no_corpus_where_a_checkpoint_says_and_reads_a_copy_of_its_tokenizer(
+        world, tmp_path):
+    """A read-only command must not write into the shared corpus cache, nor where a checkpoint's
+    meta.json (untrusted) chooses: a tokenizer not there is refused, saying how to get it; a copy
+    given as data.tokenizer is read once its sha256 is the checkpoint's."""
+    elsewhere = tmp_path / "elsewhere"
+    ckpt = _with_data(world, tmp_path, build_dir=str(elsewhere), tokenizer=f"{elsewhere}/tokenizer")
+    args = [f"checkpoint.resume={ckpt}", "mode=sample", "sample.max_tokens=4"]
+    code, out, err = finish(xtrain(tmp_path / "run", *args, f"data.tokenizer={elsewhere}/tokenizer"))
+    assert code == EXIT_REFUSED, err[-3000:]
+    assert err.strip() == (
+        f"xtrain: data error: {ckpt} was trained with the tokenizer of {elsewhere}/tokenizer, and "
+        f"{elsewhere}/tokenizer holds no tokenizer (mode=sample and mode=eval build no corpus): "
+        "run the training command of that checkpoint once on this machine (it builds the corpus "
+        "and its tokenizer), or point data.tokenizer at a copy of that tokenizer")
+    assert not elsewhere.exists() and "sampling" not in out
+    copy = tmp_path / "copy"
+    shutil.copytree(_trained_tokenizer(world), copy)
+    code, out, err = finish(xtrain(tmp_path / "run", *args, f"data.tokenizer={copy}"))
+    assert code == 0 and f"sampling {ckpt}" in out, err[-3000:]
+    assert not elsewhere.exists()
+
+
 def test_resuming_behind_the_runs_own_commits_is_refused_unless_rewound(world, tmp_path):
     """checkpoint.* overrides keep the run's name and so its directory: resuming step 2 there
     trained on over step 4, and the save at step 4 deleted the committed one. Refused up front

@@ -296,13 +296,43 @@ def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str) -> None:
         check_same_tokenizer(found, saved_meta(found), file_fingerprint(cfg.data.tokenizer))
 
 
-def check_same_tokenizer(path: str, meta: dict, fingerprint: str | None) -> None:
+def check_same_tokenizer(path: str, meta: dict, fingerprint: str | None,
+                         remedy: str = "use that run's data config, or start a new run (run.name=...)",
+                         ours: str = "this run's") -> None:
     """Refuse a checkpoint trained with another tokenizer than the run's (``fingerprint``; its
     ``meta`` records the sha256 of its own): its token ids mean other text. Either unknown passes."""
     trained_with = meta.get("tokenizer_sha256")
     if trained_with and fingerprint and trained_with != fingerprint:
         raise CheckpointError(
             f"{path} was trained with the tokenizer of {meta['config']['data']['tokenizer']} "
-            f"(sha256 {trained_with[:12]}), not with this run's (sha256 {fingerprint[:12]}): "
-            "its token ids mean other text; use that run's data config, or start a new run "
-            "(run.name=...)")
+            f"(sha256 {trained_with[:12]}), not with {ours} (sha256 {fingerprint[:12]}): "
+            f"its token ids mean other text; {remedy}")
+
+
+def checkpoint_tokenizer(path: str, meta: dict, given: str | None) -> str:
+    """Where ``mode=sample``/``eval`` read the tokenizer of the checkpoint at ``path`` (``meta``
+    its meta.json): the directory its config names, else ``given`` (this command's
+    data.tokenizer, e.g. a copy), the first holding the tokenizer whose sha256 the checkpoint
+    records (any tokenizer, when it records none). Never built: a command that only reads must not
+    write into the shared corpus cache, nor at a place a checkpoint's meta.json chooses. Refused
+    when neither holds it."""
+    from xtrain.data.tokenizer import file_fingerprint
+
+    recorded, trained_with = saved_config(meta, path).data.tokenizer, meta.get("tokenizer_sha256")
+    found = {}  # directory -> the fingerprint of the tokenizer it holds
+    for directory in dict.fromkeys(d for d in (recorded, given) if d):
+        found[directory] = file_fingerprint(directory)
+        if found[directory] and (not trained_with or found[directory] == trained_with):
+            return directory
+    other = next(((d, f) for d, f in found.items() if f), None)
+    if other:  # (the first directory holding a tokenizer: refused)
+        check_same_tokenizer(path, meta, other[1], ours=f"the one in {other[0]}", remedy=(
+            "point data.tokenizer at a copy of the tokenizer it was trained with"))
+    dirs = list(found)
+    none = (f"{dirs[0]} holds no tokenizer" if len(dirs) == 1 else
+            f"neither {dirs[0]} nor {dirs[1]} holds a tokenizer")
+    raise DataError(
+        f"{path} was trained with the tokenizer of {recorded}, and {none} "
+        "(mode=sample and mode=eval build no corpus): run the training command of that checkpoint "
+        "once on this machine (it builds the corpus and its tokenizer), or point data.tokenizer "
+        "at a copy of that tokenizer")

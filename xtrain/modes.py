@@ -149,15 +149,18 @@ def checkpoint_to_read(cfg, run_dir: str) -> str:
     return path
 
 
-def checkpoint_inputs(path: str):
+def checkpoint_inputs(cfg, path: str):
     """A checkpoint's saved config (which decides the model and tokenizer, not this run's), its
-    tokenizer and its step."""
-    from xtrain.checkpoint.layout import read_meta, saved_config
-    from xtrain.data import prepare
+    tokenizer (the one it was trained with, found, never built: xtrain/inputs.py
+    checkpoint_tokenizer) and its step."""
+    from xtrain.checkpoint.layout import saved_config
+    from xtrain.data import checked_tokenizer
+    from xtrain.inputs import checkpoint_tokenizer, saved_meta
 
-    meta = read_meta(path)
+    meta = saved_meta(path)
     saved = saved_config(meta, path)
-    return saved, prepare(saved.data, log=log.info), int(meta.get("step") or 0)
+    directory = checkpoint_tokenizer(path, meta, cfg.data.tokenizer)
+    return saved, checked_tokenizer(saved.data, directory), int(meta.get("step") or 0)
 
 
 def checkpoint_model(path: str, saved):
@@ -177,7 +180,7 @@ def sample(cfg, run_dir: str, path: str) -> dict:
     s, stats = cfg.sample, {}
     prompts = sample_prompts(s)  # not empty (check_sampling)
 
-    saved, tokenizer, _ = checkpoint_inputs(path)
+    saved, tokenizer, _ = checkpoint_inputs(cfg, path)
     check_prompts_fit(tokenizer, prompts, s.max_tokens, saved.model.sequence_len, "sample.max_tokens")
     model = checkpoint_model(path, saved)
     log.info("sampling %s: %d x %d tokens per prompt, temperature %g, top_k %s, seed %d",
@@ -201,7 +204,7 @@ def evaluate(cfg, run_dir: str, path: str) -> dict:
     from xtrain.evals import prepare
     from xtrain.evals.completions import check_fit, evaluate_model, records_path
 
-    saved, tokenizer, step = checkpoint_inputs(path)
+    saved, tokenizer, step = checkpoint_inputs(cfg, path)
     problems = prepare(cfg.eval)  # the config, the benchmark file and the compiler, checked
     check_fit(tokenizer, problems, cfg.eval, saved.model.sequence_len)
     model = checkpoint_model(path, saved)

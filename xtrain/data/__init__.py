@@ -14,11 +14,17 @@ def prepare(data, log=print) -> Tokenizer:
         spec = BuildSpec(sources=list(data.build_sources), out_dir=data.build_dir,
                          vocab_size=data.vocab_size, chunk_tokens=data.chunk_tokens)
         ensure_built(spec, log=log)
-    tokenizer = load_tokenizer(data.tokenizer, threads=data.tokenizer_threads)
+    return checked_tokenizer(data, data.tokenizer)
+
+
+def checked_tokenizer(data, directory: str) -> Tokenizer:
+    """The tokenizer in ``directory`` (``data.tokenizer``, or where a checkpoint's is found:
+    xtrain/inputs.py checkpoint_tokenizer), of ``data.vocab_size`` tokens."""
+    tokenizer = load_tokenizer(directory, threads=data.tokenizer_threads)
     if tokenizer.vocab_size != data.vocab_size:
-        raise DataError(f"tokenizer {data.tokenizer} has {tokenizer.vocab_size} tokens but "
+        raise DataError(f"tokenizer {directory} has {tokenizer.vocab_size} tokens but "
                         f"data.vocab_size={data.vocab_size}")
     return tokenizer
 
 
-__all__ = ["Tokenizer", "load_tokenizer", "prepare"]
+__all__ = ["Tokenizer", "checked_tokenizer", "load_tokenizer", "prepare"]
