@@ -321,6 +321,39 @@ def test_token_bytes_of_another_vocabulary_are_refused_at_load(corpus, tmp_path,
         load_tokenizer(str(directory))
 
 
+def _half(path) -> bytes:
+    data = path.read_bytes()
+    return data[:len(data) // 2]
+
+
+@pytest.mark.parametrize("name, damage, reason", [
+    ("tokenizer.json", _half, r"not a readable tokenizer \(JSONDecodeError: "),
+    ("tokenizer.json", lambda _: b"\xff\xfe{}", r"not a readable tokenizer \(UnicodeDecodeError: "),
+    ("tokenizer.json", lambda _: b'{"model": {"type": "BPE"}}', r"not a readable tokenizer \("),
+    ("token_bytes.pt", _half, r"not a saved tensor \(PytorchStreamReader failed"),
+    ("token_bytes.pt", lambda _: b"garbage", r"not a saved tensor \("),
+    ("token_bytes.pt", lambda _: pickle.dumps(_Payload("/nonexistent/x"), protocol=2), r"not a saved tensor \("),
+])
+def test_a_damaged_tokenizer_file_is_refused_naming_it(corpus, tmp_path, name, damage, reason):
+    """A truncated copy, a foreign file: one line naming the file and why (it was a JSON or
+    unpickling traceback, torch's advising weights_only=False, wrong for an untrusted file)."""
+    directory = tmp_path / "tok"
+    shutil.copytree(corpus[0] / "tok", directory)
+    (directory / name).write_bytes(damage(directory / name))
+    with pytest.raises(DataError, match=rf"^{directory}/{name}: {reason}") as refused:
+        load_tokenizer(str(directory))
+    assert "weights_only" not in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_nanochat_tokenizer_without_bos_is_refused_naming_it(tmp_path):
+    import tiktoken
+
+    enc = tiktoken.Encoding("t", pat_str=r"\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
+                            special_tokens={"<|endoftext|>": 256})
+    with pytest.raises(DataError, match=rf"^{tmp_path}/tokenizer.pkl: has no <\|bos\|> token"):
+        load_tokenizer(_nanochat_dir(tmp_path, pickle.dumps(enc)))
+
+
 def test_xtrain_bpe_encodes_through_tiktoken_with_the_same_ids(compose_config):
     """The loader encodes xtrain's HF-trained BPE with tiktoken (faster): it must give HF's ids
     for every document of the default corpus, and for text outside it."""

@@ -138,6 +138,17 @@ def refuse(ex: BaseException) -> None:
     sys.exit(next((code for kind, code in codes.items() if isinstance(ex, kind)), EXIT_REFUSED))
 
 
+def unpickling_reason(error: BaseException) -> str:
+    """An unpickling error of an untrusted file (a checkpoint, a tokenizer's token_bytes.pt) in
+    one line, without torch's advice to load it with ``weights_only=False`` (which would run the
+    file's code)."""
+    # torch 2.9: the reason follows "WeightsUnpickler error:", its advice "Please use"
+    text = str(error).split("WeightsUnpickler error:")[-1].split(" Please use")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line
+             and not line.strip().startswith(("Weights only load failed", "Check the documentation"))]
+    return " ".join(lines)[:300] or type(error).__name__
+
+
 def warn(message: str) -> None:
     """A warning that does not stop the run, on stderr in the refusals' one-line form."""
     print(f"xtrain: warning: {message}", file=sys.stderr, flush=True)

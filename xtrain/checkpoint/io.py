@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from xtrain import compat
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import COMMIT_MARKER, check_dcp_files, is_committed, remove, set_aside
-from xtrain.errors import CheckpointError, warn
+from xtrain.errors import CheckpointError, unpickling_reason, warn
 from xtrain.paths import url_to_fs
 
 # Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it each time.
@@ -239,18 +239,8 @@ def _load_state(fs, root: str, path: str):
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # untrusted input
     except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {path}: state.pt refused ({_reason(e)}): only plain "
-                              "data and tensors are loaded from a checkpoint") from e
-
-
-def _reason(error: BaseException) -> str:
-    """An unpickling error in one line, without torch's advice to load with
-    ``weights_only=False`` (which would run the file's code)."""
-    # torch 2.9: the reason follows "WeightsUnpickler error:", its advice "Please use"
-    text = str(error).split("WeightsUnpickler error:")[-1].split(" Please use")[0]
-    lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line
-             and not line.strip().startswith(("Weights only load failed", "Check the documentation"))]
-    return " ".join(lines)[:300] or type(error).__name__
+        raise CheckpointError(f"checkpoint {path}: state.pt refused ({unpickling_reason(e)}): only "
+                              "plain data and tensors are loaded from a checkpoint") from e
 
 
 @contextmanager
@@ -269,7 +259,7 @@ def _refusals(path: str):
         cause = next((c for c in causes if isinstance(c, (pickle.UnpicklingError, EOFError))), None)
         if cause is None:
             raise
-        raise CheckpointError(f"checkpoint {path}: tensors/ refused ({_reason(cause)})") from e
+        raise CheckpointError(f"checkpoint {path}: tensors/ refused ({unpickling_reason(cause)})") from e
 
 
 class CheckedReader(compat.dcp_reader(FileSystemReader)):

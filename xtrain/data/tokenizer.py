@@ -17,7 +17,7 @@ import pickle
 
 import numpy as np
 
-from xtrain.errors import DataError
+from xtrain.errors import DataError, unpickling_reason
 from xtrain.paths import url_to_fs
 
 BOS = "<|bos|>"
@@ -31,7 +31,7 @@ class Tokenizer:
     it: a model is only resumed with the tokenizer it was trained with)."""
 
     def __init__(self, backend, kind: str, token_bytes: np.ndarray, threads: int = 2,
-                 fingerprint: str | None = None):
+                 fingerprint: str | None = None, source: str = "tokenizer"):
         self.backend, self.kind, self.threads = backend, kind, threads
         self.fingerprint = fingerprint
         self.token_bytes = np.asarray(token_bytes, dtype=np.int32)
@@ -39,10 +39,14 @@ class Tokenizer:
             self.bos_id = backend.token_to_id(BOS)
             self.vocab_size = backend.get_vocab_size()
         else:
-            self.bos_id = backend.encode_single_token(BOS)
+            try:
+                self.bos_id = backend.encode_single_token(BOS)
+            except KeyError:  # (tiktoken's answer for a token it lacks)
+                self.bos_id = None
             self.vocab_size = backend.n_vocab
         if self.bos_id is None:
-            raise DataError(f"tokenizer has no {BOS} token")
+            raise DataError(f"{source}: has no {BOS} token, which starts every document xtrain "
+                            "packs: not a tokenizer xtrain (or nanochat) trained")
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if self.kind == "hf":  # the _fast variant skips offsets: ~20% faster, all we need are ids
@@ -203,37 +207,51 @@ def file_fingerprint(directory: str) -> str | None:
 def load_tokenizer(directory: str, threads: int = 2) -> Tokenizer:
     """``tokenizer.json`` (HF) if present, else nanochat's ``tokenizer.pkl`` (tiktoken, read by
     :func:`load_tiktoken_pickle`: data only, never code), with its ``token_bytes.pt`` checked
-    against the vocabulary."""
+    against the vocabulary. A damaged or foreign file is refused (DataError) naming it."""
     fs, root = url_to_fs(directory)
     if not fs.exists(f"{root}/token_bytes.pt"):
         raise DataError(f"{directory}: no token_bytes.pt (needed for bits-per-byte)")
     token_bytes = _read_token_bytes(fs.cat_file(f"{root}/token_bytes.pt"),
                                     f"{directory}/token_bytes.pt")
-    if fs.exists(f"{root}/tokenizer.json"):
-        import json
-
-        from tokenizers import Tokenizer as HFTokenizer
-
-        raw = fs.cat_file(f"{root}/tokenizer.json")
-        text, fingerprint = raw.decode(), hashlib.sha256(raw).hexdigest()
-        fast = tiktoken_from_hf(json.loads(text))
-        if fast is not None:
-            tok = Tokenizer(fast, "tiktoken", token_bytes, threads, fingerprint)
-        else:
-            tok = Tokenizer(HFTokenizer.from_str(text), "hf", token_bytes, threads, fingerprint)
-        return _check_token_bytes(tok, directory, "tokenizer.json")
-    if fs.exists(f"{root}/tokenizer.pkl"):
-        raw = fs.cat_file(f"{root}/tokenizer.pkl")
-        enc = load_tiktoken_pickle(io.BytesIO(raw), f"{directory}/tokenizer.pkl")
-        tok = Tokenizer(enc, "tiktoken", token_bytes, threads, hashlib.sha256(raw).hexdigest())
-        return _check_token_bytes(tok, directory, "tokenizer.pkl")
+    for name, read in (("tokenizer.json", _read_hf), ("tokenizer.pkl", _read_pickle)):
+        if fs.exists(f"{root}/{name}"):  # in this order
+            raw = fs.cat_file(f"{root}/{name}")
+            backend, kind = read(raw, f"{directory}/{name}")
+            tok = Tokenizer(backend, kind, token_bytes, threads, hashlib.sha256(raw).hexdigest(),
+                            source=f"{directory}/{name}")
+            return _check_token_bytes(tok, directory, name)
     raise DataError(f"{directory}: neither tokenizer.json nor tokenizer.pkl found")
+
+
+def _read_hf(raw: bytes, where: str):
+    """(backend, kind) of a ``tokenizer.json``: tiktoken's when it converts exactly, else HF's."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        text = raw.decode()
+        fast = tiktoken_from_hf(json.loads(text))
+        return (fast, "tiktoken") if fast is not None else (HFTokenizer.from_str(text), "hf")
+    except Exception as e:  # noqa: BLE001  (a damaged file fails in many ways: UTF-8, JSON, tokenizers)
+        reason = (str(e).splitlines() or [""])[0][:200]
+        raise DataError(f"{where}: not a readable tokenizer ({type(e).__name__}: {reason}): the "
+                        "file is damaged or not a tokenizers JSON file; copy it again, or rebuild "
+                        "the corpus that made it") from e
+
+
+def _read_pickle(raw: bytes, where: str):
+    return load_tiktoken_pickle(io.BytesIO(raw), where), "tiktoken"
 
 
 def _read_token_bytes(data: bytes, where: str) -> np.ndarray:
     import torch
 
-    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    try:
+        loaded = torch.load(io.BytesIO(data), weights_only=True)  # untrusted: data, never code
+    except Exception as e:  # noqa: BLE001  (a damaged pickle raises many types)
+        raise DataError(f"{where}: not a saved tensor ({unpickling_reason(e)}): the file is damaged "
+                        "or foreign; only plain tensors are loaded from it") from e
     if not isinstance(loaded, torch.Tensor):
         raise DataError(f"{where}: holds a {type(loaded).__name__}, not a tensor of byte lengths "
                         "(one per token)")
