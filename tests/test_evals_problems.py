@@ -92,6 +92,17 @@ def test_empty_and_missing_files(tmp_path):
         load_problems(str(tmp_path / "absent.jsonl"))
 
 
+def test_a_file_that_is_not_utf8_text_or_a_directory_is_refused_naming_it(tmp_path):
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes((good() + "\n").encode() + '{"id": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(ProblemFileError, match=rf"^C\+\+ benchmark file {latin1} is not UTF-8 text "
+                                               r"\(invalid continuation byte at byte \d+\)"):
+        load_problems(str(latin1))
+    with pytest.raises(ProblemFileError, match=rf"^C\+\+ benchmark file {tmp_path} cannot be read "
+                                               r"\(IsADirectoryError: Is a directory\)"):
+        load_problems(str(tmp_path))
+
+
 def test_a_team_benchmark_loads_from_gcs(gcs_bucket):
     url = f"{gcs_bucket[0]}/benchmarks/cpp.jsonl"
     with fsspec.open(url, "w") as f:

@@ -45,6 +45,12 @@ def load_problems(path: str | None = None) -> list[Problem]:
             lines = f.read().splitlines()
     except FileNotFoundError:
         raise ProblemFileError(f"C++ benchmark file {path} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ProblemFileError(f"C++ benchmark file {path} is not UTF-8 text ({e.reason} at byte "
+                               f"{e.start}): expected JSONL, one problem per line") from None
+    except OSError as e:  # a directory, a file without read permission
+        raise ProblemFileError(f"C++ benchmark file {path} cannot be read "
+                               f"({type(e).__name__}: {e.strerror or e})") from None
     problems: list[Problem] = []
     first_line: dict[str, int] = {}
     for number, line in enumerate(lines, start=1):
