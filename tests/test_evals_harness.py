@@ -122,6 +122,17 @@ def test_generate_interface_cuts_continuations_and_writes_records(gcs_bucket):
     assert written == records
 
 
+@pytest.mark.parametrize("directive", ["#define add(a, b) 5", "  /* */ #define add(a, b) 5",
+                                       "%:define add(a, b) 5", "#\\\ndefine add(a, b) 5"])
+def test_a_completion_with_a_preprocessor_directive_is_not_compiled(directive):
+    """A macro after the function rewrites the tests that follow (``add(2, 3)`` becomes 5): each
+    spelling of a directive (after a comment, as a digraph, spliced) would pass them."""
+    _, (record,) = evaluate([ADD], {"add": [f"  return 0;\n}}\n{directive}\n"]}, EvalConfig())
+    assert (record["outcome"], record["compiled"], record["compile_s"]) == ("compile_error", False, None)
+    assert record["compiler_message"].startswith("not compiled: a preprocessor directive in the "
+                                                 "completion (")
+
+
 def test_generate_with_the_wrong_shape_is_refused():
     with pytest.raises(ValueError, match="expected 1 per prompt"):
         generate_and_evaluate(lambda prompts, n: [[]], [ADD], EvalConfig())

@@ -92,9 +92,24 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
                           "  std::fputs(\"escaped\", f);\n  std::fclose(f);\n  return 42;\n}\n",
                           "wrong_answer"),
         # the compiler is attacked too: an endless include, and one that would copy a secret
-        # into the compiler message (the compiler runs in the sandbox as well)
+        # into the compiler message (not compiled: a directive), and the assembler, which would
+        # copy it into the program (it runs in the sandbox as well)
         "include_dev_zero": ("#include \"/dev/zero\"\n}\n", "compile_error"),
         "include_secret": ("#include \"/etc/shadow\"\n}\n", "compile_error"),
+        "incbin_secret": ("  asm(\".incbin \\\"/etc/shadow\\\"\");\n  return 42;\n}\n", "compile_error"),
+        # the harness's pass marker, looked for in the program's own binary and printed
+        "forged_marker": (
+            "  static char bin[1 << 22];\n  FILE* f = std::fopen(\"/proc/self/exe\", \"rb\");\n"
+            "  std::size_t n = f ? std::fread(bin, 1, sizeof bin, f) : 0;\n"
+            "  const char* tag = \"xtrain-tests-passed-\";\n"
+            "  for (std::size_t i = 0; i + 36 <= n; ++i) {\n"
+            "    bool hit = true;\n"
+            "    for (int j = 0; j < 36 && hit; ++j) {\n"
+            "      char c = bin[i + j];\n"
+            "      hit = j < 20 ? c == tag[j] : (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');\n"
+            "    }\n"
+            "    if (hit) {\n      std::printf(\"\\n%.36s\\n\", bin + i);\n      std::fflush(stdout);\n"
+            "      std::_Exit(0);\n    }\n  }\n  return 41;\n}\n", "wrong_answer"),
         # the root and /dev read-only; /tmp and /dev/shm writable, on the session dir's disk (as
         # /box is), not in RAM: a tmpfs there (bwrap's root is one) would let one program fill
         # the host's memory
@@ -231,7 +246,8 @@ def test_hostile_program_scored_as_its_failure_within_limits(hostile, kind):
         assert record["exit_code"] == signals[kind], record
     if record["run_s"] is not None:
         assert record["run_s"] < RUN_TIMEOUT + 1.5, record  # killed on time, not waited out
-    assert record["compile_s"] < 30
+    if record["compile_s"] is not None:  # (None: a directive, not compiled)
+        assert record["compile_s"] < 30
 
 
 def test_hostile_batch_leaves_nothing_behind(hostile):
@@ -248,8 +264,8 @@ def test_network_connection_reaches_nothing(hostile):
 
 def test_compiler_cannot_read_secrets(hostile):
     _, result = hostile
-    message = result["records"]["include_secret"]["compiler_message"]
-    assert "/etc/shadow: No such file or directory" in message and "root:" not in message
+    message = result["records"]["incbin_secret"]["compiler_message"]
+    assert "file not found: /etc/shadow" in message and "root:" not in message
 
 
 def test_write_outside_its_dir_does_not_appear(hostile):

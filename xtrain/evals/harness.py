@@ -12,8 +12,11 @@ passed. Records (one JSON object per sample): id, difficulty, sample (index), co
 completion after the stop rule), compiled, outcome, compiler_message and test_output (capped at
 ``eval.message_chars``), exit_code (128 + signal for a signal), compile_s, run_s (None when not
 run). The tests' ``main`` is renamed and called from a harness ``main`` that prints a random
-marker after it returns 0: a completion that calls ``exit(0)`` does not pass. The scores assume a
-model that does not deliberately game the tests; the sandbox protects the machine, not the score.
+marker after it returns 0: a completion that calls ``exit(0)`` does not pass. A completion with a
+preprocessor directive (``#define answer() 42`` rewrites the tests that follow) is not compiled:
+a compile_error (the stop rule confines a completion to a function body, where a directive has
+no use). The scores assume a model that does not deliberately game the tests; the sandbox
+protects the machine, not the score.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 import secrets
 import shutil
 import signal
@@ -43,9 +47,15 @@ Generate = Callable[[list[str], int], list[list[str]]]
 _FOOTER = """
 #undef main
 #include <cstdio>
+static volatile unsigned char xtrain_key[] = {{{key}}};  // volatile: never folded into the text
+static const unsigned char xtrain_masked[] = {{{masked}}};
 int main() {{
   int rc = xtrain_tests_main();
-  if (rc == 0) std::printf("\\n{marker}\\n");
+  if (rc == 0) {{
+    std::putchar('\\n');
+    for (unsigned i = 0; i < sizeof xtrain_masked; ++i) std::putchar(xtrain_masked[i] ^ xtrain_key[i]);
+    std::putchar('\\n');
+  }}
   return rc;
 }}
 """
@@ -53,9 +63,31 @@ int main() {{
 
 def program(problem: Problem, completion: str, marker: str) -> str:
     """The file compiled for one sample: prompt, completion, tests (their ``main`` renamed),
-    then a ``main`` that prints ``marker`` once the tests return 0."""
+    then a ``main`` that prints ``marker`` once the tests return 0. The marker is built as it is
+    printed, from two random byte arrays (a nonzero mask: no byte of it stands where it is
+    printed): a completion searching its own binary (/proc/self/exe) for the marker's text finds
+    nothing. One that decodes the footer's arrays could still forge it: nothing in one process
+    keeps a secret from code running in it, which is why the scores assume no deliberate gaming."""
+    key = [secrets.randbelow(255) + 1 for _ in marker]
+    masked = [b ^ k for b, k in zip(marker.encode(), key)]
     return (problem.prompt + completion + "\n#define main xtrain_tests_main\n" + problem.tests
-            + _FOOTER.format(marker=marker))
+            + _FOOTER.format(key=",".join(map(str, key)), masked=",".join(map(str, masked))))
+
+
+_DIRECTIVE = re.compile(r"#|%:|\?\?=")  # '#', its digraph and its trigraph
+
+
+def directive(completion: str) -> str | None:
+    """The first line of ``completion`` that may be a preprocessor directive, or None: a '#' (or
+    '%:', '??=') after only blanks on its line, or after a comment's end (the line may begin in
+    a comment, which counts as blank before a directive). Lines joined by a backslash count as
+    one, as the compiler joins them. Cautious: a '#' in a string there counts too, one sample
+    scored a compile error for nothing, where missing a directive would let it rewrite the tests."""
+    for line in re.sub(r"\\[ \t\r]*\n", "", completion).splitlines():
+        found = _DIRECTIVE.search(line)
+        if found and (not line[:found.start()].strip() or "*/" in line[:found.start()]):
+            return line.strip()
+    return None
 
 
 def prepare(cfg: EvalConfig) -> list[Problem]:
@@ -99,7 +131,9 @@ def evaluate(problems: Sequence[Problem], completions: Mapping[str, Sequence[str
     gxx = find_gxx(cfg)
     jobs = [(p, i, c) for p in problems for i, c in enumerate(completions[p.id])]
     workers = min(cfg.workers or len(os.sched_getaffinity(0)), len(jobs))
-    marker = f"xtrain-tests-passed-{secrets.token_hex(8)}"  # unguessable by the program
+    # random, so no completion can print it by heart; a program could still forge it from the
+    # pieces its own binary holds (program()): in-process code cannot be kept from a secret
+    marker = f"xtrain-tests-passed-{secrets.token_hex(8)}"
     start = time.perf_counter()
     sandbox = Sandbox(cfg, workers)
     try:
@@ -149,6 +183,11 @@ def _judge(sandbox: Sandbox, gxx: str, cfg: EvalConfig, marker: str, problem: Pr
               "code": completion, "compiled": False, "outcome": "compile_error",
               "compiler_message": "", "test_output": "", "exit_code": None, "compile_s": None,
               "run_s": None}
+    found = directive(completion)
+    if found is not None:
+        record["compiler_message"] = (f"not compiled: a preprocessor directive in the completion "
+                                      f"({found!r}) could rewrite the tests")[:cfg.message_chars]
+        return record
     with sandbox.session() as session:
         session.write("main.cpp", program(problem, completion, marker))
         built = _compile(session, gxx, cfg)
