@@ -210,12 +210,12 @@ def test_an_interpolation_in_meta_json_is_text_never_resolved(world, tmp_path, m
     assert secret not in out + err
 
 
-def _with_data(world, tmp_path, **data) -> Path:
-    """A copy of the run's newest checkpoint whose meta.json's data config holds ``data``."""
+def _with_config(world, tmp_path, group: str = "data", **values) -> Path:
+    """A copy of the run's newest checkpoint whose meta.json's config ``group`` holds ``values``."""
     ckpt = tmp_path / "crafted" / "step_000004"
     shutil.copytree(world["run"] / "checkpoints" / "step_000004", ckpt)
     meta = json.loads((ckpt / "meta.json").read_text())
-    meta["config"]["data"].update(data)
+    meta["config"][group].update(values)
     (ckpt / "meta.json").write_text(json.dumps(meta))
     _reseal(str(ckpt))
     return ckpt
@@ -237,7 +237,7 @@ def test_sample_and_eval_refuse_a_tokenizer_the_checkpoint_was_not_trained_with(
     a, b = sorted(vocab, key=vocab.get)[300:302]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (tok / "tokenizer.json").write_text(json.dumps(spec))
-    ckpt = _with_data(world, tmp_path, tokenizer=str(tok))
+    ckpt = _with_config(world, tmp_path, tokenizer=str(tok))
     code, out, err = finish(xtrain(tmp_path / "run", f"mode={mode}", f"checkpoint.resume={ckpt}",
                                    f"data.tokenizer={tok}", "sample.max_tokens=4"))
     lines = [line for line in err.splitlines() if line.strip()]
@@ -255,7 +255,7 @@ def test_sample_builds_no_corpus_where_a_checkpoint_says_and_reads_a_copy_of_its
     meta.json (untrusted) chooses: a tokenizer not there is refused, saying how to get it; a copy
     given as data.tokenizer is read once its sha256 is the checkpoint's."""
     elsewhere = tmp_path / "elsewhere"
-    ckpt = _with_data(world, tmp_path, build_dir=str(elsewhere), tokenizer=f"{elsewhere}/tokenizer")
+    ckpt = _with_config(world, tmp_path, build_dir=str(elsewhere), tokenizer=f"{elsewhere}/tokenizer")
     args = [f"checkpoint.resume={ckpt}", "mode=sample", "sample.max_tokens=4"]
     code, out, err = finish(xtrain(tmp_path / "run", *args, f"data.tokenizer={elsewhere}/tokenizer"))
     assert code == EXIT_REFUSED, err[-3000:]
@@ -270,6 +270,21 @@ def test_sample_builds_no_corpus_where_a_checkpoint_says_and_reads_a_copy_of_its
     code, out, err = finish(xtrain(tmp_path / "run", *args, f"data.tokenizer={copy}"))
     assert code == 0 and f"sampling {ckpt}" in out, err[-3000:]
     assert not elsewhere.exists()
+
+
+def test_sample_refuses_a_checkpoint_whose_meta_json_describes_another_model(world, tmp_path):
+    """meta.json decides the model its tensors are loaded into: one that disagrees with them (a
+    larger vocabulary here) is refused naming the checkpoint and the first tensor that does not
+    fit (it was load_state_dict's traceback)."""
+    ckpt = _with_config(world, tmp_path, "model", vocab_size=5000)
+    code, out, err = finish(xtrain(tmp_path / "run", "mode=sample", f"checkpoint.resume={ckpt}",
+                                   "sample.max_tokens=4"))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == EXIT_REFUSED, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"xtrain: checkpoint error: checkpoint {ckpt}: its tensors do not fit the model its "
+        "meta.json describes (size mismatch for wte.weight: copying a param with shape (4096, "), lines
+    assert "sampling" not in out
 
 
 def test_resuming_behind_the_runs_own_commits_is_refused_unless_rewound(world, tmp_path):

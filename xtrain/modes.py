@@ -165,12 +165,20 @@ def checkpoint_inputs(cfg, path: str):
 
 def checkpoint_model(path: str, saved):
     """The GPT of a checkpoint on the CPU: its saved model config, its weights read without the
-    optimizer state."""
+    optimizer state; refused when they disagree (a meta.json edited, or from another checkpoint)."""
     from xtrain.checkpoint.io import read_model_weights
+    from xtrain.errors import CheckpointError
     from xtrain.model.config import GPTConfig
     from xtrain.model.gpt import GPT
 
-    return GPT.from_weights(GPTConfig.from_model(saved.model), read_model_weights(path))
+    try:
+        return GPT.from_weights(GPTConfig.from_model(saved.model), read_model_weights(path))
+    except RuntimeError as e:  # load_state_dict's: every missing, unexpected or mis-shaped tensor
+        lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        first = (lines or [str(e)])[0].replace("torch.Size([", "(").replace("])", ")")[:300]
+        raise CheckpointError(f"checkpoint {path}: its tensors do not fit the model its meta.json "
+                              f"describes ({first}): not a checkpoint to load; was meta.json edited, "
+                              "or copied from another checkpoint?") from e
 
 
 def sample(cfg, run_dir: str, path: str) -> dict:
