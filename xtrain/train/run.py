@@ -251,13 +251,18 @@ def write_plots(run_dir: str) -> None:
 
 def prepare_data(data, engine: Engine):
     """The corpus and tokenizer, built on first use: by process 0 first, then by the others
-    (which find it built when they share its disk), never by two processes into one directory."""
+    (which find it built when they share its disk), never by two processes into one directory;
+    refused unless every process holds the same tokenizer (hosts that build from their own
+    disk's sources could differ)."""
     from xtrain.data import prepare
 
     if engine.processes.primary:
         tokenizer = prepare(data, log=log.info)
     engine.processes.barrier()
-    return tokenizer if engine.processes.primary else prepare(data, log=lambda *_: None)
+    if not engine.processes.primary:
+        tokenizer = prepare(data, log=lambda *_: None)
+    engine.processes.check_same("tokenizer", {"sha256": tokenizer.fingerprint})
+    return tokenizer
 
 
 def train(cfg, plan: RunPlan, run_dir: str, record: str | None = None) -> dict:
@@ -292,6 +297,17 @@ def naming_lost_peers(engine: Engine):
                        "the newest committed checkpoint") from e
 
 
+def say_if_nothing_to_train(resume_from: str | None, start_step: int, max_steps: int) -> None:
+    if start_step == max_steps:  # a finished run, run again
+        log.info("%s is at this run's last step %d (trainer.max_steps): nothing to train",
+                 resume_from, start_step)
+    elif start_step > max_steps:
+        from xtrain.errors import warn
+
+        warn(f"{resume_from} is at step {start_step}, past this run's last step {max_steps} "
+             "(trainer.max_steps): nothing to train")
+
+
 def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | None) -> dict:
     import lightning as L
 
@@ -307,7 +323,6 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
         engine.processes.check_same("config", to_plain(cfg))
         check_shared(ckpt_dir, engine.processes)
         tokenizer = prepare_data(cfg.data, engine)
-        engine.processes.check_same("tokenizer", {"sha256": tokenizer.fingerprint})
         L.seed_everything(trainer_cfg.seed, verbose=False)
         loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
                                 rows=engine.global_rows, accum=plan.batch.grad_accum_steps,
@@ -316,14 +331,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                            token_bytes=tokenizer.token_bytes)
         resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, cfg.run.name, tokenizer,
                                                engine, plan)
-        if start_step == plan.max_steps and engine.processes.primary:  # a finished run, run again
-            log.info("%s is at this run's last step %d (trainer.max_steps): nothing to train",
-                     resume_from, start_step)
-        elif start_step > plan.max_steps and engine.processes.primary:
-            from xtrain.errors import warn
-
-            warn(f"{resume_from} is at step {start_step}, past this run's last step "
-                 f"{plan.max_steps} (trainer.max_steps): nothing to train")
+        if engine.processes.primary:
+            say_if_nothing_to_train(resume_from, start_step, plan.max_steps)
         run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
         status = "failed"
         try:
