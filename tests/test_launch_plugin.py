@@ -219,6 +219,34 @@ def test_a_file_whose_text_holds_a_secret_is_refused_whatever_its_name(tmp_path,
     assert rel not in code_files(root, Runner(), exclude=[Path(rel).name])
 
 
+def test_a_key_stored_by_wandb_login_is_forwarded_masked_and_never_synced(tmp_path, monkeypatch):
+    """`wandb login` keeps the key in ~/.netrc (a real file here): local runs go online with it, so
+    a launched job gets it as WANDB_API_KEY (the workers have no ~/.netrc), and it is masked and
+    looked for in synced code like an exported key."""
+    from xtrain.config.secrets import SECRET_NAMES_VAR
+    from xtrain.launcher.secrets import collect
+    from xtrain.observe.bundle import mask_secrets
+    from xtrain.observe.wandb_run import has_key
+
+    for name in ("WANDB_API_KEY", "HF_TOKEN", "NETRC", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert collect() == {} and not has_key()
+    key = os.urandom(20).hex()  # a W&B key's form: 40 hex digits
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")
+    assert has_key()
+    assert collect() == {"WANDB_API_KEY": key, SECRET_NAMES_VAR: "WANDB_API_KEY"}
+    assert mask_secrets(f"CommError: key {key} refused") == "CommError: key *** refused"
+    root = git_tree(tmp_path / "repo")
+    (root / "notes.txt").write_text(f"logged in with {key}\n")
+    with pytest.raises(ConfigError, match=r"notes.txt \(the value of a secret") as e:
+        code_files(root, Runner())
+    assert key not in str(e.value)
+    monkeypatch.setenv("WANDB_API_KEY", "exported" + key)  # the environment's key goes first
+    assert collect()["WANDB_API_KEY"] == "exported" + key
+
+
 def test_code_that_names_secrets_is_synced():
     """This checkout (its tests spell fake secrets in pieces) and code that only handles them."""
     from xtrain.config.secrets import secret_in_text

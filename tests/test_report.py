@@ -215,7 +215,7 @@ def test_code_state_records_the_diff_or_the_installed_version(tmp_path):
     assert facts["git"] is False and "installed_version" in facts and diff == ""
 
 
-def test_secrets_a_launcher_forwarded_are_masked_whatever_their_names():
+def test_secrets_a_launcher_forwarded_are_masked_whatever_their_names(tmp_path):
     """hydra.launcher.secrets may name any variable (HF_LOGIN says nothing of a secret): the launcher
     sends the list of names with the values, and the job masks each of them."""
     from xtrain.launcher import secrets
@@ -226,6 +226,7 @@ def test_secrets_a_launcher_forwarded_are_masked_whatever_their_names():
     with pytest.MonkeyPatch.context() as mp:
         for name in secrets.ALWAYS:
             mp.delenv(name, raising=False)
+        mp.setenv("HOME", str(tmp_path))  # no key of `wandb login` in ~/.netrc (it would go too)
         for name, value in env.items():
             mp.setenv(name, value)
         sent = secrets.collect(["HF_LOGIN", "GOOGLE_SA_JSON"])

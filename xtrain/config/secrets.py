@@ -5,8 +5,10 @@ xtrain/observe/bundle.py's."""
 
 from __future__ import annotations
 
+import netrc
 import os
 import re
+from urllib.parse import urlsplit
 
 from xtrain.errors import ConfigError
 
@@ -64,15 +66,37 @@ def secret_env(environ=os.environ) -> dict[str, str]:
             and (is_secret_name(k) or k in forwarded) and len(v) >= MIN_SECRET_CHARS}
 
 
+def wandb_key(environ=os.environ) -> str | None:
+    """The W&B key W&B itself would log in with, without asking for one: WANDB_API_KEY, else the
+    password of W&B's host in the netrc file (NETRC, else ~/.netrc), where ``wandb login`` stores
+    it (W&B reads the same file: wandb/sdk/lib/wbauth/wbnetrc.py, keyed by the URL's host:port)."""
+    if environ.get("WANDB_API_KEY"):
+        return environ["WANDB_API_KEY"]
+    host = urlsplit(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    path = environ.get("NETRC") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".netrc")
+    try:
+        entry = netrc.netrc(os.path.expanduser(path)).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return None
+    return entry[2] if entry and entry[2] else None
+
+
+def _stored_key(environ) -> set[str]:
+    """A W&B key kept in the netrc file: a secret no variable's name announces."""
+    key = wandb_key(environ)
+    return {key} if key and len(key) >= MIN_SECRET_CHARS else set()
+
+
 def secret_values(environ=os.environ) -> set[str]:
-    """The values of :func:`secret_env`: what a record masks."""
-    return set(secret_env(environ).values())
+    """The values of :func:`secret_env`, and a W&B key stored by ``wandb login``: what a record
+    masks."""
+    return set(secret_env(environ).values()) | _stored_key(environ)
 
 
 def forbidden_values(environ=os.environ) -> set[str]:
-    """The values of :func:`secret_env` that may be secrets (:func:`may_be_secret`): what a text
-    written or synced must not hold."""
-    return {v for k, v in secret_env(environ).items() if may_be_secret(v, k)}
+    """The values of :func:`secret_env` that may be secrets (:func:`may_be_secret`), and a W&B key
+    stored by ``wandb login``: what a text written or synced must not hold."""
+    return {v for k, v in secret_env(environ).items() if may_be_secret(v, k)} | _stored_key(environ)
 
 
 # What marks a file as holding a secret (the launchers refuse to sync one,
@@ -126,7 +150,7 @@ def secret_in_text(text: str, known=frozenset()) -> str | None:
     if assigned:
         return f"{assigned[2]} set to a literal"
     if any(secret in text for secret in known):
-        return "the value of a secret environment variable"
+        return "the value of a secret environment variable or of a W&B key stored by `wandb login`"
     return None
 
 

@@ -12,12 +12,11 @@ to log to a run started elsewhere.
 from __future__ import annotations
 
 import logging
-import netrc
 import os
 import secrets
-from urllib.parse import urlparse
 
 from xtrain.config import WandbMode
+from xtrain.config.secrets import wandb_key
 from xtrain.errors import ConfigError
 from xtrain.paths import url_to_fs
 
@@ -30,15 +29,8 @@ _OFFLINE_NAMES = ("offline", "dryrun")
 
 
 def has_key(environ=os.environ) -> bool:
-    """A W&B key without asking for one: WANDB_API_KEY, else an entry for W&B's host in ~/.netrc
-    (where ``wandb login`` stores it)."""
-    if environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc().authenticators(host) is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return False
+    """A W&B key without asking for one: WANDB_API_KEY, else one ``wandb login`` stored."""
+    return wandb_key(environ) is not None
 
 
 def choose_mode(mode: WandbMode | str, environ=os.environ) -> str:
