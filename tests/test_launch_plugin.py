@@ -175,8 +175,11 @@ def test_code_files_are_tracked_and_untracked_not_ignored_minus_secrets_and_data
               ".aws/credentials", ".ssh/config", ".kube/config", ".docker/config.json",
               ".huggingface/token", "cache.pkl", "ckpt/step_1/tensors/__0_0.distcp",
               "ckpt/step_1/tensors/.metadata", "outputs2/.hydra/config.yaml",
-              "old/.hydra-pending/config.yaml", "store.jks"]
-    code = ["pkg/secrets.py", "pkg/tokenizer.py", "conf/tokenizer.yaml", "pkg/passwords_check.py"]
+              "old/.hydra-pending/config.yaml", "store.jks",
+              # names that say secret in another case or form
+              "WANDB_API_KEY.txt", "Secrets.yaml", "HF_TOKEN", "wandb_key.txt", "conf/.ENV"]
+    code = ["pkg/secrets.py", "pkg/tokenizer.py", "conf/tokenizer.yaml", "pkg/passwords_check.py",
+            "pkg/auth.py", "docs/key_points.md", "conf/Tokenizer.yaml"]  # (their text is read)
     for rel in secret + code:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("x\n")
@@ -217,6 +220,33 @@ def test_a_file_whose_text_holds_a_secret_is_refused_whatever_its_name(tmp_path,
     for secret in ("MIIEvQ", "b3BlbnNzaC1rZXktdjE", "0f1e2d3c", "9a8b7c6d", "pw4ever", "HOME_TOKEN_VALUE"):
         assert secret not in str(e.value)
     assert rel not in code_files(root, Runner(), exclude=[Path(rel).name])
+
+
+KEY = "0f1e2d3c" + "4b5a69788796a5b4c3d2e1f0a1b2c3d4"  # (in pieces: this file is synced too)
+
+
+@pytest.mark.parametrize("line, why", [
+    ("WANDB_API_KEY := {key}", "WANDB_API_KEY set to a literal"),  # Make's assignments
+    ("WANDB_API_KEY ?= {key}", "WANDB_API_KEY set to a literal"),
+    ("HF_TOKEN += {key}", "HF_TOKEN set to a literal"),
+    ("wandb login {key}", "wandb login given a literal"),
+    ("wandb login --relogin --host https://w.example.com '{key}'", "wandb login given a literal"),
+    ("python train.py --api-key={key}", "--api-key given a literal"),
+    ("python train.py --api-key {key} --seed 1", "--api-key given a literal"),
+    ('subprocess.run(["x", "--hf-token", "{key}"])', "--hf-token given a literal"),
+])
+def test_a_secret_set_in_a_makefile_or_given_to_a_command_is_refused_and_masked(tmp_path, line, why):
+    """Found with no such variable in the environment: not synced, masked in code.diff."""
+    from xtrain.observe.bundle import mask_secrets
+
+    root = git_tree(tmp_path / "repo")
+    (root / "Makefile").write_text(f"setup:\n\t{line.format(key=KEY)}\n")
+    with pytest.raises(ConfigError) as e:
+        code_files(root, Runner())
+    assert str(e.value).startswith(f"1 file(s) to sync hold a secret: Makefile ({why})")
+    assert KEY not in str(e.value)
+    diff = f"+\t{line.format(key=KEY)}\n"
+    assert mask_secrets(diff, {}) == f"+\t{line.format(key='***')}\n"
 
 
 def test_a_key_stored_by_wandb_login_is_forwarded_masked_and_never_synced(tmp_path, monkeypatch):
@@ -260,7 +290,11 @@ def test_code_that_names_secrets_is_synced():
                  'key = "transformer.h.0.attn.c_attn.weight"\n', 'pat = "checkpoint_step_00001000"\n',
                  "eos_token: endoftext_50256_token\n", "Gost2814789Key = rfc4357.Gost28147_89_Key\n",
                  "def sign(private_key: PKCS7PrivateKeyTypes2, data): ...\n",
-                 'hash = "sha256:0f1e2d3c4b5a69788796a5b4c3d2e1f0"\n'):
+                 'hash = "sha256:0f1e2d3c4b5a69788796a5b4c3d2e1f0"\n',
+                 # commands given a variable, no key, or a hash under a flag that says nothing
+                 'wandb login --relogin\n', 'python train.py --api-key="$WANDB_API_KEY"\n',
+                 'wandb login "$(cat ~/.wandb_key)"\n', "git commit --fixup 0f1e2d3c4b5a69788796a5b4c3d2\n",
+                 "TOKENIZER ?= /cache/tokenizer_2024_v2\n", "--key transformer.h.0.attn.c_attn.weight\n"):
         assert secret_in_text(text) is None, text
 
 

@@ -102,13 +102,22 @@ def forbidden_values(environ=os.environ) -> set[str]:
 # What marks a file as holding a secret (the launchers refuse to sync one,
 # xtrain/launcher/sync.py): a private key (a Google service account's key file holds one), a
 # value of a secret's form, and a secret-named variable, key or argument set to a literal that
-# looks random (:func:`_looks_random`) in a shell, dotenv, YAML, JSON or Python line:
-# ``export WANDB_API_KEY=1a2b...``, ``api_key: 1a2b...``, ``"token": "1a2b..."``,
-# ``wandb.login(key="1a2b...")``, ``os.environ["HF_TOKEN"] = "..."``.
+# looks random (:func:`_looks_random`) in a shell, dotenv, Makefile, YAML, JSON or Python line:
+# ``export WANDB_API_KEY=1a2b...``, ``WANDB_API_KEY ?= 1a2b...``, ``api_key: 1a2b...``,
+# ``"token": "1a2b..."``, ``wandb.login(key="1a2b...")``, ``os.environ["HF_TOKEN"] = "..."``,
+# or given to a command: ``wandb login [--relogin] 1a2b...``, ``--api-key=1a2b...``.
 PRIVATE_KEY = re.compile(r"-----BEGIN ([A-Z]+ )*PRIVATE KEY-----")
-ASSIGNED_LITERAL = re.compile(  # (a line may start with a diff's + or -)
-    r"""(?:^[+-]?|[\s;({,.\[])(?:export\s+)?(['"]?)([A-Za-z_][\w-]*)\1\]?\s*(?::\s*\w+\s*)?([=:])\s*"""
-    r"""(['"]?)([A-Za-z0-9_+/=.-]{16,})\4(?=[\s,;)\]}]|$)(.*)$""", re.MULTILINE)
+LITERAL = r"""(['"]?)([A-Za-z0-9_+/=.-]{16,})"""  # (its quote, then the literal)
+ASSIGNED_LITERAL = re.compile(  # (a line may start with a diff's + or -; := ?= += are Make's;
+    # a name, its annotation and = share a line: a Makefile's "setup:" is no annotation)
+    r"""(?:^[+-]?|[\s;({,.\[])(?:export\s+)?(['"]?)([A-Za-z_][\w-]*)\1\]?[ \t]*(?::[ \t]*\w+[ \t]*)?"""
+    r"""([:?+]?=|:)\s*"""
+    + LITERAL + r"""\4(?=[\s,;)\]}]|$)(.*)$""", re.MULTILINE)
+# ``wandb login``'s options before the key may take a value (``--host URL``); a flag's value may
+# be the next item of an argument list (``["--api-key", "1a2b..."]``)
+COMMAND_LITERAL = re.compile(
+    r"""(?:\b(wandb\s+login)(?:\s+--[\w-]+(?:[=\s]\S+)?)*\s|(?<![\w-])(--[A-Za-z][\w-]*)(?:['"],|=|\s))\s*"""
+    + LITERAL + r"""\3(?=[\s,;)\]}'"]|$)""")
 DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # rfc4357.Gost28147_89_EncryptedKey
 
 
@@ -122,20 +131,28 @@ def _looks_random(value: str) -> bool:
 
 
 def _assigned_secrets(text: str):
-    """The matches of ASSIGNED_LITERAL whose literal is a secret. An unquoted value after a colon
-    is YAML's only where the line ends with it (``api_key: PKCS7KeyTypes,`` is an annotation)."""
+    """(what, start, end) of each literal in ``text`` that is a secret: what names it
+    (``HF_TOKEN set to``, ``wandb login given``), start and end its place. An unquoted value after a
+    colon is YAML's only where the line ends with it (``api_key: PKCS7KeyTypes,`` is an
+    annotation)."""
     for m in ASSIGNED_LITERAL.finditer(text):
         name, separator, quote, value, rest = m[2], m[3], m[4], m[5], m[6]
         if separator == ":" and not quote and rest.strip() and not rest.strip().startswith("#"):
             continue
         if is_secret_name(name) and may_be_secret(value, name) and _looks_random(value):
-            yield m
+            yield f"{name} set to", m.start(5), m.end(5)
+    for m in COMMAND_LITERAL.finditer(text):
+        name, value = m[1] or m[2], m[4]
+        if (m[1] or is_secret_name(name)) and may_be_secret(value, name) and _looks_random(value):
+            yield f"{' '.join(name.split())} given", m.start(4), m.end(4)
 
 
 def mask_assigned(text: str, mask: str) -> str:
-    """``text`` with the literals secret-named variables or keys are set to replaced by ``mask``."""
-    for m in sorted(_assigned_secrets(text), key=lambda m: -m.start(5)):
-        text = text[:m.start(5)] + mask + text[m.end(5):]
+    """``text`` with the literals secret-named variables or keys are set to, or commands are given,
+    replaced by ``mask``."""
+    places = {start: end for _, start, end in _assigned_secrets(text)}  # (one place, two forms)
+    for start in sorted(places, reverse=True):
+        text = text[:start] + mask + text[places[start]:]
     return text
 
 
@@ -148,7 +165,7 @@ def secret_in_text(text: str, known=frozenset()) -> str | None:
         return "a value of a secret's form (an access token, a URL's user:password@)"
     assigned = next(_assigned_secrets(text), None)
     if assigned:
-        return f"{assigned[2]} set to a literal"
+        return f"{assigned[0]} a literal"
     if any(secret in text for secret in known):
         return "the value of a secret environment variable or of a W&B key stored by `wandb login`"
     return None

@@ -3,8 +3,9 @@ rsync over ssh. Incremental (rsync skips files whose size and mtime match), and 
 deleted locally is deleted on the worker, so a removed module cannot linger there.
 
 Never synced, whatever git says: .git, virtual environments, run outputs, caches, dotenv, key and
-credential files (and folders such as .ssh and .aws), secret-named files, pickles, checkpoints and
-data formats (``ALWAYS_EXCLUDED``); a file over ``max_file_mb`` is refused before
+credential files (and folders such as .ssh and .aws), secret-named files (``WANDB_API_KEY.txt``;
+not code such as ``auth.py``), pickles, checkpoints and data formats (``ALWAYS_EXCLUDED``, matched
+whatever the case); a file over ``max_file_mb`` is refused before
 anything is copied, because data does not belong in the code tree, and so is one whose text
 holds a secret, whatever its name.
 """
@@ -17,7 +18,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from xtrain.config.secrets import forbidden_values, secret_in_text
+from xtrain.config.secrets import forbidden_values, is_secret_name, secret_in_text
 from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError
 
@@ -36,6 +37,9 @@ ALWAYS_EXCLUDED = (
     f"*{word}{suffix}" for word in ("secret", "secrets", "token", "tokens", "password", "passwords",
                                     "api_key", "apikey", "credential", "credentials")
     for suffix in ("", ".json", ".yaml", ".yml", ".txt", ".toml", ".ini", ".cfg", ".conf"))
+# Code and docs may be named after a secret they handle (auth.py, key_points.md): their text is
+# read for secrets instead (check_no_secrets), as a module left out would break the job.
+NAMED_NOT_SECRET = (".py", ".pyi", ".md", ".rst")
 
 
 def source_root(source: str | None) -> Path:
@@ -91,7 +95,14 @@ def check_no_secrets(root: Path, files: list[str]) -> None:
 
 
 def excluded(rel: str, patterns) -> bool:
-    return any(fnmatch.fnmatch(part, p) for part in Path(rel).parts for p in patterns)
+    """Whether a pattern matches a component of ``rel`` whatever the case (``Secrets.yaml``, made
+    on a laptop whose file system ignores case), or the file's name is a secret's
+    (``WANDB_API_KEY.txt``, ``HF_TOKEN``, ``wandb_key.txt``: xtrain/config/secrets.py
+    is_secret_name)."""
+    path = Path(rel)
+    if path.suffix.lower() not in NAMED_NOT_SECRET and is_secret_name(path.stem):
+        return True
+    return any(fnmatch.fnmatchcase(part.lower(), p.lower()) for part in path.parts for p in patterns)
 
 
 def filter_rules(files: list[str]) -> str:
