@@ -388,6 +388,7 @@ def test_a_bad_run_name_is_refused_before_hydra_makes_its_directory(tmp_path, na
 def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tmp_path):
     """Its value would be in the run's name, .hydra/, multirun.yaml and the process list."""
     from xtrain.config.secrets import check_no_secret_overrides
+    from xtrain.errors import ConfigError
 
     value = "hf_" + os.urandom(8).hex()
     for key, name, args in (
@@ -397,6 +398,9 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
             ("hardware.env", "HF_TOKEN", ["mode=plan", f"hardware.env={{XLA_FLAGS: x, HF_TOKEN: {value}}}"]),
             ("hardware.env", "HF_TOKEN", ["mode=plan", f"hardware.env={{'HF_TOKEN': '{value}'}}"]),
             ("hardware.env.hfToken", "hfToken", ["mode=plan", f"+hardware.env.hfToken={value}"]),
+            # a dict in a dict (a pattern reading pairs took {WANDB_API_KEY:... for X's value)
+            ("hydra.job.env_set", "WANDB_API_KEY",
+             ["mode=plan", f"+hydra.job.env_set={{X:{{WANDB_API_KEY:{value}}}}}"]),
             # an AWS secret access key (base64) may start with a slash: no file, no path's name
             ("hardware.env.AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY",
              ["mode=plan", f"+hardware.env.AWS_SECRET_ACCESS_KEY=/{value}"])):
@@ -417,8 +421,16 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
         assert r.stderr.startswith(f"xtrain: config error: {key}: a secret is never given on the "
                                    "command line") and "pass it in an environment variable instead" in r.stderr
         assert list(tmp_path.iterdir()) == []
-    # flags and paths under such names are no secrets, as in a config file
-    check_no_secret_overrides(["hardware.env={HF_HUB_DISABLE_IMPLICIT_TOKEN: '1', XLA_FLAGS: x}"])
+    # at any depth, in a list or a sweep's choices, and in text Hydra cannot parse (quoted keys)
+    for arg in (f"+hardware.env.X=[{{a: 1}}, {{hf_token: {value}}}]", f"+a.b=x,{{b: {{API_KEY: {value}}}}}",
+                f"+a={{'b': {{'HF_TOKEN': '{value}'}}}}"):
+        with pytest.raises(ConfigError, match="a secret is never given on the command line"):
+            check_no_secret_overrides([arg])
+    # flags and paths under such names are no secrets, as in a config file, nor a value reading
+    # the environment (Hydra records it unresolved)
+    check_no_secret_overrides(["hardware.env={HF_HUB_DISABLE_IMPLICIT_TOKEN: '1', XLA_FLAGS: x}",
+                               "hardware.env={X: {HF_HUB_DISABLE_IMPLICIT_TOKEN: '1'}}",
+                               "+hardware.env.HF_TOKEN=${oc.env:HF_TOKEN}"])
     r = subprocess.run([sys.executable, "-m", "xtrain", "hardware=v6e4", "mode=plan",
                         "+hardware.env.HF_HUB_DISABLE_IMPLICIT_TOKEN=1",
                         "+hardware.env.GOOGLE_APPLICATION_CREDENTIALS=/home/me/service-account.json"],

@@ -177,23 +177,59 @@ def _instead(name: str | None) -> str:
 
 
 def check_no_secret_overrides(args: list[str]) -> None:
-    """Refuse an override that sets a secret-named key (``+hardware.env.HF_TOKEN=...``), before
-    Hydra writes anything: its value would land in the run's name and directory, .hydra/,
-    multirun.yaml, W&B's record of the command, remote command lines and the process list."""
+    """Refuse an override that sets a secret-named key (``+hardware.env.HF_TOKEN=...``, at any
+    depth of a dict or list value: ``+hydra.job.env_set={X: {WANDB_API_KEY: ...}}``) or a value of
+    a secret's form, before Hydra writes anything: its value would land in the run's name and
+    directory, .hydra/, multirun.yaml, W&B's record of the command, remote command lines and the
+    process list. Arguments are read by Hydra's own override parser, as Hydra will read them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
-        # the key's last part with its value, and the pairs of a dict value
-        # (hardware.env={HF_TOKEN: ...})
-        pairs = [(re.split(r"[./@]", key)[-1], value),
-                 *re.findall(r"[{,]\s*['\"]?([A-Za-z_][\w-]*)['\"]?\s*:\s*['\"]?([^,}'\"]*)", value)]
-        name = next((n for n, v in pairs if is_secret_name(n) and may_be_secret(v.strip(), n)), None)
-        if name or has_secret_value(value):
+        name = re.split(r"[./@]", key)[-1]  # a value goes by its key's last part
+        try:
+            found = _secret_values(_plain(parser.parse_overrides([arg])[0].value()), key, name, set())
+        except OverrideParseException:  # Hydra refuses it too, but prints it: read it as text
+            found = _unparsed_secrets(key, name, value)
+        if found:
+            name = found[0][1]
             raise ConfigError(
                 f"{key}: a secret is never given on the command line (it would be written to the "
-                f"run's name, .hydra/ and the process list): {_instead(name)}")
+                f"run's name, .hydra/ and the process list): "
+                f"{_instead(name if is_secret_name(name) else None)}")
+
+
+def _plain(value):
+    """An override's value as parsed by Hydra, as plain data for :func:`_secret_values`: a sweep's
+    choices as a list, quoted strings and numbers as strings (digits can be a key too)."""
+    from hydra.core.override_parser.types import ChoiceSweep, Glob, QuotedString, Sweep
+
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, ChoiceSweep)):
+        return [_plain(v) for v in (value.list if isinstance(value, ChoiceSweep) else value)]
+    if isinstance(value, Glob):
+        return value.include + value.exclude
+    if isinstance(value, QuotedString):
+        return value.text
+    if value is None or isinstance(value, Sweep):  # (range and interval sweeps: numbers)
+        return None
+    return str(value)
+
+
+def _unparsed_secrets(key: str, name: str, value: str) -> list[tuple[str, str]]:
+    """(key, name) of the secrets in an override's value Hydra cannot parse
+    (``{'HF_TOKEN': ...}``): the value under the key's name, and each ``name: value`` pair in it
+    (a value ends at a brace, so a nested dict's pairs are read too)."""
+    pairs = [(name, value), *re.findall(r"[{,]\s*['\"]?([A-Za-z_][\w-]*)['\"]?\s*:\s*['\"]?([^,{}'\"]*)",
+                                         value)]
+    found = [(key, n) for n, v in pairs if is_secret_name(n) and may_be_secret(v.strip(), n)]
+    return found + ([(key, "")] if has_secret_value(value) else [])
 
 
 def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> None:
