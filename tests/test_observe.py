@@ -55,10 +55,13 @@ def test_loggers_hold_the_metrics_keep_the_wandb_run_across_preemption_and_never
     code, out2, err2 = finish(xtrain(run_dir, *args, env=env))  # the same command
     assert code == 0, err2[-3000:]
 
-    # W&B: the resumed process continued the same run, and its history holds every metric
+    # W&B: each offline start is a run of its own in the run's group (one id would make
+    # `wandb sync` keep only the later history), and together they hold every metric
     assert (run_dir / "wandb-run-id").read_text() == first_id
     runs = wandb_runs(run_dir)
-    assert [r["id"] for r in runs] == [first_id, first_id]
+    ids = [r["id"] for r in runs]
+    assert len(set(ids)) == 2 and all(i.startswith(f"{first_id}-") for i in ids)
+    assert {r["group"] for r in runs} == {runs[0]["name"]}
     history = [h for r in runs for h in r["history"]]
     assert {h["trainer/global_step"] for h in history if "loss" in h} == set(range(1, 41))
     assert TRAIN_METRICS | OTHER_METRICS <= set().union(*history)
@@ -97,7 +100,8 @@ def test_loggers_hold_the_metrics_keep_the_wandb_run_across_preemption_and_never
     shutil.rmtree(run_dir)  # a new run under the same name: a new W&B run
     code, _, err = finish(xtrain(run_dir, ALL_LOGGERS, "trainer.max_steps=2", env=env))
     assert code == 0, err[-3000:]
-    assert [r["id"] for r in wandb_runs(run_dir)] == [(run_dir / "wandb-run-id").read_text()]
+    [fresh] = wandb_runs(run_dir)
+    assert fresh["id"].startswith((run_dir / "wandb-run-id").read_text() + "-")
     assert (run_dir / "wandb-run-id").read_text() != first_id
 
 
@@ -187,11 +191,30 @@ def test_a_wandb_run_left_open_by_a_failed_job_is_not_the_next_jobs(tmp_path, mo
     first = wandb_logger(str(tmp_path / "a"), str(tmp_path / "a"), "a", {}, mode="offline")
     try:
         second = wandb_logger(str(tmp_path / "b"), str(tmp_path / "b"), "b", {}, mode="offline")
-        assert second.experiment.id == (tmp_path / "b" / RUN_ID_FILE).read_text()
+        assert second.experiment.id.startswith((tmp_path / "b" / RUN_ID_FILE).read_text() + "-")
         assert second.experiment.id != first.experiment.id
         second.experiment.finish()
     finally:
         first.experiment.finish()
+
+
+def test_each_offline_start_is_a_wandb_run_of_its_own_in_the_runs_group(tmp_path, monkeypatch):
+    """`wandb sync` of two offline pieces with one id keeps only the later's history, and W&B
+    cannot join them (wandb/wandb#3841, #5865): a run dir's offline starts get ids of their own,
+    grouped under the run's name. Online, W&B continues the stored id."""
+    from xtrain.observe.wandb_run import RUN_ID_FILE, attempt_id, wandb_logger
+
+    monkeypatch.delenv("XTRAIN_WANDB_RUN_ID", raising=False)
+    for step in (1, 2):  # a start, then its resume
+        run = wandb_logger(str(tmp_path), str(tmp_path), "d2-run", {}, mode="offline").experiment
+        run.log({"trainer/global_step": step, "loss": 1.0 / step})
+        run.finish()
+    stored = (tmp_path / RUN_ID_FILE).read_text()
+    runs = wandb_runs(tmp_path)
+    assert len({r["id"] for r in runs}) == 2 and all(r["id"].startswith(f"{stored}-") for r in runs)
+    assert [(r["group"], r["name"]) for r in runs] == [("d2-run", "d2-run")] * 2
+    assert sorted(h["trainer/global_step"] for r in runs for h in r["history"]) == [1, 2]
+    assert attempt_id("online", stored) == stored
 
 
 def test_logger_options_compose_against_their_schema_and_every_target_imports(compose_config):

@@ -33,7 +33,8 @@ class WandbLoggerConfig:
     _target_: str = "xtrain.observe.wandb_run.wandb_logger"
     project: str = "xtrain"
     entity: str | None = None  # None: the key's default entity
-    # runs grouped in W&B; None: no group (conf/logger/wandb.yaml sets a sweep's name in a sweep)
+    # runs grouped in W&B; None: the run's name, which groups its starts (an offline start is a
+    # W&B run of its own); conf/logger/wandb.yaml sets a sweep's name in a sweep
     group: str | None = None
     tags: list[str] = field(default_factory=list)
     mode: WandbMode = WandbMode.auto

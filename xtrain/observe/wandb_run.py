@@ -70,14 +70,24 @@ def run_id(run_dir: str, environ=os.environ) -> str:
     return chosen
 
 
-def describe_mode(chosen: str, mode: WandbMode | str, files: str, environ=os.environ) -> str:
+def attempt_id(chosen: str, stored: str) -> str:
+    """The W&B run id of this start: online, the run's stored id (W&B continues the run). Offline,
+    an id of its own: each offline start writes its own files, and ``wandb sync`` of two with one
+    id makes the later replace the earlier's history (W&B cannot join offline pieces:
+    wandb/wandb#3841, #5865), so the pieces are separate runs of the run's group instead."""
+    return stored if chosen == "online" else f"{stored}-{secrets.token_hex(3)}"
+
+
+def describe_mode(chosen: str, mode: WandbMode | str, files: str, group: str,
+                  environ=os.environ) -> str:
     """The one line a run prints about W&B."""
     if chosen == "online":
         return "W&B: online"
     why = ("WANDB_MODE=offline" if environ.get("WANDB_MODE") and WandbMode(mode) == WandbMode.auto
            else "logger.wandb.mode=offline" if WandbMode(mode) == WandbMode.offline
            else "no key: WANDB_API_KEY unset and none in ~/.netrc")
-    return f"W&B: offline ({why}); files in {files}/wandb, `wandb sync` uploads them later"
+    return (f"W&B: offline ({why}); `wandb sync {files}/wandb/offline-run-*` uploads each start as "
+            f"its own run of group {group!r} (charts by trainer/global_step join them)")
 
 
 def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
@@ -86,20 +96,22 @@ def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
     """Start (or continue) the run's W&B run and wrap it in Lightning's WandbLogger.
     ``run_config``: the resolved config with secrets masked (the W&B run's config). The run id is
     kept in ``run_dir`` (any fsspec URL); W&B writes its files under ``<local_dir>/wandb`` (W&B
-    needs a local directory)."""
+    needs a local directory). Without ``group``, the run's starts are grouped under its name
+    (offline starts are separate W&B runs: :func:`attempt_id`)."""
     import wandb
     from lightning.pytorch.loggers import WandbLogger
 
-    chosen = choose_mode(mode)
-    log.info(describe_mode(chosen, mode, local_dir))
+    chosen, group = choose_mode(mode), group or run_name
+    log.info(describe_mode(chosen, mode, local_dir, group))
     settings = wandb.Settings(mode=chosen, console="off", silent=True, git_root=git_root,
                               disable_git=git_root is None)
     os.makedirs(local_dir, exist_ok=True)
     # finish_previous: a run left open in this process (a sweep's earlier job that failed) is
     # finished, not continued (W&B's default outside notebooks returns it)
-    run = wandb.init(project=project, entity=entity, name=run_name, id=run_id(run_dir),
-                     resume="allow", group=group, tags=list(tags) or None, dir=local_dir,
-                     config=run_config, settings=settings, reinit="finish_previous")
+    run = wandb.init(project=project, entity=entity, name=run_name,
+                     id=attempt_id(chosen, run_id(run_dir)), resume="allow", group=group,
+                     tags=list(tags) or None, dir=local_dir, config=run_config, settings=settings,
+                     reinit="finish_previous")
     # the x axis of every chart is the training step (WandbLogger logs it as trainer/global_step)
     run.define_metric("trainer/global_step")
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
