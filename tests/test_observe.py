@@ -217,6 +217,52 @@ def test_each_offline_start_is_a_wandb_run_of_its_own_in_the_runs_group(tmp_path
     assert attempt_id("online", stored) == stored
 
 
+def test_an_unreachable_wandb_is_an_offline_start_with_auto_and_refused_when_online_is_required(
+        tmp_path, monkeypatch, caplog, capfd):
+    """W&B down must not fail a run (a resume during an outage would not be re-run by the fleet).
+    A real server that does not answer: a closed local port, with a short init timeout."""
+    import socket
+
+    import wandb
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name in ("WANDB_MODE", "XTRAIN_WANDB_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "2")
+    wandb.teardown()  # W&B reads its environment once a process: a new start reads this one
+    try:
+        assert wandb.setup().settings.base_url == f"http://127.0.0.1:{port}"  # (never the internet)
+        _unreachable_wandb(tmp_path, port, caplog, capfd)
+    finally:
+        wandb.teardown()  # the next test's W&B reads its own environment
+
+
+def _unreachable_wandb(tmp_path, port: int, caplog, capfd) -> None:
+    from xtrain.errors import EnvironmentMismatch
+    from xtrain.observe.wandb_run import RUN_ID_FILE, wandb_logger
+
+    with pytest.raises(EnvironmentMismatch, match=rf"^logger.wandb.mode=online but W&B \(http://127.0.0.1:"
+                                                  rf"{port}\) did not answer \(.*\): nothing was trained"):
+        wandb_logger(str(tmp_path / "on"), str(tmp_path / "on"), "r", {}, mode="online")
+    run_dir = tmp_path / "auto"  # (W&B holds the refused run's id until its teardown)
+    with caplog.at_level("WARNING", logger="xtrain"):
+        run = wandb_logger(str(run_dir), str(run_dir), "r", {}, mode="auto").experiment
+    try:
+        assert run.offline and run.id.startswith((run_dir / RUN_ID_FILE).read_text() + "-")
+    finally:
+        run.finish()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith(f"W&B (http://127.0.0.1:{port}) did not answer (")
+    assert "this start logs offline; `wandb sync" in warning
+    assert [r["group"] for r in wandb_runs(run_dir)] == ["r"]
+    out, err = capfd.readouterr()
+    assert FAKE_KEY not in warning + out + err
+
+
 def test_logger_options_compose_against_their_schema_and_every_target_imports(compose_config):
     import importlib
 

@@ -17,7 +17,8 @@ import secrets
 
 from xtrain.config import WandbMode
 from xtrain.config.secrets import wandb_key
-from xtrain.errors import ConfigError
+from xtrain.errors import ConfigError, EnvironmentMismatch
+from xtrain.observe.bundle import mask_secrets
 from xtrain.paths import url_to_fs
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,12 @@ def describe_mode(chosen: str, mode: WandbMode | str, files: str, group: str,
     why = ("WANDB_MODE=offline" if environ.get("WANDB_MODE") and WandbMode(mode) == WandbMode.auto
            else "logger.wandb.mode=offline" if WandbMode(mode) == WandbMode.offline
            else "no key: WANDB_API_KEY unset and none in ~/.netrc")
-    return (f"W&B: offline ({why}); `wandb sync {files}/wandb/offline-run-*` uploads each start as "
-            f"its own run of group {group!r} (charts by trainer/global_step join them)")
+    return f"W&B: offline ({why}); {_sync_later(files, group)}"
+
+
+def _sync_later(files: str, group: str) -> str:
+    return (f"`wandb sync {files}/wandb/offline-run-*` uploads each start as its own run of group "
+            f"{group!r} (charts by trainer/global_step join them)")
 
 
 def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
@@ -98,21 +103,45 @@ def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
     kept in ``run_dir`` (any fsspec URL); W&B writes its files under ``<local_dir>/wandb`` (W&B
     needs a local directory). Without ``group``, the run's starts are grouped under its name
     (offline starts are separate W&B runs: :func:`attempt_id`)."""
-    import wandb
     from lightning.pytorch.loggers import WandbLogger
 
     chosen, group = choose_mode(mode), group or run_name
     log.info(describe_mode(chosen, mode, local_dir, group))
-    settings = wandb.Settings(mode=chosen, console="off", silent=True, git_root=git_root,
-                              disable_git=git_root is None)
     os.makedirs(local_dir, exist_ok=True)
     # finish_previous: a run left open in this process (a sweep's earlier job that failed) is
     # finished, not continued (W&B's default outside notebooks returns it)
-    run = wandb.init(project=project, entity=entity, name=run_name,
-                     id=attempt_id(chosen, run_id(run_dir)), resume="allow", group=group,
-                     tags=list(tags) or None, dir=local_dir, config=run_config, settings=settings,
-                     reinit="finish_previous")
+    run = _start(chosen, mode, run_id(run_dir), git_root, project=project, entity=entity,
+                 name=run_name, resume="allow", group=group, tags=list(tags) or None,
+                 dir=local_dir, config=run_config, reinit="finish_previous")
     # the x axis of every chart is the training step (WandbLogger logs it as trainer/global_step)
     run.define_metric("trainer/global_step")
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
     return WandbLogger(experiment=run, project=project, save_dir=local_dir)
+
+
+def _start(chosen: str, mode: WandbMode | str, stored: str, git_root: str | None, **init):
+    """``wandb.init`` for this start. Online, a W&B that does not answer within its init timeout
+    (WANDB_INIT_TIMEOUT, 90 s by default) raises CommError: with logger.wandb.mode=auto the start
+    logs offline instead (an outage must not fail a resume, which the fleet does not re-run);
+    with logger.wandb.mode=online it is refused (exit 2): online was required, nothing ran."""
+    import wandb
+
+    def start(chosen: str):
+        settings = wandb.Settings(mode=chosen, console="off", silent=True, git_root=git_root,
+                                  disable_git=git_root is None)
+        return wandb.init(id=attempt_id(chosen, stored), settings=settings, **init)
+
+    try:
+        return start(chosen)
+    except wandb.errors.CommError as e:
+        if chosen != "online":
+            raise
+        where = wandb.setup().settings.base_url  # (W&B reads its environment once a process)
+        why = mask_secrets(f"W&B ({where}) did not answer ({str(e).splitlines()[0] if str(e) else e!r})")
+        if WandbMode(mode) == WandbMode.online:
+            raise EnvironmentMismatch(
+                f"logger.wandb.mode=online but {why}: nothing was trained; retry when W&B answers, "
+                "or set logger.wandb.mode=auto to log offline while it does not") from None
+    log.warning(f"{why}: this start logs offline; "
+                f"{_sync_later(init['dir'], init['group'])}")
+    return start("offline")
