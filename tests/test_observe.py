@@ -404,6 +404,27 @@ def test_console_lines_go_to_stdout_and_console_log_warnings_to_stderr(tmp_path,
     assert "lightning tip" not in saved
 
 
+def test_the_console_and_console_log_mask_secrets_in_messages_and_tracebacks(tmp_path, capsys,
+                                                                            monkeypatch):
+    """An error may quote a secret (a rejected key, a URL with a token): neither the console nor
+    console.log (which outlives the run, and is synced back from TPU VMs) shows it."""
+    import logging
+
+    from xtrain.observe.console import ConsoleLog
+
+    secret = "xtrain-test-" + os.urandom(8).hex()
+    monkeypatch.setenv("XTRAIN_TEST_TOKEN", secret)
+    with pytest.raises(RuntimeError), ConsoleLog(str(tmp_path)):
+        logging.getLogger("xtrain.test").info(f"logging in with {secret}")
+        logging.getLogger("xtrain.test").warning(f"retrying with {secret}")
+        raise RuntimeError(f"401 Unauthorized: key {secret} refused")
+    out, err = capsys.readouterr()
+    saved = (tmp_path / "console.log").read_text()
+    assert secret not in out + err + saved
+    assert out == "logging in with ***\n" and err == "retrying with ***\n"
+    assert "RuntimeError: 401 Unauthorized: key *** refused" in saved and "retrying with ***" in saved
+
+
 def test_xla_every_logger_adds_no_compile_and_no_host_sync_and_sampling_keeps_the_step_graph(tmp_path):
     pytest.importorskip("torch_xla")
     from test_xla import common, drive

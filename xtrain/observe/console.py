@@ -1,6 +1,6 @@
 """The console: xtrain's messages through Python logging (INFO on stdout, warnings on stderr),
-each also written to ``<run dir>/console.log`` with a timestamp, and a progress display fed by
-the run's records.
+each also written to ``<run dir>/console.log`` with a timestamp, secrets masked, and a progress
+display fed by the run's records.
 
 On a terminal the display is a rich progress bar (step, loss, tok/s, MFU, elapsed, ETA) under
 the log lines; elsewhere (a pipe, a file, CI) plain lines only. Either way it changes only when
@@ -14,10 +14,19 @@ import logging
 import sys
 import traceback
 
+from xtrain.observe.bundle import mask_secrets
 from xtrain.observe.sinks import AppendFile, Sink
 
 LOGGERS = ("xtrain", "lightning.pytorch", "py.warnings")  # what the console and console.log show
 CONSOLE_FILE = "console.log"
+
+
+class _Masked(logging.Formatter):
+    """Lines with secrets masked (xtrain/observe/bundle.py mask_secrets): a message or an
+    exception may quote a secret environment variable's value or a token."""
+
+    def format(self, record):
+        return mask_secrets(super().format(record))
 
 
 class _Stdout(logging.StreamHandler):
@@ -41,7 +50,7 @@ class _FileHandler(logging.Handler):
     def __init__(self, file: AppendFile):
         super().__init__()
         self.file = file
-        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.setFormatter(_Masked("%(asctime)s %(levelname)s %(name)s: %(message)s"))
 
     def emit(self, record):
         try:
@@ -65,7 +74,9 @@ class ConsoleLog:
         self.file = AppendFile(f"{run_dir.rstrip('/')}/{CONSOLE_FILE}") if run_dir else None
         stderr = logging.StreamHandler(sys.stderr)
         stderr.setLevel(logging.WARNING)
-        self.handlers = [_Stdout(), stderr] + ([_FileHandler(self.file)] if self.file else [])
+        for console in (stdout := _Stdout(), stderr):
+            console.setFormatter(_Masked())
+        self.handlers = [stdout, stderr] + ([_FileHandler(self.file)] if self.file else [])
         for handler in self.handlers:
             handler.addFilter(_quiet_libraries)
         self.level = level
@@ -91,7 +102,8 @@ class ConsoleLog:
     def __exit__(self, kind, error, tb):
         if error is not None and self.file is not None:
             stamp = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
-            self.file.write(f"{stamp} ERROR {''.join(traceback.format_exception(kind, error, tb))}")
+            text = mask_secrets("".join(traceback.format_exception(kind, error, tb)))
+            self.file.write(f"{stamp} ERROR {text}")
         for name, (level, propagate, handlers) in self._saved.items():
             logger = logging.getLogger(name)
             logger.handlers, logger.propagate = handlers, propagate
