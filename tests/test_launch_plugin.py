@@ -266,6 +266,11 @@ def test_a_key_stored_by_wandb_login_is_forwarded_masked_and_never_synced(tmp_pa
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")
     assert has_key()
+    from wandb.sdk.lib import urls, wbauth  # what `wandb login` writes, where W&B's cloud is now
+
+    (tmp_path / "home" / ".netrc").unlink()
+    wbauth.wbnetrc.write_netrc_auth(host=urls.DEFAULT_BASE_URL, api_key=key)
+    assert has_key()
     assert collect() == {"WANDB_API_KEY": key, SECRET_NAMES_VAR: "WANDB_API_KEY"}
     assert mask_secrets(f"CommError: key {key} refused") == "CommError: key *** refused"
     root = git_tree(tmp_path / "repo")

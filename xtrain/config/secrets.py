@@ -66,18 +66,25 @@ def secret_env(environ=os.environ) -> dict[str, str]:
             and (is_secret_name(k) or k in forwarded) and len(v) >= MIN_SECRET_CHARS}
 
 
+# W&B's cloud: wandb 0.31 logs in at api.forge.coreweave.com and also reads the entry older
+# versions wrote for api.wandb.ai (wandb/sdk/lib/urls.py, FORGE_HOSTS)
+WANDB_CLOUD_HOSTS = ("api.forge.coreweave.com", "api.wandb.ai")
+
+
 def wandb_key(environ=os.environ) -> str | None:
     """The W&B key W&B itself would log in with, without asking for one: WANDB_API_KEY, else the
     password of W&B's host in the netrc file (NETRC, else ~/.netrc), where ``wandb login`` stores
     it (W&B reads the same file: wandb/sdk/lib/wbauth/wbnetrc.py, keyed by the URL's host:port)."""
     if environ.get("WANDB_API_KEY"):
         return environ["WANDB_API_KEY"]
-    host = urlsplit(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    host = urlsplit(environ.get("WANDB_BASE_URL") or "").netloc
     path = environ.get("NETRC") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".netrc")
     try:
-        entry = netrc.netrc(os.path.expanduser(path)).authenticators(host)
+        entries = netrc.netrc(os.path.expanduser(path))
     except (OSError, netrc.NetrcParseError):
         return None
+    hosts = WANDB_CLOUD_HOSTS if host in ("", *WANDB_CLOUD_HOSTS) else (host,)
+    entry = next(filter(None, map(entries.authenticators, hosts)), None)
     return entry[2] if entry and entry[2] else None
 
 
