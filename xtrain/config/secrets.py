@@ -1,6 +1,7 @@
 """What counts as a secret (a key's name, a value's form), and the refusal of one written into the
-config, on the command line or in a config file. Secrets come from the environment;
-hydra.launcher.secrets forwards them to TPU VMs. Masking what a run records is
+config, on the command line or in a config file. Secrets come from the environment (W&B's key
+also from ~/.netrc, where ``wandb login`` stores it); hydra.launcher.secrets forwards them to
+TPU VMs. Masking what a run records is
 xtrain/observe/bundle.py's."""
 
 from __future__ import annotations
