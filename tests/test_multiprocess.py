@@ -9,12 +9,13 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,37 @@ def test_a_process_whose_peer_never_joins_says_so_within_the_timeout(tmp_path):
     assert "xtrain: peer error: not every process of 2 joined rank 0's store at 127.0.0.1:" in err0
     assert "xtrain: peer error: rank 0's store at 127.0.0.1:" in err1
     assert f"within trainer.collective_timeout_s={timeout} s" in err0 and "Traceback" not in err0 + err1
+
+
+def test_the_others_wait_for_rank_0s_corpus_build_longer_than_the_collective_timeout(tmp_path):
+    """A first corpus build on rank 0 outlasting trainer.collective_timeout_s: rank 1 waits for it
+    (a barrier timed out, both ended with gloo's traceback); the run then trains."""
+    sources = tmp_path / "sources"
+    shutil.copytree("/usr/include/c++", sources, ignore=shutil.ignore_patterns("*tr1*", "*ext*"))
+    data = [f"data.build_sources=[{sources}]", "data.vocab_size=512", "trainer.max_steps=2"]
+    procs = xtrain_processes(tmp_path / "run", *data, "trainer.collective_timeout_s=3",
+                             env={"XTRAIN_CACHE": str(tmp_path / "cache")})
+    (code0, _, err0), (code1, _, err1) = finish_all(procs)
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    # the build did outlast the timeout: from its first line to its tokenizer's last write
+    [began] = [datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+               for line in (tmp_path / "run" / "console.log").read_text().splitlines()
+               if "building C++ corpus" in line]
+    [tokenizer] = (tmp_path / "cache").glob("corpus/*/tokenizer/tokenizer.json")
+    assert tokenizer.stat().st_mtime - began > 3
+    assert max(losses(tmp_path / "run")) == 2
+
+
+def test_rank_0s_failed_data_preparation_ends_the_others_saying_so(tmp_path):
+    (tmp_path / "sources").mkdir()  # C++ files too small to build a corpus from
+    for name in ("a.cpp", "b.cpp"):
+        (tmp_path / "sources" / name).write_text("int main() { return 0; }\n")
+    procs = xtrain_processes(tmp_path / "run", f"data.build_sources=[{tmp_path / 'sources'}]",
+                             env={"XTRAIN_CACHE": str(tmp_path / "cache")})
+    (code0, _, err0), (code1, _, err1) = finish_all(procs, timeout=120)
+    assert (code0, code1) == (2, 3), err0[-2000:] + err1[-2000:]
+    [refusal] = [line for line in err0.splitlines() if line.startswith("xtrain: data error: ")]
+    assert f"xtrain: peer error: rank 0 failed in data preparation (DataError: {refusal[20:]}" in err1
 
 
 def test_processes_given_different_configs_are_refused_naming_the_keys(tmp_path):

@@ -64,6 +64,43 @@ class Processes:
 
         return result
 
+    def primary_first(self, what: str, work):
+        """``work()`` on process 0 while the others wait, for as long as it takes while process
+        0 lives (a barrier would give up after trainer.collective_timeout_s, which a first corpus
+        build can outlast); its failure ends the others too, saying so. Returns ``work()``'s
+        result on process 0, None on the others."""
+        if self.heartbeat is None:  # no store to wait on (torch_xla's dummy store): a barrier
+            result = work() if self.primary else None
+            self.barrier()
+            return result
+        store = self.heartbeat.store("xtrain-primary-first")
+        if self.primary:
+            try:
+                result = work()
+            except Exception as e:
+                store.set(what, f"{type(e).__name__}: {e}")
+                # the store lives in this process (or its host's launcher): the others read the
+                # failure before it ends (a few seconds at most: they look every beat)
+                deadline = time.monotonic() + 10 * Heartbeat.INTERVAL_S
+                while store.add(f"{what}/read", 0) < self.world - 1 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                raise
+            store.set(what, "")
+            return result
+        from xtrain.errors import PeerLost
+
+        while not store.check([what]):
+            time.sleep(Heartbeat.INTERVAL_S)
+            # (twice: a process whose heartbeat thread waited on a busy interpreter is not lost)
+            if not store.check([what]) and (lost := self.vanished() and self.vanished()):
+                raise PeerLost(f"lost {lost} while it was busy with {what}; this is rank {self.rank}")
+        failure = store.get(what).decode()
+        store.add(f"{what}/read", 1)
+        if failure:
+            raise PeerLost(f"rank 0 failed in {what} ({failure.splitlines()[0][:300]}); this is rank "
+                           f"{self.rank}")
+        return None
+
     def check_same(self, what: str, value: dict) -> None:
         """Refuse (ConfigError, on every process) a run whose processes hold different ``value``s
         (nested dicts; ``what`` names it): processes given different commands would train
@@ -130,18 +167,19 @@ class Heartbeat:
     def __init__(self, address: str, port: int, rank: int, world: int):
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self._stop = threading.Event()
-        store = self._store()
+        store = self.store()
         store.add(self._key(rank), 1)
         self._thread = threading.Thread(target=self._beat, args=(store,), daemon=True,
                                         name="xtrain-heartbeat")
         self._thread.start()
 
-    def _store(self, timeout_s: float = 30.0):
+    def store(self, prefix: str = "xtrain-heartbeat", timeout_s: float = 30.0):
+        """A client of the rendezvous store of our own, its keys under ``prefix``."""
         import torch.distributed as dist
 
         client = dist.TCPStore(self.address, self.port, is_master=False,
                                timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        return dist.PrefixStore("xtrain-heartbeat", client)
+        return dist.PrefixStore(prefix, client)
 
     @staticmethod
     def _key(rank: int) -> str:
@@ -157,7 +195,7 @@ class Heartbeat:
     def vanished(self) -> str | None:
         """Reads every counter twice, three beats apart (a few seconds, once, on failure)."""
         try:
-            store = self._store(timeout_s=5.0)
+            store = self.store(timeout_s=5.0)
             before = [store.add(self._key(r), 0) for r in range(self.world)]
             time.sleep(3 * self.INTERVAL_S)
             after = [store.add(self._key(r), 0) for r in range(self.world)]

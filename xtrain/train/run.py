@@ -256,9 +256,7 @@ def prepare_data(data, engine: Engine):
     disk's sources could differ)."""
     from xtrain.data import prepare
 
-    if engine.processes.primary:
-        tokenizer = prepare(data, log=log.info)
-    engine.processes.barrier()
+    tokenizer = engine.processes.primary_first("data preparation", lambda: prepare(data, log=log.info))
     if not engine.processes.primary:
         tokenizer = prepare(data, log=lambda *_: None)
     engine.processes.check_same("tokenizer", {"sha256": tokenizer.fingerprint})
