@@ -187,9 +187,10 @@ def resume_point(ckpt, ckpt_dir: str, run_name: str, tokenizer, engine: Engine,
     from xtrain.train.checkpointing import set_aside_newer
 
     primary = engine.processes.primary
-    resume_from = engine.processes.broadcast(
-        resume_checkpoint(ckpt.resume, ckpt_dir, plan.gpt, run_name, rewind=ckpt.rewind)
-        if primary else None)
+    # (verifying a large checkpoint's files can outlast trainer.collective_timeout_s)
+    resume_from = engine.processes.broadcast(engine.processes.primary_first(
+        "finding the checkpoint to resume from",
+        lambda: resume_checkpoint(ckpt.resume, ckpt_dir, plan.gpt, run_name, rewind=ckpt.rewind)))
     if not resume_from:
         return None, 0
     meta = read_meta(resume_from)
