@@ -149,6 +149,21 @@ def test_a_crafted_dcp_metadata_pickle_runs_no_code_and_is_refused(tmp_path):
         read(str(ckpt))
 
 
+@pytest.mark.parametrize("damaged", [b"\x80\x04K", b"\x80\x02X\x02\x00\x00\x00\xff\xfe."],
+                         ids=["index_error", "unicode_error"])
+def test_a_damaged_state_pt_is_refused_in_one_line(tmp_path, damaged):
+    """Damaged pickles raise many types in torch.load (these two an IndexError and a
+    UnicodeDecodeError): each is a refusal naming the file, not a traceback."""
+    from xtrain.checkpoint.io import check_loadable, read
+
+    ckpt = tmp_path / "step_000001"
+    _save(str(ckpt), {"w": torch.ones(3)})
+    (ckpt / "state.pt").write_bytes(damaged)
+    for load in (check_loadable, read):
+        with pytest.raises(CheckpointError, match=rf"^checkpoint {ckpt}: state.pt refused \("):
+            load(str(ckpt))
+
+
 def test_a_checkpoint_whose_tensors_lack_one_its_state_refers_to_is_refused(tmp_path, capsys):
     """A committed checkpoint whose files match its manifest but whose tensors/ lacks a tensor its
     state.pt names (torch_xla 2.9's planner left such tensors out: fsdp_tp on one 8-chip host,
