@@ -123,10 +123,12 @@ def test_generate_interface_cuts_continuations_and_writes_records(gcs_bucket):
 
 
 @pytest.mark.parametrize("directive", ["#define add(a, b) 5", "  /* */ #define add(a, b) 5",
-                                       "%:define add(a, b) 5", "#\\\ndefine add(a, b) 5"])
+                                       "/* # */ #define add(a, b) 5", "%:define add(a, b) 5",
+                                       "#\\\ndefine add(a, b) 5"])
 def test_a_completion_with_a_preprocessor_directive_is_not_compiled(directive):
     """A macro after the function rewrites the tests that follow (``add(2, 3)`` becomes 5): each
-    spelling of a directive (after a comment, as a digraph, spliced) would pass them."""
+    spelling of a directive (after a comment, one holding a '#' too, as a digraph, spliced) would
+    pass them."""
     _, (record,) = evaluate([ADD], {"add": [f"  return 0;\n}}\n{directive}\n"]}, EvalConfig())
     assert (record["outcome"], record["compiled"], record["compile_s"]) == ("compile_error", False, None)
     assert record["compiler_message"].startswith("not compiled: a preprocessor directive in the "

@@ -91,11 +91,10 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
         "write_outside": (f"  FILE* f = std::fopen(\"{outside}\", \"w\");\n  if (!f) return 41;\n"
                           "  std::fputs(\"escaped\", f);\n  std::fclose(f);\n  return 42;\n}\n",
                           "wrong_answer"),
-        # the compiler is attacked too: an endless include, and one that would copy a secret
-        # into the compiler message (not compiled: a directive), and the assembler, which would
-        # copy it into the program (it runs in the sandbox as well)
-        "include_dev_zero": ("#include \"/dev/zero\"\n}\n", "compile_error"),
-        "include_secret": ("#include \"/etc/shadow\"\n}\n", "compile_error"),
+        # the tool chain is attacked too (a completion's #include is not compiled: a directive):
+        # the assembler, which runs in the sandbox as well, given an endless file to copy into
+        # the program, and a secret
+        "incbin_dev_zero": ("  asm(\".incbin \\\"/dev/zero\\\"\");\n  return 42;\n}\n", "compile_error"),
         "incbin_secret": ("  asm(\".incbin \\\"/etc/shadow\\\"\");\n  return 42;\n}\n", "compile_error"),
         # the harness's pass marker, looked for in the program's own binary and printed
         "forged_marker": (

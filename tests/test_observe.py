@@ -4,6 +4,7 @@ the XLA engine's compile and host-sync counts with every logger on."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pty
@@ -217,17 +218,11 @@ def test_each_offline_start_is_a_wandb_run_of_its_own_in_the_runs_group(tmp_path
     assert attempt_id("online", stored) == stored
 
 
-def test_an_unreachable_wandb_is_an_offline_start_with_auto_and_refused_when_online_is_required(
-        tmp_path, monkeypatch, caplog, capfd):
-    """W&B down must not fail a run (a resume during an outage would not be re-run by the fleet).
-    A real server that does not answer: a closed local port, with a short init timeout."""
-    import socket
-
+@contextlib.contextmanager
+def wandb_server_at(port: int, monkeypatch):
+    """W&B's server for this test at a local port, with a dummy key and a short init timeout."""
     import wandb
 
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     for name in ("WANDB_MODE", "XTRAIN_WANDB_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
@@ -236,17 +231,31 @@ def test_an_unreachable_wandb_is_an_offline_start_with_auto_and_refused_when_onl
     wandb.teardown()  # W&B reads its environment once a process: a new start reads this one
     try:
         assert wandb.setup().settings.base_url == f"http://127.0.0.1:{port}"  # (never the internet)
-        _unreachable_wandb(tmp_path, port, caplog, capfd)
+        yield
     finally:
         wandb.teardown()  # the next test's W&B reads its own environment
 
 
-def _unreachable_wandb(tmp_path, port: int, caplog, capfd) -> None:
+def test_an_unreachable_wandb_is_an_offline_start_with_auto_and_refused_when_online_is_required(
+        tmp_path, monkeypatch, caplog, capfd):
+    """W&B down must not fail a run (a resume during an outage would not be re-run by the fleet).
+    A real server that does not answer: a closed local port, with a short init timeout."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with wandb_server_at(port, monkeypatch):
+        _unreachable_wandb(tmp_path, port, monkeypatch, caplog, capfd)
+
+
+def _unreachable_wandb(tmp_path, port: int, monkeypatch, caplog, capfd) -> None:
     from xtrain.errors import EnvironmentMismatch
     from xtrain.observe.wandb_run import RUN_ID_FILE, wandb_logger
 
-    with pytest.raises(EnvironmentMismatch, match=rf"^logger.wandb.mode=online but W&B \(http://127.0.0.1:"
-                                                  rf"{port}\) did not answer \(.*\): nothing was trained"):
+    failed = rf"W&B \(http://127.0.0.1:{port}\) could not start the run \(.*\): nothing was trained"
+    with pytest.raises(EnvironmentMismatch, match=rf"^logger.wandb.mode=online but {failed}.*or set "
+                                                  "logger.wandb.mode=auto"):
         wandb_logger(str(tmp_path / "on"), str(tmp_path / "on"), "r", {}, mode="online")
     run_dir = tmp_path / "auto"  # (W&B holds the refused run's id until its teardown)
     with caplog.at_level("WARNING", logger="xtrain"):
@@ -256,11 +265,48 @@ def _unreachable_wandb(tmp_path, port: int, caplog, capfd) -> None:
     finally:
         run.finish()
     [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warning.startswith(f"W&B (http://127.0.0.1:{port}) did not answer (")
+    assert warning.startswith(f"W&B (http://127.0.0.1:{port}) could not start the run (")
     assert "this start logs offline; `wandb sync" in warning
     assert [r["group"] for r in wandb_runs(run_dir)] == ["r"]
+    monkeypatch.setenv("WANDB_MODE", "online")  # online required by the environment: refused too
+    with pytest.raises(EnvironmentMismatch, match=rf"^WANDB_MODE=online but {failed}.*or unset WANDB_MODE"):
+        wandb_logger(str(tmp_path / "env"), str(tmp_path / "env"), "r", {}, mode="auto")
     out, err = capfd.readouterr()
     assert FAKE_KEY not in warning + out + err
+
+
+def test_a_key_wandb_refuses_is_refused_in_any_mode(tmp_path, monkeypatch):
+    """No outage: the start is refused (exit 2) even with logger.wandb.mode=auto, since logging
+    offline would hide a key that will never work. W&B's own server cannot be reached here: a
+    local stand-in answers every request 401, as W&B's does for a key it does not know."""
+    import http.server
+    import threading
+
+    from xtrain.errors import EnvironmentMismatch
+    from xtrain.observe.wandb_run import wandb_logger
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(401)
+            self.end_headers()
+            self.wfile.write(b'{"errors": [{"message": "user is not logged in"}]}')
+
+        do_GET = do_POST
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with wandb_server_at(server.server_address[1], monkeypatch):
+            for mode in ("auto", "online"):
+                with pytest.raises(EnvironmentMismatch, match=r"^W&B \(http://127.0.0.1:\d+\) refused "
+                                                              r"the key \(.*401.*\): check WANDB_API_KEY"):
+                    wandb_logger(str(tmp_path / mode), str(tmp_path / mode), "r", {}, mode=mode)
+    finally:
+        server.shutdown()
 
 
 def test_logger_options_compose_against_their_schema_and_every_target_imports(compose_config):

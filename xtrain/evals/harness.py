@@ -84,9 +84,9 @@ def directive(completion: str) -> str | None:
     one, as the compiler joins them. Cautious: a '#' in a string there counts too, one sample
     scored a compile error for nothing, where missing a directive would let it rewrite the tests."""
     for line in re.sub(r"\\[ \t\r]*\n", "", completion).splitlines():
-        found = _DIRECTIVE.search(line)
-        if found and (not line[:found.start()].strip() or "*/" in line[:found.start()]):
-            return line.strip()
+        for found in _DIRECTIVE.finditer(line):  # every one: the first may be in a comment
+            if not line[:found.start()].strip() or "*/" in line[:found.start()]:
+                return line.strip()
     return None
 
 

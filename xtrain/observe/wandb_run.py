@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 
 from xtrain.config import WandbMode
@@ -34,19 +35,23 @@ def has_key(environ=os.environ) -> bool:
     return wandb_key(environ) is not None
 
 
-def choose_mode(mode: WandbMode | str, environ=os.environ) -> str:
-    """``online`` or ``offline``. ``auto`` follows WANDB_MODE when set, else goes online only with
-    a key. Online without a key is refused (W&B would prompt on a terminal, raise without one)."""
+def required_mode(mode: WandbMode | str, environ=os.environ) -> tuple[WandbMode, str]:
+    """The mode asked for (``auto`` follows WANDB_MODE when set) and who asked, for messages."""
     mode = WandbMode(mode)
     env_mode = environ.get("WANDB_MODE", "").strip().lower()
     if mode == WandbMode.auto and env_mode:
         if env_mode not in ("online", "run", *_OFFLINE_NAMES):
             raise ConfigError(f"WANDB_MODE={env_mode!r}: expected online or offline (or drop "
                               "logger=wandb to log without W&B)")
-        mode = WandbMode.offline if env_mode in _OFFLINE_NAMES else WandbMode.online
-        source = f"WANDB_MODE={env_mode}"
-    else:
-        source = f"logger.wandb.mode={mode.value}"
+        return (WandbMode.offline if env_mode in _OFFLINE_NAMES else WandbMode.online,
+                f"WANDB_MODE={env_mode}")
+    return mode, f"logger.wandb.mode={mode.value}"
+
+
+def choose_mode(mode: WandbMode | str, environ=os.environ) -> str:
+    """``online`` or ``offline``. ``auto`` follows WANDB_MODE when set, else goes online only with
+    a key. Online without a key is refused (W&B would prompt on a terminal, raise without one)."""
+    mode, source = required_mode(mode, environ)
     if mode == WandbMode.offline:
         return "offline"
     if has_key(environ):
@@ -123,7 +128,8 @@ def _start(chosen: str, mode: WandbMode | str, stored: str, git_root: str | None
     """``wandb.init`` for this start. Online, a W&B that does not answer within its init timeout
     (WANDB_INIT_TIMEOUT, 90 s by default) raises CommError: with logger.wandb.mode=auto the start
     logs offline instead (an outage must not fail a resume, which the fleet does not re-run);
-    with logger.wandb.mode=online it is refused (exit 2): online was required, nothing ran."""
+    with logger.wandb.mode=online (or WANDB_MODE=online) it is refused (exit 2): online was
+    required, nothing ran. A key W&B refuses is refused whatever the mode: no wait mends it."""
     import wandb
 
     def start(chosen: str):
@@ -137,11 +143,18 @@ def _start(chosen: str, mode: WandbMode | str, stored: str, git_root: str | None
         if chosen != "online":
             raise
         where = wandb.setup().settings.base_url  # (W&B reads its environment once a process)
-        why = mask_secrets(f"W&B ({where}) did not answer ({str(e).splitlines()[0] if str(e) else e!r})")
-        if WandbMode(mode) == WandbMode.online:
-            raise EnvironmentMismatch(
-                f"logger.wandb.mode=online but {why}: nothing was trained; retry when W&B answers, "
-                "or set logger.wandb.mode=auto to log offline while it does not") from None
+        said = mask_secrets(str(e).splitlines()[0] if str(e) else repr(e))
+        # a key refused is no outage: waiting will not mend it (W&B raises a plain CommError
+        # quoting the HTTP status when it is refused while asking for the run's resume status)
+        if isinstance(e, wandb.errors.AuthenticationError) or re.search(r"\berror 40[13]\b", said):
+            raise EnvironmentMismatch(f"W&B ({where}) refused the key ({said}): check "
+                                      "WANDB_API_KEY (or `wandb login`)") from None
+        why = f"W&B ({where}) could not start the run ({said})"
+        required, source = required_mode(mode)
+        if required == WandbMode.online:
+            instead = "unset WANDB_MODE" if source.startswith("WANDB_MODE") else "set logger.wandb.mode=auto"
+            raise EnvironmentMismatch(f"{source} but {why}: nothing was trained; retry when W&B "
+                                      f"answers, or {instead} to log offline while it does not") from None
     log.warning(f"{why}: this start logs offline; "
                 f"{_sync_later(init['dir'], init['group'])}")
     return start("offline")
