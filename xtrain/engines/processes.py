@@ -9,6 +9,8 @@ A one-process run is ``Processes()``: every method is then free.
 
 from __future__ import annotations
 
+import json
+import secrets
 import threading
 import time
 from datetime import timedelta
@@ -67,39 +69,57 @@ class Processes:
     def primary_first(self, what: str, work):
         """``work()`` on process 0 while the others wait, for as long as it takes while process
         0 lives (a barrier would give up after trainer.collective_timeout_s, which a first corpus
-        build can outlast); its failure ends the others too, saying so. Returns ``work()``'s
-        result on process 0, None on the others."""
+        build can outlast); its failure ends the others too, saying so (a refusal as the same
+        refusal). Returns ``work()``'s result on process 0, None on the others."""
         if self.heartbeat is None:  # no store to wait on (torch_xla's dummy store): a barrier
             result = work() if self.primary else None
             self.barrier()
             return result
-        store = self.heartbeat.store("xtrain-primary-first")
+        # keys of this call's own: a sweep's next job, or a worker restarted under torchrun's
+        # agent (whose store outlives it), must not read an earlier call's outcome
+        call = self.broadcast(secrets.token_hex(4) if self.primary else None)
+        store = self.heartbeat.store(f"xtrain-primary-first/{call}")
         if self.primary:
-            try:
-                result = work()
-            except Exception as e:
-                store.set(what, f"{type(e).__name__}: {e}")
-                # the store lives in this process (or its host's launcher): the others read the
-                # failure before it ends (a few seconds at most: they look every beat)
-                deadline = time.monotonic() + 10 * Heartbeat.INTERVAL_S
-                while store.add(f"{what}/read", 0) < self.world - 1 and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                raise
-            store.set(what, "")
-            return result
-        from xtrain.errors import PeerLost
+            return self._lead(store, work)
+        self._follow(store, what)
+        return None
 
-        while not store.check([what]):
+    def _lead(self, store, work):
+        try:
+            result = work()
+        except Exception as e:
+            from xtrain.observe.bundle import mask_secrets
+
+            # its class as xtrain.errors names it (a refusal stays one), and its message
+            kind = next((c.__name__ for c in type(e).__mro__ if c.__module__ == "xtrain.errors"),
+                        type(e).__name__)
+            store.set("outcome", json.dumps([kind, mask_secrets(str(e))[:2000]]))
+            # the store lives in this process (or its host's launcher): the others read the
+            # failure before it ends (a few seconds at most: they look every beat)
+            deadline = time.monotonic() + 10 * Heartbeat.INTERVAL_S
+            while store.add("read", 0) < self.world - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            raise
+        store.set("outcome", "")
+        return result
+
+    def _follow(self, store, what: str) -> None:
+        from xtrain import errors
+
+        while not store.check(["outcome"]):
             time.sleep(Heartbeat.INTERVAL_S)
             # (twice: a process whose heartbeat thread waited on a busy interpreter is not lost)
-            if not store.check([what]) and (lost := self.vanished() and self.vanished()):
-                raise PeerLost(f"lost {lost} while it was busy with {what}; this is rank {self.rank}")
-        failure = store.get(what).decode()
-        store.add(f"{what}/read", 1)
-        if failure:
-            raise PeerLost(f"rank 0 failed in {what} ({failure.splitlines()[0][:300]}); this is rank "
-                           f"{self.rank}")
-        return None
+            if not store.check(["outcome"]) and (lost := self.vanished() and self.vanished()):
+                raise errors.PeerLost(f"lost {lost} while it was busy with {what}; this is rank {self.rank}")
+        outcome = store.get("outcome").decode()
+        store.add("read", 1)
+        if outcome:
+            kind, message = json.loads(outcome)
+            refusal = getattr(errors, kind, None)
+            if isinstance(refusal, type) and issubclass(refusal, errors.InputError):
+                raise refusal(f"rank 0: {message}")
+            raise errors.PeerLost(f"rank 0 failed in {what} ({kind}: {message.splitlines()[0][:300]}); "
+                                  f"this is rank {self.rank}")
 
     def check_same(self, what: str, value: dict) -> None:
         """Refuse (ConfigError, on every process) a run whose processes hold different ``value``s
