@@ -179,7 +179,8 @@ def test_code_files_are_tracked_and_untracked_not_ignored_minus_secrets_and_data
               # names that say secret in another case or form
               "WANDB_API_KEY.txt", "Secrets.yaml", "HF_TOKEN", "wandb_key.txt", "conf/.ENV"]
     code = ["pkg/secrets.py", "pkg/tokenizer.py", "conf/tokenizer.yaml", "pkg/passwords_check.py",
-            "pkg/auth.py", "docs/key_points.md", "conf/Tokenizer.yaml"]  # (their text is read)
+            "pkg/auth.py", "docs/key_points.md", "conf/Tokenizer.yaml", "conf/model/key_value.yaml",
+            "conf/data/token_stream.yaml", "scripts/auth.sh", "src/key.cpp"]  # (their text is read)
     for rel in secret + code:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("x\n")

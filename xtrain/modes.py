@@ -171,8 +171,9 @@ def checkpoint_model(path: str, saved):
     from xtrain.model.config import GPTConfig
     from xtrain.model.gpt import GPT
 
+    weights = read_model_weights(path)  # (a storage error is no disagreement: outside the try)
     try:
-        return GPT.from_weights(GPTConfig.from_model(saved.model), read_model_weights(path))
+        return GPT.from_weights(GPTConfig.from_model(saved.model), weights)
     except RuntimeError as e:  # load_state_dict's: every missing, unexpected or mis-shaped tensor
         lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
         first = (lines or [str(e)])[0].replace("torch.Size([", "(").replace("])", ")")[:300]

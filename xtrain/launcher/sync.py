@@ -4,7 +4,7 @@ deleted locally is deleted on the worker, so a removed module cannot linger ther
 
 Never synced, whatever git says: .git, virtual environments, run outputs, caches, dotenv, key and
 credential files (and folders such as .ssh and .aws), secret-named files (``WANDB_API_KEY.txt``;
-not code such as ``auth.py``), pickles, checkpoints and data formats (``ALWAYS_EXCLUDED``, matched
+not code or configs such as ``auth.py``), pickles, checkpoints and data formats (``ALWAYS_EXCLUDED``, matched
 whatever the case); a file over ``max_file_mb`` is refused before
 anything is copied, because data does not belong in the code tree, and so is one whose text
 holds a secret, whatever its name.
@@ -37,9 +37,10 @@ ALWAYS_EXCLUDED = (
     f"*{word}{suffix}" for word in ("secret", "secrets", "token", "tokens", "password", "passwords",
                                     "api_key", "apikey", "credential", "credentials")
     for suffix in ("", ".json", ".yaml", ".yml", ".txt", ".toml", ".ini", ".cfg", ".conf"))
-# Code and docs may be named after a secret they handle (auth.py, key_points.md): their text is
-# read for secrets instead (check_no_secrets), as a module left out would break the job.
-NAMED_NOT_SECRET = (".py", ".pyi", ".md", ".rst")
+# A plain-text or suffix-less file named as a secret holds one (WANDB_API_KEY.txt, HF_TOKEN). Code,
+# configs and docs may be named after what they handle (auth.py, key_value.yaml): their text is
+# read for secrets instead (check_no_secrets), as a file left out would break the job.
+SECRET_FILE_SUFFIXES = ("", ".txt")
 
 
 def source_root(source: str | None) -> Path:
@@ -95,12 +96,12 @@ def check_no_secrets(root: Path, files: list[str]) -> None:
 
 
 def excluded(rel: str, patterns) -> bool:
-    """Whether a pattern matches a component of ``rel`` whatever the case (``Secrets.yaml``, made
-    on a laptop whose file system ignores case), or the file's name is a secret's
-    (``WANDB_API_KEY.txt``, ``HF_TOKEN``, ``wandb_key.txt``: xtrain/config/secrets.py
-    is_secret_name)."""
+    """Whether a pattern (``ALWAYS_EXCLUDED`` and hydra.launcher.exclude) matches a component of
+    ``rel`` whatever the case (``Secrets.yaml``, made on a laptop whose file system ignores case),
+    or the file is a plain-text one named as a secret (``WANDB_API_KEY.txt``, ``HF_TOKEN``,
+    ``wandb_key.txt``: xtrain/config/secrets.py is_secret_name)."""
     path = Path(rel)
-    if path.suffix.lower() not in NAMED_NOT_SECRET and is_secret_name(path.stem):
+    if path.suffix.lower() in SECRET_FILE_SUFFIXES and is_secret_name(path.stem):
         return True
     return any(fnmatch.fnmatchcase(part.lower(), p.lower()) for part in path.parts for p in patterns)
 
