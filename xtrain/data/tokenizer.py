@@ -194,11 +194,14 @@ def load_tiktoken_pickle(file, where: str):
     return tiktoken.Encoding(**obj.state)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.pkl")  # HF's, nanochat's: the first found is read
+
+
 def file_fingerprint(directory: str) -> str | None:
     """The :attr:`Tokenizer.fingerprint` :func:`load_tokenizer` would give the tokenizer in
     ``directory``, without loading it; None while it holds neither file (a corpus not built yet)."""
     fs, root = url_to_fs(directory)
-    for name in ("tokenizer.json", "tokenizer.pkl"):  # the order load_tokenizer reads them in
+    for name in TOKENIZER_FILES:
         if fs.exists(f"{root}/{name}"):
             return hashlib.sha256(fs.cat_file(f"{root}/{name}")).hexdigest()
     return None
@@ -213,8 +216,8 @@ def load_tokenizer(directory: str, threads: int = 2) -> Tokenizer:
         raise DataError(f"{directory}: no token_bytes.pt (needed for bits-per-byte)")
     token_bytes = _read_token_bytes(fs.cat_file(f"{root}/token_bytes.pt"),
                                     f"{directory}/token_bytes.pt")
-    for name, read in (("tokenizer.json", _read_hf), ("tokenizer.pkl", _read_pickle)):
-        if fs.exists(f"{root}/{name}"):  # in this order
+    for name, read in zip(TOKENIZER_FILES, (_read_hf, _read_pickle)):
+        if fs.exists(f"{root}/{name}"):
             raw = fs.cat_file(f"{root}/{name}")
             backend, kind = read(raw, f"{directory}/{name}")
             tok = Tokenizer(backend, kind, token_bytes, threads, hashlib.sha256(raw).hexdigest(),
