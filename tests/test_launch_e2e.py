@@ -135,7 +135,8 @@ def test_a_launched_sweeps_jobs_log_to_its_wandb_group_and_keep_its_run_on_a_new
                                                                                    tmp_path):
     """The worker runs its job alone, outside the sweep: the group is resolved here and passed on.
     The W&B run id is the local job dir's: the same command on a VM that lost its disk (a
-    recreated spot VM: no job or run dir there) continues the same W&B run."""
+    recreated spot VM: no job or run dir there) continues the same W&B run (online; offline, as
+    here, each start is a W&B run of its own named after that id, in the same group)."""
     args = TINY + ["trainer.max_steps=2", "run.name=e2e-group", "logger=[jsonl,wandb]",
                    "logger.wandb.mode=offline"] + remote.overrides()
     remote_run = remote.root(HOSTS[0]) / "runs" / "e2e-group"
@@ -150,8 +151,10 @@ def test_a_launched_sweeps_jobs_log_to_its_wandb_group_and_keep_its_run_on_a_new
     r = run_xtrain(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     (again,) = wandb_runs(remote_run)
-    assert again["id"] == run["id"] == (local / "wandb-run-id").read_text()
-    assert (remote_run / "wandb-run-id").read_text() == run["id"]
+    stored = (local / "wandb-run-id").read_text()
+    assert (remote_run / "wandb-run-id").read_text() == stored
+    assert run["id"].startswith(f"{stored}-") and again["id"].startswith(f"{stored}-")
+    assert again["id"] != run["id"] and again["group"] == run["group"]
 
 
 def tree_snapshot(root: Path) -> dict:
