@@ -37,6 +37,7 @@ class FsspecCheckpointIO(CheckpointIO):
         self.sharded, self.rank, self.process_group = sharded, rank, process_group
         self.peer_lost = peer_lost
         self.on_commit = None  # called from the upload thread with {"path", "ckpt_s", ...}
+        self.fence = None  # see ckpt_io.write (the checkpoint dir's lease, on the first host)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="xtrain-ckpt")
         self._inflight = None
 
@@ -58,7 +59,7 @@ class FsspecCheckpointIO(CheckpointIO):
         for attempt in range(self.retries + 1):
             try:
                 ckpt_io.write(path, snapshot, rest, meta, sharded=self.sharded, rank=self.rank,
-                              process_group=self.process_group)
+                              process_group=self.process_group, fence=self.fence)
                 break
             except (Exception, CheckpointException) as e:  # storage errors come in many types;
                 # DCP wraps them in CheckpointException, a BaseException

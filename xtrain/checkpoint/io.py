@@ -109,19 +109,23 @@ def _agree(error: Exception | None, process_group) -> None:
 
 
 def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = False,
-          rank: int = 0, process_group=None) -> None:
+          rank: int = 0, process_group=None, fence=None) -> None:
     """Write one checkpoint and commit it (raises on any storage error; nothing is committed
     then). ``tensors`` is a :func:`snapshot`, ``rest`` the serialised skeleton.
 
     Collective on several processes. A storage error on one of them is caught and shared at the
     next collective rather than raised between two (a process that skips a collective stalls
-    the others until the timeout, which closes the checkpoint group's connections for good)."""
+    the others until the timeout, which closes the checkpoint group's connections for good).
+    ``fence``: called by the first host before anything is written; raises when the save must not
+    happen (the directory's lease lost: xtrain/checkpoint/lease.py)."""
     import torch.distributed.checkpoint as dcp
 
     fs, root = url_to_fs(path)
     error = None
     if rank == 0:
         try:
+            if fence is not None:
+                fence()
             _prepare(path, fs, root)
         except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
             error = e

@@ -260,6 +260,10 @@ class CheckpointConfig:
     rewind: bool = False
     # upload attempts after a storage error (backoff 1, 2, 4, ... s); then warn
     retries: int = limits(5, ge=0)
+    # seconds a training's lease on `dir` outlives its last renewal (every quarter of it): another
+    # training finding it held is refused, or takes it over once its holder is gone
+    # (xtrain/checkpoint/lease.py); 0: no lease
+    lease_s: int = limits(120, ge=0)
 
 
 @dataclass

@@ -137,7 +137,7 @@ class Callbacks:
 
 
 def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: str, run_log,
-                    tokenizer) -> Callbacks:
+                    tokenizer, lease=None) -> Callbacks:
     from xtrain.observe.metrics import MetricsLogger, PhaseTimer
     from xtrain.observe.peak import MEASURED, run_peak_flops
     from xtrain.train.checkpointing import PeriodicCheckpoint
@@ -155,6 +155,7 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
                             peak_measured=source.endswith(MEASURED))
     stop, ckpt = StopRequest(engine.processes), cfg.checkpoint
     checkpoint_io = engine.checkpoint_io(ckpt.retries)
+    checkpoint_io.fence = lease.check if lease else None  # (the lease: process 0's)
     checkpointer = PeriodicCheckpoint(
         ckpt_dir, ckpt.every, checkpoint_io, ckpt.keep_last, ckpt.keep_every, stop=stop,
         report=lambda r: run_log.record("checkpoint", r["step"], {k: v for k, v in r.items() if k != "step"}),
@@ -315,12 +316,14 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
     from xtrain.observe.preemptions import stop_record
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
+    from xtrain.train.run_lock import checkpoint_dir_lease
 
     trainer_cfg = cfg.trainer
     ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
-    with naming_lost_peers(engine):
+    with naming_lost_peers(engine), contextlib.ExitStack() as held:
         engine.processes.check_same("config", to_plain(cfg))
         check_shared(ckpt_dir, engine.processes)
+        lease = held.enter_context(checkpoint_dir_lease(ckpt_dir, cfg, engine.processes))
         tokenizer = prepare_data(cfg.data, engine)
         L.seed_everything(trainer_cfg.seed, verbose=False)
         loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
@@ -335,7 +338,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
         run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
         status = "failed"
         try:
-            callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer)
+            callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer,
+                                        lease)
             trainer = build_trainer(engine, callbacks.checkpoint_io,
                                     callbacks.all(LoaderState(loaders.steps)), plan, trainer_cfg,
                                     loaders.val is not None, run_dir)

@@ -5,8 +5,9 @@ other's checkpoints step by step and take each other's .hydra record.
 The lock is ``flock`` on the run dir itself (no file is added to it), held by the training's first
 process until it ends: the kernel drops it when the process ends however it ends (a crash,
 SIGKILL), so no stale lock outlives a training. Where the filesystem has no ``flock`` (some
-network filesystems, object storage: a ``gs://`` run dir) the run goes on unlocked. Runs in other run dirs sharing a
-``checkpoint.dir`` are told apart by their checkpoints' run names (xtrain/inputs.py).
+network filesystems, object storage: a ``gs://`` run dir) the run goes on unlocked. Trainings in
+other run dirs (other hosts) sharing a ``checkpoint.dir`` are kept apart by its lease
+(xtrain/checkpoint/lease.py), held for the whole training as this lock is.
 """
 
 from __future__ import annotations
@@ -46,3 +47,22 @@ def run_dir_lock(run_dir: str):
         yield
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def checkpoint_dir_lease(directory: str, cfg, processes):
+    """Inside the block, the training's first process holds ``directory``'s lease
+    (xtrain/checkpoint/lease.py; ``checkpoint.lease_s=0``: none), taken before the data is
+    prepared; the others wait for it, and a refusal refuses them too. Yields the Lease on the
+    first process, None elsewhere."""
+    from xtrain.checkpoint.lease import Lease
+
+    lease = None
+    if cfg.checkpoint.lease_s:
+        lease = processes.primary_first("taking checkpoint.dir's lease", lambda: Lease(
+            directory, cfg.run.name, cfg.checkpoint.lease_s).acquire())
+    try:
+        yield lease
+    finally:
+        if lease is not None:
+            lease.release()
