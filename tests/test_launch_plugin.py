@@ -250,6 +250,32 @@ def test_a_secret_set_in_a_makefile_or_given_to_a_command_is_refused_and_masked(
     assert mask_secrets(diff, {}) == f"+\t{line.format(key='***')}\n"
 
 
+def test_a_private_key_in_an_uncommitted_change_is_refused_at_sync_and_masked_in_code_diff(tmp_path):
+    """A key pasted into a tracked file (no key file by its name): not synced, and code.diff (``git
+    diff HEAD``, masked as xtrain/observe/bundle.py write_bundle masks it) keeps the key's header,
+    footer and lines, not its body. (Headers spelled in pieces: this file is synced too.)"""
+    from xtrain.observe.bundle import code_state, mask_secrets
+
+    root = git_tree(tmp_path / "repo")
+    subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com",
+                    "commit", "-qm", "init"], check=True)
+    body = ["MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7", "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUA"]
+    begin, end = "-----BEGIN RSA " + "PRIVATE KEY-----", "-----END RSA " + "PRIVATE KEY-----"
+    (root / "pkg/mod.py").write_text(f'x = 1\nKEY = """{begin}\n' + "\n".join(body) + f'\n{end}\n"""\n')
+    with pytest.raises(ConfigError, match=r"pkg/mod.py \(a private key\)"):
+        code_files(root, Runner())
+    facts, diff = code_state(root)
+    assert facts["changed"] == ["pkg/mod.py"] and all(line in diff for line in body)
+    masked = mask_secrets(diff, {})
+    assert f'+KEY = """{begin}\n+***\n+***\n+{end}\n+"""\n' in masked
+    assert not any(line[:8] in masked for line in body)
+    # a JSON string's key (a service account's), and a hunk that ends inside a key
+    assert mask_secrets(f'+  "private_key": "{begin}\\n{body[0]}\\n{end}\\n",\n', {}) == (
+        f'+  "private_key": "{begin}***{end}\\n",\n')
+    assert mask_secrets(f"@@ -1,3 +1,3 @@\n {begin}\n-{body[0]}\n+{body[1]}\n@@ -9 +9 @@\n x = 1\n", {}) == (
+        f"@@ -1,3 +1,3 @@\n {begin}\n-***\n+***\n@@ -9 +9 @@\n x = 1\n")
+
+
 def test_a_key_stored_by_wandb_login_is_forwarded_masked_and_never_synced(tmp_path, monkeypatch):
     """`wandb login` keeps the key in ~/.netrc (a real file here): local runs go online with it, so
     a launched job gets it as WANDB_API_KEY (the workers have no ~/.netrc), and it is masked and

@@ -115,6 +115,13 @@ def forbidden_values(environ=os.environ) -> set[str]:
 # ``"token": "1a2b..."``, ``wandb.login(key="1a2b...")``, ``os.environ["HF_TOKEN"] = "..."``,
 # or given to a command: ``wandb login [--relogin] 1a2b...``, ``--api-key=1a2b...``.
 PRIVATE_KEY = re.compile(r"-----BEGIN ([A-Z]+ )*PRIVATE KEY-----")
+# A private key's block as a text or a diff holds it: its body up to the footer or, with none
+# (a diff's hunk that ends inside the key, a JSON string cut short), the rest of the header's line
+# and the lines that follow it and look like a key's (base64, or a legacy PEM's ``DEK-Info:``
+# header), a diff's ``+``/``-``/`` `` before each.
+PRIVATE_KEY_BLOCK = re.compile(
+    r"(-----BEGIN (?:[A-Z]+ )*PRIVATE KEY-----)(?:(.*?)(?=-----END (?:[A-Z]+ )*PRIVATE KEY-----)"
+    r"|([^\n]*(?:\n[+\- ]?(?:[A-Za-z0-9+/=]+|[A-Za-z-]+:[^\n]*)?(?=\n|$))*))", re.DOTALL)
 LITERAL = r"""(['"]?)([A-Za-z0-9_+/=.-]{16,})"""  # (its quote, then the literal)
 ASSIGNED_LITERAL = re.compile(  # (a line may start with a diff's + or -; := ?= += are Make's;
     # a name, its annotation and = share a line: a Makefile's "setup:" is no annotation)
@@ -162,6 +169,21 @@ def mask_assigned(text: str, mask: str) -> str:
     for start in sorted(places, reverse=True):
         text = text[:start] + mask + text[places[start]:]
     return text
+
+
+def mask_private_keys(text: str, mask: str) -> str:
+    """``text`` with the body of each private key block (:data:`PRIVATE_KEY_BLOCK`) replaced by
+    ``mask`` line by line (a diff's ``+``/``-``/`` `` kept, so a masked code.diff keeps its lines);
+    the header and footer stay, saying what was there."""
+    def line_masked(line: str) -> str:
+        prefix = line[:1] if line[:1] in ("+", "-", " ") else ""
+        return prefix + mask if line[len(prefix):].strip() else line
+
+    def masked(m):
+        body = m[2] if m[2] is not None else m[3]
+        return m[1] + "\n".join(map(line_masked, body.split("\n")))
+
+    return PRIVATE_KEY_BLOCK.sub(masked, text)
 
 
 def secret_in_text(text: str, known=frozenset()) -> str | None:

@@ -23,7 +23,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from xtrain.config.secrets import SECRET_VALUE, is_secret_name, mask_assigned, secret_values
+from xtrain.config.secrets import (SECRET_VALUE, is_secret_name, mask_assigned, mask_private_keys,
+                                   secret_values)
 from xtrain.paths import url_to_fs
 
 MASK = "***"
@@ -34,8 +35,8 @@ ENV_PREFIXES = ("XLA_", "PJRT_", "TPU_", "LIBTPU", "JAX_", "CPU_NUM_DEVICES", "W
 def mask_secrets(obj, environ=os.environ, key: str = ""):
     """A copy of nested dicts/lists (or a string) with secrets replaced by ``***``: values under
     secret-looking keys, wherever a string holds the value of a secret environment variable,
-    values of a secret's form (:data:`SECRET_VALUE`) and, in text, literals a secret-named
-    variable or key is set to (``export HF_TOKEN=...`` in a diff)."""
+    values of a secret's form (:data:`SECRET_VALUE`) and, in text, private keys' blocks and
+    literals a secret-named variable or key is set to (``export HF_TOKEN=...`` in a diff)."""
     secrets = secret_values(environ)
 
     def walk(x, name):
@@ -46,6 +47,7 @@ def mask_secrets(obj, environ=os.environ, key: str = ""):
         if isinstance(x, str):
             if x and is_secret_name(name):
                 return MASK
+            x = mask_private_keys(x, MASK)  # (a diff's key file, whole)
             for secret in secrets:
                 x = x.replace(secret, MASK)
             x = SECRET_VALUE.sub(lambda m: "://" + MASK + "@" if m[0].startswith("://") else MASK, x)
