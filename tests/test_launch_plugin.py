@@ -235,6 +235,13 @@ KEY = "0f1e2d3c" + "4b5a69788796a5b4c3d2e1f0a1b2c3d4"  # (in pieces: this file i
     ("python train.py --api-key={key}", "--api-key given a literal"),
     ("python train.py --api-key {key} --seed 1", "--api-key given a literal"),
     ('subprocess.run(["x", "--hf-token", "{key}"])', "--hf-token given a literal"),
+    # a command as a list: Python's, JSON's, YAML's
+    ('subprocess.run(["wandb", "login", "{key}"])', "wandb login given a literal"),
+    ("subprocess.run(['wandb','login','--relogin','{key}'], check=True)", "wandb login given a literal"),
+    ('{{"args": ["wandb", "login", "--host", "https://w.example.com", "{key}"]}}',
+     "wandb login given a literal"),
+    ("cmd: [wandb, login, {key}]", "wandb login given a literal"),
+    ("args: [python, train.py, --api-key, {key}, --seed, 1]", "--api-key given a literal"),
 ])
 def test_a_secret_set_in_a_makefile_or_given_to_a_command_is_refused_and_masked(tmp_path, line, why):
     """Found with no such variable in the environment: not synced, masked in code.diff."""
@@ -326,7 +333,15 @@ def test_code_that_names_secrets_is_synced():
                  # commands given a variable, no key, or a hash under a flag that says nothing
                  'wandb login --relogin\n', 'python train.py --api-key="$WANDB_API_KEY"\n',
                  'wandb login "$(cat ~/.wandb_key)"\n', "git commit --fixup 0f1e2d3c4b5a69788796a5b4c3d2\n",
-                 "TOKENIZER ?= /cache/tokenizer_2024_v2\n", "--key transformer.h.0.attn.c_attn.weight\n"):
+                 "TOKENIZER ?= /cache/tokenizer_2024_v2\n", "--key transformer.h.0.attn.c_attn.weight\n",
+                 # a command as a list, given a variable, no key, or a name
+                 'subprocess.run(["wandb", "login", key])\n', "cmd: [wandb, login, --relogin]\n",
+                 'subprocess.run(["wandb", "login", os.environ["WANDB_API_KEY"]], check=True)\n',
+                 "['wandb', 'login', '--relogin', wandb_api_key_from_vault]\n",
+                 '["python", "train.py", "--api-key", "${WANDB_API_KEY}"]\n',
+                 'subprocess.run(["git", "log", "0f1e2d3c4b5a69788796a5b4c3d2"])\n',
+                 # options read one way only (two ways each would take 2**40 tries here)
+                 '["wandb", "login"' + ', "--host", "h"' * 40 + "]\n"):
         assert secret_in_text(text) is None, text
 
 

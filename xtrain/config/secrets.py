@@ -113,7 +113,8 @@ def forbidden_values(environ=os.environ) -> set[str]:
 # looks random (:func:`_looks_random`) in a shell, dotenv, Makefile, YAML, JSON or Python line:
 # ``export WANDB_API_KEY=1a2b...``, ``WANDB_API_KEY ?= 1a2b...``, ``api_key: 1a2b...``,
 # ``"token": "1a2b..."``, ``wandb.login(key="1a2b...")``, ``os.environ["HF_TOKEN"] = "..."``,
-# or given to a command: ``wandb login [--relogin] 1a2b...``, ``--api-key=1a2b...``.
+# or given to a command: ``wandb login [--relogin] 1a2b...``, ``--api-key=1a2b...``, also as a
+# list's items (Python's, JSON's, YAML's): ``["wandb", "login", "1a2b..."]``, ``[--api-key, 1a2b...]``.
 PRIVATE_KEY = re.compile(r"-----BEGIN ([A-Z]+ )*PRIVATE KEY-----")
 # A private key's block as a text or a diff holds it: its body up to the footer or, with none
 # (a diff's hunk that ends inside the key, a JSON string cut short), the rest of the header's line
@@ -128,10 +129,14 @@ ASSIGNED_LITERAL = re.compile(  # (a line may start with a diff's + or -; := ?= 
     r"""(?:^[+-]?|[\s;({,.\[])(?:export\s+)?(['"]?)([A-Za-z_][\w-]*)\1\]?[ \t]*(?::[ \t]*\w+[ \t]*)?"""
     r"""([:?+]?=|:)\s*"""
     + LITERAL + r"""\4(?=[\s,;)\]}]|$)(.*)$""", re.MULTILINE)
-# ``wandb login``'s options before the key may take a value (``--host URL``); a flag's value may
-# be the next item of an argument list (``["--api-key", "1a2b..."]``)
+# A command's words are apart by spaces, or are a list's items, a comma between and each maybe
+# quoted (``["wandb", "login", "1a2b..."]``, ``[wandb, login, 1a2b...]``). ``wandb login``'s
+# options before the key may take a value (``--host URL``).
+# (Each quote and value can be read one way only: a text that almost matches takes linear time.)
+ARG_SEP = r"""['"]?(?:[ \t]*,\s*|\s+)['"]?"""
+OPTION = rf"""{ARG_SEP}--[\w-]+(?:(?:=['"]?|{ARG_SEP})[^\s,'"-][^\s,'"]*)?"""
 COMMAND_LITERAL = re.compile(
-    r"""(?:\b(wandb\s+login)(?:\s+--[\w-]+(?:[=\s]\S+)?)*\s|(?<![\w-])(--[A-Za-z][\w-]*)(?:['"],|=|\s))\s*"""
+    rf"""(?:\b(wandb{ARG_SEP}login)(?:{OPTION})*{ARG_SEP}|(?<![\w-])(--[A-Za-z][\w-]*)(?:=\s*|{ARG_SEP}))"""
     + LITERAL + r"""\3(?=[\s,;)\]}'"]|$)""")
 DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # rfc4357.Gost28147_89_EncryptedKey
 
@@ -157,9 +162,9 @@ def _assigned_secrets(text: str):
         if is_secret_name(name) and may_be_secret(value, name) and _looks_random(value):
             yield f"{name} set to", m.start(5), m.end(5)
     for m in COMMAND_LITERAL.finditer(text):
-        name, value = m[1] or m[2], m[4]
+        name, value = "wandb login" if m[1] else m[2], m[4]
         if (m[1] or is_secret_name(name)) and may_be_secret(value, name) and _looks_random(value):
-            yield f"{' '.join(name.split())} given", m.start(4), m.end(4)
+            yield f"{name} given", m.start(4), m.end(4)
 
 
 def mask_assigned(text: str, mask: str) -> str:
