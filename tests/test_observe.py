@@ -471,6 +471,25 @@ def test_the_console_and_console_log_mask_secrets_in_messages_and_tracebacks(tmp
     assert "RuntimeError: 401 Unauthorized: key *** refused" in saved and "retrying with ***" in saved
 
 
+@pytest.mark.parametrize("full_error", [False, True])
+def test_a_crash_outside_the_console_log_prints_its_traceback_with_secrets_masked(tmp_path, full_error):
+    """A crash before the run's console log exists (Hydra cannot make the run dir, whose name reads
+    a secret environment variable) quotes the secret: Hydra's report of it, or with
+    HYDRA_FULL_ERROR=1 the interpreter's traceback, shows it masked."""
+    secret = "xtrain-test-" + os.urandom(8).hex()
+    (tmp_path / "a_file").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.update(PYTHONPATH=str(ROOT), XTRAIN_TEST_TOKEN=secret, **({"HYDRA_FULL_ERROR": "1"} if full_error else {}))
+    r = subprocess.run([sys.executable, "-m", "xtrain", "mode=plan", *TINY,
+                        f"hydra.run.dir={tmp_path}/a_file/${{oc.env:XTRAIN_TEST_TOKEN}}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("Traceback (most recent call last):"), r.stderr
+    assert secret not in r.stdout + r.stderr
+    assert r.stderr.count(f"NotADirectoryError: [Errno 20] Not a directory: '{tmp_path}/a_file/***'") == 1
+    assert ("HYDRA_FULL_ERROR=1 for a complete stack trace" in r.stderr) is not full_error
+    assert ("in run_and_report" in r.stderr) is full_error  # (Hydra's frames: the interpreter's report)
+
+
 def test_xla_every_logger_adds_no_compile_and_no_host_sync_and_sampling_keeps_the_step_graph(tmp_path):
     pytest.importorskip("torch_xla")
     from test_xla import common, drive
