@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from xtrain.cli import config_dir
+from xtrain.errors import EXIT_REFUSED
 
 CONF = Path(config_dir())
 
@@ -166,6 +167,29 @@ def test_a_job_may_read_its_sweep_dir(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "multirun" / "mode_plan-optim.matrix_lr_0.01,0.02" / "multirun.yaml").is_file()
+
+
+def test_a_sweep_whose_jobs_would_train_in_one_checkpoint_dir_is_refused(tmp_path):
+    """Two trainings in one checkpoint dir take each other's checkpoints: a sweep giving its jobs
+    one checkpoint.dir is refused before any job runs; the run's name in it keeps them apart."""
+    sweep = [sys.executable, "-m", "xtrain", "-m", "model=d2", "trainer.max_steps=1",
+             "optim.matrix_lr=0.01,0.02"]
+    r = subprocess.run([*sweep, f"checkpoint.dir={tmp_path}/ckpt"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert (f"sweep job 2 of 2 (model=d2 trainer.max_steps=1 optim.matrix_lr=0.02 checkpoint.dir="
+            f"{tmp_path}/ckpt): checkpoint.dir={tmp_path}/ckpt is sweep job 1's too: "
+            "two trainings in one checkpoint dir take each other's checkpoints; give each job its "
+            f"own, e.g. 'checkpoint.dir={tmp_path}/ckpt/${{run.name}}'") in r.stderr
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "multirun").exists()
+    tiny = ["model.sequence_len=64", "trainer.device_batch_size=4", "trainer.sample_tokens=0",
+            "trainer.eval_batches=1"]
+    for allowed in [f"checkpoint.dir={tmp_path}/ckpt/${{run.name}}",  # (trains both)
+                    f"checkpoint.dir={tmp_path}/plans mode=plan"]:  # (no checkpoint)
+        r = subprocess.run([*sweep, *tiny, *allowed.split()], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "ckpt").glob("*/step_000001/COMMITTED"))) == 2
 
 
 def test_a_checkpoint_dir_with_pattern_characters_is_refused(tmp_path):

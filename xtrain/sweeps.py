@@ -27,6 +27,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     from xtrain.launcher.hydra_jobs import check_workers_compose_it
     from xtrain.modes import check_config
 
+    checkpoint_dirs: dict[str, int] = {}  # an explicit checkpoint.dir -> the job training there
     try:
         for number, overrides in enumerate(batch, start=1):
             job = config_loader.load_sweep_config(master_config=sweep_config,
@@ -40,6 +41,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                 if is_remote(hydra_cfg.launcher):
                     check_workers_compose_it(hydra_cfg)
                 check_config(job)
+                check_own_checkpoint_dir(job, number, checkpoint_dirs)
                 if is_remote(hydra_cfg.launcher):  # the fleet's: keys, zone, gcloud, pool
                     check_job(hydra_cfg.launcher, job.hardware, job.checkpoint.dir)
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
@@ -49,6 +51,23 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                                   f"{e}; no job was run") from e
     finally:
         HydraConfig.instance().set_config(sweep_config)
+
+
+def check_own_checkpoint_dir(job, number: int, taken: dict[str, int]) -> None:
+    """Trainings given one ``checkpoint.dir`` take each other's checkpoints (each would resume
+    from, or prune, the other's), so each job trains in its own; ``taken`` maps the dirs of the
+    jobs before (which it records this one's in)."""
+    from xtrain.config import Mode
+    from xtrain.errors import ConfigError
+
+    if job.mode != Mode.train or not job.checkpoint.dir:
+        return
+    directory = str(job.checkpoint.dir).rstrip("/")
+    first = taken.setdefault(directory, number)
+    if first != number:
+        raise ConfigError(f"checkpoint.dir={directory} is sweep job {first}'s too: two trainings in "
+                          "one checkpoint dir take each other's checkpoints; give each job its own, "
+                          f"e.g. 'checkpoint.dir={directory}/${{run.name}}'")
 
 
 class SweepRecord:
