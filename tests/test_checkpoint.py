@@ -149,7 +149,7 @@ def test_sigterm_when_the_save_fails_says_so_and_exits_unfinished(tmp_path):
     proc = xtrain(run_dir, "trainer.max_steps=400", "checkpoint.every=0", "checkpoint.retries=0")
     wait_for_step(run_dir, 3, proc)
     ckpts = run_dir / "checkpoints"
-    ckpts.rmdir()  # storage breaks mid-run: a file where the checkpoint directory was
+    shutil.rmtree(ckpts)  # storage breaks mid-run: a file where the checkpoint directory was
     ckpts.write_text("")
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc)

@@ -405,9 +405,9 @@ def test_the_run_name_reaches_the_worker_as_written(name):
 
 def test_a_pool_sweep_refused_once_its_jobs_hold_their_records_gives_them_back(tmp_path, gcloud):
     """A sweep over a pool refused before or after its jobs hold their .hydra records leaves no
-    record held: its second job refused (by the sweep's checks of every job: it leaves no sweep
-    dir); two jobs sharing a checkpoint dir on GCS; VMs gcloud does not know; VMs whose workers
-    refuse connections (each job's own failure). gcloud is the stand-in (tests/sshd.py: Google
+    record held: its second job refused, or two jobs sharing a checkpoint dir on GCS (by the
+    sweep's checks of every job: it leaves no sweep dir); VMs gcloud does not know; VMs whose
+    workers refuse connections (each job's own failure). gcloud is the stand-in (tests/sshd.py: Google
     Cloud cannot be reached from here)."""
     (tmp_path / "key").write_text("")  # placeholders: no login is made
     (tmp_path / "key.pub").write_text("ssh-ed25519 AAAA placeholder")
@@ -418,7 +418,7 @@ def test_a_pool_sweep_refused_once_its_jobs_hold_their_records_gives_them_back(t
     for extra, code, refused in (
             [["hydra.sweep.dir=second", "hydra.launcher.recreate=true", "checkpoint.dir=gs://b/c,local"],
              2, "hydra.launcher.recreate=true needs checkpoint.dir=gs://"],
-            [["checkpoint.dir=gs://bucket/shared"], 2, "checkpoint.dir=gs://bucket/shared is shared by jobs"],
+            [["checkpoint.dir=gs://bucket/shared"], 2, "checkpoint.dir=gs://bucket/shared is sweep job 1's too"],
             [["hydra.sweep.dir=unknown"], 2, "gcloud does not know TPU vm-a"],
             [unreachable, 1, "no VM of the pool is left to run it"]):
         if extra == unreachable:
@@ -427,8 +427,8 @@ def test_a_pool_sweep_refused_once_its_jobs_hold_their_records_gives_them_back(t
         r = subprocess.run([sys.executable, "-m", "xtrain", *sweep, *extra], cwd=tmp_path,
                            env=cli_env(), capture_output=True, text=True, timeout=120)
         assert r.returncode == code and refused in r.stderr, r.stderr
-    assert not (tmp_path / "second").exists()
-    assert len(list(tmp_path.rglob(".hydra-pending"))) == 6, sorted(tmp_path.rglob("*"))
+    assert not (tmp_path / "second").exists() and not (tmp_path / "multirun").exists()
+    assert len(list(tmp_path.rglob(".hydra-pending"))) == 4, sorted(tmp_path.rglob("*"))
     assert not list(tmp_path.rglob(".hydra-held-*"))
 
 

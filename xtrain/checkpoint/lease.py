@@ -153,7 +153,8 @@ class Lease:
                     warn(f"checkpoint.dir {self.directory}: {holder_text(held)} took over this "
                          "training's lease (not renewed in time): it saves no more checkpoints there")
                     return
-                self._write()
+                if not self._stop.is_set():  # (released meanwhile: not written back)
+                    self._write()
                 failing = False
             except Exception as e:  # noqa: BLE001  (storage errors come in many types)
                 if not failing:  # once per run of failures
@@ -171,8 +172,8 @@ class Lease:
 
     def release(self) -> None:
         self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join()
+        if self._renewer is not None:  # (a renewal stuck on storage does not hold up the exit)
+            self._renewer.join(timeout=self.lease_s / 4)
         try:
             if (self.read() or {}).get("holder") == self.mine["holder"]:
                 self.fs.rm(self.path)

@@ -185,7 +185,6 @@ def launch_pool(hydra_context, config, job_overrides, initial_job_idx: int) -> l
     returns = list(hydra_jobs(hydra_context, config, job_overrides, initial_job_idx,
                               refusing(prepare_from_hydra)))
     jobs = [ret.return_value for ret in returns]
-    check_distinct_checkpoints(jobs)
     jobs = [hold_record(job) for job in jobs]
     with released_on_error(*[(job.job_dir, job.record) for job in jobs]):  # jobs left unrun
         outcomes = run_pool(jobs)
@@ -216,20 +215,6 @@ def refusing(task):
                 refuse(e)
             raise
     return run
-
-
-def check_distinct_checkpoints(jobs: list[Job]) -> None:
-    """Two jobs of one sweep sharing a checkpoint dir on GCS would resume from each other."""
-    from xtrain.errors import ConfigError
-
-    seen: dict[str, str] = {}
-    for job in jobs:
-        where = job.checkpoint_dir or ""
-        if where.startswith("gs://") and seen.setdefault(where, job.run_name) != job.run_name:
-            raise ConfigError(f"checkpoint.dir={where} is shared by jobs {seen[where]} and "
-                              f"{job.run_name}, which would resume from each other: give "
-                              "each job its own, e.g. checkpoint.dir='gs://bucket/ckpt/${run.name}'"
-                              " (quoted, so the sweep keeps the interpolation)")
 
 
 def exit_on_launch_error(ret) -> None:
