@@ -250,6 +250,8 @@ def test_an_unreachable_wandb_is_an_offline_start_with_auto_and_refused_when_onl
 
 
 def _unreachable_wandb(tmp_path, port: int, monkeypatch, caplog, capfd) -> None:
+    import wandb
+
     from xtrain.errors import EnvironmentMismatch
     from xtrain.observe.wandb_run import RUN_ID_FILE, wandb_logger
 
@@ -267,12 +269,15 @@ def _unreachable_wandb(tmp_path, port: int, monkeypatch, caplog, capfd) -> None:
     [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warning.startswith(f"W&B (http://127.0.0.1:{port}) could not start the run (")
     assert "this start logs offline; `wandb sync" in warning
-    assert [r["group"] for r in wandb_runs(run_dir)] == ["r"]
     monkeypatch.setenv("WANDB_MODE", "online")  # online required by the environment: refused too
     with pytest.raises(EnvironmentMismatch, match=rf"^WANDB_MODE=online but {failed}.*or unset WANDB_MODE"):
         wandb_logger(str(tmp_path / "env"), str(tmp_path / "env"), "r", {}, mode="auto")
     out, err = capfd.readouterr()
     assert FAKE_KEY not in warning + out + err
+    # W&B's service process may still be writing the offline run's file after finish(): read
+    # once it has ended (as a training's process does)
+    wandb.teardown()
+    assert [r["group"] for r in wandb_runs(run_dir)] == ["r"]
 
 
 def test_a_key_wandb_refuses_is_refused_in_any_mode(tmp_path, monkeypatch):
