@@ -48,12 +48,12 @@ def holder_text(held: dict) -> str:
     return f"run {held.get('run')} on {held.get('host')} (pid {held.get('pid')})"
 
 
-def gone(held: dict, now: float | None = None) -> str | None:
+def gone(held: dict) -> str | None:
     """Why the lease ``held`` no longer holds (None: it may): its process ended on this host, or
     it expired."""
     if held.get("host") == socket.gethostname() and not _running(held.get("pid")):
         return f"{holder_text(held)} no longer runs"
-    age = (now or time.time()) - float(held.get("renewed", 0))
+    age = time.time() - float(held.get("renewed", 0))
     if age > float(held.get("lease_s", 0)):
         return f"{holder_text(held)} last renewed it {age:.0f} s ago, past its {held.get('lease_s')} s"
     return None
