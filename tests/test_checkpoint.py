@@ -297,16 +297,21 @@ def test_a_run_made_longer_says_its_learning_rate_schedule_changes(tmp_path):
 def test_ctrl_c_while_a_run_starts_ends_it_in_one_line(tmp_path):
     """Before training's own handling is installed, Ctrl-C (KeyboardInterrupt) ends the command
     with one line, not a traceback, and exit 130: nothing was trained to save."""
-    run = tmp_path / "run"
-    # SIGINT as a terminal sends it: a shell without job control starts background commands (this
-    # suite, say) with it ignored, and a child keeps an ignored signal ignored
-    p = xtrain(run, "trainer.max_steps=5", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 120
-    while not run.exists():  # Hydra made the run dir: past Python's start-up, well before a step
-        assert p.poll() is None and time.time() < deadline, p.communicate()
-        time.sleep(0.02)
-    p.send_signal(signal.SIGINT)
-    code, out, err = finish(p)
+    for attempt in range(3):
+        run = tmp_path / f"run{attempt}"
+        # SIGINT as a terminal sends it: a shell without job control starts background commands
+        # (this suite, say) with it ignored, and a child keeps an ignored signal ignored
+        p = xtrain(run, "trainer.max_steps=5", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.time() + 120
+        while not run.exists():  # Hydra made the run dir: past Python's start-up, a few s before a step
+            assert p.poll() is None and time.time() < deadline, p.communicate()
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        code, out, err = finish(p)
+        # a run that trained to its end got the signal too late: this process was kept off the
+        # cores for the few seconds of start-up (seen once in CI); the race, not the handling
+        if not (code == 0 and "step      5/5" in out):
+            break
     # 130, or death by SIGINT, which a shell reports as 130 too: CPython 3.11 at times ends a
     # process that caught its KeyboardInterrupt that way (its process-wide flag for an unhandled
     # one is set by other code paths as well; cpython gh-128130): seen once in CI here
