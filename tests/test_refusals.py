@@ -385,7 +385,7 @@ def test_a_bad_run_name_is_refused_before_hydra_makes_its_directory(tmp_path, na
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tmp_path):
+def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tmp_path, monkeypatch):
     """Its value would be in the run's name, .hydra/, multirun.yaml and the process list."""
     from xtrain.config.secrets import check_no_secret_overrides
     from xtrain.errors import ConfigError
@@ -421,6 +421,19 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
         assert r.stderr.startswith(f"xtrain: config error: {key}: a secret is never given on the "
                                    "command line") and "pass it in an environment variable instead" in r.stderr
         assert list(tmp_path.iterdir()) == []
+    # a secret environment variable's value, as the shell expands it, under a key that says nothing
+    key_value = os.urandom(20).hex()  # (a W&B key's form: 40 hex digits, none of SECRET_VALUE's)
+    r = subprocess.run([sys.executable, "-m", "xtrain", "mode=plan", f"+hardware.env.WB={key_value}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "WANDB_API_KEY": key_value})
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert r.stderr.startswith("xtrain: config error: hardware.env.WB: a secret is never given on "
+                               "the command line") and key_value not in r.stdout + r.stderr
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("WANDB_API_KEY", key_value)
+    with pytest.raises(ConfigError, match="hardware.env: a secret is never given"):
+        check_no_secret_overrides([f"hardware.env={{'WB': 'x{key_value}'}}"])  # Hydra cannot parse it
+    monkeypatch.delenv("WANDB_API_KEY")
     # at any depth, in a list or a sweep's choices, and in text Hydra cannot parse (quoted keys)
     for arg in (f"+hardware.env.X=[{{a: 1}}, {{hf_token: {value}}}]", f"+a.b=x,{{b: {{API_KEY: {value}}}}}",
                 f"+a={{'b': {{'HF_TOKEN': '{value}'}}}}"):

@@ -216,11 +216,14 @@ def check_no_secret_overrides(args: list[str]) -> None:
     depth of a dict or list value: ``+hydra.job.env_set={X: {WANDB_API_KEY: ...}}``) or a value of
     a secret's form, before Hydra writes anything: its value would land in the run's name and
     directory, .hydra/, multirun.yaml, W&B's record of the command, remote command lines and the
-    process list. Arguments are read by Hydra's own override parser, as Hydra will read them."""
+    process list. Arguments are read by Hydra's own override parser, as Hydra will read them. A
+    value holding a secret environment variable's (``+hardware.env.X=$WANDB_API_KEY``, expanded by
+    the shell) is refused too, whatever its key."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
     parser = OverridesParser.create()
+    known = forbidden_values()
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -228,9 +231,9 @@ def check_no_secret_overrides(args: list[str]) -> None:
         key = key.lstrip("+~")
         name = re.split(r"[./@]", key)[-1]  # a value goes by its key's last part
         try:
-            found = _secret_values(_plain(parser.parse_overrides([arg])[0].value()), key, name, set())
+            found = _secret_values(_plain(parser.parse_overrides([arg])[0].value()), key, name, known)
         except OverrideParseException:  # Hydra refuses it too, but prints it: read it as text
-            found = _unparsed_secrets(key, name, value)
+            found = _unparsed_secrets(key, name, value, known)
         if found:
             name = found[0][1]
             raise ConfigError(
@@ -257,14 +260,16 @@ def _plain(value):
     return str(value)
 
 
-def _unparsed_secrets(key: str, name: str, value: str) -> list[tuple[str, str]]:
+def _unparsed_secrets(key: str, name: str, value: str, known: set[str]) -> list[tuple[str, str]]:
     """(key, name) of the secrets in an override's value Hydra cannot parse
     (``{'HF_TOKEN': ...}``): the value under the key's name, and each ``name: value`` pair in it
-    (a value ends at a brace, so a nested dict's pairs are read too)."""
+    (a value ends at a brace, so a nested dict's pairs are read too); and the value itself when
+    it is of a secret's form or holds one of ``known``."""
     pairs = [(name, value), *re.findall(r"[{,]\s*['\"]?([A-Za-z_][\w-]*)['\"]?\s*:\s*['\"]?([^,{}'\"]*)",
                                          value)]
     found = [(key, n) for n, v in pairs if is_secret_name(n) and may_be_secret(v.strip(), n)]
-    return found + ([(key, "")] if has_secret_value(value) else [])
+    whole = has_secret_value(value) or any(secret in value for secret in known)
+    return found + ([(key, "")] if whole else [])
 
 
 def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> None:
