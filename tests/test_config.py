@@ -182,6 +182,11 @@ def test_a_sweep_whose_jobs_would_train_in_one_checkpoint_dir_is_refused(tmp_pat
             "two trainings in one checkpoint dir take each other's checkpoints; give each job its "
             f"own, e.g. 'checkpoint.dir={tmp_path}/ckpt/${{run.name}}'") in r.stderr
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "multirun").exists()
+    # one dir written two ways (relative here, and as a file:// URL)
+    r = subprocess.run([*sweep[:-1], f"checkpoint.dir=ckpt,file://{tmp_path}/ckpt/"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert f"checkpoint.dir=file://{tmp_path}/ckpt is sweep job 1's too" in r.stderr
     tiny = ["model.sequence_len=64", "trainer.device_batch_size=4", "trainer.sample_tokens=0",
             "trainer.eval_batches=1"]
     for allowed in [f"checkpoint.dir={tmp_path}/ckpt/${{run.name}}",  # (trains both)

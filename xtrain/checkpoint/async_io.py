@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from xtrain.checkpoint import io as ckpt_io
 from xtrain.checkpoint.layout import remove
+from xtrain.checkpoint.lease import LeaseLost
 
 
 class FsspecCheckpointIO(CheckpointIO):
@@ -29,6 +30,8 @@ class FsspecCheckpointIO(CheckpointIO):
     and the preemption saves use it). ``sharded``, ``rank``, ``process_group``: see
     :mod:`xtrain.checkpoint.io`. ``peer_lost``: on several processes, a function naming a process
     that vanished (or None); a save is collective, so it is not retried once a peer is gone.
+    ``fence``: see ``ckpt_io.write`` (the checkpoint dir's lease, on the first host): once it
+    says the lease was lost, the next save ends the training on every process (LeaseLost).
     """
 
     def __init__(self, retries: int = 5, backoff_s: float = 1.0, sharded: bool = False,
@@ -37,12 +40,16 @@ class FsspecCheckpointIO(CheckpointIO):
         self.sharded, self.rank, self.process_group = sharded, rank, process_group
         self.peer_lost = peer_lost
         self.on_commit = None  # called from the upload thread with {"path", "ckpt_s", ...}
-        self.fence = None  # see ckpt_io.write (the checkpoint dir's lease, on the first host)
+        self.fence = None
+        self.lost: LeaseLost | None = None  # raised by an upload: the next save raises it
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="xtrain-ckpt")
         self._inflight = None
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         self.wait()
+        if self.lost is not None:
+            raise self.lost
+        ckpt_io.check_fence(self.fence, self.rank, self.process_group)
         t0 = time.perf_counter()
         skeleton, tensors = ckpt_io.split_tensors(checkpoint)
         snapshot = ckpt_io.snapshot(tensors, self.sharded)
@@ -61,6 +68,10 @@ class FsspecCheckpointIO(CheckpointIO):
                 ckpt_io.write(path, snapshot, rest, meta, sharded=self.sharded, rank=self.rank,
                               process_group=self.process_group, fence=self.fence)
                 break
+            except LeaseLost as e:  # another training holds the dir now: never retried
+                ckpt_io.warn(f"checkpoint {path} not saved: {e}")
+                self.lost = e
+                return None
             except (Exception, CheckpointException) as e:  # storage errors come in many types;
                 # DCP wraps them in CheckpointException, a BaseException
                 if attempt == self.retries:

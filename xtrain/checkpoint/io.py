@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from xtrain import compat
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import COMMIT_MARKER, check_dcp_files, is_committed, remove, set_aside
+from xtrain.checkpoint.lease import LeaseLost
 from xtrain.errors import CheckpointError, unpickling_reason, warn
 from xtrain.paths import url_to_fs
 
@@ -94,18 +95,36 @@ def _dcp_kwargs(process_group) -> dict:
 
 def _agree(error: Exception | None, process_group) -> None:
     """Raise on every process when any one failed, so all of them retry a save together (a
-    lone retry would wait at the first barrier for processes that moved on)."""
-    failed = error is not None
+    lone retry would wait at the first barrier for processes that moved on), or, when the
+    directory's lease was lost (never retried), all give it up."""
+    failed = 0 if error is None else 2 if isinstance(error, LeaseLost) else 1
     if process_group is not None:
         import torch.distributed as dist
 
-        flag = torch.tensor([int(failed)])
+        flag = torch.tensor([failed])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
-        failed = bool(flag.item())
+        failed = int(flag.item())
+    if failed == 2 and not isinstance(error, LeaseLost):
+        raise LeaseLost("the first process found the checkpoint dir's lease taken over")
     if error is not None:
         raise error
     if failed:
         raise RuntimeError("another process failed to commit this checkpoint")
+
+
+def check_fence(fence, rank: int, process_group) -> None:
+    """Before a save, on every process: raise LeaseLost when the first host's ``fence`` does
+    (see :func:`write`). A storage error reading the lease is left to the save, which reads it
+    again."""
+    error = None
+    if rank == 0 and fence is not None:
+        try:
+            fence()
+        except LeaseLost as e:
+            error = e
+        except Exception:  # noqa: BLE001,S110  (each filesystem raises its own types)
+            pass
+    _agree(error, process_group)
 
 
 def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = False,
@@ -116,8 +135,9 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
     Collective on several processes. A storage error on one of them is caught and shared at the
     next collective rather than raised between two (a process that skips a collective stalls
     the others until the timeout, which closes the checkpoint group's connections for good).
-    ``fence``: called by the first host before anything is written; raises when the save must not
-    happen (the directory's lease lost: xtrain/checkpoint/lease.py)."""
+    ``fence``: called by the first host before anything is written and again before the commit
+    marker; raises when the save must not happen or be committed (the directory's lease lost:
+    xtrain/checkpoint/lease.py, LeaseLost, which is raised on every process)."""
     import torch.distributed.checkpoint as dcp
 
     fs, root = url_to_fs(path)
@@ -145,6 +165,8 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
         try:
             if entries is None:
                 raise RuntimeError("another process could not list the files it wrote")
+            if fence is not None:  # (taken over during a long write: left uncommitted)
+                fence()
             _commit(fs, root, rest, meta, entries)
             committed = True
         except Exception as e:  # noqa: BLE001

@@ -7,14 +7,16 @@ bucket.
 So a training's first process holds a lease, ``<dir>/.lease.json``: who holds it (run, host,
 pid) and when it was last renewed, every quarter of ``checkpoint.lease_s``; it is removed when
 the training ends. A start that finds a lease takes it over when its holder is gone: a process
-of this host that no longer runs, or a lease not renewed for ``lease_s`` (by the holder's clock;
+of this host and PID namespace (a container sharing the VM's hostname has its own) that no
+longer runs, or a lease not renewed for ``lease_s`` (by the holder's clock;
 VMs keep theirs by NTP, and a start waits no longer than ``lease_s`` by its own). Otherwise it
 watches the lease: renewed, its holder lives and the start is refused.
 
 Object stores offer no compare-and-swap through fsspec, so the lease is taken by writing it and
 reading it back: of two starts at the same moment, the later writer holds it and the other is
-refused; one that read it back before the other wrote learns at its next renewal, and the save
-after that (:meth:`Lease.check`, before each save) is refused rather than mixed with the other's.
+refused; one that read it back before the other wrote learns at its next renewal, and its next
+save (:meth:`Lease.check`, before each save and before its commit) ends the training rather than
+mixing its checkpoints with the other's (xtrain/checkpoint/async_io.py).
 """
 
 from __future__ import annotations
@@ -48,10 +50,22 @@ def holder_text(held: dict) -> str:
     return f"run {held.get('run')} on {held.get('host')} (pid {held.get('pid')})"
 
 
+def process_space() -> str | None:
+    """This boot of this machine and its PID namespace: where a holder's pid names the same
+    process (None: unknown here)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
 def gone(held: dict) -> str | None:
-    """Why the lease ``held`` no longer holds (None: it may): its process ended on this host, or
-    it expired."""
-    if held.get("host") == socket.gethostname() and not _running(held.get("pid")):
+    """Why the lease ``held`` no longer holds (None: it may): its process ended here (this host,
+    boot and PID namespace), or it expired."""
+    space = process_space()
+    here = held.get("host") == socket.gethostname() and space is not None and held.get("space") == space
+    if here and not _running(held.get("pid")):
         return f"{holder_text(held)} no longer runs"
     age = time.time() - float(held.get("renewed", 0))
     if age > float(held.get("lease_s", 0)):
@@ -78,7 +92,7 @@ class Lease:
         self.fs, root = url_to_fs(directory)
         self.root, self.path = root.rstrip("/"), f"{root.rstrip('/')}/{LEASE_FILE}"
         self.mine = {"holder": uuid.uuid4().hex, "run": run_name, "host": socket.gethostname(),
-                     "pid": os.getpid()}
+                     "pid": os.getpid(), "space": process_space()}
         self.lost: dict | None = None  # the lease that replaced this one, once seen
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -109,10 +123,14 @@ class Lease:
         if held is not None:
             why = gone(held) or f"{holder_text(held)} did not renew it while this start watched"
             warn(f"checkpoint.dir {self.directory}: taking over its lease ({why})")
-        self._write()
-        if not is_local(self.directory):
-            time.sleep(SETTLE_S)
-        held = self.read()
+        try:
+            self._write()
+            if not is_local(self.directory):
+                time.sleep(SETTLE_S)
+            held = self.read()
+        except BaseException:  # (a storage error, Ctrl-C): not left behind to expire
+            self._remove_if_mine()
+            raise
         if (held or {}).get("holder") != self.mine["holder"]:
             raise CheckpointDirInUse(self._in_use(held or {}, "took it at the same moment"))
         self._renewer = threading.Thread(target=self._renew, daemon=True, name="xtrain-lease")
@@ -151,7 +169,8 @@ class Lease:
                 if held is not None and held.get("holder") != self.mine["holder"]:
                     self.lost = held
                     warn(f"checkpoint.dir {self.directory}: {holder_text(held)} took over this "
-                         "training's lease (not renewed in time): it saves no more checkpoints there")
+                         "training's lease (not renewed in time): it saves no more checkpoints "
+                         "there and ends at its next save")
                     return
                 if not self._stop.is_set():  # (released meanwhile: not written back)
                     self._write()
@@ -167,13 +186,17 @@ class Lease:
         held = self.read() if self.lost is None else self.lost
         if held is not None and held.get("holder") != self.mine["holder"]:
             self.lost = held
-            raise LeaseLost(f"checkpoint.dir {self.directory} is now held by {holder_text(held)}: "
-                            "this training's checkpoint is not saved there")
+            raise LeaseLost(f"checkpoint.dir {self.directory} is now held by {holder_text(held)} "
+                            "(this training's lease was not renewed in time): this training saves "
+                            "no more there and ends at its next save")
 
     def release(self) -> None:
         self._stop.set()
         if self._renewer is not None:  # (a renewal stuck on storage does not hold up the exit)
             self._renewer.join(timeout=self.lease_s / 4)
+        self._remove_if_mine()
+
+    def _remove_if_mine(self) -> None:
         try:
             if (self.read() or {}).get("holder") == self.mine["holder"]:
                 self.fs.rm(self.path)

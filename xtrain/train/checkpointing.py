@@ -57,7 +57,17 @@ class PeriodicCheckpoint(L.Callback):
     def _committed(self, result: dict) -> None:
         """Upload thread: the checkpoint at ``result['step']`` is committed. Retention counts
         only the commits up to it: newer ones (a damaged one resume passed over, or those after
-        a ``checkpoint.resume`` of an older step) never push this run's own out."""
+        a ``checkpoint.resume`` of an older step) never push this run's own out. Nothing is
+        pruned unless the checkpoint dir's lease (the io's fence) is still this training's: a
+        training that took the dir over keeps every checkpoint of its own."""
+        if self.io.fence is not None:
+            try:
+                self.io.fence()
+            except Exception as e:  # noqa: BLE001  (taken over since the commit, or unread)
+                warn(f"no old checkpoint removed after this commit: the checkpoint dir's lease "
+                     f"could not be confirmed ({type(e).__name__}: {e})")
+                self._report(result)
+                return
         dirs = step_dirs(self.directory)
         committed = [s for s, _, done in dirs if done and s <= result["step"]]
         doomed = set(stale_checkpoints(committed, self.keep_last, self.keep_every))
@@ -69,6 +79,9 @@ class PeriodicCheckpoint(L.Callback):
                     # the commit stands: a failed deletion must not fail the next save
                     warn(f"could not remove the old checkpoint {path} ({type(e).__name__}: {e}); "
                          "tried again after the next commit")
+        self._report(result)
+
+    def _report(self, result: dict) -> None:
         if self.report:
             self.report({k: v for k, v in result.items() if k != "path"})
 
