@@ -451,6 +451,39 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_a_refusal_or_warning_quoting_a_secret_shows_it_masked(tmp_path, monkeypatch, capsys):
+    """A config may read a secret from the environment (``${oc.env:HF_TOKEN}``); refused where it
+    was read into the wrong field, the refusal's line quotes the value: masked, as warnings are."""
+    secret = "xtrain-test-" + os.urandom(8).hex()
+    env = {**os.environ, "XTRAIN_TEST_TOKEN": secret}
+    for arg, line in (("model.depth=${oc.env:XTRAIN_TEST_TOKEN}",
+                       "xtrain: config error: model.depth: While dereferencing interpolation "
+                       "'${oc.env:XTRAIN_TEST_TOKEN}': Value '***' of type 'str' could not be "
+                       "converted to Integer"),
+                      ("run.name=${oc.env:XTRAIN_TEST_TOKEN}/x",
+                       "xtrain: config error: run.name='***/x': a run's name must be one plain "
+                       "directory name")):
+        r = subprocess.run([sys.executable, "-m", "xtrain", "mode=plan", arg], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+        assert r.stderr.splitlines()[-1].startswith(line), r.stderr[-3000:]
+        assert secret not in r.stdout + r.stderr
+    from xtrain.errors import warn
+
+    monkeypatch.setenv("XTRAIN_TEST_TOKEN", secret)  # (this process imported xtrain.cli: masked)
+    warn(f"could not reach https://example.com/?token={secret}")
+    assert capsys.readouterr().err == "xtrain: warning: could not reach https://example.com/?token=***\n"
+    # an exception in a thread (a library's), once the CLI's main has run
+    code = ("import os, sys, threading\nfrom xtrain import cli\n"
+            "sys.argv = ['xtrain', '--cfg', 'job']\ncli.main()\n"
+            "def fails():\n    int('in a thread: ' + os.environ['XTRAIN_TEST_TOKEN'])\n"
+            "t = threading.Thread(target=fails)\nt.start()\nt.join()\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0 and "ValueError: invalid literal for int() with base 10: 'in a thread: ***'" in r.stderr, r.stderr
+    assert secret not in r.stdout + r.stderr
+
+
 def test_hydras_rerun_which_unpickles_a_file_is_refused(tmp_path):
     """``--experimental-rerun FILE`` would unpickle FILE: a crafted one runs code."""
     import pickle

@@ -130,9 +130,25 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in Path(config_dir(), group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
+def _unmasked(text: str) -> str:
+    return text
+
+
+# What masks secrets out of a line before it is printed (a refused value may have been read from
+# a secret environment variable: ``${oc.env:HF_TOKEN}``): xtrain/observe/bundle.py's mask_secrets,
+# set by the entry point (xtrain/cli.py), as this lowest layer cannot import it.
+_mask = _unmasked
+
+
+def printed_masked(mask) -> None:
+    """Mask every line :func:`refuse` and :func:`warn` print with ``mask`` (text -> text)."""
+    global _mask
+    _mask = mask
+
+
 def refuse(ex: BaseException) -> None:
     """End the process with the one line and the exit code of ``ex``."""
-    print(one_line(ex), file=sys.stderr, flush=True)
+    print(_mask(one_line(ex)), file=sys.stderr, flush=True)
     codes = {LaunchError: EXIT_LAUNCH_FAILED, PeerLost: EXIT_PEER_LOST,
              CheckpointNotWritten: EXIT_NOT_SAVED}
     sys.exit(next((code for kind, code in codes.items() if isinstance(ex, kind)), EXIT_REFUSED))
@@ -151,4 +167,4 @@ def unpickling_reason(error: BaseException) -> str:
 
 def warn(message: str) -> None:
     """A warning that does not stop the run, on stderr in the refusals' one-line form."""
-    print(f"xtrain: warning: {message}", file=sys.stderr, flush=True)
+    print(_mask(f"xtrain: warning: {message}"), file=sys.stderr, flush=True)
