@@ -153,11 +153,17 @@ def stop_step(out: str) -> int:
 
 
 def test_sigterm_to_rank_1_stops_both_at_one_step_and_resumes_bitwise(reference, tmp_path):
-    run = tmp_path / "run"
-    procs = xtrain_processes(run)
-    wait_for_step(run, 8, procs[0])
-    procs[1].send_signal(signal.SIGTERM)  # the notice reaches one process only
-    (code0, out0, err0), (code1, out1, err1) = finish_all(procs)
+    for attempt in range(3):
+        run = tmp_path / f"run{attempt}"
+        procs = xtrain_processes(run)
+        wait_for_step(run, 8, procs[0])
+        procs[1].send_signal(signal.SIGTERM)  # the notice reaches one process only
+        (code0, out0, err0), (code1, out1, err1) = finish_all(procs)
+        # a run that trained its last step got the signal too late: this process was kept off
+        # the cores for the 12 steps left (about a second); the race, not the handling. A
+        # swallowed signal trains to the end too, on every attempt.
+        if max(losses(run)) < STEPS:
+            break
     assert (code0, code1) == (143, 143), err0[-2000:] + err1[-2000:]
     assert "stopped (SIGTERM)" in out1 and "stopped (another process was told to stop)" in out0
     stopped_at = stop_step(out0)
