@@ -21,6 +21,7 @@ from conftest import (ROOT, GCSEmulator, assert_same_tensors, checkpoint_tensors
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
 from xtrain.checkpoint.io import split_tensors
 from xtrain.checkpoint.layout import COMMIT_MARKER, committed_checkpoints, stale_checkpoints
+from xtrain.paths import url_to_fs
 
 def wait_for_step(run_dir, step, proc, timeout=240):
     path = Path(run_dir) / "metrics.jsonl"
@@ -39,10 +40,21 @@ def preempt_and_resume(tmp_path, ckpt_root=None, env=None, extra=()):
     code, _, err = finish(xtrain(tmp_path / "straight", *steps, *ckpt("straight"), env=env))
     assert code == 0, err[-3000:]
     steps += ckpt("preempted")
-    proc = xtrain(tmp_path / "preempted", *steps, env=env)
-    wait_for_step(tmp_path / "preempted", 20, proc)
-    proc.send_signal(signal.SIGTERM)
-    code, out, err = finish(proc)
+    for attempt in range(3):
+        proc = xtrain(tmp_path / "preempted", *steps, env=env)
+        wait_for_step(tmp_path / "preempted", 20, proc)
+        proc.send_signal(signal.SIGTERM)
+        code, out, err = finish(proc)
+        # a run that trained its last step got the signal too late: this process was kept off
+        # the cores for the 20 steps left (about a second); the race, not the handling. A
+        # swallowed signal trains to the end too, on every attempt. The next attempt starts
+        # afresh where the callers look.
+        if max(losses(tmp_path / "preempted")) < 40:
+            break
+        (tmp_path / "preempted").rename(tmp_path / f"preempted-late{attempt}")
+        if ckpt_root:
+            fs, path = url_to_fs(f"{ckpt_root}/preempted")
+            fs.rm(path, recursive=True)
     assert code == 143, err[-3000:]
     assert "checkpoint committed" in out and "val loss" not in out  # no validation in the notice
     stopped_at = max(losses(tmp_path / "preempted"))
