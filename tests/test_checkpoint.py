@@ -419,10 +419,12 @@ def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_
     proc = None
     try:
         # checkpoints 10 (before the outage), 20 (cut by it), 30 (a background one after it) and
-        # 40; every save holds 1 s between its state and its commit (the fault-injection pause)
+        # 40; every save holds 5 s between its state and its commit (the fault-injection pause):
+        # the time this test has to cut step 20's upload once it is pending (with 1 s, a test kept
+        # off the cores under -n 2 let step 20 commit and cut a later one)
         proc = xtrain(tmp_path / "run", "trainer.max_steps=40", "checkpoint.every=10",
                       "checkpoint.keep_every=10", "checkpoint.dir=gs://outage/ckpt",
-                      env={"XTRAIN_FAULT_SAVE_PAUSE": "1"})
+                      env={"XTRAIN_FAULT_SAVE_PAUSE": "5"})
         lines = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
         reader.start()
