@@ -183,7 +183,11 @@ def test_sigterm_to_rank_1_stops_both_at_one_step_and_resumes_bitwise(reference,
 
 def test_sigkill_of_one_rank_is_named_and_the_newest_checkpoint_resumes(tmp_path):
     run, timeout = tmp_path / "run", 60
-    overrides = ["checkpoint.every=5", f"trainer.collective_timeout_s={timeout}"]
+    # 50 steps after the kill's (about 4 s): with 10, a test kept off the cores for a second let
+    # rank 0 train to the end and exit 0
+    steps = 3 * STEPS
+    overrides = ["checkpoint.every=5", f"trainer.collective_timeout_s={timeout}",
+                 f"trainer.max_steps={steps}"]
     procs = xtrain_processes(run, *overrides)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 240
@@ -201,7 +205,7 @@ def test_sigkill_of_one_rank_is_named_and_the_newest_checkpoint_resumes(tmp_path
     results = finish_all(xtrain_processes(run, *overrides))
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
     assert f"resuming from {run}/checkpoints/step_{committed[-1]:06d}" in results[0][1]
-    assert max(losses(run)) == STEPS
+    assert max(losses(run)) == steps
 
 
 def test_a_process_whose_peer_never_joins_says_so_within_the_timeout(tmp_path):
