@@ -50,16 +50,16 @@ def free_port() -> int:
     raise RuntimeError(f"no free port below {low}")
 
 
-def start(cmd, env=None):
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV, **(env or {})},
+def start(cmd, env=None, cwd=ROOT):
+    return subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **ENV, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def xtrain_processes(run_dir, *overrides, env=None, port=None, ranks=(0, 1)) -> list[subprocess.Popen]:
+def xtrain_processes(run_dir, *overrides, env=None, port=None, ranks=(0, 1), cwd=ROOT) -> list[subprocess.Popen]:
     """Two `python -m xtrain` processes joined by the standard variables (``ranks``: of those)."""
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()), "WORLD_SIZE": "2"}
     cmd = [sys.executable, "-m", "xtrain", *COMMON, *TWO, *overrides, f"hydra.run.dir={run_dir}"]
-    return [start(cmd, {**launch, **(env or {}), "RANK": str(rank)}) for rank in ranks]
+    return [start(cmd, {**launch, **(env or {}), "RANK": str(rank)}, cwd) for rank in ranks]
 
 
 def finish_all(procs, timeout=300) -> list[tuple[int, str, str]]:
@@ -221,23 +221,53 @@ def test_a_process_whose_peer_never_joins_says_so_within_the_timeout(tmp_path):
     assert f"within trainer.collective_timeout_s={timeout} s" in err0 and "Traceback" not in err0 + err1
 
 
-def test_the_others_wait_for_rank_0s_corpus_build_longer_than_the_collective_timeout(tmp_path):
-    """A first corpus build on rank 0 outlasting trainer.collective_timeout_s: rank 1 waits for it
-    (a barrier timed out, both ended with gloo's traceback); the run then trains."""
+def test_corpus_builds_longer_than_the_collective_timeout_are_waited_for(tmp_path):
+    """Hosts with disks of their own (a pod's VMs): a first corpus build on rank 0 outlasting
+    trainer.collective_timeout_s, rank 1 waits for it (a barrier timed out, both ended with gloo's
+    traceback); then rank 1 builds its own copy, as long, and rank 0 waits for it (a collective
+    timed out: seen in CI as rank 1 merely loaded rank 0's build); the run then trains."""
     sources = tmp_path / "sources"
     shutil.copytree("/usr/include/c++", sources, ignore=shutil.ignore_patterns("*tr1*", "*ext*"))
-    data = [f"data.build_sources=[{sources}]", "data.vocab_size=512", "trainer.max_steps=2"]
-    procs = xtrain_processes(tmp_path / "run", *data, "trainer.collective_timeout_s=3",
-                             env={"XTRAIN_CACHE": str(tmp_path / "cache")})
+    # one relative build dir, in each process's own working dir: one config, two disks
+    data = [f"data.build_sources=[{sources}]", "data.vocab_size=512", "data.build_dir=corpus",
+            "trainer.max_steps=2", "trainer.collective_timeout_s=3"]
+    port = free_port()
+    for rank in (0, 1):
+        (tmp_path / f"host{rank}").mkdir()
+    procs = [proc for rank in (0, 1) for proc in xtrain_processes(
+        tmp_path / "run", *data, env={"PYTHONPATH": str(ROOT)}, port=port, ranks=(rank,),
+        cwd=tmp_path / f"host{rank}")]
     (code0, _, err0), (code1, _, err1) = finish_all(procs)
     assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
-    # the build did outlast the timeout: from its first line to its tokenizer's last write
+    # each build did outlast the timeout: rank 0's from its first line to its tokenizer's last
+    # write, rank 1's (which began after) from rank 0's end to its own
     [began] = [datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
                for line in (tmp_path / "run" / "console.log").read_text().splitlines()
                if "building C++ corpus" in line]
-    [tokenizer] = (tmp_path / "cache").glob("corpus/*/tokenizer/tokenizer.json")
-    assert tokenizer.stat().st_mtime - began > 3
+    built0, built1 = [tmp_path / f"host{rank}" / "corpus" / "tokenizer" / "tokenizer.json"
+                      for rank in (0, 1)]
+    assert built0.stat().st_mtime - began > 3 and built1.stat().st_mtime - built0.stat().st_mtime > 3
     assert max(losses(tmp_path / "run")) == 2
+
+
+def test_another_ranks_refused_data_preparation_is_refused_on_rank_0(tmp_path):
+    """Rank 1, on a disk of its own, builds from sources too small for a corpus after rank 0
+    built its own: its refusal is rank 0's too, naming rank 1 (not a collective's timeout)."""
+    [bits] = Path("/usr/include/c++").glob("*/bits")
+    shutil.copytree(bits, tmp_path / "host0" / "sources")
+    (tmp_path / "host1" / "sources").mkdir(parents=True)
+    for name in ("a.cpp", "b.cpp"):
+        (tmp_path / "host1" / "sources" / name).write_text("int main() { return 0; }\n")
+    data = ["data.build_sources=[sources]", "data.vocab_size=512", "data.build_dir=corpus"]
+    port = free_port()
+    procs = [proc for rank in (0, 1) for proc in xtrain_processes(
+        tmp_path / "run", *data, env={"PYTHONPATH": str(ROOT)}, port=port, ranks=(rank,),
+        cwd=tmp_path / f"host{rank}")]
+    (code0, _, err0), (code1, _, err1) = finish_all(procs, timeout=240)
+    assert (code0, code1) == (2, 2), err0[-2000:] + err1[-2000:]  # a refusal on every process
+    [refusal] = [line for line in err1.splitlines() if line.startswith("xtrain: data error: ")]
+    assert f"xtrain: data error: rank 1: {refusal[len('xtrain: data error: '):]}" in err0
+    assert (tmp_path / "host0" / "corpus" / "tokenizer" / "tokenizer.json").exists()
 
 
 def test_rank_0s_refused_data_preparation_is_refused_on_the_others(tmp_path):

@@ -9,6 +9,7 @@ A one-process run is ``Processes()``: every method is then free.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import threading
@@ -66,25 +67,36 @@ class Processes:
 
         return result
 
-    def primary_first(self, what: str, work):
+    def primary_first(self, what: str, work, then=None):
         """``work()`` on process 0 while the others wait, for as long as it takes while process
         0 lives (a barrier would give up after trainer.collective_timeout_s, which a first corpus
         build can outlast); its failure ends the others too, saying so (a refusal as the same
-        refusal). Returns ``work()``'s result on process 0, None on the others."""
-        if self.heartbeat is None:  # no store to wait on (torch_xla's dummy store): a barrier
+        refusal). With ``then``, ``then()`` runs next on the other processes while process 0
+        waits for them likewise (hosts that do not share process 0's disk build their own copy,
+        which takes as long). Returns ``work()``'s result on process 0, ``then()``'s (or None)
+        on the others."""
+        if self.heartbeat is None:  # no store to wait on (torch_xla's dummy store): barriers
             result = work() if self.primary else None
             self.barrier()
+            if then is not None:
+                result = result if self.primary else then()
+                self.barrier()
             return result
         # keys of this call's own: a sweep's next job, or a worker restarted under torchrun's
         # agent (whose store outlives it), must not read an earlier call's outcome
         call = self.broadcast(secrets.token_hex(4) if self.primary else None)
         store = self.heartbeat.store(f"xtrain-primary-first/{call}")
         if self.primary:
-            return self._lead(store, work)
-        self._follow(store, what)
-        return None
+            result = self._lead(store, "outcome", work)
+            if then is not None:
+                for rank in range(1, self.world):
+                    self._follow(store, f"outcome{rank}", what, rank)
+            return result
+        self._follow(store, "outcome", what, 0)
+        return None if then is None else self._lead(store, f"outcome{self.rank}", then)
 
-    def _lead(self, store, work):
+    def _lead(self, store, key: str, work):
+        """``work()``, its outcome then set at ``key`` for the processes that follow it."""
         try:
             result = work()
         except Exception as e:
@@ -93,33 +105,37 @@ class Processes:
             # its class as xtrain.errors names it (a refusal stays one), and its message
             kind = next((c.__name__ for c in type(e).__mro__ if c.__module__ == "xtrain.errors"),
                         type(e).__name__)
-            store.set("outcome", json.dumps([kind, mask_secrets(str(e))[:2000]]))
-            # the store lives in this process (or its host's launcher): the others read the
+            store.set(key, json.dumps([kind, mask_secrets(str(e))[:2000]]))
+            # the store lives in process 0 (or its host's launcher): the others read the
             # failure before it ends (a few seconds at most: they look every beat)
             deadline = time.monotonic() + 10 * Heartbeat.INTERVAL_S
-            while store.add("read", 0) < self.world - 1 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            readers = self.world - 1 if key == "outcome" else 1
+            with contextlib.suppress(Exception):  # (process 0 read it and ended, with its store)
+                while store.add(f"{key}-read", 0) < readers and time.monotonic() < deadline:
+                    time.sleep(0.1)
             raise
-        store.set("outcome", "")
+        store.set(key, "")
         return result
 
-    def _follow(self, store, what: str) -> None:
+    def _follow(self, store, key: str, what: str, leader: int) -> None:
+        """Wait for the outcome at ``key`` of process ``leader``'s work, while every process
+        lives; its failure raised here too."""
         from xtrain import errors
 
-        while not store.check(["outcome"]):
+        while not store.check([key]):
             time.sleep(Heartbeat.INTERVAL_S)
             # (twice: a process whose heartbeat thread waited on a busy interpreter is not lost)
-            if not store.check(["outcome"]) and (lost := self.vanished() and self.vanished()):
+            if not store.check([key]) and (lost := self.vanished() and self.vanished()):
                 raise errors.PeerLost(f"lost {lost} while it was busy with {what}; this is rank {self.rank}")
-        outcome = store.get("outcome").decode()
-        store.add("read", 1)
+        outcome = store.get(key).decode()
+        store.add(f"{key}-read", 1)
         if outcome:
             kind, message = json.loads(outcome)
             refusal = getattr(errors, kind, None)
             if isinstance(refusal, type) and issubclass(refusal, errors.InputError):
-                raise refusal(f"rank 0: {message}")
-            raise errors.PeerLost(f"rank 0 failed in {what} ({kind}: {message.splitlines()[0][:300]}); "
-                                  f"this is rank {self.rank}")
+                raise refusal(f"rank {leader}: {message}")
+            raise errors.PeerLost(f"rank {leader} failed in {what} ({kind}: "
+                                  f"{message.splitlines()[0][:300]}); this is rank {self.rank}")
 
     def check_same(self, what: str, value: dict) -> None:
         """Refuse (ConfigError, on every process) a run whose processes hold different ``value``s

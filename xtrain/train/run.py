@@ -258,9 +258,8 @@ def prepare_data(data, engine: Engine):
     disk's sources could differ)."""
     from xtrain.data import prepare
 
-    tokenizer = engine.processes.primary_first("data preparation", lambda: prepare(data, log=log.info))
-    if not engine.processes.primary:
-        tokenizer = prepare(data, log=lambda *_: None)
+    tokenizer = engine.processes.primary_first("data preparation", lambda: prepare(data, log=log.info),
+                                               then=lambda: prepare(data, log=lambda *_: None))
     engine.processes.check_same("tokenizer", {"sha256": tokenizer.fingerprint})
     return tokenizer
 
