@@ -86,14 +86,20 @@ def test_sigterm_then_same_command_resumes_bitwise(tmp_path):
 
 def test_a_stop_between_logged_steps_records_the_loss_of_its_step(tmp_path):
     # logged: the first step and the last (trainer.log_every=1000), and the step a stop ends at
-    proc = xtrain(tmp_path, "trainer.max_steps=500", "trainer.log_every=1000")
-    wait_for_step(tmp_path, 1, proc)
-    proc.send_signal(signal.SIGTERM)
-    code, _, err = finish(proc)
-    assert code == 143, err[-3000:]
-    records = read_jsonl(tmp_path / "metrics.jsonl")
-    stop = records[-1]
-    assert stop["kind"] == "stop" and stop["step"] > 1  # a stop is acted on a step after its signal
+    for attempt in range(3):
+        run = tmp_path / f"run{attempt}"
+        proc = xtrain(run, "trainer.max_steps=500", "trainer.log_every=1000")
+        wait_for_step(run, 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        code, _, err = finish(proc)
+        assert code == 143, err[-3000:]
+        records = read_jsonl(run / "metrics.jsonl")
+        stop = records[-1]
+        # a signal that came between step 1's record and its stop check stops at step 1, a logged
+        # step (seen once in CI): the race, not the case this test is about
+        if stop["step"] > 1:
+            break
+    assert stop["kind"] == "stop" and stop["step"] > 1
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, stop["step"]]
     assert records[-2]["kind"] == "train" and records[-2]["loss"] > 0
 
