@@ -16,7 +16,7 @@ LAYERS = [
     ["xtrain.engines", "xtrain.xla", "xtrain.observe", "xtrain.evals"],
     ["xtrain.train", "xtrain.preflight"],
     ["xtrain.modes", "xtrain.sweeps", "xtrain.launcher", "xtrain.report"],
-    ["xtrain.cli", "xtrain.__main__"],
+    ["xtrain.cli", "xtrain.__main__", "xtrain.data.__main__"],
 ]
 FORBIDDEN = ("launch", "hydra_plugins")  # the Hydra plugin shims import xtrain, never the reverse
 

@@ -473,14 +473,31 @@ def test_a_refusal_or_warning_quoting_a_secret_shows_it_masked(tmp_path, monkeyp
     monkeypatch.setenv("XTRAIN_TEST_TOKEN", secret)  # (this process imported xtrain.cli: masked)
     warn(f"could not reach https://example.com/?token={secret}")
     assert capsys.readouterr().err == "xtrain: warning: could not reach https://example.com/?token=***\n"
-    # an exception in a thread (a library's), once the CLI's main has run
-    code = ("import os, sys, threading\nfrom xtrain import cli\n"
+    # an exception in a thread (a library's) and a Python warning, once the CLI's main has run
+    code = ("import os, sys, threading, warnings\nfrom xtrain import cli\n"
             "sys.argv = ['xtrain', '--cfg', 'job']\ncli.main()\n"
             "def fails():\n    int('in a thread: ' + os.environ['XTRAIN_TEST_TOKEN'])\n"
-            "t = threading.Thread(target=fails)\nt.start()\nt.join()\n")
+            "t = threading.Thread(target=fails)\nt.start()\nt.join()\n"
+            "warnings.warn('a library warns: ' + os.environ['XTRAIN_TEST_TOKEN'])\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                        timeout=60, env=env)
     assert r.returncode == 0 and "ValueError: invalid literal for int() with base 10: 'in a thread: ***'" in r.stderr, r.stderr
+    assert "UserWarning: a library warns: ***" in r.stderr, r.stderr
+    assert secret not in r.stdout + r.stderr
+
+
+def test_the_corpus_builders_refusal_quoting_a_secret_shows_it_masked(tmp_path):
+    """``python -m xtrain.data build`` is an entry point of its own, outside the Hydra app: its
+    one-line refusals are masked as the app's are (a directory named after a token, say)."""
+    secret = "xtrain-test-" + os.urandom(8).hex()
+    (out := tmp_path / f"out-{secret}").mkdir()
+    (out / "keep.txt").write_text("not a corpus build")
+    (src := tmp_path / "src").mkdir()
+    r = subprocess.run([sys.executable, "-m", "xtrain.data", "build", str(src), "--out", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "XTRAIN_TEST_TOKEN": secret})
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert f"{tmp_path}/out-*** is not an xtrain corpus build" in r.stderr, r.stderr[-3000:]
     assert secret not in r.stdout + r.stderr
 
 

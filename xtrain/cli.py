@@ -5,21 +5,18 @@ Refused input, whether Hydra's (an unknown option, key or choice, a wrong type) 
 (xtrain/errors.py: a value out of range, a missing path), ends with one line on stderr and exit
 code 2 (EXIT_REFUSED); a failed remote launch with one line and exit code 1;
 ``HYDRA_FULL_ERROR=1`` shows the traceback instead. A crash's traceback, Hydra's report of it or
-the interpreter's, has secrets masked (:func:`masked_stderr`), as have refusals and warnings. With
-``hydra/launcher=tpu_vm|tpu_pod`` a single run is launched on the workers (xtrain/launcher/), never
-trained here. Heavy libraries
-(torch, lightning, torch_xla) are imported only once a mode needs them, so ``--help``, ``--cfg
-job``, tab completion, ``mode=plan`` and every refusal stay fast.
+the interpreter's, has secrets masked (xtrain/observe/console.py mask_stderr), as have refusals and
+warnings. With ``hydra/launcher=tpu_vm|tpu_pod`` a single run is launched on the workers
+(xtrain/launcher/), never trained here. Heavy libraries (torch, lightning, torch_xla) are imported
+only once a mode needs them, so ``--help``, ``--cfg job``, tab completion, ``mode=plan`` and every
+refusal stay fast.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import sys
-import threading
 
 import hydra
 from omegaconf import DictConfig
@@ -31,29 +28,8 @@ from xtrain.config.hydra_record import discard, writes_record
 from xtrain.config.secrets import check_no_secret_overrides
 from xtrain.errors import EXIT_INTERRUPTED, ConfigError, is_refusal, printed_masked, refuse
 from xtrain.observe.bundle import mask_secrets
+from xtrain.observe.console import mask_stderr, masked_stderr
 from xtrain.paths import PRIMARY_CONFIG, config_dir
-
-
-def masked_stderr(report):
-    """Run ``report`` with what it writes on stderr masked (xtrain/observe/bundle.py mask_secrets):
-    a crash's traceback, printed outside the run's console log (xtrain/observe/console.py) by Hydra
-    or by the interpreter, may quote a secret environment variable's value or a token."""
-    text = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(text):
-            return report()
-    finally:
-        sys.stderr.write(mask_secrets(text.getvalue()))
-        sys.stderr.flush()
-
-
-def _masked_excepthook(kind, value, tb) -> None:
-    masked_stderr(lambda: sys.__excepthook__(kind, value, tb))
-
-
-def _masked_thread_excepthook(args) -> None:
-    masked_stderr(lambda: threading.__excepthook__(args))
-
 
 compat.report_refusals(is_refusal, refuse, masked_stderr)
 printed_masked(mask_secrets)
@@ -154,8 +130,7 @@ def check_plain_enum_values(args: list[str]) -> None:
 
 
 def main() -> None:
-    sys.excepthook = _masked_excepthook  # (an exception leaving main; Hydra reports the job's)
-    threading.excepthook = _masked_thread_excepthook  # (a library's thread, W&B's say)
+    mask_stderr()  # (an exception leaving main, Hydra's report of the job's, a library's thread)
     try:
         check_one_hydra_mode(sys.argv[1:])
         check_plain_enum_values(sys.argv[1:])

@@ -29,4 +29,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from xtrain.observe.console import mask_stderr  # (this entry point's own layer: tests/test_layering.py)
+
+    mask_stderr()
     main()

@@ -9,11 +9,16 @@ a record arrives, i.e. at the logging interval: nothing reads the device to draw
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import logging
 import sys
+import threading
 import traceback
+import warnings
 
+from xtrain.errors import printed_masked
 from xtrain.observe.bundle import mask_secrets
 from xtrain.observe.sinks import AppendFile, Sink
 
@@ -113,6 +118,45 @@ class ConsoleLog:
         if self.file is not None:
             self.file.close()
         return False
+
+
+def masked_stderr(report):
+    """Run ``report`` with what it writes on stderr masked (xtrain/observe/bundle.py mask_secrets):
+    a crash's traceback, printed outside a run's console log by Hydra or by the interpreter, may
+    quote a secret environment variable's value or a token."""
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(text):
+            return report()
+    finally:
+        sys.stderr.write(mask_secrets(text.getvalue()))
+        sys.stderr.flush()
+
+
+def _masked_excepthook(kind, value, tb) -> None:
+    masked_stderr(lambda: sys.__excepthook__(kind, value, tb))
+
+
+def _masked_thread_excepthook(args) -> None:
+    masked_stderr(lambda: threading.__excepthook__(args))
+
+
+def _masked_showwarning(message, category, filename, lineno, file=None, line=None) -> None:
+    file = sys.stderr if file is None else file
+    if file is not None:  # (as Python's own: no stderr, no warning; a closed one, no warning)
+        with contextlib.suppress(OSError):
+            file.write(mask_secrets(warnings.formatwarning(message, category, filename, lineno, line)))
+
+
+def mask_stderr() -> None:
+    """Mask secrets out of what an entry point's process prints on stderr outside a run's console
+    log: refusals and warnings (xtrain/errors.py), Python's warnings, and the traceback of an
+    exception that ends the process or a thread (a library's: W&B's). Inside a run, ConsoleLog
+    takes Python's warnings and restores this on exit."""
+    printed_masked(mask_secrets)
+    sys.excepthook = _masked_excepthook
+    threading.excepthook = _masked_thread_excepthook
+    warnings.showwarning = _masked_showwarning
 
 
 def clock(seconds: float | None) -> str:
