@@ -257,26 +257,36 @@ def test_a_secret_set_in_a_makefile_or_given_to_a_command_is_refused_and_masked(
     assert mask_secrets(diff, {}) == f"+\t{line.format(key='***')}\n"
 
 
-def test_a_private_key_in_an_uncommitted_change_is_refused_at_sync_and_masked_in_code_diff(tmp_path):
+def test_a_private_key_in_an_uncommitted_change_is_refused_at_sync_and_left_out_of_code_diff(tmp_path):
     """A key pasted into a tracked file (no key file by its name): not synced, and code.diff (``git
-    diff HEAD``, masked as xtrain/observe/bundle.py write_bundle masks it) keeps the key's header,
-    footer and lines, not its body. (Headers spelled in pieces: this file is synced too.)"""
+    diff HEAD``) leaves that file out, naming it in code.json; so does a change in the middle of a
+    committed key, whose hunk shows neither its header nor its footer. Keys in other text keep
+    their header, footer and lines, not their body. (Headers spelled in pieces: this file is
+    synced too.)"""
     from xtrain.observe.bundle import code_state, mask_secrets
 
     root = git_tree(tmp_path / "repo")
-    subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com",
-                    "commit", "-qm", "init"], check=True)
+    commit = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm"]
     body = ["MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7", "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUA"]
+    middle = [f"{i:02d}" + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVphYmNkZWZnaGlqa2xtbm9wcXJz"[:60] for i in range(12)]
     begin, end = "-----BEGIN RSA " + "PRIVATE KEY-----", "-----END RSA " + "PRIVATE KEY-----"
+    (root / "pkg/deploy.pem").write_text("\n".join([begin, *middle, end]) + "\n")
+    subprocess.run(["git", "-C", str(root), "add", "pkg/deploy.pem"], check=True)
+    subprocess.run(commit + ["init"], check=True)
     (root / "pkg/mod.py").write_text(f'x = 1\nKEY = """{begin}\n' + "\n".join(body) + f'\n{end}\n"""\n')
+    (root / "pkg/deploy.pem").write_text("\n".join([begin, *middle[:6], body[1], *middle[7:], end]) + "\n")
+    (root / "pkg/other.py").write_text("y = 2\n")
+    subprocess.run(["git", "-C", str(root), "add", "pkg/other.py"], check=True)
     with pytest.raises(ConfigError, match=r"pkg/mod.py \(a private key\)"):
         code_files(root, Runner())
     facts, diff = code_state(root)
-    assert facts["changed"] == ["pkg/mod.py"] and all(line in diff for line in body)
-    masked = mask_secrets(diff, {})
-    assert f'+KEY = """{begin}\n+***\n+***\n+{end}\n+"""\n' in masked
-    assert not any(line[:8] in masked for line in body)
-    # a JSON string's key (a service account's), and a hunk that ends inside a key
+    assert facts["changed"] == ["pkg/deploy.pem", "pkg/mod.py", "pkg/other.py"]
+    assert facts["diff_omits"] == ["pkg/deploy.pem", "pkg/mod.py"]
+    assert "+y = 2" in diff and "deploy.pem" not in diff and "mod.py" not in diff
+    assert not any(line[:8] in diff for line in body + middle)
+    # keys in text masking reads (a diff's lines, a JSON string's key, a hunk ending inside a key)
+    masked = mask_secrets(f'+KEY = """{begin}\n+' + "\n+".join(body) + f'\n+{end}\n+"""\n', {})
+    assert masked == f'+KEY = """{begin}\n+***\n+***\n+{end}\n+"""\n'
     assert mask_secrets(f'+  "private_key": "{begin}\\n{body[0]}\\n{end}\\n",\n', {}) == (
         f'+  "private_key": "{begin}***{end}\\n",\n')
     assert mask_secrets(f"@@ -1,3 +1,3 @@\n {begin}\n-{body[0]}\n+{body[1]}\n@@ -9 +9 @@\n x = 1\n", {}) == (

@@ -23,8 +23,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from xtrain.config.secrets import (SECRET_VALUE, is_secret_name, mask_assigned, mask_private_keys,
-                                   secret_values)
+from xtrain.config.secrets import (PRIVATE_KEY, SECRET_VALUE, is_secret_name, mask_assigned,
+                                   mask_private_keys, secret_values)
 from xtrain.paths import url_to_fs
 
 MASK = "***"
@@ -88,10 +88,25 @@ def code_state(source: Path | None = None) -> tuple[dict, str]:
         return {"git": False, "installed_version": version,
                 "location": str(Path(__file__).resolve().parents[1])}, ""
     status = _git(root, "status", "--porcelain").splitlines()
+    keys = _changed_key_files(root)
     facts = {"git": True, "root": str(root), "commit": _git(root, "rev-parse", "HEAD").strip(),
              "dirty": bool(status), "changed": [s[3:] for s in status if not s.startswith("??")],
-             "untracked": [s[3:] for s in status if s.startswith("??")]}
-    return facts, _git(root, "diff", "HEAD")
+             "untracked": [s[3:] for s in status if s.startswith("??")], "diff_omits": keys}
+    return facts, _git(root, "diff", "HEAD", "--", ".", *(f":(exclude,literal){k}" for k in keys))
+
+
+def _changed_key_files(root: Path) -> list[str]:
+    """The changed files that hold a private key, in the work tree or at HEAD: code.diff leaves
+    them out, as a hunk may show a key's middle lines only, without the header that masking finds
+    a key's body by (config/secrets.py mask_private_keys)."""
+    changed = [n for n in _git(root, "diff", "HEAD", "--name-only", "-z").split("\0") if n]
+    found = set()
+    for where in (["HEAD"], []):  # (git grep exits 1 when it finds nothing)
+        if changed:
+            listed = subprocess.run(["git", "-C", str(root), "grep", "-lzE", "-e", PRIVATE_KEY.pattern,
+                                     *where, "--", *changed], capture_output=True, text=True, timeout=30)
+            found |= {n.removeprefix("HEAD:") for n in listed.stdout.split("\0") if n}
+    return sorted(found)
 
 
 def installed_packages() -> list[str]:
