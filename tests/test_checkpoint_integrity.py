@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -432,3 +433,8 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_and_the_same_command_resumes
     assert (aside / "tensors" / data.name).read_bytes() == damaged
     assert f"xtrain: warning: checkpoint {ckpts}/step_000020 (corrupt, passed over) renamed aside " \
            f"to {aside}: kept for inspection, not deleted" in err
+    # and the run's own record says so (its console.log, each line timestamped)
+    logged = (run_dir / "console.log").read_text()
+    assert re.search(rf"^\S+ \S+ WARNING xtrain: xtrain: warning: checkpoint {re.escape(str(ckpts))}"
+                     r"/step_000020 is corrupt ", logged, re.M), logged[-3000:]
+    assert f"(corrupt, passed over) renamed aside to {aside}" in logged

@@ -3,6 +3,7 @@ the CLI and the launchers report it, and a run that lost one of its processes.""
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from pathlib import Path
@@ -166,5 +167,12 @@ def unpickling_reason(error: BaseException) -> str:
 
 
 def warn(message: str) -> None:
-    """A warning that does not stop the run, on stderr in the refusals' one-line form."""
-    print(_mask(f"xtrain: warning: {message}"), file=sys.stderr, flush=True)
+    """A warning that does not stop the run, on stderr in the refusals' one-line form; during a
+    run, through its console (xtrain/observe/console.py ConsoleLog, the one giving the xtrain
+    logger handlers), so the run's console.log keeps it too."""
+    line = f"xtrain: warning: {message}"
+    console = logging.getLogger("xtrain")
+    if console.handlers:
+        console.warning(line)
+    else:
+        print(_mask(line), file=sys.stderr, flush=True)
