@@ -24,7 +24,7 @@ from conftest import gcs_filesystem
 from xtrain.data import prepare
 from xtrain.data.batches import StepBatches
 from xtrain.errors import DataError
-from xtrain.data.corpus import chunk_source, top_level_units
+from xtrain.data.cpp_source import chunk_source, top_level_units
 from xtrain.data.loader import PAD, PackedLoader, index_units, list_shards
 from xtrain.data.tokenizer import BOS, load_tokenizer, save_hf, train_bpe
 
@@ -514,6 +514,32 @@ def test_a_foreign_output_directory_is_refused_untouched_before_building(tmp_pat
     with pytest.raises(DataError, match="afile is not an xtrain corpus build .* is a file"):
         prepare(cfg.data)
     assert _tree(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == names
+
+
+@pytest.mark.parametrize("args, refusal", [
+    (["--vocab-size", "10"], "--vocab-size 10: must be >= 257 (a byte-level BPE's 256 bytes and <|bos|>)"),
+    (["--vocab-size", "-5"], "--vocab-size -5: must be >= 257"),
+    (["--chunk-tokens", "0"], "--chunk-tokens 0: must be >= 1"),
+    (["--val-fraction", "2"], "--val-fraction 2: must be > 0 and < 1 (the share of files held out"),
+    (["--val-fraction", "0", "--chunk-tokens", "0"], "--chunk-tokens 0: must be >= 1; --val-fraction 0: "),
+    (["--out-under-a-file"], "corpus output directory {tmp_path}/afile/corpus cannot be written: "),
+])
+def test_the_corpus_builder_refuses_bad_arguments_before_reading_sources(tmp_path, monkeypatch, capsys,
+                                                                        args, refusal):
+    """``python -m xtrain.data build``: the ranges a training's build is held to, in one line and
+    exit 2 before a source is read (values out of them built a corpus of nothing, a traceback for
+    a negative vocabulary or an output it cannot write)."""
+    from xtrain.data.__main__ import main
+
+    src = _sources(tmp_path)
+    (tmp_path / "afile").write_text("a file where a directory would go")
+    out = tmp_path / ("afile" if args == ["--out-under-a-file"] else "built") / "corpus"
+    _no_reading_or_training(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        main(["build", str(src), "--out", str(out)] + [a for a in args if a != "--out-under-a-file"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("xtrain: data error: " + refusal.format(tmp_path=tmp_path)), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "built").exists()
 
 
 @pytest.mark.parametrize("where", ["src", "src/sub", "src/new", ".", "link"])

@@ -1,4 +1,5 @@
-"""Data: corpus building (corpus.py), tokenizers (tokenizer.py), the streaming loader (loader.py)."""
+"""Data: corpus building (corpus.py, from cpp_source.py's chunks of C/C++ files), tokenizers
+(tokenizer.py), the streaming loader (loader.py)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,25 @@ from __future__ import annotations
 import argparse
 import json
 
+from xtrain.config import DataConfig
 from xtrain.data.corpus import BuildSpec, ensure_built
-from xtrain.errors import InputError, refuse
+from xtrain.errors import DataError, InputError, refuse
+from xtrain.limits import out_of_range
+
+
+def check_arguments(args) -> None:
+    """The ranges a training's build is held to (xtrain/config/ DataConfig), and a held-out share
+    that leaves files on both sides."""
+    checked = {"vocab_size": args.vocab_size, "chunk_tokens": args.chunk_tokens}
+    problems = []
+    for problem in out_of_range(checked, DataConfig):  # "vocab_size=10: must be ..."
+        field, rest = problem.split("=", 1)
+        problems.append(f"--{field.replace('_', '-')} {rest}")
+    if not 0 < args.val_fraction < 1:
+        problems.append(f"--val-fraction {args.val_fraction:g}: must be > 0 and < 1 (the share of "
+                        "files held out for validation)")
+    if problems:
+        raise DataError("; ".join(problems))
 
 
 def main(argv=None) -> None:
@@ -19,6 +36,10 @@ def main(argv=None) -> None:
     b.add_argument("--chunk-tokens", type=int, default=16384, help="token budget per chunk")
     b.add_argument("--val-fraction", type=float, default=0.05, help="fraction of files held out")
     args = parser.parse_args(argv)
+    try:
+        check_arguments(args)
+    except InputError as ex:
+        refuse(ex)
     spec = BuildSpec(sources=args.sources, out_dir=args.out, vocab_size=args.vocab_size,
                      chunk_tokens=args.chunk_tokens, val_fraction=args.val_fraction)
     try:

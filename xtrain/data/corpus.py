@@ -1,8 +1,7 @@
 """Build a C++ corpus: source tree -> tokenizer + parquet shards (``text`` column) + manifest.
 
 Steps: collect C/C++ files (local dir or fsspec URL); train a byte-level BPE on them; split each
-file at top-level boundaries (functions, classes, namespaces, declarations) into chunks that fit
-a token budget, descending into namespace/class bodies that are too big; drop exact duplicate
+file into chunks that fit a token budget (xtrain/data/cpp_source.py); drop exact duplicate
 chunks; hold out whole files for validation; write shards and ``manifest.json`` last (its
 presence marks a complete build).
 
@@ -14,158 +13,27 @@ read (``check_output``).
 
 from __future__ import annotations
 
-import bisect
 import fcntl
 import hashlib
 import json
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
 
+from xtrain.data.cpp_source import chunk_source, find_sources
 from xtrain.errors import DataError
-from xtrain.paths import as_url, is_local, protocol, url_to_fs
+from xtrain.paths import is_local, protocol, url_to_fs
 
-CPP_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc", ".ipp", ".inl")
 BUILDER_VERSION = 2  # 2: row groups of 1024 rows (larger tokenizer batches)
 ROWS_PER_SHARD = 2048
 ROWS_PER_ROW_GROUP = 1024  # one loader unit: one tokenizer call (bigger calls parallelise better)
 # Written into a build's directory before anything else (and kept): a build written in place (an
 # object store) and killed before its manifest (written last) is still recognised as xtrain's.
 BUILD_MARKER = ".xtrain-corpus"
-
-
-def looks_like_cpp(path: str, head: bytes) -> bool:
-    """C/C++ by suffix; extensionless headers (``<vector>``) by their first bytes."""
-    if path.endswith(CPP_SUFFIXES):
-        return True
-    name = path.rsplit("/", 1)[-1]
-    if "." in name or b"\0" in head:
-        return False
-    return any(tok in head for tok in (b"#include", b"#pragma", b"namespace", b"// ", b"/*"))
-
-
-def find_sources(roots: list[str]) -> list[tuple[str, str]]:
-    """(url, fingerprint) of every C/C++ file under ``roots``, sorted; fingerprint = size+mtime."""
-    found = []
-    for root in roots:
-        fs, base = url_to_fs(root)
-        if not fs.exists(base):
-            continue
-        for path, info in fs.find(base, detail=True).items():
-            if info.get("type") != "file" or info.get("size", 0) == 0:
-                continue
-            with fs.open(path, "rb") as f:
-                head = f.read(2048)
-            if looks_like_cpp(path, head):
-                found.append((as_url(fs, path), f"{info.get('size')}:{info.get('mtime', info.get('updated', ''))}"))
-    return sorted(found)
-
-
-# --- chunking -------------------------------------------------------------------------------
-
-
-# Lexemes that matter for finding boundaries; everything else is skipped by the regex engine.
-_LEXEME = re.compile(
-    r"""(?P<pp>^[ \t]*\#(?:[^\n]*\\\n)*[^\n]*(?:\n|$))"""  # preprocessor line (+ continuations)
-    r"""|//[^\n]*|/\*.*?(?:\*/|\Z)"""  # comments
-    r"""|"(?:\\.|[^"\\\n])*"?|'(?:\\.|[^'\\\n])*'?"""  # string and char literals
-    r"""|(?P<brace>[{}])|(?P<semi>;)""",
-    re.M | re.S)
-_TRAILER = re.compile(r"[ \t;]*(?://[^\n]*)?\n?")  # "};  // end of namespace x"
-
-
-def top_level_units(text: str) -> list[str]:
-    """Split at brace depth 0 after a closing ``}`` (plus a trailing ``;``), after ``;``, and after
-    preprocessor lines. Strings, chars and comments are skipped, so braces inside them don't count.
-    The concatenation of the units is exactly ``text``."""
-    units, start, depth = [], 0, 0
-
-    def cut(end: int):
-        nonlocal start
-        if end > start:
-            units.append(text[start:end])
-            start = end
-
-    for m in _LEXEME.finditer(text):
-        if m.group("pp") is not None:
-            if depth == 0:
-                cut(m.end())
-        elif m.group("brace") == "{":
-            depth += 1
-        elif m.group("brace") == "}":
-            depth = max(0, depth - 1)
-            if depth == 0:
-                cut(_TRAILER.match(text, m.end()).end())
-        elif m.group("semi") and depth == 0:
-            cut(m.end() + (1 if text.startswith("\n", m.end()) else 0))
-    cut(len(text))
-    return units
-
-
-def _split_block(unit: str) -> list[str] | None:
-    """``head { body } tail`` -> [head{, *units of body, }tail], or None if not a brace block.
-    Braces are found with the lexer, so one in a comment or string is not taken for the block's."""
-    braces = [m for m in _LEXEME.finditer(unit) if m.group("brace")]
-    if len(braces) < 2 or braces[0].group("brace") != "{" or braces[-1].group("brace") != "}":
-        return None
-    open_at, close_at = braces[0].start(), braces[-1].start()
-    inner = top_level_units(unit[open_at + 1:close_at])
-    if len(inner) <= 1:
-        return None
-    return [unit[:open_at + 1]] + inner + [unit[close_at:]]
-
-
-def chunk_source(text: str, token_starts: list[int], budget: int) -> list[str]:
-    """Greedily pack top-level units into chunks of at most ``budget`` tokens. A unit over budget
-    that is a namespace/class-like block is split into its members; a single function over budget
-    is split at line boundaries (the only place a function body is cut).
-
-    ``token_starts`` are the character offsets at which the file's tokens start (from one
-    tokenization of the whole file), so counting a unit's tokens is two bisections.
-    """
-    chunks: list[str] = []
-    current, current_tokens = [], 0
-
-    def count(a: int, b: int) -> int:
-        return bisect.bisect_left(token_starts, b) - bisect.bisect_left(token_starts, a)
-
-    def flush():
-        nonlocal current, current_tokens
-        if current:
-            chunks.append("".join(current))
-        current, current_tokens = [], 0
-
-    def add(unit: str, offset: int):
-        nonlocal current_tokens
-        n = count(offset, offset + len(unit))
-        # one character over budget (bytes the vocabulary never merged) stays whole
-        if n > budget and len(unit) > 1:
-            parts = _split_block(unit)
-            if parts is None:
-                parts = unit.splitlines(keepends=True)
-                if len(parts) == 1:  # one enormous line: cut by characters
-                    step = max(1, len(unit) * budget // (2 * n))
-                    parts = [unit[i:i + step] for i in range(0, len(unit), step)]
-            for part in parts:
-                add(part, offset)
-                offset += len(part)
-            return
-        if current_tokens + n > budget:
-            flush()
-        current.append(unit)
-        current_tokens += n
-
-    offset = 0
-    for unit in top_level_units(text):
-        add(unit, offset)
-        offset += len(unit)
-    flush()
-    return [c for c in chunks if c.strip()]
 
 
 # --- building --------------------------------------------------------------------------------
@@ -238,10 +106,26 @@ def _in_the_way(out_dir: str) -> str | None:
     return "holds " + ", ".join(names[:8]) + more
 
 
+def _unwritable(out_dir: str) -> str | None:
+    """Why a local build could not make ``out_dir`` and its lock beside it, as far as the closest
+    existing parent's kind and permissions tell; None when nothing there says so."""
+    if not is_local(out_dir):
+        return None
+    place = Path(os.path.expanduser(url_to_fs(out_dir)[1])).absolute().parent
+    while not place.exists():
+        place = place.parent
+    if not place.is_dir():
+        return f"{place} is a file"
+    return None if os.access(place, os.W_OK) else f"{place} is not writable"
+
+
 def check_output(sources: list[str], out_dir: str) -> None:
     """Refuse an output directory a build would destroy something in: one that is, lies inside
-    or contains a source directory, or holds anything but a previous xtrain build. Reads no
-    source file."""
+    or contains a source directory, or holds anything but a previous xtrain build; and one it
+    could not write. Reads no source file."""
+    why = _unwritable(out_dir)
+    if why:
+        raise DataError(f"corpus output directory {out_dir} cannot be written: {why}")
     for source in sources:
         relation = _overlap(out_dir, source)
         if relation:
@@ -284,14 +168,20 @@ def ensure_built(spec: BuildSpec, log=print) -> dict:
         log(f"building C++ corpus from {len(files)} files under {spec.sources} -> {spec.out_dir}")
         return build(spec, [url for url, _ in files], key, spec.out_dir)
     out = Path(os.path.expanduser(spec.out_dir))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{out}.lock", "w") as lock:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(f"{out}.lock", "w")
+    except OSError as e:  # (a read-only place, a parent that is a file)
+        raise DataError(f"corpus output directory {spec.out_dir} cannot be written: {e.strerror}: "
+                        f"{e.filename}") from e
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others wait, then reuse
         manifest = read_manifest(str(out))
         if manifest and manifest.get("build_key") == key:
             return manifest
         check_output(spec.sources, str(out))  # again: it may have changed while we waited
-        log(f"building C++ corpus from {len(files)} files under {spec.sources} -> {out}")
+        replaced = " (replacing its build of other sources or settings)" if manifest else ""
+        log(f"building C++ corpus from {len(files)} files under {spec.sources} -> {out}{replaced}")
         # Built aside, then renamed into place: ``out`` only ever holds a complete build, and a
         # build killed mid-way leaves only its ``<out>.building-<pid>`` directory. That name is
         # how a partial build is recognised: a builder removes the one of its own pid (left by an
