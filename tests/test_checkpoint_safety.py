@@ -338,6 +338,9 @@ def test_a_save_over_a_committed_checkpoint_renames_it_aside(tmp_path, capfd):
     assert read(str(aside))["state_dict"]["w"].tolist() == [1.0] * 4
     assert read(str(ckpt))["state_dict"]["w"].tolist() == [2.0] * 4
     assert [path for _, path, _ in step_dirs(str(tmp_path))] == [str(ckpt)]
+    shutil.copytree(ckpt, tmp_path / "backup_step_000009")  # a copy kept by hand: not the run's
+    assert [path for _, path, _ in step_dirs(str(tmp_path))] == [str(ckpt)]
+    shutil.rmtree(tmp_path / "backup_step_000009")
     (ckpt / "COMMITTED").unlink()  # torn: never committed, nothing to keep
     _save(str(ckpt), {"w": torch.full((4,), 3.0)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", aside.name]

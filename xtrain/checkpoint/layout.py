@@ -16,7 +16,8 @@ from xtrain.errors import CheckpointError, ConfigError
 from xtrain.paths import as_url, is_local, url_to_fs
 
 COMMIT_MARKER = "COMMITTED"
-_STEP_DIR = re.compile(r"step_(\d+)$")  # a set-aside copy (step_000020.corrupt-...) does not match
+_STEP_DIR = re.compile(r"step_(\d+)")  # the whole name: a set-aside (step_000020.corrupt-...) or
+# a copy kept by hand (backup_step_000020) is not a checkpoint of the run
 # The data files DCP's file writer names (torch 2.9, torch/distributed/checkpoint/filesystem.py:
 # f"{prefix}{n}{DEFAULT_SUFFIX}", prefix "__<rank>_", suffix ".distcp"): a plain name in tensors/.
 DCP_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
@@ -35,7 +36,7 @@ def step_dirs(directory: str) -> list[tuple[int, str, bool]]:
         return []
     found = []
     for entry in fs.ls(root, detail=False):
-        m = _STEP_DIR.search(entry.rstrip("/"))
+        m = _STEP_DIR.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1])
         if m:
             committed = fs.exists(f"{entry.rstrip('/')}/{COMMIT_MARKER}")
             found.append((int(m.group(1)), f"{directory.rstrip('/')}/{m.group(0)}", committed))
