@@ -359,6 +359,43 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert [s for s, _ in committed_checkpoints(str(ckpts))] == [10, 20]
 
 
+def test_a_run_killed_in_its_final_validation_records_it_when_run_again(tmp_path):
+    """The last step's checkpoint is committed before the final validation, so that a failing
+    validation loses no step. A run killed in between (a spot VM reclaimed) and run again resumes
+    at its last step with nothing to train, and runs the validation and sample its log lacks, with
+    the checkpoint's weights: the figures of a run that was not interrupted, recorded once."""
+    command = ["trainer.max_steps=6", "trainer.eval_batches=40", "trainer.sample_tokens=4"]
+    code, _, err = finish(xtrain(tmp_path / "whole", *command))
+    assert code == 0, err[-3000:]
+    whole = {r["kind"]: r for r in read_jsonl(tmp_path / "whole" / "metrics.jsonl") if r["step"] == 6}
+    run_dir = tmp_path / "run"
+    for attempt in range(3):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        proc = xtrain(run_dir, *command)
+        for line in proc.stdout:
+            if line.startswith("step      6 | checkpoint committed"):
+                break
+        proc.kill()  # SIGKILL: no handler runs
+        proc.communicate()
+        kinds = [r["kind"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == 6]
+        if "val" not in kinds:  # else its 40 batches outran the kill (a busy machine): again
+            break
+    assert kinds == ["train", "checkpoint"], kinds
+    code, out, err = finish(xtrain(run_dir, *command))
+    assert code == 0, err[-3000:]
+    assert "step_000006 is at this run's last step 6 (trainer.max_steps): nothing to train" in out
+    assert ("step 6, the last, was trained before this command, but its val, sample were not "
+            "recorded: running now") in out
+    again = {r["kind"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == 6}
+    assert (again["val"]["val_loss"], again["val"]["val_bpb"]) == (whole["val"]["val_loss"],
+                                                                   whole["val"]["val_bpb"])
+    assert again["sample"]["samples"] == whole["sample"]["samples"]
+    code, out, err = finish(xtrain(run_dir, *command))  # and once more: nothing left to run
+    assert code == 0 and "running now" not in out, err[-3000:]
+    kinds = [r["kind"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == 6]
+    assert sorted(kinds) == ["checkpoint", "sample", "train", "val"], kinds
+
+
 def test_incompatible_checkpoint_is_refused(tmp_path):
     code, _, err = finish(xtrain(tmp_path / "a", "trainer.max_steps=2"))
     assert code == 0, err

@@ -262,6 +262,21 @@ def test_a_resume_reads_into_the_sharded_model_and_optimizer_state(tmp_path):
     assert all(loaded_into[k][1].startswith("{devices=[4,1]") for k in momentum), loaded_into
 
 
+def test_a_run_resumed_at_its_last_step_runs_the_final_validation_its_log_lacks(tmp_path):
+    """The end of a run stopped between its final checkpoint and its final validation
+    (xtrain/train/finish.py: here the log's record taken away, as if that validation never ran):
+    run again, the validation outside fit gives the figures it gave inside fit."""
+    job = {"name": "run", "dir": str(tmp_path), "overrides": common(3) + [
+        "hardware.engine=xla", "parallelism=fsdp", "trainer.device_batch_size=2"]}
+    first = [r for r in drive([job], 4)["run"]["records"] if r["kind"] == "val" and r["step"] == 3]
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(line for line in log.read_text().splitlines(keepends=True)
+                           if '"kind": "val"' not in line))
+    again = [r for r in drive([job], 4)["run"]["records"] if r["kind"] == "val" and r["step"] == 3]
+    assert len(first) == len(again) == 1
+    assert (again[0]["val_loss"], again[0]["val_bpb"]) == (first[0]["val_loss"], first[0]["val_bpb"])
+
+
 def _compile_run(tmp_path, steps, extra=()):
     overrides = common(steps) + [
         "hardware.engine=xla", "trainer.device_batch_size=2", "trainer.log_every=10",

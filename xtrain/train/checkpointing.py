@@ -118,5 +118,5 @@ class PeriodicCheckpoint(L.Callback):
     def on_train_end(self, trainer, pl_module):
         if self.stop is not None:
             self.stop.settle()
-        if self.final_saved is None:  # no last step was trained here (a run resumed at it)
+        if self.final_saved is None:  # training ended before its last step (Lightning stopped it)
             self.final_saved = self.save(trainer, wait=True)

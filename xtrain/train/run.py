@@ -117,6 +117,7 @@ def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan,
         profiler=build_profiler(trainer_cfg, run_dir), default_root_dir=run_dir,
         val_check_interval=eval_every if has_val else None,
         check_val_every_n_epoch=None, limit_val_batches=trainer_cfg.eval_batches,
+        inference_mode=False,  # trainer.validate (xtrain/train/finish.py) as fit's validation: no_grad
     )
 
 
@@ -313,6 +314,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
     from xtrain.checkpoint.layout import check_shared, latest_checkpoint
     from xtrain.inputs import checkpoint_dir
     from xtrain.observe.preemptions import stop_record
+    from xtrain.train.finish import finish_resumed_end
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
     from xtrain.train.run_lock import checkpoint_dir_lease
@@ -346,6 +348,9 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                 accept(run_dir, record)
                 log.info(ACCEPTED)  # a launcher accepts its local record at this line
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
+            if start_step == plan.max_steps:
+                finish_resumed_end(trainer, module, loaders.val, callbacks, run_dir,
+                                   engine.processes, start_step)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
             status = "preempted" if callbacks.checkpointer.preempted else "success"
             if status == "preempted":  # why, for the launcher (xtrain/observe/preemptions.py)

@@ -1,0 +1,50 @@
+"""The end of a run resumed at its last step: the step was trained and its checkpoint committed by
+an earlier command that stopped (a preemption, a lost host) before the end's validation, sample or
+C++ evaluation was recorded. The last step's checkpoint is committed before the final validation
+(xtrain/train/checkpointing.py), so that a failing validation loses no trained step; run again,
+Lightning's fit finds no step left and calls no hook, so what the run log lacks at the last step
+is done here, with the checkpoint's weights."""
+
+from __future__ import annotations
+
+import logging
+
+from xtrain.observe.plots import read_records
+from xtrain.paths import url_to_fs
+
+log = logging.getLogger(__name__)
+
+
+def recorded_kinds(run_dir: str, step: int) -> set[str]:
+    """The kinds of record the run log (metrics.jsonl) holds at ``step``; none without a log (a
+    run dir on a new VM)."""
+    fs, root = url_to_fs(f"{run_dir.rstrip('/')}/metrics.jsonl")
+    if not fs.exists(root):
+        return set()
+    return {r.get("kind") for r in read_records(run_dir) if r.get("step") == step}
+
+
+def finish_resumed_end(trainer, module, val_loader, callbacks, run_dir: str, processes,
+                       step: int) -> None:
+    """Run the end's validation, sample and C++ evaluation that ``run_dir``'s log lacks at
+    ``step``, each as training would have at that step. Process 0 reads the log and decides for
+    all (validation is a collective)."""
+    missing = None
+    if processes.primary:
+        wanted = ["val"] if val_loader is not None else []
+        wanted += ["sample"] if callbacks.sampler.tokens > 0 else []
+        cpp = callbacks.cpp_eval  # (process 0 only)
+        wanted += ["eval"] if cpp is not None and step % cpp.every == 0 else []
+        missing = [kind for kind in wanted if kind not in recorded_kinds(run_dir, step)]
+    missing = processes.broadcast(missing)
+    if not missing:
+        return
+    log.info("step %d, the last, was trained before this command, but its %s not recorded: "
+             "running now", step, ", ".join(missing) + (" was" if len(missing) == 1 else " were"))
+    if "val" in missing:
+        trainer.validate(module, dataloaders=val_loader, verbose=False)
+    if "sample" in missing:
+        callbacks.sampler.sample(step, module.model)
+    if "eval" in missing:
+        callbacks.cpp_eval.evaluate(step, module.model)
+        callbacks.cpp_eval.collect(wait=True)
