@@ -346,6 +346,36 @@ def test_a_save_over_a_committed_checkpoint_renames_it_aside(tmp_path, capfd):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", aside.name]
 
 
+def test_a_failed_save_is_said_in_one_line_naming_a_disk_too_full_for_it(tmp_path):
+    """DCP's CheckpointException prints every process's traceback (twice a save: the retry, then
+    the giving up); a full disk fails torch's zip writer with only "unexpected pos" (seen on a
+    40 MB tmpfs, by hand): the warning gives each process's error in a line and, when the local
+    disk has less room than the checkpoint, says so and what retention needs."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from xtrain.checkpoint.async_io import failure
+
+    try:
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598\n"
+                           "Exception raised from ...")
+    except RuntimeError as e:
+        zip_writer = (e, traceback.extract_tb(e.__traceback__))
+    error = CheckpointException("save failed", {0: zip_writer, 1: (OSError(28, "No space left on device"), None)})
+    each = ("rank 0: RuntimeError: [enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598; "
+            "rank 1: OSError: [Errno 28] No space left on device")
+    ckpt = tmp_path / "checkpoints" / "step_000015"  # not made yet: the disk of its closest parent
+    said = failure(error, str(ckpt), shutil.disk_usage(tmp_path).free + 2**30)
+    assert re.fullmatch(re.escape(each) + r"; the disk holding it has \d+ MiB free, this checkpoint "
+                        r"needs about \d+ MiB: retention removes old checkpoints only after a new "
+                        r"one commits, so checkpoint.dir needs room for checkpoint.keep_last \+ 1 of "
+                        r"them", said), said
+    assert failure(error, str(ckpt), 2**20) == each  # room enough: the disk is not the cause
+    assert failure(OSError("503 from the bucket\nretry"), "gs://b/ckpt/step_000015", 2**60) == (
+        "OSError: 503 from the bucket")  # an object store: no disk to measure
+
+
 def test_on_gcs_a_checkpoint_is_set_aside_whole(gcs_bucket):
     """Object stores have no rename: a server-side copy, then the original removed."""
     bucket, _ = gcs_bucket

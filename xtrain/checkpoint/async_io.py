@@ -8,6 +8,8 @@ local path (neither atomic, sharded nor fsspec), hence this one.
 from __future__ import annotations
 
 import io
+import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +20,48 @@ from torch.distributed.checkpoint.api import CheckpointException
 from xtrain.checkpoint import io as ckpt_io
 from xtrain.checkpoint.layout import remove
 from xtrain.checkpoint.lease import LeaseLost
+from xtrain.paths import is_local, url_to_fs
+
+MIB = 2**20
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(map(_nbytes, obj.values()))
+    return sum(map(_nbytes, obj)) if isinstance(obj, (list, tuple)) else 0
+
+
+def _disk_short(path: str, needed: int) -> str | None:
+    """Said when the local disk under ``path`` has less room left than a checkpoint of ``needed``
+    bytes (a full disk fails DCP's writes without saying so: torch's zip writer reports only an
+    "unexpected pos"); None elsewhere."""
+    if not is_local(path):
+        return None
+    place = url_to_fs(path)[1]
+    while place and not os.path.isdir(place):
+        place = os.path.dirname(place)
+    free = shutil.disk_usage(place or "/").free
+    if free >= needed:
+        return None
+    return (f"the disk holding it has {free / MIB:.0f} MiB free, this checkpoint needs about "
+            f"{needed / MIB:.0f} MiB: retention removes old checkpoints only after a new one "
+            "commits, so checkpoint.dir needs room for checkpoint.keep_last + 1 of them")
+
+
+def failure(error: BaseException, path: str, needed: int) -> str:
+    """A failed write in one line: each process's error of DCP's CheckpointException (whose own
+    text holds their tracebacks), and a local disk too full for the checkpoint."""
+    def line(e):
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+    if isinstance(error, CheckpointException):
+        said = "; ".join(f"rank {rank}: {line(e)}" for rank, (e, _) in error.failures.items())
+    else:
+        said = line(error)
+    short = _disk_short(path, needed)
+    return said + (f"; {short}" if short else "")
 
 
 class FsspecCheckpointIO(CheckpointIO):
@@ -74,8 +118,9 @@ class FsspecCheckpointIO(CheckpointIO):
                 return None
             except (Exception, CheckpointException) as e:  # storage errors come in many types;
                 # DCP wraps them in CheckpointException, a BaseException
+                why = failure(e, path, _nbytes(snapshot) + len(rest))
                 if attempt == self.retries:
-                    ckpt_io.warn(f"giving up on checkpoint {path} after {attempt + 1} attempts ({e}); "
+                    ckpt_io.warn(f"giving up on checkpoint {path} after {attempt + 1} attempts ({why}); "
                                  "the previous checkpoint stays the newest")
                     return None
                 lost = self.peer_lost() if self.process_group is not None and self.peer_lost else None
@@ -83,7 +128,7 @@ class FsspecCheckpointIO(CheckpointIO):
                     ckpt_io.warn(f"giving up on checkpoint {path}: a process vanished ({lost}); "
                                  "the previous checkpoint stays the newest")
                     return None
-                ckpt_io.warn(f"checkpoint upload to {path} failed ({type(e).__name__}: {e}); "
+                ckpt_io.warn(f"checkpoint upload to {path} failed ({why}); "
                              f"retrying in {delay:.0f} s ({attempt + 1}/{self.retries})")
                 time.sleep(delay)
                 delay *= 2
