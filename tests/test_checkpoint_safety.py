@@ -346,6 +346,31 @@ def test_a_save_over_a_committed_checkpoint_renames_it_aside(tmp_path, capfd):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", aside.name]
 
 
+def test_a_run_whose_checkpoint_dir_override_was_left_off_is_refused_not_started_over(tmp_path):
+    """checkpoint.* overrides keep the run's name, so its dir: the same command without its
+    checkpoint.dir=... found no checkpoint where the default puts them and trained from step 0
+    over the run's records (on a TPU, a whole run). Refused, naming the dir that holds them; once
+    that dir holds none, the run starts over as any run without checkpoints does."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "ckpt"
+    code, _, err = finish(xtrain(run_dir, "trainer.max_steps=3", f"checkpoint.dir={elsewhere}"))
+    assert code == 0, err[-3000:]
+    records = (run_dir / "metrics.jsonl").read_text()
+    code, out, err = finish(xtrain(run_dir, "trainer.max_steps=3"))
+    assert code == 2, err[-3000:]
+    assert err.splitlines()[-1] == (
+        f"xtrain: config error: checkpoint.dir={run_dir}/checkpoints holds no checkpoint of this "
+        f"run, but the last training in {run_dir} (.hydra/config.yaml) saved its checkpoints to "
+        f"{elsewhere}, newest {elsewhere}/step_000003: this command would train from step 0 over "
+        f"the run's records; to continue it, add checkpoint.dir={elsewhere}; to start anew, "
+        "choose another run.name")
+    assert (run_dir / "metrics.jsonl").read_text() == records and "step " not in out
+    code, out, err = finish(xtrain(run_dir, "trainer.max_steps=3", f"checkpoint.dir=file://{elsewhere}/"))
+    assert code == 0 and "nothing to train" in out, err[-3000:]  # (one dir, another spelling)
+    shutil.rmtree(elsewhere)
+    code, out, err = finish(xtrain(run_dir, "trainer.max_steps=3"))
+    assert code == 0 and "step      3/3" in out, err[-3000:]
+
+
 def test_a_failed_save_is_said_in_one_line_naming_a_disk_too_full_for_it(tmp_path):
     """DCP's CheckpointException prints every process's traceback (twice a save: the retry, then
     the giving up); a full disk fails torch's zip writer with only "unexpected pos" (seen on a

@@ -18,7 +18,7 @@ from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_c
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
                            StorageError, warn)
 from xtrain.model.config import GPTConfig
-from xtrain.paths import is_local, url_to_fs
+from xtrain.paths import is_local, location, url_to_fs
 
 
 def checkpoint_dir(cfg, run_dir: str) -> str:
@@ -280,16 +280,42 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
               if u and not is_local(u)]
     what = ", ".join(sorted({"/".join(u.split("/")[:3]) for u in remote})) or "local paths"
     if remote:
-        within(data.remote_timeout_s, what, lambda: _check_paths(cfg, gpt, ckpt_dir))
+        within(data.remote_timeout_s, what, lambda: _check_paths(cfg, gpt, ckpt_dir, run_dir))
     else:
-        _check_paths(cfg, gpt, ckpt_dir)
+        _check_paths(cfg, gpt, ckpt_dir, run_dir)
 
 
-def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str) -> None:
+def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str) -> None:
+    """Refuse to start over in a run dir whose last accepted training saved its checkpoints
+    elsewhere, where they still are: a ``checkpoint.dir`` override left off (such overrides keep
+    the run's name, so its dir) would train from step 0 over the run's records."""
+    from omegaconf import OmegaConf
+
+    from xtrain.config.hydra_record import RECORD
+
+    record = os.path.join(run_dir, RECORD, "config.yaml")
+    if not is_local(run_dir) or not os.path.isfile(record):
+        return
+    try:
+        earlier = OmegaConf.load(record).checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    except Exception:  # noqa: BLE001  (a record of another version, or edited: it tells nothing)
+        return
+    newest = latest_checkpoint(earlier) if location(earlier) != location(ckpt_dir) else None
+    if newest:
+        raise ConfigError(
+            f"checkpoint.dir={ckpt_dir} holds no checkpoint of this run, but the last training in "
+            f"{run_dir} ({RECORD}/config.yaml) saved its checkpoints to {earlier}, newest "
+            f"{newest}: this command would train from step 0 over the run's records; to continue "
+            f"it, add checkpoint.dir={earlier}; to start anew, choose another run.name")
+
+
+def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str, run_dir: str) -> None:
     from xtrain.data.tokenizer import file_fingerprint
 
     found = resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, cfg.run.name, early=True,
                               rewind=cfg.checkpoint.rewind)
+    if not found and not cfg.checkpoint.resume:
+        check_checkpoints_not_elsewhere(run_dir, ckpt_dir)
     check_writable(ckpt_dir)
     check_data(cfg.data)
     if found and not cfg.data.build_sources:  # a corpus built on first use: once built (train/run.py)

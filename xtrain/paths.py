@@ -43,3 +43,10 @@ def as_url(fs, path: str) -> str:
 
 def is_local(url: str) -> bool:
     return "://" not in str(url) or str(url).startswith("file://")
+
+
+def location(url: str) -> str:
+    """One spelling of a storage location, to compare two: a local path made absolute (``ckpt``,
+    ``./ckpt``, ``~/ckpt`` and ``file:///.../ckpt`` alike), a remote URL without a trailing ``/``."""
+    url = str(url).rstrip("/")
+    return os.path.abspath(url_to_fs(url)[1]) if is_local(url) else url

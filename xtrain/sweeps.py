@@ -57,18 +57,14 @@ def check_own_checkpoint_dir(job, number: int, taken: dict[str, int]) -> None:
     """Trainings given one ``checkpoint.dir`` take each other's checkpoints (each would resume
     from, or prune, the other's), so each job trains in its own; ``taken`` maps the dirs of the
     jobs before (which it records this one's in)."""
-    import os
-
     from xtrain.config import Mode
     from xtrain.errors import ConfigError
-    from xtrain.paths import is_local, url_to_fs
+    from xtrain.paths import location
 
     if job.mode != Mode.train or not job.checkpoint.dir:
         return
     directory = str(job.checkpoint.dir).rstrip("/")
-    # ckpt, ./ckpt, ~/ckpt and file:///.../ckpt: one dir
-    same = os.path.abspath(url_to_fs(directory)[1]) if is_local(directory) else directory
-    first = taken.setdefault(same, number)
+    first = taken.setdefault(location(directory), number)  # ckpt, ./ckpt, file://...: one dir
     if first != number:
         raise ConfigError(f"checkpoint.dir={directory} is sweep job {first}'s too: two trainings in "
                           "one checkpoint dir take each other's checkpoints; give each job its own, "
