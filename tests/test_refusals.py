@@ -36,6 +36,10 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("added-unknown-key", ["+trainer.max_step=5"], {},
      "trainer.max_step (did you mean trainer.max_steps?): the config has no such key"),
     ("added-unknown-top-key", ["+foo=1"], {}, "foo: the config has no such key"),
+    # the CPU engine's estimate against this machine's memory (none has 548 TiB)
+    ("host-memory", ["model.depth=1000"], {}, "config error: does not fit this machine: memory/chip: "),
+    ("host-memory-processes", ["model=d16", "trainer.device_batch_size=32"], {"LOCAL_WORLD_SIZE": "64"},
+     " (an upper bound) x 64 process(es) here = "),
     # a run's name is one directory: not outputs/ itself, not outside it (checked before Hydra
     # makes it), nor once an interpolation is resolved
     ("run-name-empty", ["run.name="], {}, "run.name='': a run's name must be one plain directory"),

@@ -8,6 +8,7 @@ import os
 import re
 
 from xtrain.errors import ConfigError
+from xtrain.units import GIB
 
 # Accelerator families: TensorCores per chip, and whether the type's number counts TensorCores
 # (v4-32 = 32 cores = 16 chips) or chips (v5litepod-8, v6e-4).
@@ -115,3 +116,38 @@ def _env_int(env, name: str, minimum: int) -> int:
     return value
 
 
+def meminfo() -> dict[str, int]:
+    """This machine's /proc/meminfo, in bytes."""
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def available_bytes(info: dict | None = None) -> int:
+    """Memory a new process can have without the OOM killer: available RAM plus free swap."""
+    info = info or meminfo()
+    return info["MemAvailable"] + info.get("SwapFree", 0)
+
+
+def processes_here(env=os.environ) -> int:
+    """The run's processes on this machine: torchrun's LOCAL_WORLD_SIZE, else this one."""
+    return _env_int(env, "LOCAL_WORLD_SIZE", minimum=1) if "LOCAL_WORLD_SIZE" in env else 1
+
+
+def check_fits_host(memory) -> None:
+    """``memory`` (xtrain/plan.py MemoryPlan), the CPU engine's estimate per process, an upper
+    bound (its fused loss holds no logits), times the run's processes here against what this
+    machine has: a run the OOM killer would end minutes into its start is refused before it.
+    (A TPU run's estimate is per chip, of its HBM: checked by xtrain/plan.py check_fits.)"""
+    if memory.hbm:
+        return
+    n = processes_here()
+    need, have = memory.total * n, available_bytes()
+    if need > have:
+        raise ConfigError(
+            f"does not fit this machine: {memory.describe()} (an upper bound) x {n} process(es) "
+            f"here = {need / GIB:.2f} GiB, {have / GIB:.1f} GiB available (RAM + free swap); "
+            "a smaller model or trainer.device_batch_size, or a machine with more memory")

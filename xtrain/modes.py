@@ -10,7 +10,7 @@ import logging
 from xtrain.config import Engine, Mode, sample_prompts
 from xtrain.config.hydra_record import hold, released_on_error, writes_record
 from xtrain.errors import ConfigError
-from xtrain.hardware import cpu_processes, launch_environment, run_devices
+from xtrain.hardware import check_fits_host, cpu_processes, launch_environment, run_devices
 from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
 from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
@@ -35,6 +35,7 @@ def check_config(cfg) -> None:
         plan = resolve(cfg, run_devices(cfg.hardware))
         if cfg.mode == Mode.train:
             check_fits(plan, cfg)
+            check_fits_host(plan.memory)
     check_sampling(cfg)
 
 
@@ -123,8 +124,9 @@ def show_plan(cfg, plan: RunPlan) -> None:
         report = cached_report(cfg, plan)
         log.info(describe(report) if report else "TPU compiler: not run yet for this config (mode=compile)")
     check_fits(plan, cfg)
+    check_fits_host(plan.memory)
     hbm = cfg.hardware.hbm_gib_per_chip
-    log.info("plan: fits" + (f" in {hbm:g} GiB HBM per chip" if hbm else ""))
+    log.info("plan: fits" + (f" in {hbm:g} GiB HBM per chip" if hbm else " in this machine's memory"))
 
 
 def checkpoint_to_read(cfg, run_dir: str) -> str:

@@ -17,6 +17,7 @@ import json
 import math
 from pathlib import Path
 
+from xtrain.hardware import available_bytes, meminfo  # noqa: F401  (this machine's)
 from xtrain.units import GIB
 
 # A line at or above every compile in BENCHMARKS.md, "TPU compile" and "TPU preflight" (libtpu
@@ -28,20 +29,6 @@ STATED_BYTES_PER_OP = 90 * 1024
 SIMILAR_OPS = 2.0  # an earlier compile's rate applies within this factor of its op count
 
 
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def available_bytes(info: dict | None = None) -> int:
-    """Memory a new process can have without the OOM killer: available RAM plus free swap."""
-    info = info or meminfo()
-    return info["MemAvailable"] + info.get("SwapFree", 0)
 
 
 def earlier_compiles(report_dir: Path, libtpu: str | None, flags: str | None) -> list[dict]:
