@@ -36,6 +36,12 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("added-unknown-key", ["+trainer.max_step=5"], {},
      "trainer.max_step (did you mean trainer.max_steps?): the config has no such key"),
     ("added-unknown-top-key", ["+foo=1"], {}, "foo: the config has no such key"),
+    # a group's option: null was Hydra's traceback; a list merged the options into one run
+    ("null-group", ["logger=null"], {}, "logger=null: a config group takes one of its options, not "
+     "null (metrics.jsonl is always written: logger=jsonl adds no other)"),
+    ("null-preset", ["+debug=null"], {}, "+debug=null: a config group takes one of its options, not null"),
+    ("list-for-one", ["model=[d2,d4]"], {}, "model=[d2,d4]: model takes one option (a list merges "
+     "them into one run); to train each, sweep them: -m model=d2,d4"),
     # the CPU engine's estimate against this machine's memory (none has 548 TiB)
     ("host-memory", ["model.depth=1000"], {}, "config error: does not fit this machine: memory/chip: "),
     ("host-memory-processes", ["model=d16", "trainer.device_batch_size=32"], {"LOCAL_WORLD_SIZE": "64"},

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from xtrain import compat
 from xtrain.config import Mode, register
-from xtrain.config.choices import check_composed
+from xtrain.config.choices import check_composed, check_group_overrides
 from xtrain.config.hydra_record import discard, writes_record
 from xtrain.config.secrets import check_no_secret_overrides
 from xtrain.errors import EXIT_INTERRUPTED, ConfigError, is_refusal, printed_masked, refuse
@@ -135,6 +135,7 @@ def main() -> None:
         check_one_hydra_mode(sys.argv[1:])
         check_plain_enum_values(sys.argv[1:])
         check_no_rerun(sys.argv[1:])
+        check_group_overrides(sys.argv[1:])
         check_no_secret_overrides(sys.argv[1:])
     except ConfigError as ex:
         refuse(ex)

@@ -4,6 +4,7 @@ options may be chosen (conf/<group>/<option>.yaml), which keys exist, the run's 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from xtrain.errors import ConfigError
 
@@ -45,6 +46,33 @@ def config_groups() -> str:
         return out
 
     return "\n".join(lines(""))
+
+
+def check_group_overrides(args: list[str]) -> None:
+    """Refuse ``group=null`` (Hydra ends it in a traceback) and a list for a group conf/train.yaml
+    chooses one option of (``model=[d2,d4]`` merged both configs into one run, named after the
+    list); a list stays for the groups it chooses a list of (``logger``) and for presets added
+    with ``+`` (``+debug=[fast,profile]``, deltas both)."""
+    from omegaconf import ListConfig, OmegaConf
+
+    from xtrain.paths import PRIMARY_CONFIG, config_dir
+
+    groups = {p.name for p in Path(config_dir()).iterdir() if p.is_dir()}
+    chosen = {group: option for entry in OmegaConf.load(Path(config_dir(), f"{PRIMARY_CONFIG}.yaml")).defaults
+              if not isinstance(entry, str) for group, option in entry.items()}
+    for arg in args:
+        key, assigned, value = arg.partition("=")
+        group, value = key.lstrip("+~"), value.strip()
+        if not assigned or key.startswith("-") or group not in groups:
+            continue
+        if value in ("null", "None"):
+            several = isinstance(chosen.get(group), ListConfig)
+            raise ConfigError(f"{arg}: a config group takes one of its options, not null"
+                              + (" (metrics.jsonl is always written: logger=jsonl adds no other)"
+                                 if several else ""))
+        if value.startswith("[") and isinstance(chosen.get(group), str):
+            raise ConfigError(f"{arg}: {group} takes one option (a list merges them into one "
+                              f"run); to train each, sweep them: -m {group}={value.strip('[]')}")
 
 
 def check_composed(cfg, hydra_cfg) -> None:
