@@ -67,6 +67,12 @@ def test_the_manifest_records_every_file_and_catches_truncation_and_bit_flips(tm
         f"{rel} has {len(original) - 100:,} bytes, {len(original):,} when saved"]
     data.unlink()
     assert manifest.problems(str(ckpt)) == [f"{rel} missing"]
+    # a file the load reads left out of the manifest (edited by hand) is not taken on trust
+    data.write_bytes(original[:-100])
+    (ckpt / manifest.MANIFEST).write_text(json.dumps({"files": {k: v for k, v in recorded.items() if k != rel}}))
+    assert manifest.problems(str(ckpt)) == [f"{rel} is not in {manifest.MANIFEST} (unverifiable)"]
+    (ckpt / manifest.MANIFEST).write_text(json.dumps({"files": recorded}))
+    data.unlink()
     with pytest.raises(CheckpointError, match=f"checkpoint.resume={ckpt} is corrupt: {rel} missing"):
         resume_checkpoint(str(ckpt), str(tmp_path), gpt=None, early=True)  # refused before the model is compared
 

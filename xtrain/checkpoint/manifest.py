@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import json
 
-from xtrain.checkpoint.layout import check_inside
+from xtrain.checkpoint.layout import DCP_DATA_FILE, check_inside
 from xtrain.paths import url_to_fs
 
 MANIFEST = "manifest.json"
@@ -67,6 +67,14 @@ def write(fs, root: str, entries: dict) -> None:
     fs.pipe_file(f"{root}/{MANIFEST}", json.dumps({"files": entries}, indent=1).encode())
 
 
+def _loaded(fs, root: str) -> list[str]:
+    """The files a load reads: state.pt and DCP's (its .metadata and data files) in tensors/."""
+    tensors = f"{root}/tensors"
+    listed = fs.ls(tensors, detail=False) if fs.exists(tensors) else []
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in listed]
+    return ["state.pt", "tensors/.metadata"] + [f"tensors/{n}" for n in sorted(names) if DCP_DATA_FILE.fullmatch(n)]
+
+
 def problems(path: str) -> list[str]:
     """How the checkpoint at ``path`` differs from its manifest (empty: intact). One without a
     manifest cannot be verified and counts as damaged (every commit writes one first). A
@@ -82,7 +90,7 @@ def problems(path: str) -> list[str]:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return [f"{MANIFEST} unreadable ({type(e).__name__}: {e})"]
     check_inside(path, recorded)
-    found = []
+    found = [f"{rel} is not in {MANIFEST} (unverifiable)" for rel in _loaded(fs, root) if rel not in recorded]
     for rel, want in sorted(recorded.items()):
         if not fs.exists(f"{root}/{rel}"):
             found.append(f"{rel} missing")
