@@ -148,6 +148,33 @@ def test_two_processes_judge_cpp_from_the_checkpoint_of_each_evaluated_step(refe
             [(p["id"], p["code"], p["outcome"]) for p in after]
 
 
+def test_two_processes_resumed_at_the_last_step_run_only_the_end_their_log_lacks(reference, tmp_path):
+    """A run stopped after its last step's commit, before its final validation and C++ evaluation
+    were recorded (xtrain/train/finish.py; here their records taken out of a copy of the run):
+    run again, both processes validate together and process 0 alone judges the benchmark, as
+    in training; each record once, with the figures the run had given at that step."""
+    run = tmp_path / "two"
+    shutil.copytree(reference / "two", run)
+    records = read_jsonl(run / "metrics.jsonl")
+    ended = {r["kind"]: r for r in records if r["step"] == STEPS and r["kind"] in ("val", "eval")}
+    assert set(ended) == {"val", "eval"}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records
+                                               if r["step"] != STEPS or r["kind"] not in ended))
+    evaluation = [*cpp_eval_overrides(reference), "eval.cpp_every=10", "checkpoint.every=10"]
+    code, out, err = finish_all([start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                        "--nproc-per-node", "2", "-m", "xtrain", *COMMON, *TWO,
+                                        *evaluation, f"hydra.run.dir={run}"])])[0]
+    assert code == 0, err[-3000:]
+    assert f"step {STEPS}, the last, was trained before this command, but its val, eval were not recorded" in out
+    again = [r for r in read_jsonl(run / "metrics.jsonl") if r["step"] == STEPS and r["kind"] in ended]
+    assert sorted(r["kind"] for r in again) == ["eval", "val"]
+    for r in again:
+        figures = {k: v for k, v in r.items()  # (timings apart)
+                   if k != "time" and not k.endswith(("_s", "seconds"))}
+        assert figures == {k: v for k, v in ended[r["kind"]].items() if k in figures}, (r, ended[r["kind"]])
+        assert len(figures) > 2, figures  # (more than step and kind)
+
+
 def stop_step(out: str) -> int:
     return int(re.search(r"stopped \(.*\) at step (\d+)", out).group(1))
 

@@ -43,8 +43,8 @@ def finish_resumed_end(trainer, module, val_loader, callbacks, run_dir: str, pro
              "running now", step, ", ".join(missing) + (" was" if len(missing) == 1 else " were"))
     if "val" in missing:
         trainer.validate(module, dataloaders=val_loader, verbose=False)
-    if "sample" in missing:
+    if "sample" in missing and processes.primary:  # (as in training: process 0's alone)
         callbacks.sampler.sample(step, module.model)
-    if "eval" in missing:
+    if "eval" in missing and processes.primary:
         callbacks.cpp_eval.evaluate(step, module.model)
         callbacks.cpp_eval.collect(wait=True)
