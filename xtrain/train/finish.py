@@ -25,13 +25,13 @@ def recorded_kinds(run_dir: str, step: int) -> set[str]:
 
 
 def finish_resumed_end(trainer, module, val_loader, callbacks, run_dir: str, processes,
-                       step: int) -> None:
-    """Run the end's validation, sample and C++ evaluation that ``run_dir``'s log lacks at
-    ``step``, each as training would have at that step. Process 0 reads the log and decides for
-    all (validation is a collective)."""
+                       step: int, eval_every: int) -> None:
+    """Run the end's validation (at a multiple of ``eval_every``, as Lightning's), sample and C++
+    evaluation that ``run_dir``'s log lacks at ``step``, each as training would have at that step.
+    Process 0 reads the log and decides for all (validation is a collective)."""
     missing = None
     if processes.primary:
-        wanted = ["val"] if val_loader is not None else []
+        wanted = ["val"] if val_loader is not None and step % eval_every == 0 else []
         wanted += ["sample"] if callbacks.sampler.tokens > 0 else []
         cpp = callbacks.cpp_eval  # (process 0 only)
         wanted += ["eval"] if cpp is not None and step % cpp.every == 0 else []

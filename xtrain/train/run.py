@@ -349,8 +349,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                 log.info(ACCEPTED)  # a launcher accepts its local record at this line
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
             if start_step == plan.max_steps:
-                finish_resumed_end(trainer, module, loaders.val, callbacks, run_dir,
-                                   engine.processes, start_step)
+                finish_resumed_end(trainer, module, loaders.val, callbacks, run_dir, engine.processes,
+                                   start_step, trainer_cfg.eval_every or plan.max_steps)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
             status = "preempted" if callbacks.checkpointer.preempted else "success"
             if status == "preempted":  # why, for the launcher (xtrain/observe/preemptions.py)
