@@ -558,6 +558,24 @@ def test_an_output_directory_overlapping_the_sources_is_refused(tmp_path, monkey
     assert not list(tmp_path.glob("*.lock")) and not list(src.glob("*.lock"))
 
 
+def test_a_finished_build_in_a_place_not_writable_is_reused_and_a_new_one_refused(tmp_path, monkeypatch,
+                                                                                   compose_config):
+    """A corpus built once and shared read-only is read, not refused for want of write access;
+    a build that has yet to be made there is refused before a source is read. (os.access is
+    replaced: this suite runs as root, whom permission bits do not stop.)"""
+    import xtrain.data.corpus
+    from xtrain.data.corpus import BuildSpec, check_output, ensure_built
+
+    src, out = _sources(tmp_path), tmp_path / "shared" / "corpus"
+    spec = BuildSpec(sources=[str(src)], out_dir=str(out), vocab_size=300, chunk_tokens=2048)
+    built = ensure_built(spec)
+    monkeypatch.setattr(xtrain.data.corpus.os, "access", lambda path, mode: mode != os.W_OK)
+    assert ensure_built(spec) == built
+    with pytest.raises(DataError, match=f"corpus output directory {re.escape(str(tmp_path))}/shared/other "
+                                        f"cannot be written: {re.escape(str(tmp_path))}/shared is not writable"):
+        check_output([str(src)], str(tmp_path / "shared" / "other"))
+
+
 def test_stale_and_partial_builds_of_xtrains_own_are_still_replaced(tmp_path, compose_config):
     from xtrain.data.corpus import BUILD_MARKER, BuildSpec, ensure_built
 

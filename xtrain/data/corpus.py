@@ -123,7 +123,7 @@ def check_output(sources: list[str], out_dir: str) -> None:
     """Refuse an output directory a build would destroy something in: one that is, lies inside
     or contains a source directory, or holds anything but a previous xtrain build; and one it
     could not write. Reads no source file."""
-    why = _unwritable(out_dir)
+    why = _unwritable(out_dir) if read_manifest(out_dir) is None else None  # (a build: reused)
     if why:
         raise DataError(f"corpus output directory {out_dir} cannot be written: {why}")
     for source in sources:
