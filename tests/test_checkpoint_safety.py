@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -369,6 +370,32 @@ def test_a_run_whose_checkpoint_dir_override_was_left_off_is_refused_not_started
     shutil.rmtree(elsewhere)
     code, out, err = finish(xtrain(run_dir, "trainer.max_steps=3"))
     assert code == 0 and "step      3/3" in out, err[-3000:]
+
+
+def test_an_earlier_checkpoint_dir_that_does_not_answer_is_said_and_passed_over(tmp_path, monkeypatch,
+                                                                                capfd):
+    """The run's last training saved to a bucket that does not answer now (here an emulator
+    address nothing listens on): said in a line within the remote timeout, not a minute of
+    retries ending in a traceback; the run starts in its own dir, as it would have before."""
+    import gcsfs
+
+    from conftest import use_gcs_emulator
+    from xtrain.inputs import check_checkpoints_not_elsewhere
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing answers there
+    use_gcs_emulator(monkeypatch, f"http://127.0.0.1:{port}", tmp_path / "gcloud")
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("checkpoint:\n  dir: gs://gone/ckpt\n")
+    t0 = time.monotonic()
+    check_checkpoints_not_elsewhere(str(run), str(run / "checkpoints"), timeout_s=1.0)
+    assert time.monotonic() - t0 < 5
+    assert (f"xtrain: warning: the last training in {run} saved its checkpoints to gs://gone/ckpt, "
+            "which could not be read (gs://gone/ckpt: no answer within 1 s") in capfd.readouterr().err
+    gcsfs.GCSFileSystem.clear_instance_cache()
 
 
 def test_a_failed_save_is_said_in_one_line_naming_a_disk_too_full_for_it(tmp_path):

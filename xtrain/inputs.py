@@ -285,10 +285,11 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
         _check_paths(cfg, gpt, ckpt_dir, run_dir)
 
 
-def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str) -> None:
+def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: float) -> None:
     """Refuse to start over in a run dir whose last accepted training saved its checkpoints
     elsewhere, where they still are: a ``checkpoint.dir`` override left off (such overrides keep
-    the run's name, so its dir) would train from step 0 over the run's records."""
+    the run's name, so its dir) would train from step 0 over the run's records. A location that
+    does not answer within ``timeout_s`` is said and passed over."""
     from omegaconf import OmegaConf
 
     from xtrain.config.hydra_record import RECORD
@@ -300,7 +301,16 @@ def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str) -> None:
         earlier = OmegaConf.load(record).checkpoint.dir or os.path.join(run_dir, "checkpoints")
     except Exception:  # noqa: BLE001  (a record of another version, or edited: it tells nothing)
         return
-    newest = latest_checkpoint(earlier) if location(earlier) != location(ckpt_dir) else None
+    if location(earlier) == location(ckpt_dir):
+        return
+    found: dict = {}
+    try:
+        within(timeout_s, earlier, lambda: found.update(newest=latest_checkpoint(earlier)))
+    except StorageError as e:
+        warn(f"the last training in {run_dir} saved its checkpoints to {earlier}, which could not "
+             f"be read ({e}); this run starts from step 0 in checkpoint.dir={ckpt_dir}")
+        return
+    newest = found.get("newest")
     if newest:
         raise ConfigError(
             f"checkpoint.dir={ckpt_dir} holds no checkpoint of this run, but the last training in "
@@ -315,7 +325,7 @@ def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str, run_dir: str) -> None:
     found = resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, cfg.run.name, early=True,
                               rewind=cfg.checkpoint.rewind)
     if not found and not cfg.checkpoint.resume:
-        check_checkpoints_not_elsewhere(run_dir, ckpt_dir)
+        check_checkpoints_not_elsewhere(run_dir, ckpt_dir, cfg.data.remote_timeout_s)
     check_writable(ckpt_dir)
     check_data(cfg.data)
     if found and not cfg.data.build_sources:  # a corpus built on first use: once built (train/run.py)
