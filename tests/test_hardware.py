@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,24 @@ def test_plan_command_prints_the_reason(tmp_path):
             "try:\n    c.main()\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "plan: fits in 32 GiB" in r.stdout, r.stderr
+
+
+def test_a_cpu_plan_says_whether_it_fits_this_machine(tmp_path):
+    """The CPU engine has no HBM: its estimate is held against this machine's memory. Activations
+    are an upper bound there (the fused loss holds no logits), so a total past it is said, not
+    refused; 65,536 rows of 2,048 tokens are past any machine's."""
+    big = ["model=d2", "model.sequence_len=2048", "trainer.device_batch_size=65536",
+           "trainer.total_batch_size=134217728"]
+    plans = {}
+    for name, overrides in (("small", ["model=d2"]), ("big", big)):
+        r = subprocess.run([sys.executable, "-m", "xtrain", "mode=plan", *overrides,
+                            f"hydra.run.dir={tmp_path}/{name}"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr[-3000:]
+        plans[name] = r.stdout
+    assert "plan: fits in this machine's memory" in plans["small"]
+    total = re.search(r"memory/chip: ([\d.]+) GiB", plans["big"])[1]
+    assert re.search(rf"plan: may not fit this machine: {total} GiB estimated for 1 process\(es\) here "
+                     r"\(an upper bound: the activations'\), [\d.]+ GiB available", plans["big"]), plans["big"]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -44,8 +44,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "them into one run); to train each, sweep them: -m model=d2,d4"),
     # the CPU engine's estimate against this machine's memory (none has 548 TiB)
     ("host-memory", ["model.depth=1000"], {}, "config error: does not fit this machine: memory/chip: "),
-    ("host-memory-processes", ["model=d16", "trainer.device_batch_size=32"], {"LOCAL_WORLD_SIZE": "64"},
-     " (an upper bound) x 64 process(es) here = "),
+    ("host-memory-processes", ["model=d16"], {"LOCAL_WORLD_SIZE": "1024"},
+     " x 1024 process(es) here: the weights, gradients and optimizer state alone take "),
     # a run's name is one directory: not outputs/ itself, not outside it (checked before Hydra
     # makes it), nor once an interpolation is resolved
     ("run-name-empty", ["run.name="], {}, "run.name='': a run's name must be one plain directory"),

@@ -137,17 +137,24 @@ def processes_here(env=os.environ) -> int:
     return _env_int(env, "LOCAL_WORLD_SIZE", minimum=1) if "LOCAL_WORLD_SIZE" in env else 1
 
 
-def check_fits_host(memory) -> None:
-    """``memory`` (xtrain/plan.py MemoryPlan), the CPU engine's estimate per process, an upper
-    bound (its fused loss holds no logits), times the run's processes here against what this
-    machine has: a run the OOM killer would end minutes into its start is refused before it.
-    (A TPU run's estimate is per chip, of its HBM: checked by xtrain/plan.py check_fits.)"""
+def check_fits_host(memory) -> str | None:
+    """``memory`` (xtrain/plan.py MemoryPlan), the CPU engine's estimate per process, times the
+    run's processes here against what this machine has. Refused when the weights, gradients and
+    optimizer state alone do not fit (a run the OOM killer would end minutes into its start);
+    the activations are an upper bound (the fused loss holds no logits), so a total past what is
+    available is only said, as the returned line (None: it fits). (A TPU run's estimate is per
+    chip, of its HBM: checked by xtrain/plan.py check_fits.)"""
     if memory.hbm:
-        return
-    n = processes_here()
-    need, have = memory.total * n, available_bytes()
-    if need > have:
+        return None
+    n, have = processes_here(), available_bytes()
+    state = (memory.weights + memory.grads + memory.optimizer) * n
+    if state > have:
         raise ConfigError(
-            f"does not fit this machine: {memory.describe()} (an upper bound) x {n} process(es) "
-            f"here = {need / GIB:.2f} GiB, {have / GIB:.1f} GiB available (RAM + free swap); "
-            "a smaller model or trainer.device_batch_size, or a machine with more memory")
+            f"does not fit this machine: {memory.describe()} x {n} process(es) here: the weights, "
+            f"gradients and optimizer state alone take {state / GIB:.2f} GiB, {have / GIB:.1f} GiB "
+            "are available (RAM + free swap); a smaller model, or a machine with more memory")
+    if memory.total * n > have:
+        return (f"may not fit this machine: {memory.total * n / GIB:.2f} GiB estimated for {n} "
+                f"process(es) here (an upper bound: the activations'), {have / GIB:.1f} GiB "
+                "available (RAM + free swap)")
+    return None

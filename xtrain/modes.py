@@ -9,7 +9,7 @@ import logging
 
 from xtrain.config import Engine, Mode, sample_prompts
 from xtrain.config.hydra_record import hold, released_on_error, writes_record
-from xtrain.errors import ConfigError
+from xtrain.errors import ConfigError, warn
 from xtrain.hardware import check_fits_host, cpu_processes, launch_environment, run_devices
 from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
@@ -35,7 +35,6 @@ def check_config(cfg) -> None:
         plan = resolve(cfg, run_devices(cfg.hardware))
         if cfg.mode == Mode.train:
             check_fits(plan, cfg)
-            check_fits_host(plan.memory)
     check_sampling(cfg)
 
 
@@ -74,9 +73,12 @@ def run(cfg, run_dir: str) -> dict | None:
 def check_environment(cfg) -> None:
     """What a training needs of this process's environment, checked with the config (a launch
     checks it on the workers): the W&B key for online logging, the C++ evaluation's compiler,
-    a multi-process CPU run's rendezvous variables (MASTER_ADDR, RANK, ...)."""
+    a multi-process CPU run's rendezvous variables (MASTER_ADDR, RANK, ...), and on the CPU
+    engine the machine's memory for its state (xtrain/hardware.py check_fits_host)."""
     if cfg.mode != Mode.train:
         return
+    if cfg.hardware.engine == Engine.cpu:
+        check_fits_host(resolve(cfg, run_devices(cfg.hardware)).memory)
     if cfg.logger.wandb is not None:
         from xtrain.observe.wandb_run import choose_mode
 
@@ -103,6 +105,9 @@ def run_checked(cfg, run_dir: str, record: str | None) -> dict | None:
             return compile_for_tpu(cfg, plan)
         if cfg.mode == Mode.plan:
             return show_plan(cfg, plan)
+        doubt = check_fits_host(plan.memory)  # (what check_environment did not refuse)
+        if doubt:
+            warn(doubt)
         check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
         from xtrain.train.run import train
 
@@ -124,9 +129,9 @@ def show_plan(cfg, plan: RunPlan) -> None:
         report = cached_report(cfg, plan)
         log.info(describe(report) if report else "TPU compiler: not run yet for this config (mode=compile)")
     check_fits(plan, cfg)
-    check_fits_host(plan.memory)
     hbm = cfg.hardware.hbm_gib_per_chip
-    log.info("plan: fits" + (f" in {hbm:g} GiB HBM per chip" if hbm else " in this machine's memory"))
+    here = None if hbm else check_fits_host(plan.memory) or "fits in this machine's memory"
+    log.info("plan: " + (f"fits in {hbm:g} GiB HBM per chip" if hbm else here))
 
 
 def checkpoint_to_read(cfg, run_dir: str) -> str:
