@@ -65,14 +65,16 @@ def check_group_overrides(args: list[str]) -> None:
         group, value = key.lstrip("+~"), value.strip()
         if not assigned or key.startswith("-") or group not in groups:
             continue
-        if value in ("null", "None"):
+        if value.lower() == "null":  # (Hydra reads null in any case)
             several = isinstance(chosen.get(group), ListConfig)
             raise ConfigError(f"{arg}: a config group takes one of its options, not null"
                               + (" (metrics.jsonl is always written: logger=jsonl adds no other)"
                                  if several else ""))
         if value.startswith("[") and isinstance(chosen.get(group), str):
-            raise ConfigError(f"{arg}: {group} takes one option (a list merges them into one "
-                              f"run); to train each, sweep them: -m {group}={value.strip('[]')}")
+            options = value.strip("[] ")
+            raise ConfigError(f"{arg}: {group} takes one option" + (
+                f" (a list merges them into one run); to train each, sweep them: -m {group}={options}"
+                if options else ""))
 
 
 def check_composed(cfg, hydra_cfg) -> None:
