@@ -18,6 +18,7 @@ from xtrain.config import to_plain
 from xtrain.config.hydra_record import ACCEPTED, accept
 from xtrain.engines.base import Engine
 from xtrain.plan import RunPlan
+from xtrain.train.finish import finish_resumed_end
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,6 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
     from xtrain.checkpoint.layout import check_shared, latest_checkpoint
     from xtrain.inputs import checkpoint_dir
     from xtrain.observe.preemptions import stop_record
-    from xtrain.train.finish import finish_resumed_end
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
     from xtrain.train.run_lock import checkpoint_dir_lease
@@ -339,8 +339,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
         run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
         status = "failed"
         try:
-            callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer,
-                                        lease)
+            callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer, lease)
             trainer = build_trainer(engine, callbacks.checkpoint_io,
                                     callbacks.all(LoaderState(loaders.steps)), plan, trainer_cfg,
                                     loaders.val is not None, run_dir)
