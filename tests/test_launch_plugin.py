@@ -40,6 +40,27 @@ def hardware(compose_config, name: str, *overrides):
     return compose_config([f"hardware={name}", *overrides]).hardware
 
 
+def test_a_command_is_the_same_whatever_the_order_of_its_distinct_overrides():
+    """A relaunch (after a Ctrl-C, to reattach) may type the overrides in another order: the same
+    config, so the same command (it was refused as "other overrides"). Where the order changes
+    the config (one key twice, a key and one inside it) it still tells two commands apart."""
+    from types import SimpleNamespace
+
+    from xtrain.launcher.job import command_digest
+    from xtrain.launcher.launch import remote_command
+
+    worker = SimpleNamespace(venv="/w/venv", root="/w")
+
+    def digest(*overrides):
+        return command_digest(remote_command(worker, list(overrides), "cc", "cc"))
+
+    assert digest("trainer.max_steps=9", "checkpoint.every=2", "model=d2") == \
+        digest("model=d2", "checkpoint.every=2", "trainer.max_steps=9")
+    assert digest("trainer.max_steps=9") != digest("trainer.max_steps=8")
+    assert digest("optim.matrix_lr=0.1", "optim.matrix_lr=0.2") != digest("optim.matrix_lr=0.2", "optim.matrix_lr=0.1")
+    assert digest("+hardware.env.X=1", "hardware.env={X: 2}") != digest("hardware.env={X: 2}", "+hardware.env.X=1")
+
+
 def test_plugin_is_listed_and_composes(tmp_path):
     info = subprocess.run([sys.executable, "-m", "xtrain", "--info", "plugins"], env=cli_env(),
                           capture_output=True, text=True, timeout=120)

@@ -162,7 +162,15 @@ class RemoteJob:
 
 
 def command_digest(command: list[str]) -> str:
-    return hashlib.sha256(json.dumps(command).encode()).hexdigest()[:16]
+    """What tells one command from another (``python -m xtrain`` and its overrides). The
+    overrides' order counts only where it changes the config: two of one key, or of a key and a
+    key inside it, apply in turn; otherwise ``a=1 b=2`` and ``b=2 a=1`` are one command."""
+    start = command.index("xtrain") + 1 if "xtrain" in command else len(command)
+    keys = [arg.split("=", 1)[0].lstrip("+~") for arg in command[start:]]
+    in_turn = any(a == b or b.startswith(a + ".") for i, a in enumerate(keys)
+                  for j, b in enumerate(keys) if i != j) or any(k.startswith("-") for k in keys)
+    canonical = command if in_turn else command[:start] + sorted(command[start:])
+    return hashlib.sha256(json.dumps(canonical).encode()).hexdigest()[:16]
 
 
 def _env_lines(values: dict[str, str]) -> list[str]:
