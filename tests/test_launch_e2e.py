@@ -131,12 +131,14 @@ def test_tpu_vm_trains_d2_remotely_and_returns_its_final_loss(remote, gcloud, hy
     assert "MASTER_ADDR=10.146.0.5" in (job_dir(remote, "e2e-vm") / "run.sh").read_text()
 
 
-def test_a_launched_sweeps_jobs_log_to_its_wandb_group_and_keep_its_run_on_a_new_vm(remote,
-                                                                                   tmp_path):
+def test_a_launched_sweeps_jobs_log_to_its_wandb_group_and_start_over_on_a_new_vm(remote,
+                                                                                 tmp_path):
     """The worker runs its job alone, outside the sweep: the group is resolved here and passed on.
-    The W&B run id is the local job dir's: the same command on a VM that lost its disk (a
-    recreated spot VM: no job or run dir there) continues the same W&B run (online; offline, as
-    here, each start is a W&B run of its own named after that id, in the same group)."""
+    The W&B run id is the local job dir's. The same command on a VM that lost its disk (a
+    recreated spot VM: no job or run dir there) finds no checkpoint there (the run dir on the VM
+    held them): the launcher says that it trains from step 0 again, and gives it a new W&B run
+    id (W&B would drop a resumed run's steps below the ones it has), in the same group. A job
+    whose checkpoints are on GCS keeps its W&B run (tests/test_launch_fleet_e2e.py)."""
     args = TINY + ["trainer.max_steps=2", "run.name=e2e-group", "logger=[jsonl,wandb]",
                    "logger.wandb.mode=offline"] + remote.overrides()
     remote_run = remote.root(HOSTS[0]) / "runs" / "e2e-group"
@@ -146,15 +148,21 @@ def test_a_launched_sweeps_jobs_log_to_its_wandb_group_and_keep_its_run_on_a_new
     local = local_job_dir(tmp_path, "e2e-group")
     sweep = local.parent.name
     assert "," in sweep and run["group"] == sweep  # its name, quoted on the worker's command line
+    first = (local / "wandb-run-id").read_text()
+    assert run["id"].startswith(f"{first}-")  # offline: each start is a W&B run named after it
     for gone in (remote_run, job_dir(remote, "e2e-group")):
         shutil.rmtree(gone)
     r = run_xtrain(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert ("launch: warning: job e2e-group ran before on 127.0.0.2 (attempt " in r.stdout
+            and "step 2 logged), and these workers hold no trace of it (a new VM's disk?): its "
+            "checkpoints were in the run dir on that VM, so it trains from step 0 again, as a new "
+            "W&B run" in r.stdout), r.stdout[-3000:]
     (again,) = wandb_runs(remote_run)
-    stored = (local / "wandb-run-id").read_text()
-    assert (remote_run / "wandb-run-id").read_text() == stored
-    assert run["id"].startswith(f"{stored}-") and again["id"].startswith(f"{stored}-")
-    assert again["id"] != run["id"] and again["group"] == run["group"]
+    second = (local / "wandb-run-id").read_text()
+    assert second != first and (remote_run / "wandb-run-id").read_text() == second
+    assert again["id"].startswith(f"{second}-") and again["group"] == run["group"]
+    assert read_jsonl(remote_run / "metrics.jsonl")[0]["step"] == 1  # from step 0 again
 
 
 def tree_snapshot(root: Path) -> dict:

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -340,6 +341,92 @@ def test_a_job_that_stopped_for_its_notice_is_rerun_once_its_vm_goes_down(gcloud
     result = fleet.run_on_vm(fleet.Job(fleet_cfg(tmp_path), v6e4, [], "run", str(tmp_path / "job")),
                              log=messages.append)
     assert (result["step"], result["preempted"], result["preemptions"]) == (7, True, 0)
+
+
+@pytest.mark.parametrize("state, checkpoint_dir, says", [
+    ("PREEMPTED", None, "it does not come back READY by itself: delete it and create it again, "
+     "then run the same command (its checkpoints in the run dir on the VM go with the VM's disk, "
+     "so it will train from step 0 again (checkpoint.dir=gs://... keeps them)); "
+     "hydra.launcher.recreate=true with checkpoint.dir=gs://... does that unattended"),
+    ("TERMINATED", "gs://b/ckpt", "delete it and create it again, then run the same command (it "
+     "resumes from its newest checkpoint in gs://b/ckpt)"),
+    ("NOT_FOUND", "gs://b/ckpt", "it does not come back READY by itself: create it again, then"),
+    ("RESTARTING", None, "was preempted; run the same command once the VM is READY"),
+])
+def test_a_preemption_without_recreate_says_what_brings_the_job_back(
+        gcloud, tmp_path, v6e4, monkeypatch, state, checkpoint_dir, says):
+    """Without ``recreate``, a preempted VM is the user's to recreate: the error says so (a spot
+    VM never turns READY again by itself), and whether the checkpoints outlive it."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
+
+    def lost(*args, **kwargs):
+        raise VmLost("vm-a", state)
+
+    monkeypatch.setattr(fleet, "launch_job", lost)
+    job = fleet.Job(fleet_cfg(tmp_path, recreate=False), v6e4, [], "run", str(tmp_path / "job"),
+                    checkpoint_dir)
+    with pytest.raises(LaunchError) as e:
+        fleet.run_on_vm(job, log=print)
+    assert str(e.value).startswith(f"TPU vm-a is {state}: job run was preempted; ")
+    assert says in str(e.value)
+    assert ("READY by itself" in str(e.value)) == (state != "RESTARTING")
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == []
+
+
+def test_each_preempted_attempts_log_is_kept_under_a_name_of_its_own(tmp_path):
+    """A later launch of the same command numbers on: its first preemption does not overwrite
+    the log an earlier launch kept."""
+    job = fleet.Job(None, None, [], "run", str(tmp_path))
+    (tmp_path / "worker-0.preempted-1.log").write_text("step    7/60 | loss 3.1\n")
+    for attempt, step in (("first", 12), ("second", 30)):
+        (tmp_path / "worker-0.log").write_text(f"{attempt}\nstep   {step}/60 | loss 2.5 |\n")
+        history = fleet.Preemptions()
+        history.record(VmLost("vm-a", "PREEMPTED"), job)
+        assert history.steps_seen == step
+    assert [(tmp_path / f"worker-0.preempted-{n}.log").read_text().split()[0]
+            for n in (1, 2, 3)] == ["step", "first", "second"]
+
+
+def probes(*states):
+    """What launch_job's probes say of the job on each worker (only the state is read)."""
+    return [SimpleNamespace(job=SimpleNamespace(state=s)) for s in states]
+
+
+@pytest.mark.parametrize("case", ["first launch", "run dir on the VM", "on GCS", "a local dir",
+                                  "still on the workers"])
+def test_a_job_that_ran_before_on_workers_that_lost_it_is_said_to_start_over(tmp_path, case):
+    """A relaunch whose workers hold no trace of the job's earlier attempt (a recreated VM, another
+    VM of a pool): with its checkpoints in the run dir on the VM, they are gone and it trains from
+    step 0 again, under a new W&B run id (W&B drops the steps a resumed run logs out of order)."""
+    from xtrain.launcher.jobdir import identity_env
+    from xtrain.observe.wandb_run import RUN_ID_ENV
+
+    (tmp_path / "wandb-run-id").write_text("aaaabbbbcccc")
+    if case != "first launch":
+        (tmp_path / "launch.json").write_text(
+            '{"job": "run", "attempt": "20261130-1", "hosts": ["10.0.0.5"]}')
+        (tmp_path / "worker-0.preempted-1.log").write_text("step   40/90 | loss 2.5 |\n")
+        (tmp_path / "worker-0.log").write_text("step   20/90 | loss 2.9 |\nsaved\n")
+    checkpoint_dir = {"on GCS": "gs://b/run", "a local dir": "/mnt/disk/ckpt"}.get(case)
+    states = ("exited", "none") if case == "still on the workers" else ("none", "none")
+    messages = []
+    env = identity_env(str(tmp_path), probes(*states), checkpoint_dir, messages.append)
+    stored = (tmp_path / "wandb-run-id").read_text()
+    assert env == {RUN_ID_ENV: stored}
+    ran = ("launch: warning: job run ran before on 10.0.0.5 (attempt 20261130-1, step 40 "
+           "logged), and these workers hold no trace of it (a new VM's disk?)")
+    if case == "run dir on the VM":
+        assert stored != "aaaabbbbcccc" and re.fullmatch(r"[0-9a-f]{12}", stored)
+        assert messages == [f"{ran}: its checkpoints were in the run dir on that VM, so it trains "
+                            "from step 0 again, as a new W&B run; checkpoint.dir=gs://... keeps "
+                            "checkpoints across VMs"]
+    elif case == "a local dir":  # maybe a disk that outlived the VM: said, the W&B run kept
+        assert stored == "aaaabbbbcccc"
+        assert messages == [f"{ran}: unless checkpoint.dir=/mnt/disk/ckpt is on a disk that "
+                            "outlived that VM, it trains from step 0 again; checkpoint.dir=gs://"
+                            "... keeps checkpoints across VMs"]
+    else:
+        assert stored == "aaaabbbbcccc" and messages == []
 
 
 def test_a_vm_takes_the_job_already_on_it_first_and_leaving_keeps_its_reason():

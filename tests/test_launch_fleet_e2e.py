@@ -85,7 +85,9 @@ def vm_job(fleet, tmp_path, compose_config, overrides, name, bucket=None, **extr
         **fields(fleet, tmp_path, bucket, tpu="vm-a", **extra))))
     hardware = compose_config(["hardware=cpu", "hardware.accelerator_type=v6e-4",
                                "hardware.runtime_version=v2-alpha-tpuv6e"]).hardware
-    return Job(cfg, hardware, overrides + [f"run.name={name}"], name, str(tmp_path / "local" / name))
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("checkpoint.dir=")]
+    return Job(cfg, hardware, overrides + [f"run.name={name}"], name, str(tmp_path / "local" / name),
+               given[-1] if given else None)
 
 
 def in_background(fn):
@@ -190,6 +192,7 @@ def test_a_preempted_vm_is_recreated_and_the_rerun_resumes_to_the_same_loss(
     messages = []
     wait = in_background(lambda: run_on_vm(job, log=messages.append))
     pgid = started(fleet, "fleet-resume")
+    run_id = (Path(job.job_dir) / "wandb-run-id").read_text()
     wait_for(lambda: committed(f"{bucket}/resume/step_{EVERY:06d}"), what="a checkpoint on GCS")
     os.killpg(pgid, signal.SIGSTOP)  # hold the job mid-run while the test plays the network
     assert logged_step(fleet, "fleet-resume") < STEPS, "the job must still be running"
@@ -226,6 +229,9 @@ def test_a_preempted_vm_is_recreated_and_the_rerun_resumes_to_the_same_loss(
     assert f"TPU vm-a is PREEMPTED: job fleet-resume preempted at step {seen}" in text
     assert "no capacity" in text and "TPU vm-a is READY again" in text
     assert "re-running fleet-resume on TPU vm-a" in text
+    # its checkpoints outlived the VM: the re-run continues the job's W&B run, not started over
+    assert "no trace of it" not in text
+    assert (Path(job.job_dir) / "wandb-run-id").read_text() == run_id
     new_key = Path(f"{fleet.sshd.host_key}.pub").read_text().split()[1]
     known = (tmp_path / "known_hosts").read_text()
     assert new_key != old_key and new_key in known and old_key not in known

@@ -24,7 +24,6 @@ xtrain/launcher/pool.py spreads a multirun over several such VMs.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -34,11 +33,11 @@ from xtrain.config.secrets import check_no_secret_values
 from xtrain.errors import ConfigError, EnvironmentMismatch, InputError
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.launch import launch_job, say
-from xtrain.launcher.logs import log_path
+from xtrain.launcher.logs import kept_aside, last_logged_step, log_path
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh, check_identity
 from xtrain.launcher.targets import TARGET_REQUIRED, check_type
-from xtrain.launcher.vm import NO_ANSWER, UP, Vm, VmLost, clock, vm_health
+from xtrain.launcher.vm import DOWN, NO_ANSWER, NOT_FOUND, UP, Vm, VmLost, clock, vm_health
 from xtrain.limits import out_of_range
 from xtrain.observe.preemptions import NOTICE, launch_env
 
@@ -62,7 +61,7 @@ class Job:
     overrides: list[str]
     run_name: str
     job_dir: str  # the local (Hydra) job dir
-    checkpoint_dir: str | None = None  # for the give-up message
+    checkpoint_dir: str | None = None  # checkpoint.dir (None: the run dir on the VM)
     notice_lead_s: float = 0.0  # preemption.maintenance_lead_s: a notice precedes the VM's loss
     record: str | None = None  # its .hydra record, held until its workers accept it
 
@@ -84,7 +83,7 @@ class Preemptions:
         path = log_path(job.job_dir, 0)
         if os.path.exists(path):
             self.steps_seen = last_logged_step(path) or self.steps_seen
-            os.replace(path, path.replace(".log", f".preempted-{self.count}.log"))
+            os.replace(path, kept_aside(job.job_dir, 0))
 
     def relaunching(self) -> dict[str, str]:
         """The re-run's environment; the time since the preemption was seen counts as lost."""
@@ -98,16 +97,6 @@ class Preemptions:
 
     def summary(self) -> dict:
         return {"preemptions": self.count, "time_lost_s": round(self.time_lost_s, 1)}
-
-
-# The console line of a training record (xtrain/observe/console.py, train_line).
-STEP_LINE = re.compile(rb"^step\s+(\d+)/\d+ \| loss")
-
-
-def last_logged_step(path: str) -> int | None:
-    with open(path, "rb") as f:
-        steps = [int(m.group(1)) for line in f if (m := STEP_LINE.match(line))]
-    return steps[-1] if steps else None
 
 
 def derive(cfg, **changes):
@@ -133,7 +122,8 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
     cfg = derive(job.cfg, tpu=vm.name, pool=[], hosts=[], env=env)
     try:
         result = launch_job(cfg, job.hardware, job.overrides, job.run_name, job.job_dir,
-                            Runner(), log, vm_check=vm.check, record=job.record)
+                            Runner(), log, vm_check=vm.check, record=job.record,
+                            checkpoint_dir=job.checkpoint_dir)
     except (VmLost, InputError):  # a refused input is never a preemption, whatever the VM's state
         raise
     except LaunchError as e:
@@ -211,14 +201,28 @@ def run_on_vm(job: Job, log=say) -> dict:
             preempted(vm, job, history, lost, log)
             if not job.cfg.recreate:
                 raise LaunchError(f"{lost}: job {job.run_name} was preempted{_at(history)}; "
-                                  "run the same command once the VM is READY, or add "
-                                  "hydra.launcher.recreate=true to recreate it and resume "
-                                  "unattended") from None
+                                  + after_preemption(lost, job)) from None
             if isinstance(lost, NoticeStop):
                 vm.wait_out_maintenance(job.notice_lead_s)
         vm.restore(history.lost_so_far)
         log(f"fleet: re-running {job.run_name} on {vm} (it resumes from its newest committed "
             "checkpoint)")
+
+
+def after_preemption(lost: VmLost, job: Job) -> str:
+    """What to do once a job was preempted on a VM the launcher does not recreate: a VM coming up
+    by itself is waited for; a preempted one never comes back READY (it is deleted and created
+    again), and checkpoints on its disk go with it."""
+    if vm_health(lost.state, job.cfg.queued) != DOWN:
+        return "run the same command once the VM is READY"
+    where = job.checkpoint_dir or "the run dir on the VM"
+    kept = (f"it resumes from its newest checkpoint in {where}" if "://" in where else
+            f"its checkpoints in {where} go with the VM's disk, so it will train from step 0 "
+            "again (checkpoint.dir=gs://... keeps them)")
+    again = "create it again" if lost.state == NOT_FOUND else "delete it and create it again"
+    return (f"it does not come back READY by itself: {again}, then run the same command "
+            f"({kept}); hydra.launcher.recreate=true with checkpoint.dir=gs://... does that "
+            "unattended")
 
 
 def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:

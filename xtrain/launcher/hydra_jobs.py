@@ -29,7 +29,6 @@ def prepare_from_hydra(cfg) -> Job:
     setting that cannot work) is refused before anything is copied or any VM touched."""
     from hydra.core.hydra_config import HydraConfig
 
-    from xtrain.inputs import checkpoint_dir
     from xtrain.modes import check_sampling, plan_run
     from xtrain.observe.console import ConsoleLog
     from xtrain.plan import check_fits
@@ -47,7 +46,7 @@ def prepare_from_hydra(cfg) -> Job:
     check_job(launcher, cfg.hardware, cfg.checkpoint.dir)
     return Job(copy.deepcopy(launcher), copy.deepcopy(cfg.hardware), job_overrides(cfg, hc.overrides.task),
                cfg.run.name, hc.runtime.output_dir,
-               checkpoint_dir(cfg, "<run dir on the VM>"), cfg.preemption.maintenance_lead_s)
+               cfg.checkpoint.dir, cfg.preemption.maintenance_lead_s)
 
 
 def hold_record(job: Job) -> Job:
@@ -102,7 +101,7 @@ def run_prepared(job: Job) -> dict:
     if job.cfg.tpu:
         return run_on_vm(job)
     return launch_job(job.cfg, job.hardware, job.overrides, job.run_name, job.job_dir,
-                      record=job.record)
+                      record=job.record, checkpoint_dir=job.checkpoint_dir)
 
 
 def launch_from_hydra(cfg) -> dict:

@@ -29,6 +29,7 @@ from xtrain.launcher import secrets as job_secrets
 from xtrain.launcher.env import EnvSpec, ensure_env, requirements
 from xtrain.launcher.gcloud import Gcloud
 from xtrain.launcher.job import JobState, RemoteJob, command_digest
+from xtrain.launcher.jobdir import identity_env, keep_metrics, record_attempt, resume_offset
 from xtrain.launcher.logs import LogStream, log_path, tail_lines
 from xtrain.launcher.runner import LaunchError, Runner, VmUnavailable
 from xtrain.launcher.ssh import Ssh
@@ -37,7 +38,6 @@ from xtrain.launcher.targets import resolve_targets
 from xtrain.launcher.worker import Worker
 from xtrain.observe.plots import parse_records
 from xtrain.observe.preemptions import ATTEMPT, NOTICE
-from xtrain.observe.wandb_run import RUN_ID_ENV, run_id
 
 PREEMPTED = 143  # xtrain's exit code after a SIGTERM checkpoint (128 + SIGTERM)
 STREAM_LIVED_S = 60.0  # a log stream that lived this long (or brought lines) was working
@@ -48,14 +48,16 @@ def say(message: str) -> None:
 
 
 def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Runner | None = None,
-               log=say, vm_check=None, record: str | None = None) -> dict:
+               log=say, vm_check=None, record: str | None = None,
+               checkpoint_dir: str | None = None) -> dict:
     """Run ``python -m xtrain <overrides>`` on the workers ``cfg`` names; returns the final metrics
     (and ``preempted``, with the run's ``stopped_for``, or ``stopped`` when the job did not
     finish). Raises ConfigError for bad input, LaunchError when a worker fails or cannot be
     reached. ``vm_check`` (xtrain/launcher/vm.py, Vm.check) is called whenever a worker's log
     stream ends and raises when the VM itself is gone. A refusal before the job started is a
     VmUnavailable. ``record``: where ``job_dir`` holds this command's .hydra record
-    (xtrain/config/hydra_record.py hold), accepted once worker 0 logs that its checks passed."""
+    (xtrain/config/hydra_record.py hold), accepted once worker 0 logs that its checks passed.
+    ``checkpoint_dir``: the job's checkpoint.dir (None: the run dir on its workers)."""
     t0 = time.perf_counter()
     runner = runner or Runner()
     ssh = Ssh(cfg, runner, log)
@@ -91,14 +93,11 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
         # not before_start: a start cut short may have left the job running (job.start raises
         # VmUnavailable itself where the worker refused it)
         attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log,
-                              {RUN_ID_ENV: run_id(job_dir, environ={})})
+                              identity_env(job_dir, probes, checkpoint_dir, log))
         log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
             f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
         offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
-    with open(os.path.join(job_dir, "launch.json"), "w") as f:
-        json.dump({"job": job_id, "attempt": attempt, "hosts": [w.host for w in workers],
-                   "remote_job_dir": jobs[0].dir, "remote_run_dir": run_dir(workers[0], job_id)},
-                  f, indent=1)
+    record_attempt(job_dir, job_id, attempt, workers, jobs[0].dir, run_dir(workers[0], job_id))
     watch = accepting(job_dir, record, log, seen=offsets[0])
     states = follow(jobs, job_dir, offsets, cfg, log, vm_check, watch)
     return result(workers[0], job_id, job_dir, states, log, attempt)
@@ -235,20 +234,6 @@ def job_env(cfg, worker, workers, attempt: str) -> dict[str, str]:
             **{str(k): str(v) for k, v in cfg.env.items()}}
 
 
-def resume_offset(job_dir: str, index: int, attempt: str, remote_bytes: int) -> int:
-    """Bytes of the worker's log already in the local copy, when that copy is of this attempt;
-    otherwise the local copy is started again (a new attempt, or a copy from another attempt)."""
-    path, marker = log_path(job_dir, index), log_path(job_dir, index) + ".attempt"
-    have = os.path.getsize(path) if os.path.exists(path) else 0
-    same = os.path.exists(marker) and open(marker).read().strip() == attempt
-    if same and have <= remote_bytes:
-        return have
-    open(path, "wb").close()
-    with open(marker, "w") as f:
-        f.write(attempt + "\n")
-    return 0
-
-
 def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> list[JobState]:
     """Stream every worker's log until every job ended (worker 0's lines also to ``on_line0``);
     on the first failure stop the others. Returns the final states; raises LaunchError with the
@@ -352,24 +337,6 @@ def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dic
     shown = ", ".join(f"{k} {final[k]}" for k in ("step", "loss", "val_loss") if k in final)
     log(f"launch: job {job_id} ended on every worker: {shown or 'no metrics'}")
     return final
-
-
-def keep_metrics(path: str, remote: str) -> None:
-    """The job dir's copy of rank 0's metrics.jsonl. The remote file only grows while its run dir
-    lasts; one that does not continue the copy's part from it is a new run dir (a VM recreated
-    after a preemption): it is appended to the copy, so the copy keeps the earlier attempts'
-    records (plots and xtrain.report read the last attempt's records of steps logged twice).
-    ``<path>.from`` holds where the current run dir's part of the copy begins."""
-    have = open(path).read() if os.path.exists(path) else ""
-    start = int(open(path + ".from").read()) if os.path.exists(path + ".from") else 0
-    start = start if start <= len(have) else 0  # the copy itself was replaced
-    if not remote.startswith(have[start:]):
-        have += "\n" if have and not have.endswith("\n") else ""
-        start = len(have)
-    with open(path + ".from", "w") as f:
-        f.write(str(start))
-    with open(path, "w") as f:
-        f.write(have[:start] + remote)
 
 
 def stop_job(workers, job_id: str, grace_s: float, log) -> dict:

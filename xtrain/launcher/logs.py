@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import queue
+import re
 import threading
 import time
 
@@ -13,6 +15,32 @@ _print_lock = threading.Lock()
 
 def log_path(job_dir: str, index: int) -> str:
     return os.path.join(job_dir, f"worker-{index}.log")
+
+
+# The console line of a training record (xtrain/observe/console.py, train_line).
+STEP_LINE = re.compile(rb"^step\s+(\d+)/\d+ \| loss")
+
+
+def last_logged_step(path: str) -> int | None:
+    with open(path, "rb") as f:
+        steps = [int(m.group(1)) for line in f if (m := STEP_LINE.match(line))]
+    return steps[-1] if steps else None
+
+
+def kept_aside(job_dir: str, index: int) -> str:
+    """Where worker ``index``'s log of a preempted attempt is kept: the first free
+    ``worker-<i>.preempted-<n>.log`` (a later launch of the same command numbers on)."""
+    n = 1
+    while os.path.exists(path := log_path(job_dir, index).replace(".log", f".preempted-{n}.log")):
+        n += 1
+    return path
+
+
+def furthest_logged_step(job_dir: str) -> int | None:
+    """The furthest training step worker 0's local logs (every attempt's) show."""
+    paths = [log_path(job_dir, 0), *glob.glob(log_path(job_dir, 0).replace(".log", ".preempted-*.log"))]
+    steps = [s for p in paths if os.path.exists(p) and (s := last_logged_step(p)) is not None]
+    return max(steps, default=None)
 
 
 def tail_lines(path: str, lines: int = 30) -> str:

@@ -62,13 +62,14 @@ def choose_mode(mode: WandbMode | str, environ=os.environ) -> str:
     return "offline"
 
 
-def run_id(run_dir: str, environ=os.environ) -> str:
-    """The run dir's W&B run id, created on first use: the same for every restart of the run (a
-    resumed run continues its W&B run), new once the run dir is gone. A launched job's id comes
-    from its launcher (RUN_ID_ENV) and is written to the run dir."""
+def run_id(run_dir: str, environ=os.environ, renew: bool = False) -> str:
+    """The run dir's W&B run id, created on first use (or ``renew``ed: a run that starts over):
+    the same for every restart of the run (a resumed run continues its W&B run), new once the
+    run dir is gone. A launched job's id comes from its launcher (RUN_ID_ENV) and is written to
+    the run dir."""
     fs, root = url_to_fs(f"{run_dir.rstrip('/')}/{RUN_ID_FILE}")
     given = environ.get(RUN_ID_ENV, "").strip()
-    if not given and fs.exists(root):
+    if not given and not renew and fs.exists(root):
         return fs.cat_file(root).decode().strip()
     chosen = given or secrets.token_hex(6)  # W&B ids: lowercase letters and digits
     fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
