@@ -202,6 +202,31 @@ def test_a_recreation_that_never_gets_ready_is_deleted_and_fails(gcloud, tmp_pat
     assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create", "delete"]
 
 
+def test_a_vm_deleted_by_an_unfinished_recreation_is_created_by_the_same_command(
+        gcloud, tmp_path, v6e4, monkeypatch):
+    """The quota refuses the create after the preempted VM was deleted: gcloud no longer knows the
+    name. The launcher noted the deletion, so the same command creates the VM (with
+    ``recreate``) instead of refusing an unknown name; without ``recreate`` it says what
+    happened. A name nobody deleted stays refused: a misspelling must never create a VM."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="PREEMPTED"))
+    gcloud.scenario("vm-a", creates=["quota"], states=["READY"])
+    with pytest.raises(QuotaExceeded):
+        Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=print).restore()
+    assert Vm("vm-a", fleet_cfg(tmp_path), v6e4).state() == "NOT_FOUND"
+    with pytest.raises(ConfigError, match=r"^TPU vm-a is gone: xtrain deleted it at 20\d\d-.* to "
+                                          r"recreate it, and did not create it again .*; "
+                                          r"hydra.launcher.recreate=true creates it$"):
+        fleet.check_known(Vm("vm-a", fleet_cfg(tmp_path, recreate=False), v6e4), recreate=False)
+    with pytest.raises(ConfigError, match="gcloud does not know TPU vm-b"):
+        fleet.check_known(Vm("vm-b", fleet_cfg(tmp_path), v6e4), recreate=True)
+
+    monkeypatch.setattr(fleet, "launch_job", lambda *args, **kwargs: {"step": 40, "loss": 1.25})
+    job = fleet.Job(fleet_cfg(tmp_path), v6e4, [], "run", str(tmp_path / "job"))
+    assert fleet.run_on_vm(job, log=print)["step"] == 40
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create", "create"]
+    assert Vm("vm-a", fleet_cfg(tmp_path), v6e4).deleted_at() is None  # a VM again: note gone
+
+
 def test_a_recreation_goes_on_through_a_describe_gcloud_fails(gcloud, tmp_path, v6e4):
     """The stand-in's describe fails once while the new VM comes up, as gcloud does when it
     cannot refresh its auth token: the recreation asks again (one create, no second delete) and

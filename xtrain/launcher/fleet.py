@@ -270,9 +270,19 @@ def check_recreate(cfg, hardware, checkpoint_dir: str | None) -> None:
 
 
 def check_known(vm: Vm, recreate: bool) -> None:
-    """Refuse a VM gcloud does not know (a misspelt name must never create a VM), or one of
-    another type; without ``recreate``, one that is not READY."""
+    """Refuse a VM gcloud does not know (a misspelt name must never create a VM) unless xtrain
+    deleted it for a recreation it did not finish (Vm.deletion_mark: created again with
+    ``recreate``), or one of another type; without ``recreate``, one that is not READY."""
     found = vm.describe()
+    deleted = vm.deleted_at() if found is None else None
+    if found is not None:  # created since, by hand maybe: the note is over
+        vm.deletion_mark.unlink(missing_ok=True)
+    if deleted and recreate:  # xtrain deleted it for a recreation it did not finish: created now
+        return
+    if deleted:
+        raise ConfigError(f"{vm} is gone: xtrain deleted it at {deleted} to recreate it, and did "
+                          "not create it again (no capacity in time, or the launch stopped); "
+                          "hydra.launcher.recreate=true creates it")
     if found is None:
         raise ConfigError(f"gcloud does not know {vm} in {vm.cfg.zone}"
                           + (" (queued resource)" if vm.cfg.queued else ""))

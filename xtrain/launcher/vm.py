@@ -5,6 +5,7 @@ state tables (:func:`vm_health`: usable, coming up by itself, or down), and its 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from xtrain.launcher.gcloud import Gcloud, NoCapacity
 from xtrain.launcher.launch import say
@@ -66,6 +67,27 @@ class Vm:
 
     def __repr__(self) -> str:
         return f"TPU {self.name}"
+
+    @property
+    def deletion_mark(self) -> Path:
+        """Where the launcher notes this VM while it is deleted for a recreation and not created
+        again (no capacity in time, or the launch stopped): gcloud then no longer knows the name,
+        and the note tells a later launch that it names a VM xtrain deleted, not a misspelling.
+        Kept beside xtrain's known_hosts."""
+        where = f"{self.cfg.project or 'default'}.{self.cfg.zone}.{self.name}"
+        return Path(self.cfg.known_hosts).expanduser().parent / "deleted-tpus" / where
+
+    def deleted_at(self) -> str | None:
+        """When xtrain deleted the VM and has not created it since (the note's time), else None."""
+        try:
+            return self.deletion_mark.read_text().strip() or "an unknown time"
+        except OSError:
+            return None
+
+    def _delete(self) -> None:
+        self.deletion_mark.parent.mkdir(parents=True, exist_ok=True)
+        self.deletion_mark.write_text(time.strftime("%Y-%m-%d %H:%M:%S %Z") + "\n")
+        self.gcloud.delete(self.name, self.cfg.zone, self.cfg.project, self.cfg.queued)
 
     def describe(self) -> dict | None:
         return self.gcloud.find(self.name, self.cfg.zone, self.cfg.project, self.cfg.queued)
@@ -180,7 +202,7 @@ class Vm:
                      else ("ready_timeout_s", cfg.ready_timeout_s))
             if waited > limit[1]:
                 if created:  # a VM nobody uses would run up its cost unattended
-                    self.gcloud.delete(self.name, cfg.zone, cfg.project, cfg.queued)
+                    self._delete()
                 raise LaunchError(f"{self} is still {state} after {clock(waited)} "
                                   f"(hydra.launcher.{limit[0]}={limit[1]:g})")
             if health == PENDING or state in ("DELETING", "SUSPENDING"):  # on its way up, or out
@@ -188,7 +210,7 @@ class Vm:
                 continue
             if state != NOT_FOUND:
                 self.log(f"fleet: {self} is {state}: deleting it")
-                self.gcloud.delete(self.name, cfg.zone, cfg.project, cfg.queued)
+                self._delete()
                 if created:  # it failed on its way up: the zone has no capacity for it
                     backoff = self._wait_for_capacity(state, backoff, lost_so_far)
                 continue
@@ -200,6 +222,7 @@ class Vm:
                 created = True
             except NoCapacity as e:
                 backoff = self._wait_for_capacity(str(e), backoff, lost_so_far)
+        self.deletion_mark.unlink(missing_ok=True)  # READY: the name is a VM again
         if not created:  # the same VM, waited for or never down (a notice's stop): same keys
             if was_down:
                 self.log(f"fleet: {self} is READY again after {clock(time.monotonic() - t0)}; "
