@@ -175,6 +175,13 @@ def test_relaunching_an_unchanged_tree_copies_nothing_and_installs_nothing(remot
     first = run_xtrain(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     root = remote.root(HOSTS[0])
+    # the worker's tree has no .git: its run records the commit of the checkout it came from
+    (code,) = (root / "runs" / "e2e-again" / "repro").glob("*/code.json")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    facts = json.loads(code.read_text())
+    assert facts["git"] and facts["commit"] == head and facts["root"] == str(ROOT)
+    assert facts["synced_to"] == str(root / "code")
     code, venv = tree_snapshot(root / "code"), tree_snapshot(root / "venv")
     second = run_xtrain(*args, cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -212,6 +212,34 @@ def test_code_files_are_tracked_and_untracked_not_ignored_minus_secrets_and_data
     assert "+ /pkg/\n" in rules and "+ /pkg/mod.py\n" in rules and rules.endswith("- *\n")
 
 
+def test_the_code_record_a_launch_sends_is_the_checkouts_state_masked(tmp_path, monkeypatch):
+    """The workers get no .git: the launcher sends its checkout's commit and diff, and the
+    bundle's code.json of the synced tree reads them. A secret in the diff (a line removed from a
+    file, which the sync's own check of the files cannot see) is masked before it leaves."""
+    from xtrain.launcher.sync import code_record
+    from xtrain.observe.bundle import SYNCED_CODE_RECORD, code_state
+
+    root = git_tree(tmp_path / "repo")
+    commit = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    leaked = "0f1e2d3c4b5a6978" + "8796a5b4c3d2e1f0a1b2c3d4"  # (in pieces: this file is synced)
+    (root / "pkg/run.sh").write_text(f"export WANDB_API_KEY={leaked}\necho go\n")
+    subprocess.run(["git", "-C", str(root), "add", "pkg/run.sh"], check=True)
+    subprocess.run(commit + ["commit", "-qm", "init"], check=True)
+    (root / "pkg/run.sh").write_text("echo go\n")  # the key removed: only the diff still has it
+    code_files(root, Runner())  # the synced files hold no secret
+    record = code_record(root)
+    assert leaked not in record
+    synced = tmp_path / "worker-code"
+    (synced / "xtrain").mkdir(parents=True)
+    (synced / SYNCED_CODE_RECORD).write_text(record)
+    facts, diff = code_state(synced / "xtrain")  # no git tree there: the record
+    head = subprocess.run(commit + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert facts["git"] and facts["commit"] == head.strip() and facts["dirty"]
+    assert facts["changed"] == ["pkg/run.sh"] and facts["synced_to"] == str(synced)
+    assert "-export WANDB_API_KEY=***" in diff and "+echo go" not in diff  # (the line unchanged)
+    assert code_state(tmp_path / "elsewhere")[0]["git"] is False  # no record there either
+
+
 @pytest.mark.parametrize("rel, text, why", [
     # a service account key as Google names its download (private key shortened; key headers are
     # spelled in pieces, as this file is synced too)

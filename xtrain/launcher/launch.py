@@ -33,7 +33,7 @@ from xtrain.launcher.jobdir import identity_env, keep_metrics, record_attempt, r
 from xtrain.launcher.logs import LogStream, log_path, tail_lines
 from xtrain.launcher.runner import LaunchError, Runner, VmUnavailable
 from xtrain.launcher.ssh import Ssh
-from xtrain.launcher.sync import code_files, source_root, sync
+from xtrain.launcher.sync import code_files, code_record, send_code_record, source_root, sync
 from xtrain.launcher.targets import resolve_targets
 from xtrain.launcher.worker import Worker
 from xtrain.observe.plots import parse_records
@@ -65,6 +65,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     secret_values = job_secrets.collect(cfg.secrets)
     root = source_root(cfg.source)
     files = code_files(root, runner, cfg.exclude, cfg.max_file_mb)
+    record = code_record(root)
     spec = EnvSpec(cfg.base_python or f"python{hardware.python}",
                    tuple(requirements(root, hardware.pins)), tuple(cfg.pip_args), cfg.install)
     workers = [Worker(t, ssh, cfg.remote_dir, cfg.venv)
@@ -87,7 +88,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
             raise VmUnavailable("another xtrain job is running there: " + "; ".join(busy) +
                                 " (stop it with its own command plus hydra.launcher.stop=true)")
         with before_start():
-            done = parallel(lambda w: prepare(w, root, files, spec, probes[w.index]), workers)
+            done = parallel(lambda w: prepare(w, root, files, record, spec, probes[w.index]), workers)
         for w, (sent, env_state) in zip(workers, done):
             log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
         # not before_start: a start cut short may have left the job running (job.start raises
@@ -197,8 +198,9 @@ def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, lo
     return attempt
 
 
-def prepare(worker, root, files, spec, probe) -> tuple[list[str], str]:
+def prepare(worker, root, files, record: str, spec, probe) -> tuple[list[str], str]:
     sent = sync(worker.ssh, worker.host, root, files, worker.code)
+    send_code_record(worker.ssh, worker.host, worker.code, record)
     return sent, ensure_env(worker, spec, probe.stamp, probe.lacks)
 
 

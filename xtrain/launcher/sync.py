@@ -12,15 +12,20 @@ holds a secret, whatever its name.
 
 from __future__ import annotations
 
+import base64
 import fnmatch
+import json
 import os
 import re
+import shlex
 import tempfile
+import textwrap
 from pathlib import Path
 
 from xtrain.config.secrets import forbidden_values, is_secret_name, secret_in_text
 from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError
+from xtrain.observe.bundle import SYNCED_CODE_RECORD, code_state, mask_secrets
 
 # Matched against every component of a file's path (and so against whole directories).
 ALWAYS_EXCLUDED = (
@@ -108,10 +113,11 @@ def excluded(rel: str, patterns) -> bool:
 
 def filter_rules(files: list[str]) -> str:
     """rsync filter rules that admit exactly ``files`` (and their directories). With
-    --delete-excluded, anything else on the worker is deleted, except bytecode caches.
+    --delete-excluded, anything else on the worker is deleted, except bytecode caches and the
+    code record (send_code_record).
     rsync checks rules in order per file, so a tree of 10,000 files costs about a second."""
     dirs = sorted({str(p) for f in files for p in Path(f).parents if str(p) != "."})
-    rules = (["P __pycache__/"] + [f"+ /{_literal(d)}/" for d in dirs]
+    rules = (["P __pycache__/", f"P /{SYNCED_CODE_RECORD}"] + [f"+ /{_literal(d)}/" for d in dirs]
              + [f"+ /{_literal(f)}" for f in files] + ["- *"])
     return "\n".join(rules) + "\n"
 
@@ -123,6 +129,25 @@ def _literal(path: str) -> str:
     if not any(c in path for c in "*?["):
         return path
     return re.sub(r"([\\*?\[])", r"\\\1", path)
+
+
+def code_record(root: Path) -> str:
+    """The checkout's code_state (commit, changed files, ``git diff HEAD``) for the workers, whose
+    synced tree has no .git: masked here, as the bundle masks it, so no secret leaves with it."""
+    facts, diff = code_state(root)
+    return json.dumps({"facts": mask_secrets(facts), "diff": mask_secrets(diff)})
+
+
+def send_code_record(ssh, host: str, dest: str, record: str) -> None:
+    """Write ``record`` beside the synced code (after the sync, which deletes what it did not
+    send), base64 in a here-document: a diff may hold any line."""
+    data = "\n".join(textwrap.wrap(base64.b64encode(record.encode()).decode(), 76))
+    path = shlex.quote(f"{dest}/{SYNCED_CODE_RECORD}")
+    r = ssh.run(host, f"base64 -d > {path}.tmp <<'END'\n{data}\nEND\n"  # unchanged: left as is
+                f"if cmp -s {path}.tmp {path}; then rm {path}.tmp; else mv {path}.tmp {path}; fi\n",
+                "code record")
+    if not r.ok:
+        raise LaunchError(f"{host}: could not write {path}: {r.stderr.strip()[-500:]}")
 
 
 def sync(ssh, host: str, root: Path, files: list[str], dest: str) -> list[str]:

@@ -76,10 +76,22 @@ def source_git_root(source: Path | None = None) -> Path | None:
         return None
 
 
+# Beside the code a launcher synced (without .git): the launching checkout's code_state, masked
+# (xtrain/launcher/sync.py send_code_record), so a launched run records which code it ran.
+SYNCED_CODE_RECORD = ".xtrain-code.json"
+
+
 def code_state(source: Path | None = None) -> tuple[dict, str]:
     """(facts, diff) of the code that runs: commit, changed and untracked files and ``git diff
-    HEAD`` in a git tree; the installed version otherwise."""
+    HEAD`` in a git tree; in code a launcher synced, those of the checkout it synced from; the
+    installed version otherwise."""
     root = source_git_root(source)
+    tree = (source or Path(__file__).resolve().parents[1]).resolve()
+    synced = next((p / SYNCED_CODE_RECORD for p in (tree, tree.parent)  # the package's tree
+                   if (p / SYNCED_CODE_RECORD).is_file()), None) if root is None else None
+    if synced is not None:
+        record = json.loads(synced.read_text())
+        return {**record["facts"], "synced_to": str(synced.parent)}, record["diff"]
     if root is None:
         try:
             version = metadata.version("xtrain")
