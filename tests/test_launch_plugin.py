@@ -409,6 +409,15 @@ def test_a_big_file_is_refused_before_anything_is_copied(tmp_path):
     (root / "weights.bin").write_bytes(b"\0" * (3 * 2**20))
     with pytest.raises(ConfigError, match=r"weights.bin is 3 MB .*max_file_mb=2"):
         code_files(root, Runner(), max_file_mb=2)
+    # many files under max_file_mb: their total counts too, the folder holding most named
+    (root / "weights.bin").unlink()
+    for i in range(6):
+        (root / "data" / "shards").mkdir(parents=True, exist_ok=True)
+        (root / "data" / "shards" / f"shard{i}.bin").write_bytes(b"\0" * 2**20)
+    assert len(code_files(root, Runner(), max_file_mb=2, max_total_mb=7)) == 9
+    with pytest.raises(ConfigError, match=r"^the files to sync come to 6 MB \(hydra.launcher."
+                                          r"max_total_mb=5\), most in data/ \(6 MB\), "):
+        code_files(root, Runner(), max_file_mb=2, max_total_mb=5)
 
 
 def test_requirements_are_the_dependencies_with_the_profile_pins(compose_config):

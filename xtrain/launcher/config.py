@@ -62,6 +62,8 @@ class LauncherConfig:
     exclude: list[str] = field(default_factory=list)  # more glob patterns never synced
     # a bigger file is refused: data does not belong in the code
     max_file_mb: float = limits(20.0, gt=0)
+    # files to sync bigger than this together are refused too (many small data files)
+    max_total_mb: float = limits(200.0, gt=0)
 
     # Job control
     # MASTER_PORT; MASTER_ADDR is worker 0's internal address

@@ -64,7 +64,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     ssh.check_local()
     secret_values = job_secrets.collect(cfg.secrets)
     root = source_root(cfg.source)
-    files = code_files(root, runner, cfg.exclude, cfg.max_file_mb)
+    files = code_files(root, runner, cfg.exclude, cfg.max_file_mb, cfg.max_total_mb)
     record = code_record(root)
     spec = EnvSpec(cfg.base_python or f"python{hardware.python}",
                    tuple(requirements(root, hardware.pins)), tuple(cfg.pip_args), cfg.install)

@@ -5,7 +5,8 @@ deleted locally is deleted on the worker, so a removed module cannot linger ther
 Never synced, whatever git says: .git, virtual environments, run outputs, caches, dotenv, key and
 credential files (and folders such as .ssh and .aws), secret-named files (``WANDB_API_KEY.txt``;
 not code or configs such as ``auth.py``), pickles, checkpoints and data formats (``ALWAYS_EXCLUDED``, matched
-whatever the case); a file over ``max_file_mb`` is refused before
+whatever the case); a file over ``max_file_mb`` (or files over ``max_total_mb`` together) is
+refused before
 anything is copied, because data does not belong in the code tree, and so is one whose text
 holds a secret, whatever its name.
 """
@@ -57,7 +58,8 @@ def source_root(source: str | None) -> Path:
     return root.resolve()
 
 
-def code_files(root: Path, runner, exclude=(), max_file_mb: float = 20.0) -> list[str]:
+def code_files(root: Path, runner, exclude=(), max_file_mb: float = 20.0,
+               max_total_mb: float = 200.0) -> list[str]:
     """Relative paths to sync: tracked plus untracked-not-ignored, minus the exclusions."""
     r = runner.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
                     "--exclude-standard"], label="git ls-files")
@@ -75,8 +77,27 @@ def code_files(root: Path, runner, exclude=(), max_file_mb: float = 20.0) -> lis
                               "data does not belong in the synced code; git-ignore it or add it "
                               "to hydra.launcher.exclude")
         files.append(rel)
+    check_total(root, files, max_total_mb)
     check_no_secrets(root, files)
     return files
+
+
+def check_total(root: Path, files: list[str], max_total_mb: float) -> None:
+    """Refuse files that together outgrow ``max_total_mb``, naming the folders that hold most."""
+    sizes = {rel: (root / rel).stat().st_size for rel in files}
+    total = sum(sizes.values()) / 2**20
+    if total <= max_total_mb:
+        return
+    by_folder: dict[str, int] = {}
+    for rel, size in sizes.items():
+        folder = rel.split("/", 1)[0] + "/" if "/" in rel else rel
+        by_folder[folder] = by_folder.get(folder, 0) + size
+    biggest = sorted(by_folder.items(), key=lambda kv: -kv[1])[:3]
+    raise ConfigError(f"the files to sync come to {total:.0f} MB (hydra.launcher.max_total_mb="
+                      f"{max_total_mb:g}), most in " + ", ".join(
+                          f"{name} ({size / 2**20:.0f} MB)" for name, size in biggest)
+                      + ": data does not belong in the synced code; git-ignore it or add it to "
+                      "hydra.launcher.exclude")
 
 
 def check_no_secrets(root: Path, files: list[str]) -> None:
