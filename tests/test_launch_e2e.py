@@ -6,6 +6,7 @@ cannot be reached from here."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -170,11 +171,39 @@ def tree_snapshot(root: Path) -> dict:
             for p in root.rglob("*") if p.is_file()}
 
 
-def test_relaunching_an_unchanged_tree_copies_nothing_and_installs_nothing(remote, tmp_path):
+def test_two_launches_at_once_start_the_job_once_and_an_unchanged_relaunch_copies_nothing(
+        remote, tmp_path):
+    """Two launches of one command at the same moment: the worker's launch lock (held here by
+    the test first, so that both reach it) lets one place the job; the other waits, then finds
+    it started and follows it. Each ends with the job's result. Then the same command again, the
+    tree unchanged, copies and installs nothing."""
     args = TINY + ["trainer.max_steps=2", "run.name=e2e-again"] + remote.overrides()
-    first = run_xtrain(*args, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
     root = remote.root(HOSTS[0])
+    root.mkdir(parents=True, exist_ok=True)
+    launches = []
+    with open(root / "launch.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            out = open(tmp_path / f"{name}.out", "w")
+            launches.append(subprocess.Popen(xtrain_argv(*args), cwd=tmp_path / name, env=cli_env(),
+                                             stdout=out, stderr=subprocess.STDOUT, text=True))
+        wait_for(lambda: all("another launch is placing a job there: waiting for it" in
+                             (tmp_path / f"{n}.out").read_text() for n in "ab"),
+                 timeout=240, what="both launches at the lock")
+    assert [p.wait(timeout=600) for p in launches] == [0, 0], [
+        (tmp_path / f"{n}.out").read_text()[-3000:] for n in "ab"]
+    outputs = [(tmp_path / f"{n}.out").read_text() for n in "ab"]
+    reattached = [bool(re.search(r"^launch: job e2e-again \(attempt \S+\) is already on the "
+                                 r"workers: reattaching$", o, re.M)) for o in outputs]
+    assert sorted(reattached) == [False, True]
+    for name in "ab":  # each command's .hydra record accepted once the worker's checks passed
+        local = local_job_dir(tmp_path / name, "e2e-again")
+        assert "run.name=e2e-again" in (local / ".hydra" / "overrides.yaml").read_text()
+    assert len((job_dir(remote, "e2e-again") / "starts").read_text().splitlines()) == 1
+    final = [json.loads((local_job_dir(tmp_path / n, "e2e-again") / "result.json").read_text())
+             for n in "ab"]
+    assert final[0]["loss"] == final[1]["loss"] and final[0]["step"] == 2
     # the worker's tree has no .git: its run records the commit of the checkout it came from
     (code,) = (root / "runs" / "e2e-again" / "repro").glob("*/code.json")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
@@ -183,7 +212,7 @@ def test_relaunching_an_unchanged_tree_copies_nothing_and_installs_nothing(remot
     assert facts["git"] and facts["commit"] == head and facts["root"] == str(ROOT)
     assert facts["synced_to"] == str(root / "code")
     code, venv = tree_snapshot(root / "code"), tree_snapshot(root / "venv")
-    second = run_xtrain(*args, cwd=tmp_path)
+    second = run_xtrain(*args, cwd=tmp_path / "a")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "0 file(s) synced, environment unchanged" in second.stdout
     assert tree_snapshot(root / "code") == code and tree_snapshot(root / "venv") == venv

@@ -35,7 +35,7 @@ from xtrain.launcher.runner import LaunchError, Runner, VmUnavailable
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.sync import code_files, code_record, send_code_record, source_root, sync
 from xtrain.launcher.targets import resolve_targets
-from xtrain.launcher.worker import Worker
+from xtrain.launcher.worker import Worker, launch_lock
 from xtrain.observe.plots import parse_records
 from xtrain.observe.preemptions import ATTEMPT, NOTICE
 
@@ -65,7 +65,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     secret_values = job_secrets.collect(cfg.secrets)
     root = source_root(cfg.source)
     files = code_files(root, runner, cfg.exclude, cfg.max_file_mb, cfg.max_total_mb)
-    record = code_record(root)
+    code = code_record(root)
     spec = EnvSpec(cfg.base_python or f"python{hardware.python}",
                    tuple(requirements(root, hardware.pins)), tuple(cfg.pip_args), cfg.install)
     workers = [Worker(t, ssh, cfg.remote_dir, cfg.venv)
@@ -75,29 +75,34 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     if cfg.stop:  # on every worker that answers
         return stop_job(workers, job_id, cfg.stop_grace_s, log)
     with before_start():
-        probes = parallel(lambda w: w.probe(job_id), workers)
-    jobs = [RemoteJob(w, job_id) for w in workers]
-    if reattachable(jobs, probes, overrides, run_name, log):  # whatever else runs there
-        attempt = next(p.job.attempt for p in probes if p.job.attempt)
-        log(f"launch: job {job_id} (attempt {attempt}) is already on the workers: reattaching")
-        offsets = [resume_offset(job_dir, w.index, attempt, p.job.log_bytes)
-                   for w, p in zip(workers, probes)]
-    else:
-        busy = [f"{w}: {b}" for w, p in zip(workers, probes) for b in p.busy]
-        if busy:
-            raise VmUnavailable("another xtrain job is running there: " + "; ".join(busy) +
-                                " (stop it with its own command plus hydra.launcher.stop=true)")
+        parallel(lambda w: w.probe(job_id), workers)  # reaches them, knows their dirs
+    with launch_lock(workers, log):  # to the start: no other launch places a job in between
         with before_start():
-            done = parallel(lambda w: prepare(w, root, files, record, spec, probes[w.index]), workers)
-        for w, (sent, env_state) in zip(workers, done):
-            log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
-        # not before_start: a start cut short may have left the job running (job.start raises
-        # VmUnavailable itself where the worker refused it)
-        attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log,
-                              identity_env(job_dir, probes, checkpoint_dir, log))
-        log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
-            f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f {log_path(job_dir, 0)}")
-        offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
+            probes = parallel(lambda w: w.probe(job_id), workers)
+        jobs = [RemoteJob(w, job_id) for w in workers]
+        if reattachable(jobs, probes, overrides, run_name, log):  # whatever else runs there
+            attempt = next(p.job.attempt for p in probes if p.job.attempt)
+            log(f"launch: job {job_id} (attempt {attempt}) is already on the workers: reattaching")
+            offsets = [resume_offset(job_dir, w.index, attempt, p.job.log_bytes)
+                       for w, p in zip(workers, probes)]
+        else:
+            busy = [f"{w}: {b}" for w, p in zip(workers, probes) for b in p.busy]
+            if busy:
+                raise VmUnavailable("another xtrain job is running there: " + "; ".join(busy) +
+                                    " (stop it with its own command plus hydra.launcher.stop=true)")
+            with before_start():
+                done = parallel(lambda w: prepare(w, root, files, code, spec, probes[w.index]),
+                                workers)
+            for w, (sent, env_state) in zip(workers, done):
+                log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
+            # not before_start: a start cut short may have left the job running (job.start raises
+            # VmUnavailable itself where the worker refused it)
+            attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log,
+                                  identity_env(job_dir, probes, checkpoint_dir, log))
+            log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
+                f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f "
+                f"{log_path(job_dir, 0)}")
+            offsets = [resume_offset(job_dir, w.index, attempt, 0) for w in workers]
     record_attempt(job_dir, job_id, attempt, workers, jobs[0].dir, run_dir(workers[0], job_id))
     watch = accepting(job_dir, record, log, seen=offsets[0])
     states = follow(jobs, job_dir, offsets, cfg, log, vm_check, watch)
@@ -198,9 +203,9 @@ def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, lo
     return attempt
 
 
-def prepare(worker, root, files, record: str, spec, probe) -> tuple[list[str], str]:
+def prepare(worker, root, files, code: str, spec, probe) -> tuple[list[str], str]:
     sent = sync(worker.ssh, worker.host, root, files, worker.code)
-    send_code_record(worker.ssh, worker.host, worker.code, record)
+    send_code_record(worker.ssh, worker.host, worker.code, code)
     return sent, ensure_env(worker, spec, probe.stamp, probe.lacks)
 
 

@@ -38,7 +38,8 @@ def kept_aside(job_dir: str, index: int) -> str:
 
 def furthest_logged_step(job_dir: str) -> int | None:
     """The furthest training step worker 0's local logs (every attempt's) show."""
-    paths = [log_path(job_dir, 0), *glob.glob(log_path(job_dir, 0).replace(".log", ".preempted-*.log"))]
+    latest = log_path(job_dir, 0)
+    paths = [latest, *glob.glob(latest.replace(".log", ".preempted-*.log"))]
     steps = [s for p in paths if os.path.exists(p) and (s := last_logged_step(p)) is not None]
     return max(steps, default=None)
 

@@ -58,11 +58,12 @@ class Runner:
                           label))
         return result
 
-    def stream(self, argv: list[str], label: str = "") -> subprocess.Popen:
+    def stream(self, argv: list[str], label: str = "",
+               stdin=subprocess.DEVNULL) -> subprocess.Popen:
         """A long-running command whose stdout is read as it comes (a worker's log)."""
         self._record(Call(list(argv), 0.0, None, False, label))
         # stderr is dropped: a stream that ends is followed by a poll, which reports the cause
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL)
 
     def _record(self, call: Call) -> None:

@@ -18,6 +18,7 @@ import getpass
 import hashlib
 import os
 import shlex
+import subprocess
 import tempfile
 import time
 
@@ -138,6 +139,12 @@ class Ssh:
     def stream(self, host: str, command: str, label: str):
         """A long-running remote command (no secrets in it) whose output is read as it comes."""
         return self.runner.stream(["ssh", *self.options(), self.destination(host), command], label)
+
+    def hold(self, host: str, command: str, label: str):
+        """A remote command (no secrets in it) that lives while its stdin, a pipe the caller
+        holds, stays open: closed by the caller or by the caller's end, whatever that is."""
+        return self.runner.stream(["ssh", *self.options(), self.destination(host), command], label,
+                                  stdin=subprocess.PIPE)
 
     def retrying(self, host: str, attempt) -> Result:
         """Call ``attempt()`` (an ssh or rsync invocation) until it reaches the host."""

@@ -3,15 +3,25 @@ single call what is there (home, tools, the environment's stamp, this job's stat
 
 from __future__ import annotations
 
+import contextlib
 import shlex
+import subprocess
 from dataclasses import dataclass, field
 
 from xtrain.launcher.env import STAMP, SYSTEM_TOOLS
 from xtrain.launcher.job import STATE_SH, JobState
-from xtrain.launcher.runner import LaunchError
+from xtrain.launcher.runner import LaunchError, VmUnavailable
 
 q = shlex.quote
-TOOLS = ("bash", "rsync", "setsid", "tail", "find", "ps", "awk")
+TOOLS = ("bash", "rsync", "setsid", "tail", "find", "ps", "awk", "flock")
+
+# Holds the worker's launch lock (util-linux flock on <remote dir>/launch.lock) while stdin stays
+# open; says "busy" first when another launch holds it, "locked" once this one does.
+LOCK_SH = """exec 9>>"$root/launch.lock" || exit 1
+flock -n 9 || { echo busy; flock 9; }
+echo locked
+exec cat > /dev/null
+"""
 
 
 @dataclass
@@ -72,6 +82,45 @@ class Worker:
         self.code = self.root + "/code"
         return Probe(values.get("stamp", [None])[0], JobState.parse(values["job"][0]),
                      values.get("busy", []), values.get("ended", []), values.get("lacks", []))
+
+    def hold_lock(self, log):
+        """Take this worker's launch lock (after a probe: the connection and flock are known to
+        work); returns the ssh process that holds it until its stdin is closed."""
+        script = f"root={q(self.root)}\n{LOCK_SH}"
+        proc = self.ssh.hold(self.host, "bash -c " + q(script), "lock")
+        line = proc.stdout.readline()
+        if line == b"busy\n":
+            log(f"launch: {self}: another launch is placing a job there: waiting for it")
+            line = proc.stdout.readline()
+        if line != b"locked\n":
+            proc.kill()
+            proc.wait()
+            raise VmUnavailable(f"{self}: could not take {self.root}/launch.lock "
+                              f"({line.decode(errors='replace').strip() or 'the connection ended'})")
+        return proc
+
+
+@contextlib.contextmanager
+def launch_lock(workers, log):
+    """Every worker's launch lock, held from the probe the job's placement is decided by to its
+    start: a second launch at the same moment waits, then probes and finds the job started
+    (reattaching to it) or the worker busy, instead of syncing, installing and starting it a
+    second time over the first. Taken in one order (by host) by every launch: no deadlock. A
+    remote ``cat`` of the ssh session's stdin holds it, so however the launcher ends, the session
+    closes and the lock is released."""
+    holders = []
+    try:
+        for worker in sorted(workers, key=lambda w: w.host):
+            holders.append(worker.hold_lock(log))
+        yield
+    finally:
+        for proc in holders:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _shell_path(path: str) -> str:
