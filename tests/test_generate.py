@@ -180,6 +180,23 @@ def test_mode_sample_refuses_a_bad_checkpoint_before_building_anything(tmp_path,
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # no log, no record left
 
 
+def test_a_sample_sweep_that_finds_no_checkpoint_says_why_a_sweep_does_not(tmp_path):
+    """A sweep's jobs read their own dirs, named with the sweep's mode: a sample sweep after a
+    training sweep finds nothing there, and the refusal says why and what to give instead."""
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *TINY, "mode=sample",
+                        "optim.matrix_lr=0.01,0.02"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("xtrain: input error: mode=sample: no committed checkpoint in "
+                           f"{tmp_path}/multirun/"), line
+    assert line.endswith("/checkpoints (a sweep's job reads the checkpoints of its own dir, and a "
+                         "sweep's mode and sample settings are in its dirs' names: a sweep of "
+                         "this mode does not find a training sweep's checkpoints; give each job "
+                         "checkpoint.resume=PATH, such as multirun/<training sweep>/<job>/"
+                         "checkpoints/step_N)"), line
+
+
 def test_mode_sample_refuses_a_prompt_longer_than_the_context(trained_run):
     r = _sample(trained_run, "sample.max_tokens=200")
     assert r.returncode == 2

@@ -6,6 +6,7 @@ then run its ``mode``. Heavy libraries are imported only by the modes that need 
 from __future__ import annotations
 
 import logging
+import os
 
 from xtrain.config import Engine, Mode, sample_prompts
 from xtrain.config.hydra_record import hold, released_on_error, writes_record
@@ -151,8 +152,13 @@ def checkpoint_to_read(cfg, run_dir: str) -> str:
     directory = checkpoint_dir(cfg, run_dir)
     path = newest_intact(directory)  # checked as loadable on the way (missing_tensors)
     if path is None:
-        raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} "
-                         "(train this run first, or set checkpoint.resume=PATH)")
+        in_sweep = os.path.exists(os.path.join(os.path.dirname(run_dir), "multirun.yaml"))
+        raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} " + (
+            "(a sweep's job reads the checkpoints of its own dir, and a sweep's mode and sample "
+            "settings are in its dirs' names: a sweep of this mode does not find a training "
+            "sweep's checkpoints; give each job checkpoint.resume=PATH, such as multirun/"
+            "<training sweep>/<job>/checkpoints/step_N)" if in_sweep and not cfg.checkpoint.dir
+            else "(train this run first, or set checkpoint.resume=PATH)"))
     return path
 
 
