@@ -511,10 +511,13 @@ def cli(*args, env=None, tmp_path):
 
 @pytest.mark.parametrize("case", ["local checkpoints", "unknown pool entry", "pod profile in a pool",
                                   "unknown tpu", "a login key ssh-keygen cannot read", "no target",
-                                  "no gcloud", "secret in the job's env"])
+                                  "no gcloud", "secret in the job's env", "gcloud cannot answer"])
 def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path, case):
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
     gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [("10.0.0.6", HOSTS[1])]))
+    # every describe fails, as gcloud's does when it cannot refresh its auth token
+    gcloud.add({**tpu_node("vm-c", ZONE, "v6e-4", [("10.0.0.7", HOSTS[0])]),
+                "x-states": ["ANSWERLESS"]})
     remote = tmp_path / "remote"
     identity = fleet_cfg(tmp_path).identity_file  # a placeholder pair: never used to log in
     if case == "no target":  # said before the missing key
@@ -544,6 +547,11 @@ def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path,
     elif case == "pod profile in a pool":
         multirun, args = ["-m"], ["hardware=v4_32", "hydra.launcher.pool=[vm-a,vm-b]"]
         expected = "pools are single-host TPU VMs"
+    elif case == "gcloud cannot answer":  # refused (exit 2) with recreate as without it
+        args = ["hardware=v6e4", "hydra.launcher.tpu=vm-c", "hydra.launcher.recreate=true",
+                "checkpoint.dir=gs://bucket/ckpt"]
+        expected = (f"gcloud could not describe TPU 'vm-c' in {ZONE}: ERROR: (gcloud.compute.tpus."
+                    "tpu-vm.describe) There was a problem refreshing your current auth tokens")
     elif case == "unknown tpu":
         args = ["hardware=v6e4", "hydra.launcher.tpu=vm-typo", "hydra.launcher.recreate=true",
                 "checkpoint.dir=gs://bucket/ckpt"]

@@ -310,17 +310,24 @@ def test_a_jobs_result_says_why_only_this_attempt_stopped(tmp_path):
              "attempt": "a2"}]
     stopped = [JobState("exited", 143, False, None, 0, None)]
 
+    said = []
+
     def folded(attempt: str, upto: int = len(rows)) -> dict:
         metrics = "".join(json.dumps(r) + "\n" for r in rows[:upto])  # `cat metrics.jsonl`
         worker0 = SimpleNamespace(root="/remote", run=lambda *args: SimpleNamespace(stdout=metrics))
-        return result(worker0, "run", str(tmp_path), stopped, lambda m: None, attempt)
+        return result(worker0, "run", str(tmp_path), stopped, said.append, attempt)
 
     assert folded("a2")["stopped_for"] == "signal"
+    assert said[0] == ("launch: the job stopped at a signal (exit 143) after its checkpoint; run "
+                       "the same command to resume")
     assert folded("a1", upto=2)["stopped_for"] == "notice"
     # a third start killed before it trained: neither earlier stop is its own
     third = folded("a3")
     assert (third["preempted"], third["step"], third["loss"]) == (True, 9, 2.5)
     assert "stopped_for" not in third and "stop_reason" not in third
+    assert ("launch: the job was stopped (exit 143) before this start saved a checkpoint (a signal "
+            "while it started up); run the same command to go on from its newest checkpoint, if it "
+            "has one") in said[-2:]
 
 
 def test_the_job_dirs_metrics_keep_the_attempts_of_a_vm_that_was_recreated(tmp_path):

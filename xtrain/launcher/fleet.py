@@ -273,7 +273,10 @@ def check_known(vm: Vm, recreate: bool) -> None:
     """Refuse a VM gcloud does not know (a misspelt name must never create a VM) unless xtrain
     deleted it for a recreation it did not finish (Vm.deletion_mark: created again with
     ``recreate``), or one of another type; without ``recreate``, one that is not READY."""
-    found = vm.describe()
+    try:
+        found = vm.describe()
+    except LaunchError as e:  # (gcloud's auth, say) refused, as an unanswered target is
+        raise ConfigError(str(e)) from e
     deleted = vm.deleted_at() if found is None else None
     if found is not None:  # created since, by hand maybe: the note is over
         vm.deletion_mark.unlink(missing_ok=True)

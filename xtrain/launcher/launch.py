@@ -338,7 +338,10 @@ def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dic
         final["preempted"] = True
         why = "for a GCE notice" if final.get("stopped_for") == NOTICE else "at a signal"
         log(f"launch: the job stopped {why} (exit 143) after its checkpoint; run the same "
-            "command to resume")
+            "command to resume" if "stopped_for" in final else  # this attempt's stop record
+            "launch: the job was stopped (exit 143) before this start saved a checkpoint (a "
+            "signal while it started up); run the same command to go on from its newest "
+            "checkpoint, if it has one")
     with open(os.path.join(job_dir, "result.json"), "w") as f:
         json.dump(final, f, indent=1)
     shown = ", ".join(f"{k} {final[k]}" for k in ("step", "loss", "val_loss") if k in final)
