@@ -188,7 +188,7 @@ def test_two_launches_at_once_start_the_job_once_and_an_unchanged_relaunch_copie
             out = open(tmp_path / f"{name}.out", "w")
             launches.append(subprocess.Popen(xtrain_argv(*args), cwd=tmp_path / name, env=cli_env(),
                                              stdout=out, stderr=subprocess.STDOUT, text=True))
-        wait_for(lambda: all("another launch is placing a job there: waiting for it" in
+        wait_for(lambda: all("is placing a job there: waiting for it" in
                              (tmp_path / f"{n}.out").read_text() for n in "ab"),
                  timeout=240, what="both launches at the lock")
     assert [p.wait(timeout=600) for p in launches] == [0, 0], [

@@ -30,6 +30,7 @@ from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.fleet import Job
 from xtrain.launcher.vm import DOWN, PENDING, UP, Vm, VmLost, vm_health
 from xtrain.launcher.gcloud import NoCapacity, QuotaExceeded, create_failure
+from xtrain.launcher.job import JobState
 from xtrain.launcher.launch import launch_job
 from xtrain.launcher.pool import JobQueue, locate, run_pool, summary
 from xtrain.launcher.runner import LaunchError, VmUnavailable
@@ -412,13 +413,16 @@ def test_each_preempted_attempts_log_is_kept_under_a_name_of_its_own(tmp_path):
             for n in (1, 2, 3)] == ["step", "first", "second"]
 
 
-def probes(*states):
-    """What launch_job's probes say of the job on each worker (only the state is read)."""
-    return [SimpleNamespace(job=SimpleNamespace(state=s)) for s in states]
+def probes(*states, attempt=None):
+    """What launch_job's probes say of the job on each worker (jobs/<job>/ state, attempt and
+    command digest; a job never started there has none of them)."""
+    return [SimpleNamespace(job=JobState(s, None, False, attempt, 0, attempt and "c0ffee"))
+            for s in states]
 
 
 @pytest.mark.parametrize("case", ["first launch", "run dir on the VM", "on GCS", "a local dir",
-                                  "still on the workers"])
+                                  "still on the workers", "a start that failed there",
+                                  "a named checkpoint"])
 def test_a_job_that_ran_before_on_workers_that_lost_it_is_said_to_start_over(tmp_path, case):
     """A relaunch whose workers hold no trace of the job's earlier attempt (a recreated VM, another
     VM of a pool): with its checkpoints in the run dir on the VM, they are gone and it trains from
@@ -434,8 +438,10 @@ def test_a_job_that_ran_before_on_workers_that_lost_it_is_said_to_start_over(tmp
         (tmp_path / "worker-0.log").write_text("step   20/90 | loss 2.9 |\nsaved\n")
     checkpoint_dir = {"on GCS": "gs://b/run", "a local dir": "/mnt/disk/ckpt"}.get(case)
     states = ("exited", "none") if case == "still on the workers" else ("none", "none")
+    found = probes(*states, attempt="20261130-2" if case == "a start that failed there" else None)
     messages = []
-    env = identity_env(str(tmp_path), probes(*states), checkpoint_dir, messages.append)
+    env = identity_env(str(tmp_path), found, checkpoint_dir, case == "a named checkpoint",
+                       messages.append)
     stored = (tmp_path / "wandb-run-id").read_text()
     assert env == {RUN_ID_ENV: stored}
     ran = ("launch: warning: job run ran before on 10.0.0.5 (attempt 20261130-1, step 40 "

@@ -213,31 +213,54 @@ def test_code_files_are_tracked_and_untracked_not_ignored_minus_secrets_and_data
 
 
 def test_the_code_record_a_launch_sends_is_the_checkouts_state_masked(tmp_path, monkeypatch):
-    """The workers get no .git: the launcher sends its checkout's commit and diff, and the
-    bundle's code.json of the synced tree reads them. A secret in the diff (a line removed from a
-    file, which the sync's own check of the files cannot see) is masked before it leaves."""
-    from xtrain.launcher.sync import code_record
+    """The workers get no .git: the launcher sends its checkout's commit and the diff of the files
+    it syncs, and the bundle's code.json of the synced tree reads them (before any git tree
+    around it). A secret in that diff (a line removed from a file, which the sync's own check of
+    the files cannot see) is masked before it leaves; a file that is not synced sends no diff
+    (it may hold anything); a diff over MAX_CODE_DIFF is left out, said in the facts."""
+    import base64
+    import json
+
+    from xtrain.launcher import sync
     from xtrain.observe.bundle import SYNCED_CODE_RECORD, code_state
+
+    def record(files) -> dict:
+        return json.loads(base64.b64decode(sync.code_record(root, files)))
 
     root = git_tree(tmp_path / "repo")
     commit = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
     leaked = "0f1e2d3c4b5a6978" + "8796a5b4c3d2e1f0a1b2c3d4"  # (in pieces: this file is synced)
     (root / "pkg/run.sh").write_text(f"export WANDB_API_KEY={leaked}\necho go\n")
-    subprocess.run(["git", "-C", str(root), "add", "pkg/run.sh"], check=True)
+    (root / "notes.txt").write_text("kept out\n")
+    subprocess.run(["git", "-C", str(root), "add", "pkg/run.sh", "notes.txt"], check=True)
     subprocess.run(commit + ["commit", "-qm", "init"], check=True)
     (root / "pkg/run.sh").write_text("echo go\n")  # the key removed: only the diff still has it
-    code_files(root, Runner())  # the synced files hold no secret
-    record = code_record(root)
-    assert leaked not in record
+    (root / "notes.txt").write_text(f"db password {leaked}\n")  # never synced: excluded below
+    files = code_files(root, Runner(), exclude=["notes.txt"])
+    sent = record(files)
+    assert leaked not in json.dumps(sent) and "notes.txt" not in sent["diff"]
     synced = tmp_path / "worker-code"
     (synced / "xtrain").mkdir(parents=True)
-    (synced / SYNCED_CODE_RECORD).write_text(record)
-    facts, diff = code_state(synced / "xtrain")  # no git tree there: the record
+    (synced / SYNCED_CODE_RECORD).write_text(json.dumps(sent))
+    subprocess.run(["git", "init", "-q", str(synced)], check=True)  # a git tree around it: not it
+    facts, diff = code_state(synced / "xtrain")
     head = subprocess.run(commit + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert facts["git"] and facts["commit"] == head.strip() and facts["dirty"]
-    assert facts["changed"] == ["pkg/run.sh"] and facts["synced_to"] == str(synced)
+    assert facts["changed"] == ["notes.txt", "pkg/run.sh"] and facts["synced_to"] == str(synced)
     assert "-export WANDB_API_KEY=***" in diff and "+echo go" not in diff  # (the line unchanged)
     assert code_state(tmp_path / "elsewhere")[0]["git"] is False  # no record there either
+    monkeypatch.setattr(sync, "MAX_CODE_DIFF", 100)
+    big = record(files)
+    assert big["diff"] == "" and big["facts"]["diff_left_out"].endswith("a launch sends")
+
+
+def test_a_checkout_without_a_commit_records_no_commit_instead_of_failing(tmp_path):
+    from xtrain.observe.bundle import code_state
+
+    root = git_tree(tmp_path / "repo")  # files added, nothing committed
+    facts, diff = code_state(root, only=["pkg/mod.py"])
+    assert facts["git"] and facts["commit"] is None and "HEAD" in facts["unreadable"]
+    assert diff == ""
 
 
 @pytest.mark.parametrize("rel, text, why", [

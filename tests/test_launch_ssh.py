@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,11 +27,11 @@ from xtrain.launcher import env
 from xtrain.launcher import worker as worker_module
 from xtrain.launcher.env import EnvSpec, ensure_env, system_tools_script
 from xtrain.launcher.job import RemoteJob
-from xtrain.launcher.runner import LaunchError, Result, Runner
+from xtrain.launcher.runner import LaunchError, Result, Runner, VmUnavailable
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.sync import code_files, sync
 from xtrain.launcher.targets import Target
-from xtrain.launcher.worker import Worker
+from xtrain.launcher.worker import Worker, launch_lock
 
 
 def make_worker(remote, tmp_path, host=HOSTS[0], job="unit", **fields):
@@ -425,6 +428,73 @@ def test_a_stop_stops_the_job_where_workers_answer_and_names_the_others(remote, 
                                           r"answer: worker 1 \(127\.0\.0\.4\): .*unreachable"):
         launch_job(cfg, pod, [], "pod-stop", str(tmp_path / "job"))
     assert (job.state().state, job.state().exit_code) == ("exited", 143)
+
+
+def test_the_launch_lock_makes_a_second_launch_wait_and_refuses_what_it_cannot_hold(remote,
+                                                                                   tmp_path):
+    """The worker's launch lock (xtrain/launcher/worker.py): a second launch waits for the first,
+    naming where it runs; a lock whose connection ended is noticed before a start; two workers
+    of one launch that share a remote dir are refused (each would wait for the other); a lock
+    file that cannot be opened is the worker's refusal."""
+    first, _, _ = make_worker(remote, tmp_path)
+    second, _, _ = make_worker(remote, tmp_path)  # another launch, same worker
+    said, order = [], []
+
+    def second_launch():
+        order.append("waiting")
+        with launch_lock([second], said.append):
+            order.append("locked")
+
+    with launch_lock([first], print) as still_held:
+        waiting = threading.Thread(target=second_launch)
+        waiting.start()
+        deadline = time.time() + 30
+        while not said and time.time() < deadline:
+            time.sleep(0.05)
+        assert order == ["waiting"]  # held: the second launch waits
+        assert re.fullmatch(rf"launch: worker 0 \({HOSTS[0]}\): another launch \({socket.gethostname()}"
+                            r" since \d\d:\d\d:\d\d\) is placing a job there: waiting for it",
+                            said[0]), said
+        still_held()
+    waiting.join(timeout=30)
+    assert order == ["waiting", "locked"]  # released at the end of the first launch's block
+
+    with launch_lock([first], print) as still_held:
+        for proc in [p for p in _ssh_children("launch.lock")]:
+            os.kill(proc, signal.SIGKILL)  # the connection that holds it ends
+        time.sleep(0.5)
+        with pytest.raises(VmUnavailable, match="the launch lock's connection ended before the "
+                                                "start, so nothing was started"):
+            still_held()
+
+    shared, _, _ = make_worker(remote, tmp_path, host=HOSTS[1], remote_dir=str(tmp_path / "one"))
+    other, _, _ = make_worker(remote, tmp_path, host=HOSTS[0], remote_dir=str(tmp_path / "one"))
+    other.index = 1
+    with pytest.raises(ConfigError, match=rf"worker 1 \({HOSTS[0]}\) shares {tmp_path}/one with "
+                                          "another worker of this launch"):
+        with launch_lock([shared, other], print):
+            pass
+
+    (tmp_path / "one" / "launch.lock").unlink()
+    (tmp_path / "one" / "launch.lock").mkdir()  # cannot be opened as a file
+    with pytest.raises(VmUnavailable, match=f"could not take {tmp_path}/one/launch.lock"):
+        with launch_lock([shared], print):
+            pass
+
+
+def _ssh_children(marker: str) -> list[int]:
+    """This process's ssh clients whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if argv[0] == b"ssh" and parent == os.getpid() and any(marker.encode() in a for a in argv):
+                found.append(int(entry.name))
+    return found
 
 
 def test_a_stale_tpu_lock_is_removed_and_a_held_one_refused(remote, tmp_path):

@@ -21,24 +21,36 @@ LAUNCH_RECORD = "launch.json"
 
 def record_attempt(job_dir: str, job_id: str, attempt: str, workers, remote_job_dir: str,
                    remote_run_dir: str) -> None:
-    with open(os.path.join(job_dir, LAUNCH_RECORD), "w") as f:
+    path = os.path.join(job_dir, LAUNCH_RECORD)
+    with open(path + ".tmp", "w") as f:  # replaced whole: a launch killed here leaves the old one
         json.dump({"job": job_id, "attempt": attempt, "hosts": [w.host for w in workers],
                    "remote_job_dir": remote_job_dir, "remote_run_dir": remote_run_dir}, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
-def identity_env(job_dir: str, probes, checkpoint_dir: str | None, log) -> dict[str, str]:
+def earlier_attempt(job_dir: str) -> dict | None:
+    """The latest attempt ``launch.json`` records, if any (one unreadable counts as none)."""
+    try:
+        with open(os.path.join(job_dir, LAUNCH_RECORD)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def identity_env(job_dir: str, probes, checkpoint_dir: str | None, named_checkpoint: bool,
+                 log) -> dict[str, str]:
     """The variables naming the job itself on its workers (its W&B run id). A job that ran before
     (``launch.json``) on workers that now hold no trace of it (a recreated VM's new disk, another
-    VM of a pool) is said to be starting over unless its checkpoints are remote: the job itself
-    cannot tell a first start from one whose checkpoints went with a VM. With them in the run dir
-    on the VM (``checkpoint_dir`` None, the default), it trains from step 0 again, as a new W&B
-    run: the old one's steps are ahead of it, and W&B drops steps logged out of order."""
-    path = os.path.join(job_dir, LAUNCH_RECORD)
-    elsewhere = os.path.exists(path) and all(p.job.state == "none" for p in probes)
-    if not elsewhere or "://" in str(checkpoint_dir or ""):
+    VM of a pool) is said to be starting over unless its checkpoints are remote (or it starts from
+    a ``named_checkpoint``, checkpoint.resume): the job itself cannot tell a first start from one
+    whose checkpoints went with a VM. With them in the run dir on the VM (``checkpoint_dir`` None,
+    the default), it trains from step 0 again, as a new W&B run: the old one's steps are ahead of
+    it, and W&B drops steps logged out of order."""
+    before = earlier_attempt(job_dir)
+    traceless = all(p.job.state == "none" and p.job.attempt is None and p.job.command is None
+                    for p in probes)  # (a start that failed leaves its attempt and command)
+    if not (before and traceless) or named_checkpoint or "://" in str(checkpoint_dir or ""):
         return {RUN_ID_ENV: run_id(job_dir, environ={})}
-    with open(path) as f:
-        before = json.load(f)
     step = furthest_logged_step(job_dir)
     ran = (f"launch: warning: job {before['job']} ran before on {before['hosts'][0]} (attempt "
            f"{before['attempt']}{f', step {step} logged' if step is not None else ''}), and these "

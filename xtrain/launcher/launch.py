@@ -65,7 +65,6 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     secret_values = job_secrets.collect(cfg.secrets)
     root = source_root(cfg.source)
     files = code_files(root, runner, cfg.exclude, cfg.max_file_mb, cfg.max_total_mb)
-    code = code_record(root)
     spec = EnvSpec(cfg.base_python or f"python{hardware.python}",
                    tuple(requirements(root, hardware.pins)), tuple(cfg.pip_args), cfg.install)
     workers = [Worker(t, ssh, cfg.remote_dir, cfg.venv)
@@ -74,9 +73,10 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     os.makedirs(job_dir, exist_ok=True)
     if cfg.stop:  # on every worker that answers
         return stop_job(workers, job_id, cfg.stop_grace_s, log)
+    code = code_record(root, files)
     with before_start():
         parallel(lambda w: w.probe(job_id), workers)  # reaches them, knows their dirs
-    with launch_lock(workers, log):  # to the start: no other launch places a job in between
+    with launch_lock(workers, log) as still_held:  # no other launch places a job in between
         with before_start():
             probes = parallel(lambda w: w.probe(job_id), workers)
         jobs = [RemoteJob(w, job_id) for w in workers]
@@ -90,15 +90,13 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
             if busy:
                 raise VmUnavailable("another xtrain job is running there: " + "; ".join(busy) +
                                     " (stop it with its own command plus hydra.launcher.stop=true)")
-            with before_start():
-                done = parallel(lambda w: prepare(w, root, files, code, spec, probes[w.index]),
-                                workers)
-            for w, (sent, env_state) in zip(workers, done):
-                log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
+            prepare_all(workers, probes, root, files, code, spec, log)
+            still_held()
             # not before_start: a start cut short may have left the job running (job.start raises
             # VmUnavailable itself where the worker refused it)
             attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log,
-                                  identity_env(job_dir, probes, checkpoint_dir, log))
+                                  identity_env(job_dir, probes, checkpoint_dir,
+                                               names_checkpoint(overrides), log))
             log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
                 f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f "
                 f"{log_path(job_dir, 0)}")
@@ -107,6 +105,12 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     watch = accepting(job_dir, record, log, seen=offsets[0])
     states = follow(jobs, job_dir, offsets, cfg, log, vm_check, watch)
     return result(workers[0], job_id, job_dir, states, log, attempt)
+
+
+def names_checkpoint(overrides) -> bool:
+    """Whether the job starts from a checkpoint it names (checkpoint.resume=PATH)."""
+    given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("checkpoint.resume=")]
+    return bool(given) and given[-1].strip("'\"") not in ("", "null", "~")
 
 
 def accepting(job_dir: str, record: str | None, log, seen: int = 0):
@@ -201,6 +205,14 @@ def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, lo
         parallel(lambda j: (j.stop(cfg.stop_grace_s), j.acknowledge()), started)
         raise errors[0]
     return attempt
+
+
+def prepare_all(workers, probes, root, files, code: str, spec, log) -> None:
+    """On every worker in parallel: sync the code, make the environment match."""
+    with before_start():
+        done = parallel(lambda w: prepare(w, root, files, code, spec, probes[w.index]), workers)
+    for w, (sent, env_state) in zip(workers, done):
+        log(f"launch: {w}: {len(sent)} file(s) synced, environment {env_state}")
 
 
 def prepare(worker, root, files, code: str, spec, probe) -> tuple[list[str], str]:

@@ -31,15 +31,15 @@ def kept_aside(job_dir: str, index: int) -> str:
     """Where worker ``index``'s log of a preempted attempt is kept: the first free
     ``worker-<i>.preempted-<n>.log`` (a later launch of the same command numbers on)."""
     n = 1
-    while os.path.exists(path := log_path(job_dir, index).replace(".log", f".preempted-{n}.log")):
+    while os.path.exists(path := os.path.join(job_dir, f"worker-{index}.preempted-{n}.log")):
         n += 1
     return path
 
 
 def furthest_logged_step(job_dir: str) -> int | None:
     """The furthest training step worker 0's local logs (every attempt's) show."""
-    latest = log_path(job_dir, 0)
-    paths = [latest, *glob.glob(latest.replace(".log", ".preempted-*.log"))]
+    paths = [log_path(job_dir, 0), *glob.glob(os.path.join(glob.escape(job_dir),
+                                                           "worker-0.preempted-*.log"))]
     steps = [s for p in paths if os.path.exists(p) and (s := last_logged_step(p)) is not None]
     return max(steps, default=None)
 

@@ -20,7 +20,6 @@ import os
 import re
 import shlex
 import tempfile
-import textwrap
 from pathlib import Path
 
 from xtrain.config.secrets import forbidden_values, is_secret_name, secret_in_text
@@ -152,19 +151,28 @@ def _literal(path: str) -> str:
     return re.sub(r"([\\*?\[])", r"\\\1", path)
 
 
-def code_record(root: Path) -> str:
-    """The checkout's code_state (commit, changed files, ``git diff HEAD``) for the workers, whose
-    synced tree has no .git: masked here, as the bundle masks it, so no secret leaves with it."""
-    facts, diff = code_state(root)
-    return json.dumps({"facts": mask_secrets(facts), "diff": mask_secrets(diff)})
+MAX_CODE_DIFF = 2**20  # bytes of diff a launch sends to each worker; a bigger one is left out
 
 
-def send_code_record(ssh, host: str, dest: str, record: str) -> None:
-    """Write ``record`` beside the synced code (after the sync, which deletes what it did not
-    send), base64 in a here-document: a diff may hold any line."""
-    data = "\n".join(textwrap.wrap(base64.b64encode(record.encode()).decode(), 76))
+def code_record(root: Path, files: list[str]) -> str:
+    """The checkout's code_state for the workers, whose synced tree has no .git: its commit and
+    changed files, and the diff of the synced ones (what the workers run; a file never synced may
+    hold anything), masked as the bundle masks it, at most :data:`MAX_CODE_DIFF`; base64, the
+    payload of :func:`send_code_record`, made once for every worker."""
+    facts, diff = code_state(root, only=files)
+    if len(diff) > MAX_CODE_DIFF:
+        facts["diff_left_out"] = (f"{len(diff) / 2**20:.1f} MB, over the "
+                                  f"{MAX_CODE_DIFF // 2**20} MB a launch sends")
+        diff = ""
+    record = json.dumps({"facts": mask_secrets(facts), "diff": mask_secrets(diff)})
+    return base64.encodebytes(record.encode()).decode()
+
+
+def send_code_record(ssh, host: str, dest: str, payload: str) -> None:
+    """Write :func:`code_record`'s ``payload`` beside the synced code (after the sync, which
+    deletes what it did not send; an unchanged one is left as it is)."""
     path = shlex.quote(f"{dest}/{SYNCED_CODE_RECORD}")
-    r = ssh.run(host, f"base64 -d > {path}.tmp <<'END'\n{data}\nEND\n"  # unchanged: left as is
+    r = ssh.run(host, f"base64 -d > {path}.tmp <<'END'\n{payload}END\n"
                 f"if cmp -s {path}.tmp {path}; then rm {path}.tmp; else mv {path}.tmp {path}; fi\n",
                 "code record")
     if not r.ok:

@@ -4,10 +4,14 @@ single call what is there (home, tools, the environment's stamp, this job's stat
 from __future__ import annotations
 
 import contextlib
+import secrets
 import shlex
+import socket
 import subprocess
+import time
 from dataclasses import dataclass, field
 
+from xtrain.errors import ConfigError
 from xtrain.launcher.env import STAMP, SYSTEM_TOOLS
 from xtrain.launcher.job import STATE_SH, JobState
 from xtrain.launcher.runner import LaunchError, VmUnavailable
@@ -16,9 +20,13 @@ q = shlex.quote
 TOOLS = ("bash", "rsync", "setsid", "tail", "find", "ps", "awk", "flock")
 
 # Holds the worker's launch lock (util-linux flock on <remote dir>/launch.lock) while stdin stays
-# open; says "busy" first when another launch holds it, "locked" once this one does.
+# open. Says "busy <holder>" first when another launch holds it (its holder line, written beside
+# the lock), then "locked" once this one does; any failure of flock ends it without "locked".
 LOCK_SH = """exec 9>>"$root/launch.lock" || exit 1
-flock -n 9 || { echo busy; flock 9; }
+flock -n -E 75 9; rc=$?
+if [ "$rc" = 75 ]; then echo "busy $(cat "$root/launch.holder" 2>/dev/null)"; flock 9 || exit 1
+elif [ "$rc" != 0 ]; then exit 1; fi
+echo "$holder" > "$root/launch.holder"
 echo locked
 exec cat > /dev/null
 """
@@ -83,20 +91,30 @@ class Worker:
         return Probe(values.get("stamp", [None])[0], JobState.parse(values["job"][0]),
                      values.get("busy", []), values.get("ended", []), values.get("lacks", []))
 
-    def hold_lock(self, log):
+    def hold_lock(self, holder: str, log):
         """Take this worker's launch lock (after a probe: the connection and flock are known to
-        work); returns the ssh process that holds it until its stdin is closed."""
-        script = f"root={q(self.root)}\n{LOCK_SH}"
+        work) as ``holder`` (``<launch token> <host> <time>``); returns the ssh process that
+        holds it until its stdin is closed. A lock held under this launch's own token is another
+        worker's of this launch: the two share one remote dir, which no launch can use."""
+        script = f"root={q(self.root)}\nholder={q(holder)}\n{LOCK_SH}"
         proc = self.ssh.hold(self.host, "bash -c " + q(script), "lock")
-        line = proc.stdout.readline()
-        if line == b"busy\n":
-            log(f"launch: {self}: another launch is placing a job there: waiting for it")
-            line = proc.stdout.readline()
-        if line != b"locked\n":
-            proc.kill()
-            proc.wait()
-            raise VmUnavailable(f"{self}: could not take {self.root}/launch.lock "
-                              f"({line.decode(errors='replace').strip() or 'the connection ended'})")
+        said = []  # anything a login script printed first
+        while (line := proc.stdout.readline().decode(errors="replace").rstrip("\n")) != "locked":
+            if not line and proc.poll() is not None:
+                raise VmUnavailable(f"{self}: could not take {self.root}/launch.lock ("
+                                    + ("; ".join(said[-3:]) or "the connection ended") + ")")
+            if line.startswith("busy"):
+                other = line.split()[1:]
+                if other[:1] == holder.split()[:1]:
+                    proc.kill()
+                    proc.wait()
+                    raise ConfigError(f"{self} shares {self.root} with another worker of this "
+                                      "launch: each worker needs a remote dir of its own "
+                                      "(hydra.launcher.remote_dir with {host} on a shared home)")
+                log(f"launch: {self}: another launch ({' '.join(other[1:]) or 'unknown'}) is "
+                    "placing a job there: waiting for it")
+            elif line:
+                said.append(line)
         return proc
 
 
@@ -105,16 +123,26 @@ def launch_lock(workers, log):
     """Every worker's launch lock, held from the probe the job's placement is decided by to its
     start: a second launch at the same moment waits, then probes and finds the job started
     (reattaching to it) or the worker busy, instead of syncing, installing and starting it a
-    second time over the first. Taken in one order (by host) by every launch: no deadlock. A
-    remote ``cat`` of the ssh session's stdin holds it, so however the launcher ends, the session
-    closes and the lock is released."""
+    second time over the first. Taken in worker order by every launch (the same order whatever
+    address reaches a worker): no deadlock. A remote ``cat`` of the ssh session's stdin holds it,
+    so however the launcher ends, the session closes and the lock is released. Yields a check
+    to call before the start: a lock lost meanwhile (its connection ended) is an error, not a
+    start another launch may be making too."""
+    holder = f"{secrets.token_hex(4)} {socket.gethostname()} since {time.strftime('%H:%M:%S')}"
     holders = []
+
+    def still_held() -> None:
+        for worker, proc in holders:
+            if proc.poll() is not None:
+                raise VmUnavailable(f"{worker}: the launch lock's connection ended before the "
+                                    "start, so nothing was started: run the same command again")
+
     try:
-        for worker in sorted(workers, key=lambda w: w.host):
-            holders.append(worker.hold_lock(log))
-        yield
+        for worker in sorted(workers, key=lambda w: w.index):
+            holders.append((worker, worker.hold_lock(holder, log)))
+        yield still_held
     finally:
-        for proc in holders:
+        for _, proc in holders:
             proc.stdin.close()
             try:
                 proc.wait(timeout=30)

@@ -81,17 +81,18 @@ def source_git_root(source: Path | None = None) -> Path | None:
 SYNCED_CODE_RECORD = ".xtrain-code.json"
 
 
-def code_state(source: Path | None = None) -> tuple[dict, str]:
-    """(facts, diff) of the code that runs: commit, changed and untracked files and ``git diff
-    HEAD`` in a git tree; in code a launcher synced, those of the checkout it synced from; the
-    installed version otherwise."""
-    root = source_git_root(source)
+def code_state(source: Path | None = None, only: list[str] | None = None) -> tuple[dict, str]:
+    """(facts, diff) of the code that runs: in code a launcher synced, those of the checkout it
+    synced from (that checkout's git tree is not this one); in a git tree its commit, changed and
+    untracked files and ``git diff HEAD`` (of the paths ``only`` names, when given); the installed
+    version otherwise."""
     tree = (source or Path(__file__).resolve().parents[1]).resolve()
     synced = next((p / SYNCED_CODE_RECORD for p in (tree, tree.parent)  # the package's tree
-                   if (p / SYNCED_CODE_RECORD).is_file()), None) if root is None else None
+                   if (p / SYNCED_CODE_RECORD).is_file()), None)
     if synced is not None:
         record = json.loads(synced.read_text())
         return {**record["facts"], "synced_to": str(synced.parent)}, record["diff"]
+    root = source_git_root(source)
     if root is None:
         try:
             version = metadata.version("xtrain")
@@ -99,12 +100,27 @@ def code_state(source: Path | None = None) -> tuple[dict, str]:
             version = "unknown"
         return {"git": False, "installed_version": version,
                 "location": str(Path(__file__).resolve().parents[1])}, ""
+    try:
+        return _git_state(root, only)
+    except (OSError, subprocess.SubprocessError) as e:  # no commit yet, a git that hangs
+        return {"git": True, "root": str(root), "commit": None, "unreadable": str(e)[-300:]}, ""
+
+
+def _git_state(root: Path, only: list[str] | None) -> tuple[dict, str]:
     status = _git(root, "status", "--porcelain").splitlines()
     keys = _changed_key_files(root)
     facts = {"git": True, "root": str(root), "commit": _git(root, "rev-parse", "HEAD").strip(),
              "dirty": bool(status), "changed": [s[3:] for s in status if not s.startswith("??")],
              "untracked": [s[3:] for s in status if s.startswith("??")], "diff_omits": keys}
-    return facts, _git(root, "diff", "HEAD", "--", ".", *(f":(exclude,literal){k}" for k in keys))
+    if only is None:
+        paths = ["."]
+    else:
+        changed = _git(root, "diff", "HEAD", "--name-only", "-z").split("\0")
+        paths = [f":(literal){n}" for n in sorted(set(changed) & set(only))]
+    if not paths:
+        return facts, ""
+    return facts, _git(root, "diff", "HEAD", "--", *paths,
+                       *(f":(exclude,literal){k}" for k in keys))
 
 
 def _changed_key_files(root: Path) -> list[str]:
