@@ -5,6 +5,7 @@ install system packages) and a DNS answer (recorded: no resolver is reachable he
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -414,7 +415,8 @@ def test_a_stop_stops_the_job_where_workers_answer_and_names_the_others(remote, 
                                                                         compose_config):
     """A pod's worker 1 does not answer (nothing listens on 127.0.0.4): hydra.launcher.stop=true
     still stops the job on worker 0 (the start's probe of every worker stopped it before), then
-    fails naming worker 1."""
+    fails naming worker 1. While a launch holds worker 0's launch lock (placing the job there),
+    the stop waits for it."""
     from xtrain.launcher.launch import job_name, launch_job
 
     worker, _, _ = make_worker(remote, tmp_path, job=job_name("pod-stop"))
@@ -424,9 +426,27 @@ def test_a_stop_stops_the_job_where_workers_answer_and_names_the_others(remote, 
         hosts=[HOSTS[0], "127.0.0.4"], kind="pod", retries=0, stop=True, stop_grace_s=5,
         remote_dir=str(tmp_path / "hosts") + "/{host}")))
     pod = compose_config(["hardware=cpu", "hardware.hosts=2"]).hardware
-    with pytest.raises(LaunchError, match=r"could not be stopped where the workers did not "
-                                          r"answer: worker 1 \(127\.0\.0\.4\): .*unreachable"):
-        launch_job(cfg, pod, [], "pod-stop", str(tmp_path / "job"))
+    said = []
+    with open(Path(worker.root) / "launch.lock", "a") as lock:  # a launch placing a job there
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        outcome = []
+
+        def stop():
+            try:
+                launch_job(cfg, pod, [], "pod-stop", str(tmp_path / "job"), log=said.append)
+            except LaunchError as e:
+                outcome.append(e)
+
+        stopping = threading.Thread(target=stop, daemon=True)
+        stopping.start()
+        deadline = time.time() + 60
+        while not any("is placing a job there: waiting for it" in str(m) for m in said):
+            assert time.time() < deadline, said
+            time.sleep(0.1)
+        assert job.state().state == "running"  # the stop waits for the launch's start
+    stopping.join(timeout=60)
+    assert re.search(r"could not be stopped where the workers did not answer: worker 1 "
+                     r"\(127\.0\.0\.4\): .*unreachable", str(outcome[0]))
     assert (job.state().state, job.state().exit_code) == ("exited", 143)
 
 

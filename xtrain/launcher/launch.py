@@ -363,14 +363,17 @@ def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dic
 
 def stop_job(workers, job_id: str, grace_s: float, log) -> dict:
     """``hydra.launcher.stop=true``: SIGTERM the job where it runs (SIGKILL after the grace) on
-    every worker that answers, then raise LaunchError naming those that did not."""
+    every worker that answers, then raise LaunchError naming those that did not. Each worker's
+    launch lock is taken first: a launch placing the job there now has started it by then."""
     def stop_one(worker):
         try:
-            if worker.probe(job_id).job.state != "running":
-                return "idle"
-            job = RemoteJob(worker, job_id)
-            killed = job.stop(grace_s)
-            job.acknowledge()  # the next launch starts (and resumes) afresh
+            worker.probe(job_id)  # reaches it, knows its dirs
+            with launch_lock([worker], log):
+                if worker.probe(job_id).job.state != "running":
+                    return "idle"
+                job = RemoteJob(worker, job_id)
+                killed = job.stop(grace_s)
+                job.acknowledge()  # the next launch starts (and resumes) afresh
             return "killed" if killed else "stopped"
         except LaunchError as e:  # a pod's host that is gone keeps no other from being stopped
             return e
