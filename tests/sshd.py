@@ -108,31 +108,36 @@ class Sshd:
         self.log.close()
 
 
+def _proc(name: str):
+    """(pid, bytes) of ``/proc/<pid>/<name>`` for every process that still has it."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                yield int(entry.name), (entry / name).read_bytes()
+            except OSError:
+                continue
+
+
+def _stat_fields(stat: bytes) -> list[str]:
+    """A /proc stat line's fields after the command name: state, ppid, pgrp, ..."""
+    return stat.decode(errors="replace").rsplit(")", 1)[1].split()
+
+
 def live_group(pgid: int) -> list[int]:
     """Live (not zombie) processes of a process group, read from /proc. Zombies count as
     gone: this machine's PID 1 does not reap orphans, so `kill -0` would see them forever."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(entry.name))
-    return out
+    return [pid for pid, stat in _proc("stat")
+            if int(_stat_fields(stat)[2]) == pgid and _stat_fields(stat)[0] != "Z"]
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
+    return [child for child, stat in _proc("stat") if int(_stat_fields(stat)[1]) == pid]
+
+
+def ssh_processes(marker: str) -> list[int]:
+    """Local ssh clients whose command line contains ``marker``."""
+    return [pid for pid, cmdline in _proc("cmdline") if (argv := cmdline.split(b"\0"))[0] == b"ssh"
+            and any(marker.encode() in a for a in argv)]
 
 
 def stack_venv(path: Path) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.sshd import (HOSTS, keygen, live_group, remote, sshd, gcloud,  # noqa: F401  (fixtures)
-                        tpu_node)
+                        ssh_processes, tpu_node)
 from tests.logreaders import wandb_runs
 from xtrain.checkpoint.layout import committed_checkpoints
 from xtrain.cli import config_dir
@@ -88,20 +88,6 @@ def job_pgid(remote, job: str, host=HOSTS[0]) -> int:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def ssh_processes(marker: str) -> list[int]:
-    """Local ssh clients whose command line contains ``marker``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv and argv[0] == b"ssh" and any(marker.encode() in a for a in argv):
-                out.append(int(entry.name))
-    return out
 
 
 def test_tpu_vm_trains_d2_remotely_and_returns_its_final_loss(remote, gcloud, hydra_sweep_runner,

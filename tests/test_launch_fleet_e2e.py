@@ -28,9 +28,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import gcs_client_env, gcs_filesystem
-from tests.test_launch_e2e import ssh_processes
-from tests.sshd import (HOSTS, Remote, Sshd, gcloud, live_group, stack_venv,  # noqa: F401
-                        tpu_node)
+from tests.sshd import (HOSTS, Remote, Sshd, gcloud, live_group, ssh_processes,  # noqa: F401
+                        stack_venv, tpu_node)
 from xtrain.cli import config_dir
 from xtrain.paths import PRIMARY_CONFIG
 from xtrain.launcher.config import LauncherConfig

@@ -21,7 +21,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.sshd import (BASE_PYTHON, HOSTS, git_tree, keygen, live_group, remote,  # noqa: F401
-                        sshd)
+                        ssh_processes, sshd)
 from xtrain.errors import ConfigError
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher import env
@@ -480,7 +480,7 @@ def test_the_launch_lock_makes_a_second_launch_wait_and_refuses_what_it_cannot_h
     assert order == ["waiting", "locked"]  # released at the end of the first launch's block
 
     with launch_lock([first], print) as still_held:
-        for proc in [p for p in _ssh_children("launch.lock")]:
+        for proc in ssh_processes(f"root={first.root}"):  # this test's lock alone
             os.kill(proc, signal.SIGKILL)  # the connection that holds it ends
         time.sleep(0.5)
         with pytest.raises(VmUnavailable, match="the launch lock's connection ended before the "
@@ -500,21 +500,6 @@ def test_the_launch_lock_makes_a_second_launch_wait_and_refuses_what_it_cannot_h
     with pytest.raises(VmUnavailable, match=f"could not take {tmp_path}/one/launch.lock"):
         with launch_lock([shared], print):
             pass
-
-
-def _ssh_children(marker: str) -> list[int]:
-    """This process's ssh clients whose command line holds ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if argv[0] == b"ssh" and parent == os.getpid() and any(marker.encode() in a for a in argv):
-                found.append(int(entry.name))
-    return found
 
 
 def test_a_stale_tpu_lock_is_removed_and_a_held_one_refused(remote, tmp_path):
