@@ -99,10 +99,12 @@ class Worker:
         script = f"root={q(self.root)}\nholder={q(holder)}\n{LOCK_SH}"
         proc = self.ssh.hold(self.host, "bash -c " + q(script), "lock")
         said = []  # anything a login script printed first
-        while (line := proc.stdout.readline().decode(errors="replace").rstrip("\n")) != "locked":
-            if not line and proc.poll() is not None:
+        while (raw := proc.stdout.readline()) != b"locked\n":
+            if not raw:  # the end: flock failed, or the connection did
+                proc.wait()
                 raise VmUnavailable(f"{self}: could not take {self.root}/launch.lock ("
                                     + ("; ".join(said[-3:]) or "the connection ended") + ")")
+            line = raw.decode(errors="replace").rstrip("\n")
             if line.startswith("busy"):
                 other = line.split()[1:]
                 if other[:1] == holder.split()[:1]:
