@@ -440,8 +440,8 @@ def test_a_job_that_ran_before_on_workers_that_lost_it_is_said_to_start_over(tmp
     states = ("exited", "none") if case == "still on the workers" else ("none", "none")
     found = probes(*states, attempt="20261130-2" if case == "a start that failed there" else None)
     messages = []
-    env = identity_env(str(tmp_path), found, checkpoint_dir, case == "a named checkpoint",
-                       messages.append)
+    named = ["checkpoint.resume='gs://b/run/step_000040'"] if case == "a named checkpoint" else []
+    env = identity_env(str(tmp_path), found, checkpoint_dir, ["model=d2", *named], messages.append)
     stored = (tmp_path / "wandb-run-id").read_text()
     assert env == {RUN_ID_ENV: stored}
     ran = ("launch: warning: job run ran before on 10.0.0.5 (attempt 20261130-1, step 40 "

@@ -255,12 +255,23 @@ def test_the_code_record_a_launch_sends_is_the_checkouts_state_masked(tmp_path, 
 
 
 def test_a_checkout_without_a_commit_records_no_commit_instead_of_failing(tmp_path):
-    from xtrain.observe.bundle import code_state
+    from xtrain.observe.bundle import SYNCED_CODE_RECORD, code_state
 
     root = git_tree(tmp_path / "repo")  # files added, nothing committed
     facts, diff = code_state(root, only=["pkg/mod.py"])
     assert facts["git"] and facts["commit"] is None and "HEAD" in facts["unreadable"]
     assert diff == ""
+    # committed, then changed into bytes that are not UTF-8: the diff still reads
+    subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com",
+                    "commit", "-qm", "init"], check=True)
+    (root / "pkg/mod.py").write_bytes(b"# caf\xe9\nx = 2\n")
+    facts, diff = code_state(root, only=["pkg/mod.py"])
+    assert facts["changed"] == ["pkg/mod.py"] and "+x = 2" in diff
+    # a code record cut short on a worker: said, not raised at the run's start
+    (tmp_path / "synced" / "xtrain").mkdir(parents=True)
+    (tmp_path / "synced" / SYNCED_CODE_RECORD).write_text('{"facts": {"git": tr')
+    facts, diff = code_state(tmp_path / "synced" / "xtrain")
+    assert facts["git"] is None and facts["unreadable"] and diff == ""
 
 
 @pytest.mark.parametrize("rel, text, why", [

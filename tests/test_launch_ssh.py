@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -500,6 +501,68 @@ def test_the_launch_lock_makes_a_second_launch_wait_and_refuses_what_it_cannot_h
     with pytest.raises(VmUnavailable, match=f"could not take {tmp_path}/one/launch.lock"):
         with launch_lock([shared], print):
             pass
+
+
+class LocalShell:
+    """Runs hold_lock's command in a local shell that prints ``banner`` first, as a login script
+    may (no newline after it), instead of over ssh: what hold_lock reads is the same."""
+
+    def __init__(self, banner: str):
+        self.banner = banner
+
+    def hold(self, host, command, label):
+        return subprocess.Popen(["bash", "-c", f"printf %s {shlex.quote(self.banner)}; {command}"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL)
+
+
+def test_the_launch_lock_reads_its_answer_past_a_banner_and_says_why_flock_failed(tmp_path):
+    worker = Worker(Target(0, "127.0.0.2", "127.0.0.2"), LocalShell("Welcome to the VM"),
+                    str(tmp_path), None)
+    worker.root = str(tmp_path)
+    proc = worker.hold_lock("t0k3n here since 12:00:00", print)  # "Welcome...XTRAIN-LOCK locked"
+    assert (tmp_path / "launch.holder").read_text() == "t0k3n here since 12:00:00\n"
+    proc.stdin.close()
+    proc.wait(timeout=10)
+    (tmp_path / "launch.lock").unlink()
+    (tmp_path / "launch.lock").mkdir()  # cannot be opened: the shell's own error is the reason
+    with pytest.raises(VmUnavailable, match=r"could not take .*/launch.lock \(Welcome to the VM"
+                                            r".*launch.lock: Is a directory\)"):
+        worker.hold_lock("t0k3n here since 12:00:00", print)
+
+
+def test_a_stop_given_while_a_launch_takes_a_pods_locks_stops_every_worker(remote, tmp_path,
+                                                                           compose_config):
+    """A launch holds worker 0's lock and is about to take worker 1's: the stop waits for worker
+    0's lock before it looks at any worker, so it cannot find worker 1 idle just before the
+    launch starts the job there; once the locks are free it stops the job on both."""
+    from xtrain.launcher.launch import job_name, launch_job
+
+    jobs = []
+    for host in HOSTS[:2]:
+        worker, _, _ = make_worker(remote, tmp_path, host=host, job=job_name("pod-race"))
+        jobs.append(RemoteJob(worker, job_name("pod-race")))
+        start(jobs[-1], ["sleep", "60"])
+    cfg = OmegaConf.structured(LauncherConfig(**remote.launcher_fields(
+        hosts=list(HOSTS[:2]), kind="pod", stop=True, stop_grace_s=5,
+        remote_dir=str(tmp_path / "hosts") + "/{host}")))
+    pod = compose_config(["hardware=cpu", "hardware.hosts=2"]).hardware
+    said = []
+    with open(Path(jobs[0].worker.root) / "launch.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stopping = threading.Thread(target=launch_job, daemon=True, kwargs=dict(
+            cfg=cfg, hardware=pod, overrides=[], run_name="pod-race", job_dir=str(tmp_path / "job"),
+            log=said.append))
+        stopping.start()
+        deadline = time.time() + 60
+        while not any("is placing a job there: waiting for it" in str(m) for m in said):
+            assert time.time() < deadline, said
+            time.sleep(0.1)
+        time.sleep(1)
+        assert [j.state().state for j in jobs] == ["running", "running"]  # neither touched yet
+    stopping.join(timeout=60)
+    assert [(j.state().state, j.state().exit_code) for j in jobs] == 2 * [("exited", 143)]
+    assert "launch: stopped job pod-race on 2 worker(s)" in said
 
 
 def test_a_stale_tpu_lock_is_removed_and_a_held_one_refused(remote, tmp_path):

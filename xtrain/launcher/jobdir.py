@@ -37,19 +37,20 @@ def earlier_attempt(job_dir: str) -> dict | None:
         return None
 
 
-def identity_env(job_dir: str, probes, checkpoint_dir: str | None, named_checkpoint: bool,
+def identity_env(job_dir: str, probes, checkpoint_dir: str | None, overrides,
                  log) -> dict[str, str]:
     """The variables naming the job itself on its workers (its W&B run id). A job that ran before
     (``launch.json``) on workers that now hold no trace of it (a recreated VM's new disk, another
     VM of a pool) is said to be starting over unless its checkpoints are remote (or it starts from
-    a ``named_checkpoint``, checkpoint.resume): the job itself cannot tell a first start from one
+    a checkpoint its ``overrides`` name): the job itself cannot tell a first start from one
     whose checkpoints went with a VM. With them in the run dir on the VM (``checkpoint_dir`` None,
     the default), it trains from step 0 again, as a new W&B run: the old one's steps are ahead of
     it, and W&B drops steps logged out of order."""
     before = earlier_attempt(job_dir)
     traceless = all(p.job.state == "none" and p.job.attempt is None and p.job.command is None
                     for p in probes)  # (a start that failed leaves its attempt and command)
-    if not (before and traceless) or named_checkpoint or "://" in str(checkpoint_dir or ""):
+    remote = "://" in str(checkpoint_dir or "")
+    if not (before and traceless) or remote or names_checkpoint(overrides):
         return {RUN_ID_ENV: run_id(job_dir, environ={})}
     step = furthest_logged_step(job_dir)
     ran = (f"launch: warning: job {before['job']} ran before on {before['hosts'][0]} (attempt "
@@ -63,6 +64,13 @@ def identity_env(job_dir: str, probes, checkpoint_dir: str | None, named_checkpo
     log(f"{ran}: unless checkpoint.dir={checkpoint_dir} is on a disk that outlived that VM, it "
         f"trains from step 0 again; {advice}")
     return {RUN_ID_ENV: run_id(job_dir, environ={})}
+
+
+def names_checkpoint(overrides) -> bool:
+    """Whether the job starts from a checkpoint it names (checkpoint.resume=PATH)."""
+    given = [o.split("=", 1)[1] for o in overrides
+             if o.lstrip("+").startswith("checkpoint.resume=")]
+    return bool(given) and given[-1].strip("'\"").lower() not in ("", "null", "~")
 
 
 def resume_offset(job_dir: str, index: int, attempt: str, remote_bytes: int) -> int:

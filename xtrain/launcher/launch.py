@@ -95,8 +95,7 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
             # not before_start: a start cut short may have left the job running (job.start raises
             # VmUnavailable itself where the worker refused it)
             attempt = start_fresh(cfg, hardware, jobs, overrides, run_name, secret_values, log,
-                                  identity_env(job_dir, probes, checkpoint_dir,
-                                               names_checkpoint(overrides), log))
+                                  identity_env(job_dir, probes, checkpoint_dir, overrides, log))
             log(f"launch: started {job_id} (attempt {attempt}) on {len(jobs)} worker(s) "
                 f"{time.perf_counter() - t0:.1f} s after launch; watch: tail -f "
                 f"{log_path(job_dir, 0)}")
@@ -105,12 +104,6 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     watch = accepting(job_dir, record, log, seen=offsets[0])
     states = follow(jobs, job_dir, offsets, cfg, log, vm_check, watch)
     return result(workers[0], job_id, job_dir, states, log, attempt)
-
-
-def names_checkpoint(overrides) -> bool:
-    """Whether the job starts from a checkpoint it names (checkpoint.resume=PATH)."""
-    given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("checkpoint.resume=")]
-    return bool(given) and given[-1].strip("'\"") not in ("", "null", "~")
 
 
 def accepting(job_dir: str, record: str | None, log, seen: int = 0):
@@ -363,22 +356,32 @@ def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dic
 
 def stop_job(workers, job_id: str, grace_s: float, log) -> dict:
     """``hydra.launcher.stop=true``: SIGTERM the job where it runs (SIGKILL after the grace) on
-    every worker that answers, then raise LaunchError naming those that did not. Each worker's
-    launch lock is taken first: a launch placing the job there now has started it by then."""
-    def stop_one(worker):
+    every worker that answers, then raise LaunchError naming those that did not. The launch lock
+    of every worker that answers is taken first, all together as a launch takes them: a launch
+    placing the job now has started it on all of them by then."""
+    def reach(worker):
         try:
             worker.probe(job_id)  # reaches it, knows its dirs
-            with launch_lock([worker], log):
-                if worker.probe(job_id).job.state != "running":
-                    return "idle"
-                job = RemoteJob(worker, job_id)
-                killed = job.stop(grace_s)
-                job.acknowledge()  # the next launch starts (and resumes) afresh
-            return "killed" if killed else "stopped"
+            return None
         except LaunchError as e:  # a pod's host that is gone keeps no other from being stopped
             return e
 
-    outcomes = parallel(stop_one, workers)
+    def stop_one(worker):
+        try:
+            if worker.probe(job_id).job.state != "running":
+                return "idle"
+            job = RemoteJob(worker, job_id)
+            killed = job.stop(grace_s)
+            job.acknowledge()  # the next launch starts (and resumes) afresh
+            return "killed" if killed else "stopped"
+        except LaunchError as e:
+            return e
+
+    outcomes = parallel(reach, workers)
+    answered = [w for w, o in zip(workers, outcomes) if o is None]
+    with launch_lock(answered, log):
+        stops = dict(zip([w.index for w in answered], parallel(stop_one, answered)))
+    outcomes = [stops.get(w.index, o) for w, o in zip(workers, outcomes)]
     stopped = [o for o in outcomes if o in ("stopped", "killed")]
     if stopped:
         log(f"launch: stopped job {job_id} on {len(stopped)} worker(s)"

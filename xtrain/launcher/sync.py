@@ -172,7 +172,7 @@ def send_code_record(ssh, host: str, dest: str, payload: str) -> None:
     """Write :func:`code_record`'s ``payload`` beside the synced code (after the sync, which
     deletes what it did not send; an unchanged one is left as it is)."""
     path = shlex.quote(f"{dest}/{SYNCED_CODE_RECORD}")
-    r = ssh.run(host, f"base64 -d > {path}.tmp <<'END'\n{payload}END\n"
+    r = ssh.run(host, f"set -e\nbase64 -d > {path}.tmp <<'END'\n{payload}END\n"
                 f"if cmp -s {path}.tmp {path}; then rm {path}.tmp; else mv {path}.tmp {path}; fi\n",
                 "code record")
     if not r.ok:

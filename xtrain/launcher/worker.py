@@ -20,14 +20,18 @@ q = shlex.quote
 TOOLS = ("bash", "rsync", "setsid", "tail", "find", "ps", "awk", "flock")
 
 # Holds the worker's launch lock (util-linux flock on <remote dir>/launch.lock) while stdin stays
-# open. Says "busy <holder>" first when another launch holds it (its holder line, written beside
-# the lock), then "locked" once this one does; any failure of flock ends it without "locked".
-LOCK_SH = """exec 9>>"$root/launch.lock" || exit 1
+# open. Says "<LOCK_MARK> busy <holder>" first when another launch holds it (its holder line,
+# written beside the lock), then "<LOCK_MARK> locked" once this one does; a failure ends it
+# without that, its error on the same stream.
+LOCK_MARK = "XTRAIN-LOCK"
+LOCK_SH = f"""exec 2>&1
+exec 9>>"$root/launch.lock" || exit 1
 flock -n -E 75 9; rc=$?
-if [ "$rc" = 75 ]; then echo "busy $(cat "$root/launch.holder" 2>/dev/null)"; flock 9 || exit 1
+if [ "$rc" = 75 ]; then echo "{LOCK_MARK} busy $(cat "$root/launch.holder" 2>/dev/null)"
+  flock 9 || exit 1
 elif [ "$rc" != 0 ]; then exit 1; fi
 echo "$holder" > "$root/launch.holder"
-echo locked
+echo {LOCK_MARK} locked
 exec cat > /dev/null
 """
 
@@ -98,15 +102,21 @@ class Worker:
         worker's of this launch: the two share one remote dir, which no launch can use."""
         script = f"root={q(self.root)}\nholder={q(holder)}\n{LOCK_SH}"
         proc = self.ssh.hold(self.host, "bash -c " + q(script), "lock")
-        said = []  # anything a login script printed first
-        while (raw := proc.stdout.readline()) != b"locked\n":
+        said = []  # anything else: a login script's lines, an error
+        while True:
+            raw = proc.stdout.readline()
             if not raw:  # the end: flock failed, or the connection did
                 proc.wait()
                 raise VmUnavailable(f"{self}: could not take {self.root}/launch.lock ("
                                     + ("; ".join(said[-3:]) or "the connection ended") + ")")
             line = raw.decode(errors="replace").rstrip("\n")
-            if line.startswith("busy"):
-                other = line.split()[1:]
+            before, mark, told = line.partition(LOCK_MARK)  # (a banner without a newline first)
+            if not mark:
+                said.append(line)
+            elif told.split() == ["locked"]:
+                return proc
+            elif told.split()[:1] == ["busy"]:
+                other = told.split()[1:]
                 if other[:1] == holder.split()[:1]:
                     proc.kill()
                     proc.wait()
@@ -115,9 +125,6 @@ class Worker:
                                       "(hydra.launcher.remote_dir with {host} on a shared home)")
                 log(f"launch: {self}: another launch ({' '.join(other[1:]) or 'unknown'}) is "
                     "placing a job there: waiting for it")
-            elif line:
-                said.append(line)
-        return proc
 
 
 @contextlib.contextmanager

@@ -64,7 +64,7 @@ def relevant_env(environ=os.environ) -> dict[str, str]:
 
 def _git(root: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                          timeout=30, check=True).stdout
+                          errors="replace", timeout=30, check=True).stdout  # (any file's bytes)
 
 
 def source_git_root(source: Path | None = None) -> Path | None:
@@ -90,8 +90,11 @@ def code_state(source: Path | None = None, only: list[str] | None = None) -> tup
     synced = next((p / SYNCED_CODE_RECORD for p in (tree, tree.parent)  # the package's tree
                    if (p / SYNCED_CODE_RECORD).is_file()), None)
     if synced is not None:
-        record = json.loads(synced.read_text())
-        return {**record["facts"], "synced_to": str(synced.parent)}, record["diff"]
+        try:
+            record = json.loads(synced.read_text())
+            return {**record["facts"], "synced_to": str(synced.parent)}, record["diff"]
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a write cut short
+            return {"git": None, "synced_to": str(synced.parent), "unreadable": str(e)[-300:]}, ""
     root = source_git_root(source)
     if root is None:
         try:
@@ -102,7 +105,7 @@ def code_state(source: Path | None = None, only: list[str] | None = None) -> tup
                 "location": str(Path(__file__).resolve().parents[1])}, ""
     try:
         return _git_state(root, only)
-    except (OSError, subprocess.SubprocessError) as e:  # no commit yet, a git that hangs
+    except (OSError, ValueError, subprocess.SubprocessError) as e:  # no commit yet, a hung git
         return {"git": True, "root": str(root), "commit": None, "unreadable": str(e)[-300:]}, ""
 
 
@@ -132,7 +135,8 @@ def _changed_key_files(root: Path) -> list[str]:
     for where in (["HEAD"], []):  # (git grep exits 1 when it finds nothing)
         if changed:
             listed = subprocess.run(["git", "-C", str(root), "grep", "-lzE", "-e", PRIVATE_KEY.pattern,
-                                     *where, "--", *changed], capture_output=True, text=True, timeout=30)
+                                     *where, "--", *changed], capture_output=True, text=True,
+                                     errors="replace", timeout=30)
             found |= {n.removeprefix("HEAD:") for n in listed.stdout.split("\0") if n}
     return sorted(found)
 
