@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-from xtrain.hardware import available_bytes, meminfo  # noqa: F401  (this machine's)
+from xtrain.hardware import available_bytes
 from xtrain.units import GIB
 
 # A line at or above every compile in BENCHMARKS.md, "TPU compile" and "TPU preflight" (libtpu
@@ -27,8 +27,6 @@ from xtrain.units import GIB
 BASE_BYTES = int(3.5 * GIB)
 STATED_BYTES_PER_OP = 90 * 1024
 SIMILAR_OPS = 2.0  # an earlier compile's rate applies within this factor of its op count
-
-
 
 
 def earlier_compiles(report_dir: Path, libtpu: str | None, flags: str | None) -> list[dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from xtrain.errors import ConfigError
-from xtrain.hardware import libtpu_init_args
+from xtrain.hardware import available_bytes, libtpu_init_args, meminfo
 from xtrain.preflight import hostmem
 from xtrain.preflight.cache import cache_dir, cached_report, stack_versions, store_report
 from xtrain.preflight.report import answered, count_stablehlo_ops, describe, verdict
@@ -107,7 +107,7 @@ def check_host_memory(cfg, plan, ops: int, info: dict) -> None:
     if problem:
         raise PreflightError(problem)
     print(f"host RAM: {ops:,} StableHLO ops, expected ~{expected / GIB:.1f} GiB for the compiler "
-          f"(at the rate of {source}), {hostmem.available_bytes(info) / GIB:.1f} GiB available",
+          f"(at the rate of {source}), {available_bytes(info) / GIB:.1f} GiB available",
           flush=True)
 
 
@@ -123,7 +123,7 @@ def run_preflight(cfg, plan, python: str = sys.executable) -> dict:
         report["trace_seconds"] = traced["trace_seconds"]
         stablehlo = os.path.join(tmp, "step.mlir")
         report["hlo_ops"] = count_stablehlo_ops(Path(stablehlo).read_text())
-        info = hostmem.meminfo()  # the machine the compile runs on (BENCHMARKS.md states it)
+        info = meminfo()  # the machine the compile runs on (BENCHMARKS.md states it)
         check_host_memory(cfg, plan, report["hlo_ops"], info)
         report["host"] = {"ram_bytes": info["MemTotal"], "swap_bytes": info.get("SwapTotal", 0)}
         request = {"topology": topology_kwargs(hw), "libtpu_init_args": flags,
