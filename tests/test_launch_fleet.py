@@ -8,6 +8,7 @@ training, is tests/test_launch_fleet_e2e.py."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ from xtrain.launcher.fleet import Job
 from xtrain.launcher.vm import DOWN, PENDING, UP, Vm, VmLost, vm_health
 from xtrain.launcher.gcloud import NoCapacity, QuotaExceeded, create_failure
 from xtrain.launcher.job import JobState
+from xtrain.launcher.jobdir import record_attempt
 from xtrain.launcher.launch import launch_job
 from xtrain.launcher.pool import JobQueue, locate, run_pool, summary
 from xtrain.launcher.runner import LaunchError, VmUnavailable
@@ -767,9 +769,40 @@ def test_a_pool_job_that_ended_unwatched_is_reported_where_it_ran(gcloud, remote
             assert (remote.root(HOSTS[1]) / "jobs" / name / "reported").exists()
             assert "loss 2.5000" in (tmp_path / name / "worker-0.log").read_text()
         assert not list((remote.root(HOSTS[0]) / "jobs").glob("pool-unwatched-*"))
-        vms = [Vm(name, cfg, tpu_profile) for name in cfg.pool]
-        assert locate(vms, jobs, log=messages.append) == {}  # reported: the next launch starts
-    finally:  # them afresh
+    finally:
         for name in names:
             for kind in ("jobs", "runs"):
                 shutil.rmtree(remote.root(HOSTS[1]) / kind / name, ignore_errors=True)
+
+
+def test_a_pool_job_that_ran_before_goes_back_to_the_vm_with_its_checkpoints(
+        gcloud, remote, tmp_path, tpu_profile):
+    """A sweep run again (a longer trainer.max_steps, mode=eval...) after its jobs ended and were
+    reported: each job goes to the VM it ran on, whose disk holds its checkpoints; on both VMs, to
+    the one its launch.json names; with checkpoints in a bucket, anywhere. The probes are real
+    (ssh to the loopback hosts)."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [(HOSTS[0], HOSTS[0])]))
+    gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [(HOSTS[1], HOSTS[1])]))
+    cfg = loopback_cfg(remote, tmp_path, hosts=[], pool=["vm-a", "vm-b"])
+    names = ["pool-ran-0", "pool-ran-1", "pool-ran-2"]  # the first through the probe's own job
+    jobs = [Job(cfg, tpu_profile, [], name, str(tmp_path / name)) for name in names]
+    vms = [Vm(name, cfg, tpu_profile) for name in cfg.pool]
+    traces = [(HOSTS[1], names[0]), (HOSTS[1], names[1]), (HOSTS[0], names[1])]
+    try:
+        for host, name in traces:
+            ended_unwatched(remote, host, name)
+            (remote.root(host) / "jobs" / name / "reported").write_text("")
+        messages = []
+        assert locate(vms, jobs, log=messages.append) == {0: "vm-b", 1: "vm-a"}  # pool order
+        assert (f"fleet: job {names[0]} ran on TPU vm-b before, and its checkpoints are on that "
+                "VM's disk: it runs there again") in messages
+        os.makedirs(jobs[1].job_dir)
+        record_attempt(jobs[1].job_dir, names[1], "a1", [SimpleNamespace(host=HOSTS[1])],
+                       "jobs", "runs")
+        assert locate(vms, jobs, log=print) == {0: "vm-b", 1: "vm-b"}  # its latest attempt's
+        in_bucket = [dataclasses.replace(j, checkpoint_dir="gs://bucket/ckpt") for j in jobs]
+        assert locate(vms, in_bucket, log=print) == {}
+    finally:
+        for host, name in traces:
+            for kind in ("jobs", "runs"):
+                shutil.rmtree(remote.root(host) / kind / name, ignore_errors=True)

@@ -40,6 +40,7 @@ from xtrain.launcher.targets import TARGET_REQUIRED, check_type
 from xtrain.launcher.vm import DOWN, NO_ANSWER, NOT_FOUND, UP, Vm, VmLost, clock, vm_health
 from xtrain.limits import out_of_range
 from xtrain.observe.preemptions import NOTICE, launch_env
+from xtrain.paths import is_local
 
 
 class NoticeStop(VmLost):
@@ -64,6 +65,11 @@ class Job:
     checkpoint_dir: str | None = None  # checkpoint.dir (None: the run dir on the VM)
     notice_lead_s: float = 0.0  # preemption.maintenance_lead_s: a notice precedes the VM's loss
     record: str | None = None  # its .hydra record, held until its workers accept it
+
+    @property
+    def checkpoints_on_vm(self) -> bool:
+        """Its checkpoints are on its VM's disk (they go with the VM)."""
+        return is_local(self.checkpoint_dir or "")
 
 
 @dataclass
@@ -216,8 +222,8 @@ def after_preemption(lost: VmLost, job: Job) -> str:
     if vm_health(lost.state, job.cfg.queued) != DOWN:
         return "run the same command once the VM is READY"
     where = job.checkpoint_dir or "the run dir on the VM"
-    kept = (f"it resumes from its newest checkpoint in {where}" if "://" in where else
-            f"its checkpoints in {where} go with the VM's disk, so it will train from step 0 "
+    kept = (f"it resumes from its newest checkpoint in {where}" if not job.checkpoints_on_vm
+            else f"its checkpoints in {where} go with the VM's disk, so it will train from step 0 "
             "again (checkpoint.dir=gs://... keeps them)")
     again = "create it again" if lost.state == NOT_FOUND else "delete it and create it again"
     return (f"it does not come back READY by itself: {again}, then run the same command "

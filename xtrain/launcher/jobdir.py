@@ -15,6 +15,7 @@ import os
 
 from xtrain.launcher.logs import furthest_logged_step, log_path
 from xtrain.observe.wandb_run import RUN_ID_ENV, run_id
+from xtrain.paths import is_local
 
 LAUNCH_RECORD = "launch.json"
 
@@ -49,7 +50,7 @@ def identity_env(job_dir: str, probes, checkpoint_dir: str | None, overrides,
     before = earlier_attempt(job_dir)
     traceless = all(p.job.state == "none" and p.job.attempt is None and p.job.command is None
                     for p in probes)  # (a start that failed leaves its attempt and command)
-    remote = "://" in str(checkpoint_dir or "")
+    remote = not is_local(checkpoint_dir or "")
     if not (before and traceless) or remote or names_checkpoint(overrides):
         return {RUN_ID_ENV: run_id(job_dir, environ={})}
     step = furthest_logged_step(job_dir)

@@ -10,8 +10,9 @@ that refuses a job before starting it (another job or program holds it, unreacha
 setup) leaves the pool too, and the job goes back to the queue for another VM; once every VM has
 left, the jobs not run fail, naming why each VM left. A job still running on one of the VMs
 from an earlier launch of the same sweep (the local side was gone), or ended there unwatched, is
-reattached there (its end reported), never started a second time elsewhere. Each job keeps its own Hydra job dir; the end is a summary
-table.
+reattached there (its end reported), never started a second time elsewhere; a job that ran on a
+VM before with its checkpoints on that VM's disk runs there again. Each job keeps its own Hydra
+job dir; the end is a summary table.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from xtrain.launcher.fleet import Job, NoticeStop, Preemptions, attempt, check_known, preempted
+from xtrain.launcher.jobdir import earlier_attempt
 from xtrain.launcher.launch import job_name, parallel, say
 from xtrain.launcher.runner import LaunchError, VmUnavailable
 from xtrain.launcher.ssh import Ssh
@@ -183,33 +185,49 @@ def _restore(vm: Vm, history: Preemptions) -> str | None:
 
 
 def locate(vms: list[Vm], jobs: list[Job], log=say) -> dict[int, str]:
-    """Jobs of this sweep already on a VM of the pool (an earlier launch of the same command),
-    running or ended unwatched: job index -> VM name. One probe per READY VM; its ``busy`` and
-    ``ended`` lists name them."""
+    """Where jobs of this sweep must run: job index -> VM name. A job already on a VM of the pool
+    (an earlier launch of the same command), running or ended unwatched, is reattached there. A
+    job that ran on a VM before (finished, failed, stopped) with its checkpoints on that VM's disk
+    goes back to it: elsewhere it would train from step 0 again (a longer ``trainer.max_steps``,
+    ``mode=eval`` and the like share the job's dir and checkpoints); on several VMs, to the one
+    its latest attempt (``launch.json``) ran on. One probe per READY VM."""
     index = {job_name(j.run_name): i for i, j in enumerate(jobs)}
     cfg, hardware = jobs[0].cfg, jobs[0].hardware
 
-    def found_on(vm: Vm) -> list[str]:
+    def found_on(vm: Vm) -> tuple[str | None, list[str], list[str]]:
+        """(its address, the jobs on it now, the jobs that ran on it before)"""
         node = vm.describe()
         if node is None or vm.health() != UP:
-            return []
+            return None, [], []
         target = node_targets(node, cfg.address, hardware)[0]
         worker = Worker(target, Ssh(cfg, vm.runner, vm.log), cfg.remote_dir, cfg.venv)
+        own = job_name(jobs[0].run_name)  # the probe reports it apart from the others
         try:
-            probe = worker.probe(job_name(jobs[0].run_name))
+            probe = worker.probe(own)
         except LaunchError:  # unreachable, missing tools: refused again when serving, it leaves
-            return []
-        names = [b.split()[0] for b in probe.busy] + probe.ended
-        here = probe.job.state == "running" or probe.job.unreported_end
-        return names + ([job_name(jobs[0].run_name)] if here else [])
+            return None, [], []
+        now = [b.split()[0] for b in probe.busy] + probe.ended
+        on_it = probe.job.state == "running" or probe.job.unreported_end
+        return (target.host, now + ([own] if on_it else []),
+                probe.ran + ([own] if probe.job.state != "none" else []))
 
+    found = list(zip(vms, parallel(found_on, vms)))
     placed = {}
-    for vm, names in zip(vms, parallel(found_on, vms)):
-        for name in names:
-            if name in index:
-                placed[index[name]] = vm.name
-                log(f"fleet: job {jobs[index[name]].run_name} is already on {vm} (running, or "
-                    "ended unwatched): reattaching there")
+    for vm, (_, now, _) in found:
+        for i in (index[name] for name in now if name in index):
+            placed[i] = vm.name
+            log(f"fleet: job {jobs[i].run_name} is already on {vm} (running, or ended "
+                "unwatched): reattaching there")
+    for i, job in enumerate(jobs):
+        if i in placed or not job.checkpoints_on_vm:
+            continue
+        ran = [(vm, host) for vm, (host, _, before) in found if job_name(job.run_name) in before]
+        if ran:
+            latest = (earlier_attempt(job.job_dir) or {}).get("hosts", [None])[0]
+            vm = next((vm for vm, host in ran if host == latest), ran[0][0])
+            placed[i] = vm.name
+            log(f"fleet: job {job.run_name} ran on {vm} before, and its checkpoints are on that "
+                "VM's disk: it runs there again")
     return placed
 
 

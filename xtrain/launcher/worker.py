@@ -42,6 +42,7 @@ class Probe:
     job: JobState
     busy: list[str] = field(default_factory=list)  # other jobs running there: "name pid"
     ended: list[str] = field(default_factory=list)  # other jobs that ended unwatched: names
+    ran: list[str] = field(default_factory=list)  # other jobs started there, in any state: names
     lacks: list[str] = field(default_factory=list)  # SYSTEM_TOOLS not there (jobs may need them)
 
 
@@ -79,6 +80,7 @@ class Worker:
             f'  [ "$n" = {q(job_id)} ] && continue',
             '  set -- $(job_state "$d"); [ "$1" = running ] && echo "busy=$n pid $(cat "$d/pid")"',
             '  [ "$1" = exited ] && [ "$3" = 0 ] && echo "ended=$n"',
+            '  [ "$1" != none ] && echo "ran=$n"',
             "done", "exit 0", ""])
         r = self.run(script, "probe", timeout=120)
         values: dict[str, list[str]] = {}
@@ -93,7 +95,8 @@ class Worker:
         self.root, self.venv = values["root"][0], values["venv"][0]
         self.code = self.root + "/code"
         return Probe(values.get("stamp", [None])[0], JobState.parse(values["job"][0]),
-                     values.get("busy", []), values.get("ended", []), values.get("lacks", []))
+                     values.get("busy", []), values.get("ended", []), values.get("ran", []),
+                     values.get("lacks", []))
 
     def hold_lock(self, holder: str, log):
         """Take this worker's launch lock (after a probe: the connection and flock are known to
