@@ -372,6 +372,29 @@ def test_a_run_whose_checkpoint_dir_override_was_left_off_is_refused_not_started
     assert code == 0 and "step      3/3" in out, err[-3000:]
 
 
+def test_a_run_whose_checkpoint_dir_override_was_left_off_is_refused_where_its_own_dir_is_behind(
+        tmp_path):
+    """The run trained 2 steps in its own dir, then 2 more from there into checkpoint.dir=...:
+    the same command without that override found step 2 in the run's own dir and trained steps 3
+    and 4 again over the run's records, passing over the newer checkpoints without a word."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "ckpt"
+    code, _, err = finish(xtrain(run_dir, "trainer.max_steps=2"))
+    assert code == 0, err[-3000:]
+    own = run_dir / "checkpoints" / "step_000002"
+    code, _, err = finish(xtrain(run_dir, "trainer.max_steps=4", f"checkpoint.dir={elsewhere}",
+                                 f"checkpoint.resume={own}"))
+    assert code == 0, err[-3000:]
+    records = (run_dir / "metrics.jsonl").read_text()
+    code, out, err = finish(xtrain(run_dir, "trainer.max_steps=4"))
+    assert code == 2, err[-3000:]
+    assert err.splitlines()[-1] == (
+        f"xtrain: config error: this command would resume from {own}, but the last training in "
+        f"{run_dir} (.hydra/config.yaml) saved its checkpoints to {elsewhere}, newest "
+        f"{elsewhere}/step_000004: this command would train from step 2 over the run's records; "
+        f"to continue it, add checkpoint.dir={elsewhere}; to start anew, choose another run.name")
+    assert (run_dir / "metrics.jsonl").read_text() == records and "step " not in out
+
+
 def test_an_earlier_checkpoint_dir_that_does_not_answer_is_said_and_passed_over(tmp_path, monkeypatch,
                                                                                 capfd):
     """The run's last training saved to a bucket that does not answer now (here an emulator

@@ -14,7 +14,8 @@ import threading
 from xtrain import compat
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_checkpoints,
-                                      latest_checkpoint, newer_commits, read_meta, saved_config)
+                                      latest_checkpoint, newer_commits, read_meta, saved_config,
+                                      step_of)
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
                            StorageError, warn)
 from xtrain.model.config import GPTConfig
@@ -285,11 +286,13 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
         _check_paths(cfg, gpt, ckpt_dir, run_dir)
 
 
-def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: float) -> None:
-    """Refuse to start over in a run dir whose last accepted training saved its checkpoints
-    elsewhere, where they still are: a ``checkpoint.dir`` override left off (such overrides keep
-    the run's name, so its dir) would train from step 0 over the run's records. A location that
-    does not answer within ``timeout_s`` is said and passed over."""
+def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: float,
+                                    resumes: str | None = None) -> None:
+    """Refuse to go on in a run dir whose last accepted training saved its checkpoints elsewhere,
+    where they still are, newer than ``resumes`` (the checkpoint this command would resume from;
+    None: it would start from step 0): a ``checkpoint.dir`` override left off (such overrides
+    keep the run's name, so its dir) would train those steps again over the run's records. A
+    location that does not answer within ``timeout_s`` is said and passed over."""
     from omegaconf import OmegaConf
 
     from xtrain.config.hydra_record import RECORD
@@ -303,20 +306,24 @@ def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: floa
         return
     if location(earlier) == location(ckpt_dir):
         return
+    step = step_of(resumes) if resumes else -1
     found: dict = {}
     try:
-        within(timeout_s, earlier, lambda: found.update(newest=latest_checkpoint(earlier)))
+        within(timeout_s, earlier, lambda: found.update(newer=newer_commits(earlier, step)))
     except StorageError as e:
         warn(f"the last training in {run_dir} saved its checkpoints to {earlier}, which could not "
-             f"be read ({e}); this run starts from step 0 in checkpoint.dir={ckpt_dir}")
+             f"be read ({e}); this run starts from {resumes or 'step 0'} in "
+             f"checkpoint.dir={ckpt_dir}")
         return
-    newest = found.get("newest")
-    if newest:
+    if found.get("newer"):
+        here, again = (f"checkpoint.dir={ckpt_dir} holds no checkpoint of this run", "from step 0")
+        if resumes:
+            here, again = f"this command would resume from {resumes}", f"from step {step}"
         raise ConfigError(
-            f"checkpoint.dir={ckpt_dir} holds no checkpoint of this run, but the last training in "
-            f"{run_dir} ({RECORD}/config.yaml) saved its checkpoints to {earlier}, newest "
-            f"{newest}: this command would train from step 0 over the run's records; to continue "
-            f"it, add checkpoint.dir={earlier}; to start anew, choose another run.name")
+            f"{here}, but the last training in {run_dir} ({RECORD}/config.yaml) saved its "
+            f"checkpoints to {earlier}, newest {found['newer'][-1]}: this command would train "
+            f"{again} over the run's records; to continue it, add checkpoint.dir={earlier}; to "
+            "start anew, choose another run.name")
 
 
 def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str, run_dir: str) -> None:
@@ -324,8 +331,8 @@ def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str, run_dir: str) -> None:
 
     found = resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, cfg.run.name, early=True,
                               rewind=cfg.checkpoint.rewind)
-    if not found and not cfg.checkpoint.resume:
-        check_checkpoints_not_elsewhere(run_dir, ckpt_dir, cfg.data.remote_timeout_s)
+    if not cfg.checkpoint.resume:
+        check_checkpoints_not_elsewhere(run_dir, ckpt_dir, cfg.data.remote_timeout_s, found)
     check_writable(ckpt_dir)
     check_data(cfg.data)
     if found and not cfg.data.build_sources:  # a corpus built on first use: once built (train/run.py)

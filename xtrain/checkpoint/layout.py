@@ -28,6 +28,12 @@ def step_dir(directory: str, step: int) -> str:
     return f"{directory.rstrip('/')}/step_{step:06d}"
 
 
+def step_of(path: str) -> int | None:
+    """The step a step directory's name says; None when the name is not a step directory's."""
+    m = _STEP_DIR.fullmatch(str(path).rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
 def step_dirs(directory: str) -> list[tuple[int, str, bool]]:
     """(step, path, committed) of every step directory under ``directory``, oldest first."""
     fs, root = url_to_fs(directory)
@@ -36,10 +42,11 @@ def step_dirs(directory: str) -> list[tuple[int, str, bool]]:
         return []
     found = []
     for entry in fs.ls(root, detail=False):
-        m = _STEP_DIR.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1])
-        if m:
+        step = step_of(entry)
+        if step is not None:
             committed = fs.exists(f"{entry.rstrip('/')}/{COMMIT_MARKER}")
-            found.append((int(m.group(1)), f"{directory.rstrip('/')}/{m.group(0)}", committed))
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            found.append((step, f"{directory.rstrip('/')}/{name}", committed))
     return sorted(found)
 
 
