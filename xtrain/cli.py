@@ -26,7 +26,8 @@ from xtrain.config import Mode, register
 from xtrain.config.choices import check_composed, check_group_overrides
 from xtrain.config.hydra_record import discard, writes_record
 from xtrain.config.secrets import check_no_secret_overrides
-from xtrain.errors import EXIT_INTERRUPTED, ConfigError, is_refusal, printed_masked, refuse
+from xtrain.errors import (EXIT_INTERRUPTED, EXIT_STOPPED, ConfigError, Terminated, is_refusal,
+                           printed_masked, refuse)
 from xtrain.observe.bundle import mask_secrets
 from xtrain.observe.console import mask_stderr, masked_stderr
 from xtrain.paths import PRIMARY_CONFIG, config_dir
@@ -59,7 +60,7 @@ def _main(cfg: DictConfig) -> None:
     if not remote and cfg.mode in (Mode.plan, Mode.compile):  # nothing kept in the run dir
         discard(hc.runtime.output_dir, CWD_BEFORE)
     if summary and summary.get("preempted"):
-        sys.exit(143)  # 128 + SIGTERM: not finished; re-running the command resumes
+        sys.exit(EXIT_STOPPED)  # not finished; re-running the command resumes
 
 
 def secondary_process_overrides(env=os.environ) -> list[str]:
@@ -152,6 +153,10 @@ def main() -> None:
         print("xtrain: interrupted (SIGINT); a run resumes from its last committed checkpoint",
               file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+    except Terminated:  # SIGTERM there (xtrain/train/preemption.py sigterm_raises)
+        print("xtrain: stopped (SIGTERM) outside a training step; a run resumes from its last "
+              "committed checkpoint", file=sys.stderr)
+        sys.exit(EXIT_STOPPED)
 
 
 def exit_if_jobs_stopped() -> None:
@@ -163,7 +168,7 @@ def exit_if_jobs_stopped() -> None:
         print(f"xtrain: {len(STOPPED_JOBS)} job(s) of the sweep stopped before finishing ("
               + "; ".join(STOPPED_JOBS) + "): run the same command to resume them",
               file=sys.stderr)
-        sys.exit(143)
+        sys.exit(EXIT_STOPPED)
 
 
 def find_plugins() -> None:

@@ -13,6 +13,14 @@ EXIT_LAUNCH_FAILED = 1  # a remote launch failed (a worker's job, an unreachable
 EXIT_PEER_LOST = 3  # another process of a multi-process run vanished
 EXIT_NOT_SAVED = 1  # training ended, but its final checkpoint could not be written
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped at once (a second Ctrl-C), without a checkpoint
+EXIT_STOPPED = 143  # 128 + SIGTERM: stopped before finishing; the same command resumes
+
+
+class Terminated(BaseException):
+    """SIGTERM outside training's own stop handling (xtrain/train/preemption.py sigterm_raises):
+    raised in the main thread as KeyboardInterrupt is for SIGINT, so that what a run holds (its
+    checkpoint lease, its run dir) is let go; a BaseException, so that no ``except Exception``
+    takes it for an error of its own."""
 
 
 class InputError(ValueError):

@@ -15,6 +15,7 @@ from xtrain.hardware import check_fits_host, cpu_processes, launch_environment, 
 from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
 from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
+from xtrain.train.preemption import sigterm_raises
 from xtrain.train.run_lock import run_dir_lock
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,13 @@ def run(cfg, run_dir: str) -> dict | None:
     one's console.log and record alone."""
     check_config(cfg)  # the config alone, before the run dir is taken or anything written there
     check_environment(cfg)
-    if cfg.mode == Mode.train and writes_record():
-        with run_dir_lock(run_dir):
-            record = hold(run_dir)
-            with released_on_error((run_dir, record)):
-                return run_checked(cfg, run_dir, record)
-    return run_checked(cfg, run_dir, None)
+    with sigterm_raises():
+        if cfg.mode == Mode.train and writes_record():
+            with run_dir_lock(run_dir):
+                record = hold(run_dir)
+                with released_on_error((run_dir, record)):
+                    return run_checked(cfg, run_dir, record)
+        return run_checked(cfg, run_dir, None)
 
 
 def check_environment(cfg) -> None:

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from xtrain.config.hydra_record import ACCEPTED, accept
-from xtrain.errors import ConfigError
+from xtrain.errors import EXIT_STOPPED, ConfigError
 from xtrain.launcher import secrets as job_secrets
 from xtrain.launcher.env import EnvSpec, ensure_env, requirements
 from xtrain.launcher.gcloud import Gcloud
@@ -39,7 +39,7 @@ from xtrain.launcher.worker import Worker, launch_lock
 from xtrain.observe.plots import parse_records
 from xtrain.observe.preemptions import ATTEMPT, NOTICE
 
-PREEMPTED = 143  # xtrain's exit code after a SIGTERM checkpoint (128 + SIGTERM)
+PREEMPTED = EXIT_STOPPED  # xtrain's exit code after a SIGTERM checkpoint
 STREAM_LIVED_S = 60.0  # a log stream that lived this long (or brought lines) was working
 
 

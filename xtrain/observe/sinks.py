@@ -14,6 +14,7 @@ import json
 import threading
 import time
 
+from xtrain.errors import EXIT_STOPPED
 from xtrain.paths import is_local, url_to_fs
 
 KINDS = ("train", "val", "eval", "checkpoint", "sample", "preemption", "stop")
@@ -136,4 +137,4 @@ class LightningSink(Sink):
             run = self.logger.experiment
             if status == "preempted":
                 run.mark_preempting()  # W&B shows it as preempted, to be resumed
-            run.finish(exit_code=0 if status == "success" else 143 if status == "preempted" else 1)
+            run.finish(exit_code={"success": 0, "preempted": EXIT_STOPPED}.get(status, 1))

@@ -112,6 +112,8 @@ class PeriodicCheckpoint(L.Callback):
             # committed before the final validation, which Lightning runs after this hook: a
             # validation that fails then loses no trained step
             self.final_saved = self.save(trainer, wait=True)
+            if self.stop is not None:
+                self.stop.past_last_step.set()
         elif self.every and trainer.global_step % self.every == 0:
             self.save(trainer)
 

@@ -1,6 +1,7 @@
-"""The end of a run resumed at its last step: the step was trained and its checkpoint committed by
-an earlier command that stopped (a preemption, a lost host) before the end's validation, sample or
-C++ evaluation was recorded. The last step's checkpoint is committed before the final validation
+"""How a training ends: finished, or stopped (:func:`end_status`). And the end of a run resumed at
+its last step: the step was trained and its checkpoint committed by an earlier command that
+stopped (a preemption, a lost host) before the end's validation, sample or C++ evaluation was
+recorded. The last step's checkpoint is committed before the final validation
 (xtrain/train/checkpointing.py), so that a failing validation loses no trained step; run again,
 Lightning's fit finds no step left and calls no hook, so what the run log lacks at the last step
 is done here, with the checkpoint's weights."""
@@ -48,3 +49,27 @@ def finish_resumed_end(trainer, module, val_loader, callbacks, run_dir: str, pro
     if "eval" in missing and processes.primary:
         callbacks.cpp_eval.evaluate(step, module.model)
         callbacks.cpp_eval.collect(wait=True)
+
+
+def end_status(callbacks, run_log, step: int) -> str:
+    """"preempted" when a stop ended training at a step boundary, or arrived after the last one
+    (its checkpoint committed, the end's C++ evaluation was called off: the same command again
+    records what the end lacks, finish_resumed_end), with the ``stop`` record saying why for the
+    launcher (xtrain/observe/preemptions.py); else "success"."""
+    from xtrain.observe.preemptions import stop_record
+
+    stop = callbacks.stop
+    if not (callbacks.checkpointer.preempted or stop.requested):
+        return "success"
+    run_log.record("stop", step, stop_record(stop.stopped_for or stop.cause, stop.reason))
+    return "preempted"
+
+
+def stopped(callbacks, step: int, newest: str | None) -> dict:
+    """Say where a stopped run is (its ``end_status`` is "preempted"); its result."""
+    committed = callbacks.checkpointer.preemption_saved or callbacks.checkpointer.final_saved
+    saved = ("checkpoint committed" if committed else
+             f"its checkpoint could not be written, the newest committed one is {newest}")
+    log.info("stopped (%s) at step %d: %s; run the same command to resume",
+             callbacks.stop.reason or "another process was told to stop", step, saved)
+    return {"step": step, "checkpoint": newest, "preempted": True}

@@ -4,13 +4,14 @@ written and never in the middle of an update; on several processes, all of them 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import threading
 
-from xtrain.errors import EXIT_INTERRUPTED
+from xtrain.errors import EXIT_INTERRUPTED, Terminated
 from xtrain.observe.preemptions import NOTICE, SIGNAL
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,21 @@ log = logging.getLogger(__name__)
 # what stopped the run, weakest first: the processes agree on the strongest (a vote of indices),
 # so a GCE notice on any host makes the whole run's stop the VM's, not the job's own
 CAUSES = (None, SIGNAL, NOTICE)
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """SIGTERM raises Terminated inside (while training runs, StopRequest's handler stands in for
+    it): a stop during a run's start-up or end leaves by the clean-up a Ctrl-C takes, instead of
+    ending the process where it is, the checkpoint lease left for the next start to wait out."""
+    def handle(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class StopRequest:
@@ -49,6 +65,7 @@ class StopRequest:
         self._previous = {}
         self._pending = None  # the vote started at the previous step boundary
         self._watch: SignalWatch | None = None
+        self.past_last_step = threading.Event()  # training reached its last step: no boundary left
 
     @property
     def requested(self) -> bool:
@@ -69,7 +86,7 @@ class StopRequest:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous = signal.signal(sig, self._handle)
             self._previous.setdefault(sig, previous)
-        self._watch = self._watch or SignalWatch()
+        self._watch = self._watch or SignalWatch(self.past_last_step)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
@@ -108,7 +125,8 @@ class SignalWatch:
     Python's C-level handler writes each handled signal's number to the wakeup fd
     (``signal.set_wakeup_fd``), which this class's thread reads as it arrives."""
 
-    def __init__(self):
+    def __init__(self, past_last_step: threading.Event | None = None):
+        self.past_last_step = past_last_step or threading.Event()
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
         self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
@@ -126,7 +144,10 @@ class SignalWatch:
             log.warning("SIGINT again: stopping now, without a checkpoint (the last committed one "
                         "resumes)")
             os._exit(EXIT_INTERRUPTED)
-        if not self._seen:
+        if not self._seen and self.past_last_step.is_set():
+            log.warning("%s: training reached its last step; stopping what the run's end still "
+                        "does (the same command again finishes it)", sig.name)
+        elif not self._seen:
             again = "; Ctrl-C again stops now, without one" if sig == signal.SIGINT else ""
             log.warning("%s: stopping at the next step boundary, after a checkpoint%s", sig.name, again)
         self._seen.append(sig)

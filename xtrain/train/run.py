@@ -17,8 +17,9 @@ from xtrain import compat
 from xtrain.config import to_plain
 from xtrain.config.hydra_record import ACCEPTED, accept
 from xtrain.engines.base import Engine
+from xtrain.errors import Terminated
 from xtrain.plan import RunPlan
-from xtrain.train.finish import finish_resumed_end
+from xtrain.train.finish import end_status, finish_resumed_end, stopped
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,6 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
 
     from xtrain.checkpoint.layout import check_shared, latest_checkpoint
     from xtrain.inputs import checkpoint_dir
-    from xtrain.observe.preemptions import stop_record
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
     from xtrain.train.run_lock import checkpoint_dir_lease
@@ -351,21 +351,17 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                 finish_resumed_end(trainer, module, loaders.val, callbacks, run_dir, engine.processes,
                                    start_step, trainer_cfg.eval_every or plan.max_steps)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
-            status = "preempted" if callbacks.checkpointer.preempted else "success"
-            if status == "preempted":  # why, for the launcher (xtrain/observe/preemptions.py)
-                run_log.record("stop", trainer.global_step, stop_record(callbacks.stop.stopped_for,
-                                                                        callbacks.stop.reason))
+            status = end_status(callbacks, run_log, trainer.global_step)
+        except Terminated:  # SIGTERM before training or after it (xtrain/train/preemption.py)
+            status = "preempted"
+            raise
         finally:
             run_log.close(status)
             if engine.rank == 0 and status != "failed":
                 write_plots(run_dir)
     newest = latest_checkpoint(ckpt_dir)
     if status == "preempted":
-        saved = ("checkpoint committed" if callbacks.checkpointer.preemption_saved else
-                 f"its checkpoint could not be written, the newest committed one is {newest}")
-        log.info("stopped (%s) at step %d: %s; run the same command to resume",
-                 callbacks.stop.reason or "another process was told to stop", trainer.global_step, saved)
-        return {"step": trainer.global_step, "checkpoint": newest, "preempted": True}
+        return stopped(callbacks, trainer.global_step, newest)
     if engine.name == "cpu":  # XLA would gather every shard onto every host for it
         log.info("param_checksum %s", param_checksum(module.model))
     return {"step": trainer.global_step, "checkpoint": newest, **engine.summary()}
