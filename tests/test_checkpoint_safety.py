@@ -245,8 +245,9 @@ def test_sample_and_eval_refuse_a_tokenizer_the_checkpoint_was_not_trained_with(
     assert code == EXIT_REFUSED, err[-3000:]
     assert len(lines) == 1 and re.fullmatch(
         rf"xtrain: checkpoint error: {ckpt} was trained with the tokenizer of {tok} \(sha256 \w+\), "
-        rf"not with the one in {tok} \(sha256 \w+\): its token ids mean other text; point "
-        "data.tokenizer at a copy of the tokenizer it was trained with", lines[0]), lines
+        rf"not with the one in {tok} \(sha256 \w+\): its token ids mean other text; add "
+        rf"data.tokenizer=<a copy of the tokenizer it was trained with> checkpoint.resume={ckpt}",
+        lines[0]), lines
     assert "sampling" not in out and "evaluating" not in out
 
 
@@ -264,7 +265,8 @@ def test_sample_builds_no_corpus_where_a_checkpoint_says_and_reads_a_copy_of_its
         f"xtrain: data error: {ckpt} was trained with the tokenizer of {elsewhere}/tokenizer, and "
         f"{elsewhere}/tokenizer holds no tokenizer (mode=sample and mode=eval build no corpus): "
         "run the training command of that checkpoint once on this machine (it builds the corpus "
-        "and its tokenizer), or point data.tokenizer at a copy of that tokenizer")
+        f"and its tokenizer), or add data.tokenizer=<a copy of that tokenizer> "
+        f"checkpoint.resume={ckpt}")  # (what the command below does)
     assert not elsewhere.exists() and "sampling" not in out
     copy = tmp_path / "copy"
     shutil.copytree(_trained_tokenizer(world), copy)

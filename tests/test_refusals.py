@@ -179,6 +179,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "hardware=cpu2 runs 2 processes; MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK not set"),
     ("cpp-eval-without-its-compiler", ["eval.cpp_every=5", "eval.gxx=g++-nowhere"], {},
      "eval.gxx='g++-nowhere': compiler not found on PATH"),
+    ("cpp-eval-file-missing", ["eval.cpp_every=5", "eval.cpp_file=/nonexistent/cpp.jsonl"], {},
+     "C++ benchmark file /nonexistent/cpp.jsonl does not exist"),  # before the corpus and model
     ("wandb-online-without-key", ["logger=[jsonl,wandb]", "logger.wandb.mode=online"],
      {"WANDB_API_KEY": "", "WANDB_BASE_URL": "https://wandb.invalid"},  # no key, none in ~/.netrc
      "logger.wandb.mode=online but no W&B key: export WANDB_API_KEY"),
@@ -251,7 +253,7 @@ def torch_import_s():
 
 # Config errors found by xtrain/inputs.py beside the inputs it reads, once the run dir is taken
 # (its console.log says why); every other config error leaves no run dir
-CHECKED_WITH_INPUTS = {"built-corpus-elsewhere", "cpp-eval-between-checkpoints", "resume-other-model",
+CHECKED_WITH_INPUTS = {"cpp-eval-between-checkpoints", "resume-other-model",
                        "checkpoint-dir-of-another-run", "checkpoint-dir-blocked"}
 
 

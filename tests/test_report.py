@@ -167,6 +167,11 @@ def test_report_refuses_an_unknown_metric_and_a_dir_without_runs(sweep, tmp_path
     assert "val_bpb" in r.stderr and not (tmp_path / "a").exists()
     r = report(tmp_path, "--out", tmp_path / "b")
     assert r.returncode == 2 and f"{tmp_path}: no metrics.jsonl in it or in its subdirectories" in r.stderr
+    (tmp_path / "file").write_text("kept")  # --out naming a file: one line, the file untouched
+    r = report(sweep, "--out", tmp_path / "file")
+    assert r.returncode == 2 and r.stderr.startswith(
+        f"xtrain.report: --out {tmp_path}/file: cannot be made a directory (FileExistsError: "), r.stderr
+    assert (tmp_path / "file").read_text() == "kept"
 
 
 def test_every_run_leaves_its_plots_and_reproducibility_bundle(sweep):

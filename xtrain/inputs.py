@@ -208,6 +208,19 @@ def check_tokenizer(directory: str) -> None:
                         f"token_bytes.pt, found {sorted(names) or 'nothing'}")
 
 
+def check_built_where_read(data) -> None:
+    """A corpus built on first use (``data.build_sources``) is read from where it is built: the
+    config alone says so, checked before the run dir is taken."""
+    elsewhere = [f"data.{k}={data[k]}" for k in ("train_files", "val_files", "tokenizer")
+                 if data.build_sources and data[k] and data.build_dir
+                 and not str(data[k]).startswith(str(data.build_dir).rstrip("/") + "/")]
+    if elsewhere:
+        raise ConfigError(
+            f"data.build_sources is set, so the corpus is built into data.build_dir="
+            f"{data.build_dir}, but {', '.join(elsewhere)} reads elsewhere: to read shards of "
+            "your own, also set data.build_sources=[]")
+
+
 def check_data(data) -> None:
     """The tokenizer and the shards, unless the corpus is built on first use (then its output
     directory, which must be the build's to replace, and its sources)."""
@@ -215,14 +228,6 @@ def check_data(data) -> None:
     from xtrain.data.loader import list_shards
 
     if data.build_sources:
-        elsewhere = [f"data.{k}={data[k]}" for k in ("train_files", "val_files", "tokenizer")
-                     if data[k] and data.build_dir
-                     and not str(data[k]).startswith(str(data.build_dir).rstrip("/") + "/")]
-        if elsewhere:
-            raise ConfigError(
-                f"data.build_sources is set, so the corpus is built into data.build_dir="
-                f"{data.build_dir}, but {', '.join(elsewhere)} reads elsewhere: to read shards "
-                "of your own, also set data.build_sources=[]")
         if data.build_dir:
             check_output(list(data.build_sources), data.build_dir)
         checked_sources(list(data.build_sources))
@@ -367,15 +372,16 @@ def checkpoint_tokenizer(path: str, meta: dict, given: str | None) -> str:
         found[directory] = file_fingerprint(directory)
         if found[directory] and (not trained_with or found[directory] == trained_with):
             return directory
+    # (a data.* override names another run, whose dir holds no checkpoint: hence the resume)
+    copy = f"add data.tokenizer=<a copy of that tokenizer> checkpoint.resume={path}"
     other = next(((d, f) for d, f in found.items() if f), None)
     if other:  # (the first directory holding a tokenizer: refused)
-        check_same_tokenizer(path, meta, other[1], ours=f"the one in {other[0]}", remedy=(
-            "point data.tokenizer at a copy of the tokenizer it was trained with"))
+        check_same_tokenizer(path, meta, other[1], ours=f"the one in {other[0]}",
+                             remedy=copy.replace("that tokenizer", "the tokenizer it was trained with"))
     dirs = list(found)
     none = (f"{dirs[0]} holds no tokenizer" if len(dirs) == 1 else
             f"neither {dirs[0]} nor {dirs[1]} holds a tokenizer")
     raise DataError(
         f"{path} was trained with the tokenizer of {recorded}, and {none} "
         "(mode=sample and mode=eval build no corpus): run the training command of that checkpoint "
-        "once on this machine (it builds the corpus and its tokenizer), or point data.tokenizer "
-        "at a copy of that tokenizer")
+        f"once on this machine (it builds the corpus and its tokenizer), or {copy}")

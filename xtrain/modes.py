@@ -12,7 +12,7 @@ from xtrain.config import Engine, Mode, sample_prompts
 from xtrain.config.hydra_record import hold, released_on_error, writes_record
 from xtrain.errors import ConfigError, warn
 from xtrain.hardware import check_fits_host, cpu_processes, launch_environment, run_devices
-from xtrain.inputs import check_inputs
+from xtrain.inputs import check_built_where_read, check_inputs
 from xtrain.observe.console import ConsoleLog
 from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
 from xtrain.train.preemption import sigterm_raises
@@ -37,6 +37,7 @@ def check_config(cfg) -> None:
         plan = resolve(cfg, run_devices(cfg.hardware))
         if cfg.mode == Mode.train:
             check_fits(plan, cfg)
+            check_built_where_read(cfg.data)
     check_sampling(cfg)
 
 
@@ -75,8 +76,8 @@ def run(cfg, run_dir: str) -> dict | None:
 
 def check_environment(cfg) -> None:
     """What a training needs of this process's environment, checked with the config (a launch
-    checks it on the workers): the W&B key for online logging, the C++ evaluation's compiler,
-    a multi-process CPU run's rendezvous variables (MASTER_ADDR, RANK, ...), and on the CPU
+    checks it on the workers): the W&B key for online logging, the C++ evaluation's compiler and
+    benchmark file, a multi-process CPU run's rendezvous variables (MASTER_ADDR, RANK, ...), and on the CPU
     engine the machine's memory for its state (xtrain/hardware.py check_fits_host)."""
     if cfg.mode != Mode.train:
         return
@@ -88,8 +89,10 @@ def check_environment(cfg) -> None:
         choose_mode(cfg.logger.wandb.mode)  # online without a key is refused
     if cfg.eval.cpp_every:  # (the evaluation's own check compiles in its sandbox, later)
         from xtrain.evals.harness import find_gxx
+        from xtrain.evals.problems import load_problems
 
         find_gxx(cfg.eval)
+        load_problems(cfg.eval.cpp_file)  # read, not just found: a bad line is refused now too
     if cfg.hardware.engine == Engine.cpu and cpu_processes(cfg.hardware) > 1:
         launch_environment(cfg.hardware)
 

@@ -101,18 +101,30 @@ def legend_names(names: list[str]) -> list[str]:
     return ["-".join(x for x in p if x not in shared) or n for p, n in zip(parts, names)]
 
 
+def make_out_dir(out: str) -> None:
+    """``--out``, made a directory before anything is drawn: a file there, or a place that cannot
+    be written, is refused in one line."""
+    fs, root = url_to_fs(out)
+    try:
+        fs.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--out {out}: cannot be made a directory ({type(e).__name__}: "
+                         f"{e.strerror or e})") from None
+
+
 def report(paths: list[str], out: str, metrics: str | None = None) -> list[dict]:
     runs = {name: read_records(d) for name, d in find_runs(paths).items()}
     known = set().union(*(metric_names(r) for r in runs.values()))
     scores = sorted(set().union(*(eval_metrics(r) for r in runs.values())))
     labels = dict(zip(runs, legend_names(list(runs))))
-    for metric in choose_metrics(metrics, known, scores):
+    chosen = choose_metrics(metrics, known, scores)
+    make_out_dir(out)
+    for metric in chosen:
         lines = [(labels[name], *series(records, metric)) for name, records in runs.items()]
         write_png(f"{out.rstrip('/')}/{metric}.png",
                   png(metric, metric, [line for line in lines if line[1]]))
     rows = [summary_row(name, records, scores) for name, records in runs.items()]
     fs, root = url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
     fs.pipe_file(f"{root}/summary.md", table_markdown(rows).encode())
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
