@@ -109,6 +109,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("prefetch-0", ["data.prefetch=0"], {}, "data.prefetch=0: must be >= 1"),
     # meshes, sharding rules and engines
     ("cpu-engine-fsdp", ["parallelism=fsdp_tp"], {}, "the cpu engine replicates every parameter"),
+    ("cpu-engine-tensor", ["parallelism.tensor=3"], {}, "parallelism=dp with parallelism.tensor=3 "
+     "shards parameters: the cpu engine replicates every parameter; use parallelism=dp as it is"),
     ("mesh-size", ["hardware.engine=xla", "parallelism.data=3"], {"CPU_NUM_DEVICES": "4"},
      "mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but the hardware has 4"),
     ("two-free-axes", ["hardware.engine=xla", "parallelism.fsdp=-1"], {"CPU_NUM_DEVICES": "4"},

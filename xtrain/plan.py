@@ -331,10 +331,12 @@ def check_engine_can_honour(par, hw, mode: Mode = Mode.train) -> None:
                           f"on the host's CPU and leave the {hw.accelerator_type} TPU unused (and "
                           "the plan would count its chips); TPU profiles train with "
                           "hardware.engine=xla, the cpu profiles (hardware=cpu) on the CPU")
-    if par.fsdp != 1 or par.tensor != 1 or par.rules:
-        raise ConfigError(f"parallelism={par.name} shards parameters (fsdp={par.fsdp}, "
-                          f"tensor={par.tensor}, {len(par.rules)} rules): the cpu engine replicates "
-                          "every parameter; use parallelism=dp, or hardware.engine=xla")
+    sharding = [f"parallelism.{k}={v}" for k, v in (("fsdp", par.fsdp), ("tensor", par.tensor))
+                if v != 1] + ([f"{len(par.rules)} parallelism.rules"] if par.rules else [])
+    if sharding:
+        raise ConfigError(f"parallelism={par.name} with {', '.join(sharding)} shards parameters: "
+                          "the cpu engine replicates every parameter; use parallelism=dp as it is "
+                          "(fsdp=1, tensor=1, no rules), or hardware.engine=xla")
     if hw.env and not hw.accelerator_type:
         raise ConfigError(f"hardware.env sets {', '.join(sorted(hw.env))}: the XLA runtime's "
                           "environment, which the cpu engine does not start; set such variables "
