@@ -253,6 +253,49 @@ def test_a_signal_on_one_host_stops_every_host(tmp_path, notice_on):
     assert [reason for _, _, reason in outcomes] == [None, "SIGTERM", notice if notice_on else None]
 
 
+def _end(rank: int, world: int, init: str, out_dir: str, stopped_rank: int) -> None:
+    """One process of test_a_stop_after_the_last_step_is_process_0s_to_decide."""
+    import json
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from xtrain.engines.processes import Processes
+    from xtrain.train.finish import end_status
+    from xtrain.train.preemption import StopRequest
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    stop = StopRequest(Processes(rank, world, dist.group.WORLD))
+    if rank == stopped_rank:
+        stop.notice("GCE notice instance/maintenance-event: TERMINATE_ON_HOST_MAINTENANCE")
+    records = []
+    run_log = SimpleNamespace(record=lambda kind, step, values: records.append([kind, step, values]))
+    callbacks = SimpleNamespace(stop=stop, checkpointer=SimpleNamespace(preempted=False))
+    status = end_status(callbacks, run_log, 6, stop.processes)
+    dist.destroy_process_group()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps([status, records]))
+
+
+@pytest.mark.parametrize("stopped_rank", [0, 1])
+def test_a_stop_after_the_last_step_is_process_0s_to_decide(tmp_path, stopped_rank):
+    """After the last step's checkpoint, a stop cuts process 0's end (its C++ evaluation, its
+    sample): told to process 0, every process ends stopped, with the notice as the cause; told to
+    another process only, every process ends finished. (Each process decided for itself: one
+    exited 143 beside a finished process 0, and the launcher read it as a stop at start-up.)"""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_end, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path), stopped_rank), nprocs=2)
+    outcomes = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    if stopped_rank == 0:
+        assert [status for status, _ in outcomes] == ["preempted"] * 2
+        assert outcomes[0][1] == [["stop", 6, {"stopped_for": "notice", "stop_reason": (
+            "GCE notice instance/maintenance-event: TERMINATE_ON_HOST_MAINTENANCE")}]]
+    else:
+        assert outcomes == [["success", []]] * 2
+
+
 IN_ONE_LONG_CALL = """
 import logging, torch
 logging.basicConfig(level=logging.INFO)

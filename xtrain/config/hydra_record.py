@@ -88,11 +88,11 @@ def hold(run_dir: str) -> str | None:
 
 @contextlib.contextmanager
 def released_on_error(*records: tuple[str, str | None]):
-    """An error raised in the body (a refusal, a failed launch, a crash, a stop) :func:`release`-s
-    the ``(run_dir, held)`` records not accepted by then."""
+    """An error raised in the body (a refusal, a failed launch, a crash) :func:`release`-s the
+    ``(run_dir, held)`` records not accepted by then."""
     try:
         yield
-    except BaseException:
+    except Exception:
         for run_dir, held in records:
             release(run_dir, held)
         raise

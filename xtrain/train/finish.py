@@ -51,17 +51,22 @@ def finish_resumed_end(trainer, module, val_loader, callbacks, run_dir: str, pro
         callbacks.cpp_eval.collect(wait=True)
 
 
-def end_status(callbacks, run_log, step: int) -> str:
-    """"preempted" when a stop ended training at a step boundary, or arrived after the last one
-    (its checkpoint committed, the end's C++ evaluation was called off: the same command again
-    records what the end lacks, finish_resumed_end), with the ``stop`` record saying why for the
-    launcher (xtrain/observe/preemptions.py); else "success"."""
+def end_status(callbacks, run_log, step: int, processes) -> str:
+    """"preempted" when a stop ended training at a step boundary (the processes agreed on it), or
+    arrived at process 0 after the last one: the end's C++ evaluation and sample, process 0's
+    work, were called off, and the same command again records what the end lacks
+    (:func:`finish_resumed_end`); the ``stop`` record says why, for the launcher
+    (xtrain/observe/preemptions.py). Else "success"."""
     from xtrain.observe.preemptions import stop_record
 
     stop = callbacks.stop
-    if not (callbacks.checkpointer.preempted or stop.requested):
-        return "success"
-    run_log.record("stop", step, stop_record(stop.stopped_for or stop.cause, stop.reason))
+    if callbacks.checkpointer.preempted:
+        cause = stop.stopped_for
+    else:  # (every process calls this: a collective)
+        cause = processes.broadcast(stop.cause if stop.requested else None)
+        if cause is None:
+            return "success"
+    run_log.record("stop", step, stop_record(cause, stop.reason))
     return "preempted"
 
 

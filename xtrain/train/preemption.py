@@ -23,12 +23,16 @@ CAUSES = (None, SIGNAL, NOTICE)
 
 @contextlib.contextmanager
 def sigterm_raises():
-    """SIGTERM raises Terminated inside (while training runs, StopRequest's handler stands in for
-    it): a stop during a run's start-up or end leaves by the clean-up a Ctrl-C takes, instead of
-    ending the process where it is, the checkpoint lease left for the next start to wait out."""
+    """SIGTERM raises Terminated inside (from training's start to the end's records,
+    StopRequest's handler stands in for it): a stop during a run's start-up leaves by the
+    clean-up a Ctrl-C takes, instead of ending the process where it is, the checkpoint lease
+    left for the next start to wait out."""
     def handle(signum, frame):
         raise Terminated()
 
+    if threading.current_thread() is not threading.main_thread():  # (only it may set handlers)
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, handle)
     try:
         yield

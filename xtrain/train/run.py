@@ -241,7 +241,8 @@ def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, pr
     finally:
         if watcher:
             watcher.stop()
-        callbacks.stop.uninstall()
+    if not callbacks.checkpointer.preempted:  # (the stop stays installed until train_on's end)
+        callbacks.stop.past_last_step.set()
 
 
 def write_plots(run_dir: str) -> None:
@@ -340,6 +341,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
         status = "failed"
         try:
             callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer, lease)
+            held.callback(callbacks.stop.uninstall)  # a stop during the end's work: end_status
             trainer = build_trainer(engine, callbacks.checkpoint_io,
                                     callbacks.all(LoaderState(loaders.steps)), plan, trainer_cfg,
                                     loaders.val is not None, run_dir)
@@ -351,7 +353,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                 finish_resumed_end(trainer, module, loaders.val, callbacks, run_dir, engine.processes,
                                    start_step, trainer_cfg.eval_every or plan.max_steps)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
-            status = end_status(callbacks, run_log, trainer.global_step)
+            status = end_status(callbacks, run_log, trainer.global_step, engine.processes)
         except Terminated:  # SIGTERM before training or after it (xtrain/train/preemption.py)
             status = "preempted"
             raise
