@@ -779,8 +779,8 @@ def test_a_pool_job_that_ran_before_goes_back_to_the_vm_with_its_checkpoints(
         gcloud, remote, tmp_path, tpu_profile):
     """A sweep run again (a longer trainer.max_steps, mode=eval...) after its jobs ended and were
     reported: each job goes to the VM it ran on, whose disk holds its checkpoints; on both VMs, to
-    the one its launch.json names; with checkpoints in a bucket, anywhere. The probes are real
-    (ssh to the loopback hosts)."""
+    the one holding the attempt its launch.json names (whatever address reached it); with
+    checkpoints in a bucket, anywhere. The probes are real (ssh to the loopback hosts)."""
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [(HOSTS[0], HOSTS[0])]))
     gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [(HOSTS[1], HOSTS[1])]))
     cfg = loopback_cfg(remote, tmp_path, hosts=[], pool=["vm-a", "vm-b"])
@@ -792,14 +792,17 @@ def test_a_pool_job_that_ran_before_goes_back_to_the_vm_with_its_checkpoints(
         for host, name in traces:
             ended_unwatched(remote, host, name)
             (remote.root(host) / "jobs" / name / "reported").write_text("")
+        (remote.root(HOSTS[0]) / "jobs" / names[1] / "attempt").write_text("a0\n")  # the older
         messages = []
         assert locate(vms, jobs, log=messages.append) == {0: "vm-b", 1: "vm-a"}  # pool order
         assert (f"fleet: job {names[0]} ran on TPU vm-b before, and its checkpoints are on that "
                 "VM's disk: it runs there again") in messages
-        os.makedirs(jobs[1].job_dir)
-        record_attempt(jobs[1].job_dir, names[1], "a1", [SimpleNamespace(host=HOSTS[1])],
+        assert (f"fleet: job {names[1]} ran on TPU vm-a, TPU vm-b, none of them its latest attempt "
+                "(not recorded here): the first is taken") in messages
+        os.makedirs(jobs[1].job_dir)  # its latest attempt, a1, reached vm-b by another address
+        record_attempt(jobs[1].job_dir, names[1], "a1", [SimpleNamespace(host="10.0.0.9")],
                        "jobs", "runs")
-        assert locate(vms, jobs, log=print) == {0: "vm-b", 1: "vm-b"}  # its latest attempt's
+        assert locate(vms, jobs, log=print) == {0: "vm-b", 1: "vm-b"}
         in_bucket = [dataclasses.replace(j, checkpoint_dir="gs://bucket/ckpt") for j in jobs]
         assert locate(vms, in_bucket, log=print) == {}
     finally:

@@ -190,30 +190,33 @@ def locate(vms: list[Vm], jobs: list[Job], log=say) -> dict[int, str]:
     job that ran on a VM before (finished, failed, stopped) with its checkpoints on that VM's disk
     goes back to it: elsewhere it would train from step 0 again (a longer ``trainer.max_steps``,
     ``mode=eval`` and the like share the job's dir and checkpoints); on several VMs, to the one
-    its latest attempt (``launch.json``) ran on. One probe per READY VM."""
+    its latest attempt (``launch.json``) ran on, else (said) the first in the pool's order. One
+    probe per READY VM."""
     index = {job_name(j.run_name): i for i, j in enumerate(jobs)}
     cfg, hardware = jobs[0].cfg, jobs[0].hardware
 
-    def found_on(vm: Vm) -> tuple[str | None, list[str], list[str]]:
-        """(its address, the jobs on it now, the jobs that ran on it before)"""
+    def found_on(vm: Vm) -> tuple[list[str], dict[str, str]]:
+        """(the jobs on it now, the jobs that ran on it before: name -> their latest attempt)"""
         node = vm.describe()
         if node is None or vm.health() != UP:
-            return None, [], []
+            return [], {}
         target = node_targets(node, cfg.address, hardware)[0]
         worker = Worker(target, Ssh(cfg, vm.runner, vm.log), cfg.remote_dir, cfg.venv)
         own = job_name(jobs[0].run_name)  # the probe reports it apart from the others
         try:
             probe = worker.probe(own)
         except LaunchError:  # unreachable, missing tools: refused again when serving, it leaves
-            return None, [], []
+            return [], {}
         now = [b.split()[0] for b in probe.busy] + probe.ended
         on_it = probe.job.state == "running" or probe.job.unreported_end
-        return (target.host, now + ([own] if on_it else []),
-                probe.ran + ([own] if probe.job.state != "none" else []))
+        before = dict(r.split(" ", 1) for r in probe.ran)
+        if probe.job.state != "none":
+            before[own] = probe.job.attempt or "-"
+        return now + ([own] if on_it else []), before
 
     found = list(zip(vms, parallel(found_on, vms)))
     placed = {}
-    for vm, (_, now, _) in found:
+    for vm, (now, _) in found:
         for i in (index[name] for name in now if name in index):
             placed[i] = vm.name
             log(f"fleet: job {jobs[i].run_name} is already on {vm} (running, or ended "
@@ -221,10 +224,14 @@ def locate(vms: list[Vm], jobs: list[Job], log=say) -> dict[int, str]:
     for i, job in enumerate(jobs):
         if i in placed or not job.checkpoints_on_vm:
             continue
-        ran = [(vm, host) for vm, (host, _, before) in found if job_name(job.run_name) in before]
-        if ran:
-            latest = (earlier_attempt(job.job_dir) or {}).get("hosts", [None])[0]
-            vm = next((vm for vm, host in ran if host == latest), ran[0][0])
+        ran = [(vm, before[job_name(job.run_name)]) for vm, (_, before) in found
+               if job_name(job.run_name) in before]
+        latest = (earlier_attempt(job.job_dir) or {}).get("attempt")
+        vm = next((vm for vm, attempt in ran if attempt == latest), ran[0][0] if ran else None)
+        if len(ran) > 1 and latest not in [attempt for _, attempt in ran]:
+            log(f"fleet: job {job.run_name} ran on {', '.join(str(v) for v, _ in ran)}, none of "
+                f"them its latest attempt ({latest or 'not recorded here'}): the first is taken")
+        if vm is not None:
             placed[i] = vm.name
             log(f"fleet: job {job.run_name} ran on {vm} before, and its checkpoints are on that "
                 "VM's disk: it runs there again")

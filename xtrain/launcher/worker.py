@@ -42,7 +42,7 @@ class Probe:
     job: JobState
     busy: list[str] = field(default_factory=list)  # other jobs running there: "name pid"
     ended: list[str] = field(default_factory=list)  # other jobs that ended unwatched: names
-    ran: list[str] = field(default_factory=list)  # other jobs started there, in any state: names
+    ran: list[str] = field(default_factory=list)  # other jobs started there: "name attempt"
     lacks: list[str] = field(default_factory=list)  # SYSTEM_TOOLS not there (jobs may need them)
 
 
@@ -80,7 +80,7 @@ class Worker:
             f'  [ "$n" = {q(job_id)} ] && continue',
             '  set -- $(job_state "$d"); [ "$1" = running ] && echo "busy=$n pid $(cat "$d/pid")"',
             '  [ "$1" = exited ] && [ "$3" = 0 ] && echo "ended=$n"',
-            '  [ "$1" != none ] && echo "ran=$n"',
+            '  [ "$1" != none ] && echo "ran=$n $4"',
             "done", "exit 0", ""])
         r = self.run(script, "probe", timeout=120)
         values: dict[str, list[str]] = {}
