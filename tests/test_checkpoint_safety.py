@@ -387,13 +387,24 @@ def test_a_run_whose_checkpoint_dir_override_was_left_off_is_refused_where_its_o
                                  f"checkpoint.resume={own}"))
     assert code == 0, err[-3000:]
     records = (run_dir / "metrics.jsonl").read_text()
-    code, out, err = finish(xtrain(run_dir, "trainer.max_steps=4"))
-    assert code == 2, err[-3000:]
-    assert err.splitlines()[-1] == (
+    refusal = (
         f"xtrain: config error: this command would resume from {own}, but the last training in "
         f"{run_dir} (.hydra/config.yaml) saved its checkpoints to {elsewhere}, newest "
         f"{elsewhere}/step_000004: this command would train from step 2 over the run's records; "
         f"to continue it, add checkpoint.dir={elsewhere}; to start anew, choose another run.name")
+    code, out, err = finish(xtrain(run_dir, "trainer.max_steps=4"))
+    assert code == 2, err[-3000:]
+    assert err.splitlines()[-1] == refusal
+    assert (run_dir / "metrics.jsonl").read_text() == records and "step " not in out
+    # a newer commit of its own dir, corrupt: the run passes it over for step 2, behind too (the
+    # check before the run compares the newest commit, unverified)
+    corrupt = own.parent / "step_000006"
+    shutil.copytree(own, corrupt)
+    (data,) = (corrupt / "tensors").glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:-4096])
+    code, out, err = finish(xtrain(run_dir, "trainer.max_steps=6"))
+    assert code == 2, err[-3000:]
+    assert f"checkpoint {corrupt} is corrupt" in err and err.splitlines()[-1] == refusal
     assert (run_dir / "metrics.jsonl").read_text() == records and "step " not in out
 
 

@@ -178,23 +178,31 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
                      debug_dump(engine.rank, engine.host_rows))
 
 
-def resume_point(ckpt, ckpt_dir: str, run_name: str, tokenizer, engine: Engine,
+def resume_point(cfg, ckpt_dir: str, run_dir: str, tokenizer, engine: Engine,
                  plan: RunPlan) -> tuple[str | None, int]:
     """The checkpoint to start from (``checkpoint.resume``, else the newest intact committed one,
     as process 0 sees it: every process must resume from the same step) and its step (0 for a
-    fresh run). One trained with another tokenizer is refused: its token ids mean other text.
+    fresh run). One trained with another tokenizer is refused: its token ids mean other text; so
+    is one behind the dir the run's last training saved to (the early check compared that dir
+    with the newest commit here, unverified, which may have been passed over as corrupt).
     Commits in ``ckpt_dir`` past that step (corrupt ones passed over, or those a
     ``checkpoint.rewind`` goes back from) are renamed aside by process 0, never deleted."""
     from xtrain.checkpoint.layout import read_meta
     from xtrain.errors import warn
-    from xtrain.inputs import check_same_tokenizer, resume_checkpoint
+    from xtrain.inputs import check_checkpoints_not_elsewhere, check_same_tokenizer, resume_checkpoint
     from xtrain.train.checkpointing import set_aside_newer
 
-    primary = engine.processes.primary
+    ckpt, primary = cfg.checkpoint, engine.processes.primary
+
+    def find() -> str | None:
+        found = resume_checkpoint(ckpt.resume, ckpt_dir, plan.gpt, cfg.run.name, rewind=ckpt.rewind)
+        if not ckpt.resume:
+            check_checkpoints_not_elsewhere(run_dir, ckpt_dir, cfg.data.remote_timeout_s, found)
+        return found
+
     # (verifying a large checkpoint's files can outlast trainer.collective_timeout_s)
     resume_from = engine.processes.broadcast(engine.processes.primary_first(
-        "finding the checkpoint to resume from",
-        lambda: resume_checkpoint(ckpt.resume, ckpt_dir, plan.gpt, run_name, rewind=ckpt.rewind)))
+        "finding the checkpoint to resume from", find))
     if not resume_from:
         return None, 0
     meta = read_meta(resume_from)
@@ -333,8 +341,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                                 host_rows=engine.host_rows)
         module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                            token_bytes=tokenizer.token_bytes)
-        resume_from, start_step = resume_point(cfg.checkpoint, ckpt_dir, cfg.run.name, tokenizer,
-                                               engine, plan)
+        resume_from, start_step = resume_point(cfg, ckpt_dir, run_dir, tokenizer, engine, plan)
         if engine.processes.primary:
             say_if_nothing_to_train(resume_from, start_step, plan.max_steps)
         run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
