@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import pty
 import select
@@ -418,11 +419,14 @@ def test_a_cpu_peak_measured_too_low_is_raised_to_the_fastest_steps(compose_conf
         assert min(mfu) > 1e4 and warned == 0
 
 
-def test_progress_bar_refreshes_only_when_a_train_record_arrives():
+def test_progress_bar_refreshes_only_when_a_train_record_arrives(monkeypatch):
     from rich.console import Console
 
     from xtrain.observe.console import ProgressDisplay
 
+    # the lines it logs stay off the root logger: a handler an earlier in-process Hydra run left
+    # there (on a stream pytest has closed since) prints "--- Logging error ---" onto the screen
+    monkeypatch.setattr(logging.getLogger("xtrain.progress"), "propagate", False)
     screen = io.StringIO()
     display = ProgressDisplay(100, tty=True, console=Console(file=screen, force_terminal=True, width=160))
     display.write({"step": 10, "kind": "train", "loss": 3.5, "lr": 0.02, "tok_per_s": 1234.0,

@@ -334,14 +334,12 @@ def check_engine_can_honour(par, hw, mode: Mode = Mode.train) -> None:
     sharding = [f"parallelism.{k}={v}" for k, v in (("fsdp", par.fsdp), ("tensor", par.tensor))
                 if v != 1] + ([f"{len(par.rules)} parallelism.rules"] if par.rules else [])
     if sharding:
-        raise ConfigError(f"parallelism={par.name} with {', '.join(sharding)} shards parameters: "
-                          "the cpu engine replicates every parameter; use parallelism=dp as it is "
-                          "(fsdp=1, tensor=1, no rules), or hardware.engine=xla")
+        raise ConfigError(f"parallelism={par.name} with {', '.join(sharding)} shards parameters: the cpu "
+                          "engine replicates every parameter; use parallelism=dp as it is, or hardware.engine=xla")
     if hw.env and not hw.accelerator_type:
         raise ConfigError(f"hardware.env sets {', '.join(sorted(hw.env))}: the XLA runtime's "
                           "environment, which the cpu engine does not start; set such variables "
-                          "in the shell (VAR=value python -m xtrain ...), or use "
-                          "hardware.engine=xla")
+                          "in the shell (VAR=value python -m xtrain ...), or use hardware.engine=xla")
 
 
 def check_validation_split(data) -> None:
