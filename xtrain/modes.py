@@ -77,8 +77,8 @@ def run(cfg, run_dir: str) -> dict | None:
 def check_environment(cfg) -> None:
     """What a training needs of this process's environment, checked with the config (a launch
     checks it on the workers): the W&B key for online logging, the C++ evaluation's compiler and
-    benchmark file, a multi-process CPU run's rendezvous variables (MASTER_ADDR, RANK, ...), and on the CPU
-    engine the machine's memory for its state (xtrain/hardware.py check_fits_host)."""
+    benchmark file, a multi-process CPU run's rendezvous variables (MASTER_ADDR, RANK, ...), and
+    on the CPU engine the machine's memory for its state (xtrain/hardware.py check_fits_host)."""
     if cfg.mode != Mode.train:
         return
     if cfg.hardware.engine == Engine.cpu:
