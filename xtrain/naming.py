@@ -53,12 +53,16 @@ def override_pairs(overrides: list[str]) -> dict[str, str]:
     return {o.partition("=")[0].lstrip("+~"): o.partition("=")[2].strip("'\"") for o in overrides}
 
 
+def names_checkpoint(overrides: list[str]) -> bool:
+    """Whether ``overrides`` name a checkpoint to start from (checkpoint.resume=PATH)."""
+    return override_pairs(overrides).get("checkpoint.resume", "").lower() not in ("", "null", "~")
+
+
 def compose_name(choices: dict, overrides: list[str], sweep: bool, primary: str | None = None) -> str:
     """A run's or a sweep's name; ``primary``: :func:`other_primary_config`."""
     given, extra = {}, []
     pairs = override_pairs(overrides)
-    resume = pairs.get("checkpoint.resume") not in (None, "", "null", "~")
-    if pairs.get("mode") in READS_CHECKPOINT and resume and not sweep:
+    if pairs.get("mode") in READS_CHECKPOINT and names_checkpoint(overrides) and not sweep:
         # sampling or judging a checkpoint named by path logs (and keeps records) with the run
         # it belongs to, not in the dir of the run these groups would train
         return shorten([checkpoint_run(pairs["checkpoint.resume"])])

@@ -14,6 +14,7 @@ import json
 import os
 
 from xtrain.launcher.logs import furthest_logged_step, log_path
+from xtrain.naming import names_checkpoint
 from xtrain.observe.wandb_run import RUN_ID_ENV, run_id
 from xtrain.paths import is_local
 
@@ -65,13 +66,6 @@ def identity_env(job_dir: str, probes, checkpoint_dir: str | None, overrides,
     log(f"{ran}: unless checkpoint.dir={checkpoint_dir} is on a disk that outlived that VM, it "
         f"trains from step 0 again; {advice}")
     return {RUN_ID_ENV: run_id(job_dir, environ={})}
-
-
-def names_checkpoint(overrides) -> bool:
-    """Whether the job starts from a checkpoint it names (checkpoint.resume=PATH)."""
-    given = [o.split("=", 1)[1] for o in overrides
-             if o.lstrip("+").startswith("checkpoint.resume=")]
-    return bool(given) and given[-1].strip("'\"").lower() not in ("", "null", "~")
 
 
 def resume_offset(job_dir: str, index: int, attempt: str, remote_bytes: int) -> int:
