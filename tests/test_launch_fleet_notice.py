@@ -233,11 +233,14 @@ def test_a_gcloud_that_cannot_say_whether_maintenance_is_announced_is_not_waited
                         "not waited for"]
 
 
-def test_a_pool_vm_waits_out_its_maintenance_while_another_takes_the_job(
-        gcloud, tmp_path, v6e4, monkeypatch):
-    """In a pool with recreate the noticed job goes back to the queue at once, for another VM,
-    while the noticed VM takes no job until gcloud no longer shows its maintenance, or until no
-    job is left (here: the pool ends with the other VM's run, not with the hour's window)."""
+@pytest.mark.parametrize("checkpoint_dir", ["gs://bucket/ckpt", None])
+def test_a_pool_vm_waits_out_its_maintenance_and_only_a_job_with_checkpoints_on_it_waits_too(
+        gcloud, tmp_path, v6e4, monkeypatch, checkpoint_dir):
+    """In a pool with recreate the noticed VM takes no job until gcloud no longer shows its
+    maintenance, or until no job is left (maintenance_wait_s bounds it). The noticed job goes
+    back to the queue at once: with its checkpoints in a bucket, for another VM (the pool ends
+    with that VM's run, not with the wait); with them on the noticed VM's disk, for that VM only
+    (elsewhere it would train from step 0), which runs it again after its wait."""
     nodes = {name: tpu_node(name, ZONE, "v6e-4", [(host, host)])
              for name, host in (("vm-a", HOSTS[0]), ("vm-b", HOSTS[1]))}
     for node in nodes.values():
@@ -254,24 +257,33 @@ def test_a_pool_vm_waits_out_its_maintenance_while_another_takes_the_job(
         return NOTICE
 
     monkeypatch.setattr(fleet, "launch_job", launch)
-    # maintenance_wait_s bounds a wait that would outlast the pool's jobs: 40 s, not 6 h
-    cfg = fleet_cfg(tmp_path, tpu=None, pool=["vm-a", "vm-b"], maintenance_wait_s=40)
+    wait_s = 40 if checkpoint_dir else 3  # the bound of a wait for an hour's window
+    cfg = fleet_cfg(tmp_path, tpu=None, pool=["vm-a", "vm-b"], maintenance_wait_s=wait_s)
     messages = []
     t0 = time.monotonic()
-    (outcome,) = pool.run_pool([fleet.Job(cfg, v6e4, [], "run", str(tmp_path / "job"))],
-                               log=messages.append)
-    assert time.monotonic() - t0 < 30
+    (outcome,) = pool.run_pool([fleet.Job(cfg, v6e4, [], "run", str(tmp_path / "job"),
+                                          checkpoint_dir=checkpoint_dir)], log=messages.append)
+    took = time.monotonic() - t0
     assert (outcome.state, outcome.history.count, outcome.result["step"]) == ("finished", 1, 40)
-    assert ran_on[0] != ran_on[1]
-    assert any(m.startswith(f"[{ran_on[0]}] fleet: TPU {ran_on[0]} announces maintenance")
+    noticed = ran_on[0]
+    assert any(m.startswith(f"[{noticed}] fleet: TPU {noticed} announces maintenance")
                for m in messages), messages
+    if checkpoint_dir:
+        assert took < 30
+        assert ran_on[1] != noticed
+    else:
+        assert took >= wait_s
+        assert ran_on == [noticed, noticed]
 
 
+@pytest.mark.parametrize("checkpoint_dir", ["gs://bucket/ckpt", None])
 @pytest.mark.parametrize("recreate", [True, False])
 def test_a_pool_job_stopped_for_a_notice_runs_again(gcloud, tmp_path, v6e4, monkeypatch,
-                                                    recreate):
+                                                    recreate, checkpoint_dir):
     """In a pool the job goes back to the queue: to the same VM with ``recreate`` (nothing to
-    recreate: it is READY), else to another VM, the noticed one leaving the pool."""
+    recreate: it is READY). Without it the noticed VM leaves the pool, and the job runs on
+    another VM if its checkpoints are in a bucket; with them on the noticed VM's disk it ends
+    stopped, for the same command to resume it there."""
     for name, host in (("vm-a", HOSTS[0]), ("vm-b", HOSTS[1])):
         gcloud.add(tpu_node(name, ZONE, "v6e-4", [(host, host)]))
     monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.0)
@@ -286,15 +298,21 @@ def test_a_pool_job_stopped_for_a_notice_runs_again(gcloud, tmp_path, v6e4, monk
     monkeypatch.setattr(fleet, "launch_job", launch)
     cfg = fleet_cfg(tmp_path, tpu=None, pool=vms, recreate=recreate)
     messages = []
-    (outcome,) = pool.run_pool([fleet.Job(cfg, v6e4, [], "run", str(tmp_path / "job"))],
-                               log=messages.append)
-    assert (outcome.state, outcome.history.count, outcome.result["step"]) == ("finished", 1, 40)
+    (outcome,) = pool.run_pool([fleet.Job(cfg, v6e4, [], "run", str(tmp_path / "job"),
+                                          checkpoint_dir=checkpoint_dir)], log=messages.append)
     assert changes(gcloud) == []
-    if recreate:
-        assert ran_on == ["vm-a", "vm-a"]
+    noticed = ran_on[0]
+    if recreate or checkpoint_dir:
+        assert (outcome.state, outcome.history.count, outcome.result["step"]) == (
+            "finished", 1, 40)
+        assert ran_on[1] == noticed if recreate else ran_on[1] != noticed
     else:
-        assert ran_on[0] != ran_on[1]  # vm-b takes it once vm-a is busy or gone
-        noticed = ran_on[0]
+        assert (outcome.state, outcome.history.count) == ("stopped", 0)
+        assert (outcome.result["stopped_for"], outcome.result["step"]) == ("notice", 12)
+        assert ran_on == [noticed]
+        assert any(m.startswith(f"[{noticed}] fleet: ") and "checkpoints are on this VM's disk; "
+                   "run the same command to resume it here" in m for m in messages), messages
+    if not recreate:
         assert (f"[{noticed}] fleet: TPU {noticed} leaves the pool: it is still READY after the "
                 "job's GCE notice") in messages
 

@@ -5,7 +5,9 @@ next job goes to the first free VM. A job whose VM is preempted goes back to the
 queue: to another VM, or to the same one once it is recreated (``recreate=true``); without
 ``recreate`` the preempted VM leaves the pool. A job that stopped for its VM's GCE notice while
 the VM stayed up (fleet.NoticeStop) is handled the same way, the VM needing no recreation (with
-``recreate`` it takes no job while gcloud shows its maintenance: Vm.wait_out_maintenance). A VM
+``recreate`` it takes no job while gcloud shows its maintenance: Vm.wait_out_maintenance),
+except that a job with its checkpoints on that VM's disk goes back to that VM only; without
+``recreate`` it ends stopped, for the same command to resume it there. A VM
 that refuses a job before starting it (another job or program holds it, unreachable, a failed
 setup) leaves the pool too, and the job goes back to the queue for another VM; once every VM has
 left, the jobs not run fail, naming why each VM left. A job still running on one of the VMs
@@ -79,11 +81,15 @@ class JobQueue:
         with self.cond:
             return not self.pending and not self.in_flight
 
-    def finish(self, i: int, requeue: bool = False) -> None:
+    def finish(self, i: int, requeue: bool = False, pin: str | None = None) -> None:
+        """Job ``i`` is off its VM; ``requeue``: it runs again first, on VM ``pin`` only if
+        given (until that VM leaves)."""
         with self.cond:
             self.in_flight -= 1
             if requeue:
                 self.pending.appendleft(i)
+                if pin is not None:
+                    self.placed[i] = pin
             self.cond.notify_all()
 
     def leave(self, vm: str, reason: str = "") -> list[int]:
@@ -134,8 +140,16 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
             queue.finish(i, requeue=True)  # down while idle: the job lost nothing, it waits
             why = f"it is {state}"
         except VmLost as lost:  # a NoticeStop too: the job goes back to the queue
-            queue.finish(i, requeue=_survives(vm, job, out, lost))
             why, noticed = f"it {lost.why}", isinstance(lost, NoticeStop)
+            if noticed and job.checkpoints_on_vm and not vm.cfg.recreate:
+                out.result = lost.result  # elsewhere it would train from step 0 again
+                vm.log(f"fleet: {lost}: job {job.run_name} stopped for its notice, and its "
+                       "checkpoints are on this VM's disk; run the same command to resume it "
+                       "here (hydra.launcher.recreate=true waits for the VM unattended)")
+                queue.finish(i)
+            else:  # after a notice the VM stayed up: the job's checkpoints on its disk wait
+                pin = vm.name if noticed and job.checkpoints_on_vm else None
+                queue.finish(i, requeue=_survives(vm, job, out, lost), pin=pin)
         except VmUnavailable as e:  # not the job's failure: recreating would not help either
             out.vm = ran_on  # it never ran here
             queue.finish(i, requeue=True)
