@@ -519,7 +519,8 @@ def cli(*args, env=None, tmp_path):
 
 @pytest.mark.parametrize("case", ["local checkpoints", "unknown pool entry", "pod profile in a pool",
                                   "unknown tpu", "a login key ssh-keygen cannot read", "no target",
-                                  "no gcloud", "secret in the job's env", "gcloud cannot answer"])
+                                  "no gcloud", "secret in the job's env", "forwarded secret in the job's env",
+                                  "gcloud cannot answer"])
 def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path, case):
     gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]))
     gcloud.add(tpu_node("vm-b", ZONE, "v6e-4", [("10.0.0.6", HOSTS[1])]))
@@ -546,6 +547,11 @@ def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path,
         args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "+hydra.launcher.env.HF_LOGIN=${oc.env:XTRAIN_TEST_LOGIN}"]
         env = {"XTRAIN_TEST_LOGIN": "hf_" + "Xy9" * 11}
         expected = "hydra.launcher.env.HF_LOGIN: a secret is never written into a config"
+    elif case == "forwarded secret in the job's env":  # a secret by hydra.launcher.secrets alone
+        args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "hydra.launcher.secrets=[XTRAIN_TEST_LOGIN]",
+                "+hydra.launcher.env.HUB=${oc.env:XTRAIN_TEST_LOGIN}"]
+        env = {"XTRAIN_TEST_LOGIN": "Zq7mK2pX" + "9vL4nR8tY3wB6cF1"}
+        expected = "hydra.launcher.env.HUB: a secret is never written into a config"
     elif case == "local checkpoints":
         args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "hydra.launcher.recreate=true"]
         expected = "hydra.launcher.recreate=true needs checkpoint.dir=gs://..."

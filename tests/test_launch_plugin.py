@@ -306,6 +306,40 @@ def test_a_file_whose_text_holds_a_secret_is_refused_whatever_its_name(tmp_path,
     assert rel not in code_files(root, Runner(), exclude=[Path(rel).name])
 
 
+def test_a_secret_a_launch_forwards_or_written_in_utf16_is_not_synced(tmp_path, monkeypatch):
+    """A variable hydra.launcher.secrets forwards is a secret whatever its name (HF_LOGIN): a file
+    holding its value is not synced once the launch collected it. A file of UTF-16 text
+    (PowerShell 5 writes it) is read as text; a file with NUL bytes and no byte-order mark still
+    has this environment's secrets looked for, in UTF-8 and UTF-16."""
+    from xtrain.config.secrets import SECRET_NAMES_VAR
+    from xtrain.launcher import secrets
+
+    login = "Zq7mK2pX" + "9vL4nR8tY3wB6cF1"  # (in pieces: this file is synced too)
+    monkeypatch.setenv("HF_LOGIN", login)
+    monkeypatch.setenv(SECRET_NAMES_VAR, "")  # (restored after the test: collect adds to it)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no key of `wandb login` in ~/.netrc
+    for name in secrets.ALWAYS:
+        monkeypatch.delenv(name, raising=False)
+    root = git_tree(tmp_path / "repo")
+    (root / "setup_env.sh").write_text(f"export HF_LOGIN={login}\n")
+    assert "setup_env.sh" in code_files(root, Runner())  # (nothing says HF_LOGIN is a secret yet)
+    secrets.collect(["HF_LOGIN"])
+    with pytest.raises(ConfigError, match=r"^1 file\(s\) to sync hold a secret: setup_env.sh \(the "
+                                          "value of a secret environment variable"):
+        code_files(root, Runner())
+    (root / "setup_env.sh").unlink()
+    index = "https://ci:" + "pw4ever@pypi.example.com/simple"  # (a secret by its form alone)
+    for name, data in (("win.ps1", f"pip install --index-url {index} x\r\n".encode("utf-16")),
+                       ("dump.bin", b"\0\1" + login.encode("utf-16-le") + b"\0"),
+                       ("blob.bin", b"\0\2" + login.encode() + b"\0")):
+        (root / name).write_bytes(data)
+        with pytest.raises(ConfigError, match=rf"^1 file\(s\) to sync hold a secret: {name} "):
+            code_files(root, Runner())
+        (root / name).unlink()
+    (root / "plain.bin").write_bytes(b"\0\1" + "no secret".encode("utf-16-le"))
+    assert "plain.bin" in code_files(root, Runner())
+
+
 KEY = "0f1e2d3c" + "4b5a69788796a5b4c3d2e1f0a1b2c3d4"  # (in pieces: this file is synced too)
 
 

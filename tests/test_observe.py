@@ -219,6 +219,35 @@ def test_each_offline_start_is_a_wandb_run_of_its_own_in_the_runs_group(tmp_path
     assert attempt_id("online", stored) == stored
 
 
+def test_wandb_records_the_codes_git_remote_without_a_token_in_it(tmp_path, monkeypatch,
+                                                                  compose_config):
+    """A token can be a remote URL's user (GitHub's form: the token as the user, x-oauth-basic as
+    the password), which W&B's own capture keeps: the remote it records is the URL without user
+    or password."""
+    from xtrain.observe import loggers
+    from xtrain.observe.bundle import git_remote_url
+
+    token = "ghp_" + "Q1w2E3r4" * 5  # (in pieces: a launcher refuses to sync a file holding one)
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "remote", "add", "origin",
+                    f"https://{token}:" + "x-oauth-basic@github.com/alice/xtrain.git"], check=True)
+    monkeypatch.setattr(loggers, "source_git_root", lambda: repo)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("XTRAIN_WANDB_RUN_ID", raising=False)
+    run_dir = tmp_path / "run"
+    cfg = compose_config(TINY + ["logger=[jsonl,wandb]"])
+    loggers.build_run_log(cfg.logger, str(run_dir), "d2-run", {}, max_steps=1).close()
+    [run_file] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"https://github.com/alice/xtrain.git" in run_file.read_bytes()
+    assert _no_file_holds(run_dir, token) == []
+    scp_like = tmp_path / "scp"
+    subprocess.run(["git", "init", "-q", str(scp_like)], check=True)
+    subprocess.run(["git", "-C", str(scp_like), "remote", "add", "origin",
+                    "git@github.com:alice/xtrain.git"], check=True)
+    assert git_remote_url(scp_like) == "git@github.com:alice/xtrain.git"
+
+
 @contextlib.contextmanager
 def wandb_server_at(port: int, monkeypatch):
     """W&B's server for this test at a local port, with a dummy key and a short init timeout."""
@@ -483,14 +512,16 @@ def test_the_console_and_console_log_mask_secrets_in_messages_and_tracebacks(tmp
 @pytest.mark.parametrize("full_error", [False, True])
 def test_a_crash_outside_the_console_log_prints_its_traceback_with_secrets_masked(tmp_path, full_error):
     """A crash before the run's console log exists (Hydra cannot make the run dir, whose name reads
-    a secret environment variable) quotes the secret: Hydra's report of it, or with
+    a variable holding a secret's value: one named as a secret is refused before, as it is read
+    into a field that is not) quotes the secret: Hydra's report of it, or with
     HYDRA_FULL_ERROR=1 the interpreter's traceback, shows it masked."""
     secret = "xtrain-test-" + os.urandom(8).hex()
     (tmp_path / "a_file").write_text("")
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env.update(PYTHONPATH=str(ROOT), XTRAIN_TEST_TOKEN=secret, **({"HYDRA_FULL_ERROR": "1"} if full_error else {}))
+    env.update(PYTHONPATH=str(ROOT), XTRAIN_TEST_TOKEN=secret, XTRAIN_TEST_COPY=secret,
+               **({"HYDRA_FULL_ERROR": "1"} if full_error else {}))
     r = subprocess.run([sys.executable, "-m", "xtrain", "mode=plan", *TINY,
-                        f"hydra.run.dir={tmp_path}/a_file/${{oc.env:XTRAIN_TEST_TOKEN}}"],
+                        f"hydra.run.dir={tmp_path}/a_file/${{oc.env:XTRAIN_TEST_COPY}}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("Traceback (most recent call last):"), r.stderr
     assert secret not in r.stdout + r.stderr

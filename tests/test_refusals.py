@@ -465,16 +465,62 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_a_secret_variable_read_into_a_field_not_named_secret_is_refused(tmp_path, monkeypatch):
+    """``run.name=${oc.env:WANDB_API_KEY}`` reads the key into the run's name, its dir and W&B's
+    record, none of which is masked by its name: refused, on the command line and in a config
+    file, as is a variable a launcher forwards as a secret (XTRAIN_SECRET_NAMES). Read into a
+    secret-named key (masked wherever it is written), or a variable that is no secret, it runs."""
+    from omegaconf import OmegaConf
+
+    from xtrain.config.secrets import SECRET_NAMES_VAR, check_no_secret_overrides, check_no_secret_values
+    from xtrain.errors import ConfigError
+
+    key_value = os.urandom(20).hex()
+    r = subprocess.run([sys.executable, "-m", "xtrain", "mode=plan", "run.name=${oc.env:WANDB_API_KEY}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "WANDB_API_KEY": key_value})
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert r.stderr.startswith("xtrain: config error: run.name: a secret is never given on the "
+                               "command line") and "read WANDB_API_KEY only into a key whose name " \
+                                                   "says secret" in r.stderr
+    assert key_value not in r.stdout + r.stderr and list(tmp_path.iterdir()) == []
+    monkeypatch.setenv(SECRET_NAMES_VAR, "HF_LOGIN")
+    for arg in ("run.name=${oc.env:HF_LOGIN}", "+hardware.env.X=a-${oc.env:HF_TOKEN,none}",
+                "hydra.launcher.pip_args=[--extra-index-url, '${oc.env:PIP_TOKEN}']"):
+        with pytest.raises(ConfigError, match="a secret is never given on the command line"):
+            check_no_secret_overrides([arg])
+    with pytest.raises(ConfigError, match=r"^run\.name: a secret is never written into a config"):
+        check_no_secret_values(OmegaConf.create({"run": {"name": "${oc.env:WANDB_API_KEY}"}}))
+    check_no_secret_overrides(["+hardware.env.HF_LOGIN_TOKEN=${oc.env:HF_LOGIN}",
+                               "run.name=${oc.env:USER}", "+hardware.env.X=${oc.env:HOME}"])
+    check_no_secret_values(OmegaConf.create({"run": {"name": "${oc.env:USER}"},
+                                             "env": {"WANDB_API_KEY": "${oc.env:WANDB_API_KEY}"}}))
+
+
+def test_the_config_hydra_prints_resolved_shows_secrets_masked(tmp_path):
+    """``--cfg job --resolve`` prints what ``${oc.env:HF_TOKEN}`` reads: masked."""
+    secret = "hf_" + os.urandom(16).hex()
+    r = subprocess.run([sys.executable, "-m", "xtrain", "hardware=v6e4",
+                        "+hardware.env.HF_TOKEN=${oc.env:HF_TOKEN}", "--cfg", "job", "--resolve",
+                        "-p", "hardware.env"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "HF_TOKEN": secret})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "HF_TOKEN: '***'" in r.stdout or "HF_TOKEN: ***" in r.stdout, r.stdout
+    assert "PJRT_DEVICE: TPU" in r.stdout and secret not in r.stdout + r.stderr
+
+
 def test_a_refusal_or_warning_quoting_a_secret_shows_it_masked(tmp_path, monkeypatch, capsys):
-    """A config may read a secret from the environment (``${oc.env:HF_TOKEN}``); refused where it
-    was read into the wrong field, the refusal's line quotes the value: masked, as warnings are."""
+    """A config may read a variable holding a secret's value from the environment (one named as
+    a secret is refused before, read into a field that is not: here a copy, under another name);
+    refused where it was read into the wrong field, the refusal's line quotes the value: masked,
+    as warnings are."""
     secret = "xtrain-test-" + os.urandom(8).hex()
-    env = {**os.environ, "XTRAIN_TEST_TOKEN": secret}
-    for arg, line in (("model.depth=${oc.env:XTRAIN_TEST_TOKEN}",
+    env = {**os.environ, "XTRAIN_TEST_TOKEN": secret, "XTRAIN_TEST_COPY": secret}
+    for arg, line in (("model.depth=${oc.env:XTRAIN_TEST_COPY}",
                        "xtrain: config error: model.depth: While dereferencing interpolation "
-                       "'${oc.env:XTRAIN_TEST_TOKEN}': Value '***' of type 'str' could not be "
+                       "'${oc.env:XTRAIN_TEST_COPY}': Value '***' of type 'str' could not be "
                        "converted to Integer"),
-                      ("run.name=${oc.env:XTRAIN_TEST_TOKEN}/x",
+                      ("run.name=${oc.env:XTRAIN_TEST_COPY}/x",
                        "xtrain: config error: run.name='***/x': a run's name must be one plain "
                        "directory name")):
         r = subprocess.run([sys.executable, "-m", "xtrain", "mode=plan", arg], cwd=tmp_path,
@@ -593,7 +639,8 @@ def test_secrets_in_a_config_are_found_by_name_and_by_form_and_read_from_the_env
         "tokenizer": "bpe", "keep_last": "3", "url": "https://pypi.org/simple", "key_count": 3,
         "env": {"HF_TOKEN": "", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "GOOGLE_APPLICATION_CREDENTIALS":
                 "/home/me/service-account.json", "AUTH_HEADER": "Bearer ${oc.env:XTRAIN_TEST_HF_TOKEN}"}}))
-    for key, name in (("HF_TOKEN", "XTRAIN_TEST_VALUE"), ("W", "WANDB_API_KEY")):  # by the key's name, by the value
+    monkeypatch.setenv("XTRAIN_TEST_COPY", "0123456789abcdef" * 2)  # WANDB_API_KEY's, under another name
+    for key, name in (("HF_TOKEN", "XTRAIN_TEST_VALUE"), ("W", "XTRAIN_TEST_COPY")):  # by the key's name, by the value
         reads_env = OmegaConf.create({"env": {key: f"${{oc.env:{name}}}"}})
         check_no_secret_values(reads_env)
         with pytest.raises(ConfigError, match=f"^hydra.launcher.env.{key}: a secret"):  # written resolved

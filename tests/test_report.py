@@ -270,12 +270,15 @@ def test_values_of_a_secrets_form_are_masked_whatever_their_keys():
     from xtrain.observe.bundle import mask_secrets
 
     github, hf = "ghp_" + "A1b2" * 9, "hf_" + "Xy9" * 11
-    config = {"pip_args": ["--index-url=https://ci:" + "s3cr3tT0k@pypi.example.com/simple"],  # in pieces: synced
+    config = {"pip_args": ["--index-url=https://ci:" + "s3cr3tT0k@pypi.example.com/simple",  # in pieces: synced
+                           "--extra-index-url=https://" + "1a2B3c4D5e6F7g8H9i0J@pypi.fury.io/alice/"],
               "env": {"GH_LOGIN": github, "NOTE": f"made with {hf}"}, "aws": "AKIA" + "Q7" * 8,
               "keep": ["https://pypi.org/simple", "gs://bucket/runs", "git@github.com:o/r.git",
-                       "hf_hub", "ghp_short", "sk-learn", "step_000020"]}
+                       "hf_hub", "ghp_short", "sk-learn", "step_000020",
+                       "ssh://git@github.com/o/r.git", "https://alice2024@example.com/x"]}
     assert mask_secrets(config, environ={}) == {
-        "pip_args": ["--index-url=https://***@pypi.example.com/simple"],
+        "pip_args": ["--index-url=https://***@pypi.example.com/simple",
+                     "--extra-index-url=https://***@pypi.fury.io/alice/"],
         "env": {"GH_LOGIN": "***", "NOTE": "made with ***"}, "aws": "***", "keep": config["keep"]}
     assert "pat" in SECRET_WORDS and mask_secrets({"GH_PAT": "x"}, environ={}) == {"GH_PAT": "***"}
 

@@ -146,6 +146,8 @@ def main() -> None:
     try:
         if completion_query(sys.argv[1:]):
             complete_without_bases()
+        elif prints_config(sys.argv[1:]):
+            print_config_masked()
         else:
             _main()
             exit_if_jobs_stopped()
@@ -188,6 +190,26 @@ def completion_query(args: list[str]) -> bool:
     """Whether the command is Hydra's shell-completion query (``-sc query=bash``), as the function
     ``xtrain -sc install=bash`` installs runs it."""
     return any(a in ("-sc", "--shell-completion") and b.startswith("query=") for a, b in zip(args, args[1:]))
+
+
+def prints_config(args: list[str]) -> bool:
+    """Whether Hydra is to print the config or its info (``--cfg``, ``--info``)."""
+    return bool({a.split("=", 1)[0] for a in args} & {"-c", "--cfg", "-i", "--info"})
+
+
+def print_config_masked() -> None:
+    """Hydra's ``--cfg``/``--info`` output with secrets masked (xtrain/observe/bundle.py): with
+    ``--resolve`` it holds the values of ``${oc.env:...}`` interpolations, such as
+    ``hardware.env.HF_TOKEN``'s."""
+    import contextlib
+    import io
+
+    from xtrain.observe.bundle import mask_secrets
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        _main()
+    print(mask_secrets(printed.getvalue()), end="")
 
 
 def complete_without_bases() -> None:

@@ -6,6 +6,7 @@ xtrain/observe/bundle.py's."""
 
 from __future__ import annotations
 
+import codecs
 import netrc
 import os
 import re
@@ -16,9 +17,12 @@ from xtrain.errors import ConfigError
 SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential",
                 "credentials", "auth", "pat"}
 # Values that are secrets whatever their key: a URL's [user]:password@ (a private package index's
-# token; the user may be an interpolation, read around), and the fixed formats of GitHub, Hugging
-# Face, OpenAI-style and AWS access keys.
-SECRET_VALUE = re.compile(r"://[^/\s:@]*:[^/\s@]+@|\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}"
+# token; the user may be an interpolation, read around), a URL's user alone when it is a token
+# (16 or more characters, letters and digits mixed: Gemfury's https://TOKEN@pypi.fury.io/...,
+# git+https://TOKEN@github.com/...), and the fixed formats of GitHub, Hugging Face, OpenAI-style
+# and AWS access keys.
+SECRET_VALUE = re.compile(r"://[^/\s:@]*:[^/\s@]+@|://(?=[^/\s:@]*\d)(?=[^/\s:@]*[A-Za-z])[\w.~-]{16,}@"
+                          r"|\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}"
                           r"|hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{30,}|AKIA[0-9A-Z]{16})\b")
 
 
@@ -59,12 +63,28 @@ def may_be_secret(value: str, name: str = "") -> bool:
     return True
 
 
+def forwarded_names(environ=os.environ) -> set[str]:
+    """The names SECRET_NAMES_VAR lists."""
+    return set(filter(None, environ.get(SECRET_NAMES_VAR, "").split(",")))
+
+
+def declare_secret_names(names, environ=os.environ) -> None:
+    """Count the variables ``names`` (hydra.launcher.secrets) as secrets in this process too,
+    whatever their names say, as a launched job does: the launching side's checks (the resolved
+    launcher config, the code to sync) and its masking then know their values."""
+    environ[SECRET_NAMES_VAR] = ",".join(sorted(forwarded_names(environ) | set(names)))
+
+
+def is_secret_variable(name: str, environ=os.environ) -> bool:
+    """A variable whose name says secret, or that SECRET_NAMES_VAR lists."""
+    return name != SECRET_NAMES_VAR and (is_secret_name(name) or name in forwarded_names(environ))
+
+
 def secret_env(environ=os.environ) -> dict[str, str]:
     """Environment variables whose names say they are secret (WANDB_API_KEY, ...), or that a
     launcher forwarded as secrets, with values long enough to be one."""
-    forwarded = set(environ.get(SECRET_NAMES_VAR, "").split(","))
-    return {k: v for k, v in environ.items() if k != SECRET_NAMES_VAR  # (names, no secret)
-            and (is_secret_name(k) or k in forwarded) and len(v) >= MIN_SECRET_CHARS}
+    return {k: v for k, v in environ.items()
+            if is_secret_variable(k, environ) and len(v) >= MIN_SECRET_CHARS}
 
 
 # W&B's cloud: wandb 0.31 logs in at api.forge.coreweave.com and also reads the entry older
@@ -202,12 +222,35 @@ def secret_in_text(text: str, known=frozenset()) -> str | None:
     if assigned:
         return f"{assigned[0]} a literal"
     if any(secret in text for secret in known):
-        return "the value of a secret environment variable or of a W&B key stored by `wandb login`"
+        return KNOWN_SECRET
     return None
 
 
-def _instead(name: str | None) -> str:
-    how = f"export {name} in the environment" if name else "pass it in an environment variable"
+KNOWN_SECRET = "the value of a secret environment variable or of a W&B key stored by `wandb login`"
+
+
+def secret_in_file(data: bytes, known=frozenset()) -> str | None:
+    """:func:`secret_in_text` of a file's bytes: UTF-8 text, or UTF-16 with its byte-order mark
+    (PowerShell 5 writes it); in any other file holding a NUL byte (binary, or UTF-16 without
+    the mark) only ``known`` values are looked for, in UTF-8 and in UTF-16."""
+    if data[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+        return secret_in_text(data.decode("utf-16", errors="replace"), known)
+    if b"\0" not in data[:8192]:
+        return secret_in_text(data.decode("utf-8", errors="replace"), known)
+    encoded = (secret.encode(encoding) for secret in known
+               for encoding in ("utf-8", "utf-16-le", "utf-16-be"))
+    return KNOWN_SECRET if any(e in data for e in encoded) else None
+
+
+def _instead(name: str, value: str) -> str:
+    """What to do instead of writing ``value`` under the key named ``name``."""
+    read = next(filter(is_secret_variable, ENV_READ.findall(value)), None)
+    if read and not is_secret_name(name):
+        return (f"read {read} only into a key whose name says secret (as in "
+                f"hardware.env.{read}=${{oc.env:{read}}}), whose value is masked wherever it is "
+                "written")
+    how = f"export {name} in the environment" if is_secret_name(name) else \
+        "pass it in an environment variable"
     return f"{how} instead; hydra.launcher.secrets=[...] forwards such variables to TPU VMs"
 
 
@@ -235,11 +278,9 @@ def check_no_secret_overrides(args: list[str]) -> None:
         except OverrideParseException:  # Hydra refuses it too, but prints it: read it as text
             found = _unparsed_secrets(key, name, value, known)
         if found:
-            name = found[0][1]
             raise ConfigError(
                 f"{key}: a secret is never given on the command line (it would be written to the "
-                f"run's name, .hydra/ and the process list): "
-                f"{_instead(name if is_secret_name(name) else None)}")
+                f"run's name, .hydra/ and the process list): {_instead(*found[0][1:])}")
 
 
 def _plain(value):
@@ -260,16 +301,16 @@ def _plain(value):
     return str(value)
 
 
-def _unparsed_secrets(key: str, name: str, value: str, known: set[str]) -> list[tuple[str, str]]:
-    """(key, name) of the secrets in an override's value Hydra cannot parse
+def _unparsed_secrets(key: str, name: str, value: str, known: set[str]) -> list[tuple[str, str, str]]:
+    """(key, name, value) of the secrets in an override's value Hydra cannot parse
     (``{'HF_TOKEN': ...}``): the value under the key's name, and each ``name: value`` pair in it
     (a value ends at a brace, so a nested dict's pairs are read too); and the value itself when
     it is of a secret's form or holds one of ``known``."""
     pairs = [(name, value), *re.findall(r"[{,]\s*['\"]?([A-Za-z_][\w-]*)['\"]?\s*:\s*['\"]?([^,{}'\"]*)",
                                          value)]
-    found = [(key, n) for n, v in pairs if is_secret_name(n) and may_be_secret(v.strip(), n)]
+    found = [(key, n, v) for n, v in pairs if is_secret_name(n) and may_be_secret(v.strip(), n)]
     whole = has_secret_value(value) or any(secret in value for secret in known)
-    return found + ([(key, "")] if whole else [])
+    return found + ([(key, "", value)] if whole else [])
 
 
 def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> None:
@@ -285,19 +326,22 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
     plain = OmegaConf.to_container(cfg, resolve=resolved)
     found = _secret_values(plain, prefix.rstrip("."), "", forbidden_values() if resolved else set())
     if found:
-        key, name = found[0]
-        raise ConfigError(f"{key}: a secret is never written into a config (it would be copied into "
-                          ".hydra/, multirun.yaml, the code synced to TPU VMs or a launched job's "
-                          f"run script): {_instead(name if is_secret_name(name) else None)}")
+        raise ConfigError(f"{found[0][0]}: a secret is never written into a config (it would be "
+                          "copied into .hydra/, multirun.yaml, the code synced to TPU VMs or a "
+                          f"launched job's run script): {_instead(*found[0][1:])}")
 
 
 INTERPOLATION = re.compile(r"\$\{[^${}]*\}")
+ENV_READ = re.compile(r"\$\{oc\.env:\s*['\"]?([A-Za-z_]\w*)")  # (the variable an interpolation reads)
 
 
-def _secret_values(node, path: str, name: str, known: set[str]) -> list[tuple[str, str]]:
-    """(key, its last part) of each string in the plain ``node`` that is a secret: by its form
+def _secret_values(node, path: str, name: str, known: set[str]) -> list[tuple[str, str, str]]:
+    """(key, its last part, the string) of each string in the plain ``node`` that is a secret: by its form
     (in the text around any interpolations), by the name of its key (unless it reads the
-    environment, or is a short flag or a path), or by holding one of ``known``."""
+    environment, or is a short flag or a path), or by holding one of ``known``; and of each that
+    reads a secret variable (``${oc.env:WANDB_API_KEY}``) into a key whose name does not say
+    secret: masking goes by the key's name, so its value would be written out as it is (in a
+    run's name, its dir and W&B's record of it; on a command line)."""
     if isinstance(node, dict):
         return [found for key, value in node.items()
                 for found in _secret_values(value, f"{path}.{key}" if path else str(key), str(key), known)]
@@ -310,6 +354,7 @@ def _secret_values(node, path: str, name: str, known: set[str]) -> list[tuple[st
     while INTERPOLATION.search(literal):
         literal = INTERPOLATION.sub("", literal)
     by_name = literal == node and is_secret_name(name) and may_be_secret(node, name)
-    if by_name or has_secret_value(literal) or any(secret in node for secret in known):
-        return [(path, name)]
+    reads_secret = not is_secret_name(name) and any(map(is_secret_variable, ENV_READ.findall(node)))
+    if by_name or reads_secret or has_secret_value(literal) or any(secret in node for secret in known):
+        return [(path, name, node)]
     return []

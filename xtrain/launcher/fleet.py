@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from xtrain.config.choices import check_known_keys
-from xtrain.config.secrets import check_no_secret_values
+from xtrain.config.secrets import check_no_secret_values, declare_secret_names
 from xtrain.errors import ConfigError, EnvironmentMismatch, InputError
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.launch import launch_job, say
@@ -234,6 +234,7 @@ def after_preemption(lost: VmLost, job: Job) -> str:
 def check_job(cfg, hardware, checkpoint_dir: str | None) -> None:
     """Refuse a fleet config that cannot work, before any VM is touched."""
     check_known_keys(cfg, "hydra.launcher.")
+    declare_secret_names(cfg.secrets)  # (as the launch forwards them: secrets whatever their names)
     check_no_secret_values(cfg, "hydra.launcher.", resolved=True)
     problems = out_of_range(cfg, LauncherConfig, "hydra.launcher.")
     if problems:

@@ -9,7 +9,7 @@ import os
 import re
 
 from xtrain.errors import ConfigError
-from xtrain.config.secrets import SECRET_NAMES_VAR, wandb_key
+from xtrain.config.secrets import SECRET_NAMES_VAR, declare_secret_names, wandb_key
 
 ALWAYS = ("WANDB_API_KEY", "HF_TOKEN")
 
@@ -24,6 +24,7 @@ def collect(extra_names=()) -> dict[str, str]:
     if bad:
         raise ConfigError(f"hydra.launcher.secrets: {', '.join(bad)} is not an environment "
                           "variable name (list names; values come from the environment)")
+    declare_secret_names(names)  # the code synced and this side's logs are checked for them too
     found = {n: os.environ[n] for n in names if n in os.environ}
     if not found.get("WANDB_API_KEY") and (stored := wandb_key()):
         found["WANDB_API_KEY"] = stored

@@ -22,7 +22,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from xtrain.config.secrets import forbidden_values, is_secret_name, secret_in_text
+from xtrain.config.secrets import forbidden_values, is_secret_name, secret_in_file
 from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError
 from xtrain.observe.bundle import SYNCED_CODE_RECORD, code_state, mask_secrets
@@ -100,16 +100,13 @@ def check_total(root: Path, files: list[str], max_total_mb: float) -> None:
 
 
 def check_no_secrets(root: Path, files: list[str]) -> None:
-    """Refuse to sync files that hold a secret (xtrain/config/secrets.py secret_in_text: a private
+    """Refuse to sync files that hold a secret (xtrain/config/secrets.py secret_in_file: a private
     key, a token, a secret-named variable set to a literal, this environment's secrets) whatever
     their names: every worker would get a copy."""
     known = forbidden_values()
     found = []
     for rel in files:
-        data = (root / rel).read_bytes()
-        if b"\0" in data[:8192]:  # binary: no text secret to read
-            continue
-        why = secret_in_text(data.decode("utf-8", errors="replace"), known)
+        why = secret_in_file((root / rel).read_bytes(), known)
         if why:
             found.append(f"{rel} ({why})")
     if found:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from xtrain.config.secrets import (PRIVATE_KEY, SECRET_VALUE, is_secret_name, mask_assigned,
                                    mask_private_keys, secret_values)
@@ -74,6 +75,17 @@ def source_git_root(source: Path | None = None) -> Path | None:
         return Path(_git(source, "rev-parse", "--show-toplevel").strip())
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def git_remote_url(root: Path) -> str | None:
+    """The URL of the git tree's ``origin`` without its user and password (either can be a token;
+    W&B's own capture of it keeps the user), or None."""
+    try:
+        url = _git(root, "remote", "get-url", "origin").strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    parts = urlsplit(url)  # (git@host:path, scp-like, has no netloc and no password to drop)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])) if parts.netloc else url
 
 
 # Beside the code a launcher synced (without .git): the launching checkout's code_state, masked

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from xtrain.config import JsonlLoggerConfig
-from xtrain.observe.bundle import mask_secrets, source_git_root
+from xtrain.observe.bundle import git_remote_url, mask_secrets, source_git_root
 from xtrain.observe.console import ProgressDisplay
 from xtrain.observe.sinks import LightningSink, RunLog
 from xtrain.paths import cache_root, is_local
@@ -50,7 +50,8 @@ def build_run_log(logger_cfg, run_dir: str, run_name: str, config: dict, max_ste
         wandb_logger = instantiate(logger_cfg.wandb, _partial_=True, _convert_="all")
         sinks.append(LightningSink(wandb_logger(
             run_dir=run_dir, local_dir=local, run_name=run_name, run_config=masked,
-            git_root=str(git_root) if git_root else None)))
+            git_root=str(git_root) if git_root else None,
+            git_remote_url=git_remote_url(git_root) if git_root else None)))
     if logger_cfg.tensorboard is not None:
         tensorboard = instantiate(logger_cfg.tensorboard, save_dir=f"{local}/{TENSORBOARD_DIR}")
         tensorboard.log_hyperparams(masked)

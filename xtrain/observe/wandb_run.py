@@ -103,12 +103,15 @@ def _sync_later(files: str, group: str) -> str:
 
 def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
                  project: str = "xtrain", entity: str | None = None, group: str | None = None,
-                 tags=(), mode: WandbMode | str = WandbMode.auto, git_root: str | None = None):
+                 tags=(), mode: WandbMode | str = WandbMode.auto, git_root: str | None = None,
+                 git_remote_url: str | None = None):
     """Start (or continue) the run's W&B run and wrap it in Lightning's WandbLogger.
     ``run_config``: the resolved config with secrets masked (the W&B run's config). The run id is
     kept in ``run_dir`` (any fsspec URL); W&B writes its files under ``<local_dir>/wandb`` (W&B
     needs a local directory). Without ``group``, the run's starts are grouped under its name
-    (offline starts are separate W&B runs: :func:`attempt_id`)."""
+    (offline starts are separate W&B runs: :func:`attempt_id`). ``git_root``: the code's git tree
+    (None: no git facts); ``git_remote_url``: its remote, given so that W&B does not read one
+    with a token in it."""
     from lightning.pytorch.loggers import WandbLogger
 
     chosen, group = choose_mode(mode), group or run_name
@@ -116,7 +119,8 @@ def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
     os.makedirs(local_dir, exist_ok=True)
     # finish_previous: a run left open in this process (a sweep's earlier job that failed) is
     # finished, not continued (W&B's default outside notebooks returns it)
-    run = _start(chosen, mode, run_id(run_dir), git_root, project=project, entity=entity,
+    git = {"git_root": git_root, "git_remote_url": git_remote_url, "disable_git": git_root is None}
+    run = _start(chosen, mode, run_id(run_dir), git, project=project, entity=entity,
                  name=run_name, resume="allow", group=group, tags=list(tags) or None,
                  dir=local_dir, config=run_config, reinit="finish_previous")
     # the x axis of every chart is the training step (WandbLogger logs it as trainer/global_step)
@@ -125,7 +129,7 @@ def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
     return WandbLogger(experiment=run, project=project, save_dir=local_dir)
 
 
-def _start(chosen: str, mode: WandbMode | str, stored: str, git_root: str | None, **init):
+def _start(chosen: str, mode: WandbMode | str, stored: str, git: dict, **init):
     """``wandb.init`` for this start. Online, a W&B that does not answer within its init timeout
     (WANDB_INIT_TIMEOUT, 90 s by default) raises CommError: with logger.wandb.mode=auto the start
     logs offline instead (an outage must not fail a resume, which the fleet does not re-run);
@@ -134,8 +138,7 @@ def _start(chosen: str, mode: WandbMode | str, stored: str, git_root: str | None
     import wandb
 
     def start(chosen: str):
-        settings = wandb.Settings(mode=chosen, console="off", silent=True, git_root=git_root,
-                                  disable_git=git_root is None)
+        settings = wandb.Settings(mode=chosen, console="off", silent=True, **git)
         return wandb.init(id=attempt_id(chosen, stored), settings=settings, **init)
 
     try:
