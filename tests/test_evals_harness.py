@@ -92,6 +92,20 @@ def test_prepare_checks_config_file_and_toolchain_up_front(tmp_path):
         prepare(EvalConfig(flags=["-fno-such-flag"]))
 
 
+def test_a_benchmark_whose_reference_fails_its_own_tests_is_refused_up_front(tmp_path):
+    """Every sample of such a problem would fail: every model scores 0 on it, unnoticed."""
+    path = tmp_path / "bench.jsonl"
+    wrong = {**ADD.__dict__, "id": "add_wrong", "reference": "  return a - b;\n}\n"}
+    path.write_text("".join(json.dumps(p) + "\n" for p in (ADD.__dict__, NEG.__dict__, wrong)))
+    with pytest.raises(ConfigError, match=rf"^eval.cpp_file={path}: the reference of 1 problem\(s\) "
+                                          r"does not pass its own tests, so no sample could "
+                                          r"\(add_wrong\); 'add_wrong': wrong_answer, exit code 1: "
+                                          r"add\(2, 3\) != 5"):
+        prepare(EvalConfig(cpp_file=str(path)))
+    path.write_text("".join(json.dumps(p) + "\n" for p in (ADD.__dict__, NEG.__dict__)))
+    assert [p.id for p in prepare(EvalConfig(cpp_file=str(path)))] == ["add", "neg"]
+
+
 def test_generate_interface_cuts_continuations_and_writes_records(gcs_bucket):
     calls = []
 
@@ -124,11 +138,11 @@ def test_generate_interface_cuts_continuations_and_writes_records(gcs_bucket):
 
 @pytest.mark.parametrize("directive", ["#define add(a, b) 5", "  /* */ #define add(a, b) 5",
                                        "/* # */ #define add(a, b) 5", "%:define add(a, b) 5",
-                                       "#\\\ndefine add(a, b) 5"])
+                                       "#\\\ndefine add(a, b) 5", "\0#define add(a, b) 5"])
 def test_a_completion_with_a_preprocessor_directive_is_not_compiled(directive):
     """A macro after the function rewrites the tests that follow (``add(2, 3)`` becomes 5): each
-    spelling of a directive (after a comment, one holding a '#' too, as a digraph, spliced) would
-    pass them."""
+    spelling of a directive (after a comment, one holding a '#' too, as a digraph, spliced,
+    after a NUL the compiler ignores) would pass them."""
     _, (record,) = evaluate([ADD], {"add": [f"  return 0;\n}}\n{directive}\n"]}, EvalConfig())
     assert (record["outcome"], record["compiled"], record["compile_s"]) == ("compile_error", False, None)
     assert record["compiler_message"].startswith("not compiled: a preprocessor directive in the "
@@ -143,6 +157,17 @@ def test_generate_with_the_wrong_shape_is_refused():
 def test_missing_completions_are_refused():
     with pytest.raises(ValueError, match="no completions for problem\\(s\\) neg"):
         evaluate([ADD, NEG], {"add": [ADD.reference]}, EvalConfig())
+
+
+def test_pass_at_k_needs_at_least_k_samples():
+    """With fewer than k samples pass@k is undefined (a problem none of them passed would score
+    1.0): refused, by the estimator and by evaluate."""
+    with pytest.raises(ValueError, match="pass@5 from 1 samples, 0 passed"):
+        pass_at_k(1, 0, 5)
+    with pytest.raises(ValueError, match="fewer than 2 completions \\(eval.k=\\[1, 2\\]\\) for "
+                                         "problem\\(s\\) neg"):
+        evaluate([ADD, NEG], {"add": [ADD.reference] * 2, "neg": ["  return 1;\n}\n"]},
+                 EvalConfig(n=2, k=[1, 2], temperature=0.8))
 
 
 def test_write_records_creates_local_parents(tmp_path):

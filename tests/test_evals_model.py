@@ -84,6 +84,20 @@ def test_training_goes_on_while_an_evaluation_runs(tmp_path, problem_file):
         _check_records(tmp_path / "cpp_eval" / f"step_{step:06d}.jsonl", n=8)
 
 
+def test_an_evaluation_that_fails_is_a_warning_and_training_goes_on(tmp_path, problem_file):
+    """An evaluation's own failure (here its records cannot be written: a file stands where their
+    dir goes) does not end the run: a warning, no eval record, every step trained."""
+    (tmp_path / "cpp_eval").write_text("not a dir")
+    r = _xtrain(tmp_path, "trainer.max_steps=4", "eval.cpp_every=2", f"eval.cpp_file={problem_file}",
+                *EVAL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for step in (2, 4):
+        assert f"C++ evaluation of step {step} failed, training goes on: " in r.stdout + r.stderr
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert not [r for r in records if r["kind"] == "eval"]
+    assert max(r["step"] for r in records if r["kind"] == "train") == 4
+
+
 @pytest.mark.parametrize("training", ["running", "waiting"])
 def test_a_stop_does_not_wait_for_a_running_evaluation(tmp_path, problem_file, training):
     """SIGTERM while step 3's evaluation (made long: 16 samples of 400 tokens at 512 context)

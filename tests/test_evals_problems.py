@@ -85,6 +85,20 @@ def test_malformed_line_names_file_line_and_fault(tmp_path, bad_line, message):
     assert message in str(info.value)
 
 
+def test_lines_end_at_newlines_only(tmp_path):
+    """JSONL separates lines with \\n alone: a string may hold U+2028, U+2029 or U+0085 (JSON
+    writes them unescaped), which Python's splitlines would take for line ends."""
+    path = tmp_path / "bench.jsonl"
+    texts = ["// sums\u2028two\n", "// sums\u2029two\n", "// sums\x85two\n"]
+    path.write_text("".join(json.dumps({**GOOD, "id": f"add{i}", "prompt": t + GOOD["prompt"]},
+                                       ensure_ascii=False) + "\n" for i, t in enumerate(texts)))
+    assert [p.prompt.split("\n")[0] for p in load_problems(str(path))] == [t[:-1] for t in texts]
+    path.write_text(good() + "\n" + '{"id": "x", "prompt": "open\n')
+    with pytest.raises(ProblemFileError, match=rf"^{path}:2: bad JSON \(Unterminated string "
+                                               r"starting at: column 23\)$"):
+        load_problems(str(path))
+
+
 def test_empty_and_missing_files(tmp_path):
     with pytest.raises(ProblemFileError, match="no problems"):
         load_problems(write_lines(tmp_path / "empty.jsonl", ["", "  "]))

@@ -15,7 +15,9 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from xtrain.errors import ConfigError
 from xtrain.evals import EvalConfig, evaluate
 from xtrain.evals import sandbox as sandbox_module
 from xtrain.evals.problems import Problem
-from xtrain.evals.sandbox import Sandbox, uid_range
+from xtrain.evals.sandbox import Cancelled, Sandbox, uid_range
 
 RUN_TIMEOUT = 2.0
 # Every header a hostile completion below needs (a completion cannot add includes: it starts
@@ -136,6 +138,11 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
         # a user namespace of its own would open more of the kernel to it (bubblewrap 0.8+, as
         # .ci/run installs it here, forbids one)
         "nested_user_namespace": ("  return unshare(CLONE_NEWUSER) == 0 ? 41 : 42;\n}\n", "passed"),
+        # first in line for the OOM killer: a sample, not the training process beside it
+        "oom_score_first": (
+            "  FILE* f = std::fopen(\"/proc/self/oom_score_adj\", \"r\");\n  int adj = 0;\n"
+            "  if (f) std::fscanf(f, \"%d\", &adj);\n  return adj == 1000 ? 42 : adj;\n}\n",
+            "passed"),
         # a daemon whose leader thread exits while another runs on: /proc shows the process as a
         # zombie (its leader's state), yet it runs
         "daemon_behind_a_zombie_leader": (
@@ -186,8 +193,9 @@ def _runs(pid: str) -> bool:
         return False  # exited while scanning
 
 
-def judge(completions: dict[str, tuple[str, str]], **overrides):
-    cfg = EvalConfig(run_timeout_s=RUN_TIMEOUT, workers=2, **overrides)
+def judge(completions: dict[str, tuple[str, str]], cancel=None, **overrides):
+    """``cancel`` (a threading.Event) set: the evaluation is called off (scores None)."""
+    cfg = EvalConfig(**{"run_timeout_s": RUN_TIMEOUT, "workers": 2, **overrides})
     # The evaluation's temp dirs go to a dir of its own, where any left behind are its: another
     # pytest-xdist worker may be evaluating at the same time.
     tmp = Path(tempfile.mkdtemp(prefix="xtrain-test-tmp-"))
@@ -199,8 +207,11 @@ def judge(completions: dict[str, tuple[str, str]], **overrides):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(tempfile, "tempdir", str(tmp))
             start = time.perf_counter()
-            scores, records = evaluate([PROBLEM], {PROBLEM.id: [c for c, _ in completions.values()]},
-                                       cfg)
+            try:
+                scores, records = evaluate(
+                    [PROBLEM], {PROBLEM.id: [c for c, _ in completions.values()]}, cfg, cancel=cancel)
+            except Cancelled:
+                scores, records = None, []
             elapsed = time.perf_counter() - start
         new_dirs = {p.name for p in tmp.iterdir()}
     finally:
@@ -399,10 +410,60 @@ def test_a_session_dir_its_program_locked_is_deleted_without_root():
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_a_cancel_ends_an_evaluation_that_is_judging_and_leaves_nothing_behind():
+    """Twelve samples spinning to their 10 s limit, two at a time, would take a minute; called
+    off 1 s in (the run is stopping), the running programs are killed and the rest skipped."""
+    cancel = threading.Event()
+    timer = threading.Timer(1.0, cancel.set)
+    timer.start()
+    try:
+        result = judge({f"spin{i}": ("  for (;;) {}\n}\n", "timeout") for i in range(12)},
+                       cancel=cancel, run_timeout_s=10.0, sandbox="bwrap")
+    finally:
+        timer.cancel()
+    assert result["scores"] is None  # Cancelled
+    assert result["elapsed"] < 6, result["elapsed"]  # not a running sample's 10 s
+    assert result["processes"] == [] and result["new_dirs"] == set()
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
+def test_a_subreapers_evaluation_reaps_the_orphans_it_is_given(mode, tmp_path):
+    """A container's entry point (PID 1), or a subreaper, becomes the parent of a sandbox's
+    orphans (bubblewrap's own, a program's children): left as zombies they would count against
+    the slot's process limit, and the slot's next compile could not fork (every later sample a
+    compile error). One slot, eight correct samples, each leaving four children behind."""
+    if os.geteuid() != 0:
+        pytest.skip("uid slots are only claimed when xtrain runs as root")
+    leaves_children = ("  for (int i = 0; i < 4; ++i) if (fork() == 0) { usleep(50000); _exit(0); }\n"
+                       "  return 42;\n}\n")
+    code = ("import ctypes, json, sys\n"
+            "assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER\n"
+            "from xtrain.evals import EvalConfig, evaluate\n"
+            "from tests.test_evals_sandbox import PROBLEM\n"
+            f"cfg = EvalConfig(workers=1, max_processes=8, sandbox={mode!r})\n"
+            f"_, records = evaluate([PROBLEM], {{PROBLEM.id: [{leaves_children!r}] * 8}}, cfg)\n"
+            "print(json.dumps([r['outcome'] for r in records]))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == '["passed", "passed", "passed", "passed", "passed", ' \
+                                               '"passed", "passed", "passed"]', r.stdout + r.stderr[-2000:]
+
+
+def test_uids_nobody_and_uint16_minus_one_are_never_sandbox_uids(monkeypatch):
+    """A rootless container's uid map ends at 65536: the top of the range is not 65535 there."""
+    monkeypatch.setattr(sandbox_module, "_top_of_uid_map", lambda: 65536)
+    uids = uid_range()
+    assert len(uids) == sandbox_module._UID_CANDIDATES and max(uids) == 65533
+    assert not {65534, 65535} & set(uids)
+
+
 def test_uid_slots_are_private_and_released():
     """Two sandboxes (two evaluations at once) never share a uid; closing releases them."""
     if os.geteuid() != 0:
         pytest.skip("uid slots are only claimed when xtrain runs as root")
+    import fcntl
+
     first, second = Sandbox(EvalConfig(), 2), Sandbox(EvalConfig(), 2)
     try:
         assert len(set(first._free) | set(second._free)) == 4
@@ -410,9 +471,12 @@ def test_uid_slots_are_private_and_released():
     finally:
         first.close()
         second.close()
-    third = Sandbox(EvalConfig(), 2)
-    third.close()
-    assert set(third._free) == set(first._free)  # the top of the range again, once released
+    for uid in first._free + second._free:  # each one's lock free for the next sandbox
+        fd = os.open(sandbox_module._UID_LOCKS / str(uid), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
 
 
 def test_session_dir_is_private_to_its_uid():

@@ -15,6 +15,7 @@ from xtrain.config import EvalConfig
 from xtrain.evals import stop
 from xtrain.evals.harness import Generate, generate_and_evaluate
 from xtrain.evals.problems import Problem
+from xtrain.evals.sandbox import Cancelled
 from xtrain.model.generate import check_prompts_fit, generate, prompt_ids
 
 SEED = 0  # the same seed at every evaluation: scores of one run differ only by what it learnt
@@ -28,10 +29,6 @@ def check_fit(tokenizer, problems: Sequence[Problem], cfg: EvalConfig, sequence_
     when None, for one token)."""
     check_prompts_fit(tokenizer, [p.prompt for p in problems], cfg.max_tokens, sequence_len,
                       "eval.max_tokens")
-
-
-class Cancelled(Exception):
-    """The evaluation was called off (its run is stopping) while it generated."""
 
 
 def model_generate(model, tokenizer, cfg: EvalConfig, stats: dict | None = None,
@@ -65,10 +62,11 @@ def model_generate(model, tokenizer, cfg: EvalConfig, stats: dict | None = None,
 def evaluate_model(model, tokenizer, problems: Sequence[Problem], cfg: EvalConfig,
                    records_path: str | None = None, cancel=None) -> dict:
     """Generate, cut, compile and test; the scores with the generation's tokens/s. Records go
-    to ``records_path`` (any fsspec URL) when given. ``cancel``: see :func:`model_generate`."""
+    to ``records_path`` (any fsspec URL) when given. ``cancel`` (a threading.Event) set calls
+    the evaluation off, generating or judging: :class:`Cancelled` is raised."""
     stats: dict = {}
     scores, _ = generate_and_evaluate(model_generate(model, tokenizer, cfg, stats, cancel), problems,
-                                      cfg, records_path)
+                                      cfg, records_path, cancel)
     scores["cpp_generate_tok_per_s"] = round(stats["tokens"] / max(stats["seconds"], 1e-9), 1)
     return scores
 

@@ -28,6 +28,7 @@ import re
 import secrets
 import shutil
 import signal
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,7 @@ from xtrain.errors import ConfigError
 from xtrain.evals import stop
 from xtrain.evals.config import EvalConfig, check
 from xtrain.evals.problems import DIFFICULTIES, Problem, load_problems
-from xtrain.evals.sandbox import Result, Sandbox, Session, limits_for
+from xtrain.evals.sandbox import Cancelled, Result, Sandbox, Session, limits_for
 
 OUTCOMES = ("compile_error", "timeout", "runtime_error", "wrong_answer", "passed")
 Generate = Callable[[list[str], int], list[list[str]]]
@@ -81,9 +82,10 @@ def directive(completion: str) -> str | None:
     """The first line of ``completion`` that may be a preprocessor directive, or None: a '#' (or
     '%:', '??=') after only blanks on its line, or after a comment's end (the line may begin in
     a comment, which counts as blank before a directive). Lines joined by a backslash count as
-    one, as the compiler joins them. Cautious: a '#' in a string there counts too, one sample
-    scored a compile error for nothing, where missing a directive would let it rewrite the tests."""
-    for line in re.sub(r"\\[ \t\r]*\n", "", completion).splitlines():
+    one, as the compiler joins them, and NUL characters are dropped, as the compiler ignores
+    them. Cautious: a '#' in a string there counts too, one sample scored a compile error for
+    nothing, where missing a directive would let it rewrite the tests."""
+    for line in re.sub(r"\\[ \t\r]*\n", "", completion.replace("\0", "")).splitlines():
         for found in _DIRECTIVE.finditer(line):  # every one: the first may be in a comment
             if not line[:found.start()].strip() or "*/" in line[:found.start()]:
                 return line.strip()
@@ -92,9 +94,13 @@ def directive(completion: str) -> str | None:
 
 def prepare(cfg: EvalConfig) -> list[Problem]:
     """Check everything an evaluation needs before training starts (the config, the benchmark
-    file, the compiler inside the sandbox) and return the problems."""
+    file, the compiler inside the sandbox, and that each reference of a file other than the
+    shipped one passes its tests) and return the problems."""
     check(cfg)
     problems = load_problems(cfg.cpp_file)
+    if cfg.cpp_file:  # (the shipped references are judged by tests/test_evals_problems.py)
+        _check_references(problems, cfg)  # (the toolchain first)
+        return problems
     sandbox = Sandbox(cfg, 1)
     try:
         _check_toolchain(sandbox, find_gxx(cfg), cfg)
@@ -103,9 +109,26 @@ def prepare(cfg: EvalConfig) -> list[Problem]:
     return problems
 
 
+def _check_references(problems: Sequence[Problem], cfg: EvalConfig) -> None:
+    """Judge each problem's reference once: one that fails its own tests (a tests ``main``
+    falling off its end, a typo) would fail every sample, and score 0 for every model unnoticed."""
+    records = judge_all(problems, {p.id: [p.reference] for p in problems}, cfg)
+    failed = [r for r in records if r["outcome"] != "passed"]
+    if failed:
+        first = failed[0]
+        said = (first["compiler_message"] if not first["compiled"] else first["test_output"])
+        raise ConfigError(
+            f"eval.cpp_file={cfg.cpp_file}: the reference of {len(failed)} problem(s) does not "
+            f"pass its own tests, so no sample could ({', '.join(r['id'] for r in failed[:5])}); "
+            f"{first['id']!r}: {first['outcome']}, exit code {first['exit_code']}"
+            + (f": {said.strip().splitlines()[0][:200]}" if said.strip() else ""))
+
+
 def generate_and_evaluate(generate: Generate, problems: Sequence[Problem], cfg: EvalConfig,
-                          records_path: str | None = None) -> tuple[dict, list[dict]]:
-    """Sample ``cfg.n`` continuations per prompt, cut them with the stop rule, judge them."""
+                          records_path: str | None = None,
+                          cancel: threading.Event | None = None) -> tuple[dict, list[dict]]:
+    """Sample ``cfg.n`` continuations per prompt, cut them with the stop rule, judge them
+    (``cancel``: see :func:`evaluate`)."""
     check(cfg)
     start = time.perf_counter()
     raw = generate([p.prompt for p in problems], cfg.n)
@@ -115,38 +138,51 @@ def generate_and_evaluate(generate: Generate, problems: Sequence[Problem], cfg: 
     generate_s = time.perf_counter() - start
     completions = {p.id: [stop.cut(p.prompt, text, cfg.eof_markers) for text in texts]
                    for p, texts in zip(problems, raw)}
-    scores, records = evaluate(problems, completions, cfg, records_path)
+    scores, records = evaluate(problems, completions, cfg, records_path, cancel)
     scores["cpp_generate_seconds"] = generate_s
     return scores, records
 
 
 def evaluate(problems: Sequence[Problem], completions: Mapping[str, Sequence[str]],
-             cfg: EvalConfig, records_path: str | None = None) -> tuple[dict, list[dict]]:
+             cfg: EvalConfig, records_path: str | None = None,
+             cancel: threading.Event | None = None) -> tuple[dict, list[dict]]:
     """Compile and test every completion (already cut); return the scores and one record per
-    sample, also written as JSONL to ``records_path`` (any fsspec URL) when given."""
+    sample, also written as JSONL to ``records_path`` (any fsspec URL) when given. ``cancel``
+    set (the run is stopping) raises :class:`Cancelled` within a tenth of a second: the
+    samples not judged yet are skipped, the running compiles and programs killed."""
     check(cfg)
     missing = [p.id for p in problems if not completions.get(p.id)]
     if missing:
         raise ValueError(f"no completions for problem(s) {', '.join(missing[:5])}")
+    few = [p.id for p in problems if len(completions[p.id]) < max(cfg.k)]
+    if few:
+        raise ValueError(f"fewer than {max(cfg.k)} completions (eval.k={list(cfg.k)}) for "
+                         f"problem(s) {', '.join(few[:5])}: pass@k needs at least k samples")
+    start = time.perf_counter()
+    records = judge_all(problems, completions, cfg, cancel)
+    scores = score(records, cfg.k)
+    scores["cpp_eval_seconds"] = time.perf_counter() - start
+    if records_path:
+        write_records(records, records_path)
+    return scores, records
+
+
+def judge_all(problems: Sequence[Problem], completions: Mapping[str, Sequence[str]],
+              cfg: EvalConfig, cancel: threading.Event | None = None) -> list[dict]:
+    """One record per completion, judged in parallel (``cancel``: see :func:`evaluate`)."""
     gxx = find_gxx(cfg)
     jobs = [(p, i, c) for p in problems for i, c in enumerate(completions[p.id])]
     workers = min(cfg.workers or len(os.sched_getaffinity(0)), len(jobs))
     # random, so no completion can print it by heart; a program could still forge it from the
     # pieces its own binary holds (program()): in-process code cannot be kept from a secret
     marker = f"xtrain-tests-passed-{secrets.token_hex(8)}"
-    start = time.perf_counter()
-    sandbox = Sandbox(cfg, workers)
+    sandbox = Sandbox(cfg, workers, cancel)
     try:
         _check_toolchain(sandbox, gxx, cfg)
         with ThreadPoolExecutor(workers, thread_name_prefix="cpp-eval") as pool:
-            records = list(pool.map(lambda job: _judge(sandbox, gxx, cfg, marker, *job), jobs))
+            return list(pool.map(lambda job: _judge(sandbox, gxx, cfg, marker, *job), jobs))
     finally:
         sandbox.close()
-    scores = score(records, cfg.k)
-    scores["cpp_eval_seconds"] = time.perf_counter() - start
-    if records_path:
-        write_records(records, records_path)
-    return scores, records
 
 
 def find_gxx(cfg: EvalConfig) -> str:
@@ -221,6 +257,8 @@ def outcome(ran: Result, marker: str) -> str:
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from ``n`` samples of which ``c`` passed (Chen et al. 2021, "Evaluating
     Large Language Models Trained on Code"): 1 - C(n-c, k) / C(n, k), as a stable product."""
+    if not 0 <= c <= n or k > n:
+        raise ValueError(f"pass@{k} from {n} samples, {c} passed: needs 0 <= c <= n and k <= n")
     if n - c < k:
         return 1.0
     product = 1.0

@@ -42,7 +42,7 @@ def load_problems(path: str | None = None) -> list[Problem]:
     path = path or DEFAULT_FILE
     try:
         with fsspec.open(path, "rt", encoding="utf-8") as f:
-            lines = f.read().splitlines()
+            lines = f.read().split("\n")  # JSONL's only separator (a string may hold U+2028)
     except FileNotFoundError:
         raise ProblemFileError(f"C++ benchmark file {path} does not exist") from None
     except UnicodeDecodeError as e:
@@ -75,7 +75,7 @@ def parse_line(line: str) -> Problem:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"bad JSON ({e.msg} at column {e.colno})") from None
+        raise ValueError(f"bad JSON ({e.msg}: column {e.colno})") from None
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     missing = [name for name in FIELDS if name not in obj]

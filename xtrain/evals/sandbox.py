@@ -5,12 +5,16 @@ both run inside it (the compiler too: ``#include "/etc/..."`` would otherwise co
 compiler message). Every command runs
 
 - as a private unprivileged uid when xtrain runs as root (root ignores RLIMIT_NPROC and may write
-  anywhere). Each parallel slot claims its own uid with a lock file under the temp dir, so two
-  slots (or two xtrain processes) never share a process count, and after a session every process
-  of that uid is killed: even one that left its process group is gone;
+  anywhere). Each parallel slot claims its own uid with a lock file under /run (one place for
+  the machine, whatever TMPDIR each process has) and only while no process runs as it (another
+  container's, say), so two slots (or two xtrain processes) never share a process count, and
+  after a session every process of that uid is killed, even one that left its process group,
+  and its zombies this process is the parent of are collected (as PID 1, or a subreaper);
 - under resource limits set by util-linux ``prlimit`` before exec (CPU seconds, address space,
   file size, process count, open files, no core files): a program, not a ``preexec_fn``, because
-  the harness forks from several threads;
+  the harness forks from several threads; first in line for the OOM killer (util-linux
+  ``choom``, ``oom_score_adj`` 1000): memory is bounded per process only (below), and when the
+  machine runs out the kernel must kill a sample, not the training process beside it;
 - in its own process group, SIGKILLed as a whole when the wall-clock limit passes;
 - with stdout and stderr sent to files in the session dir, so RLIMIT_FSIZE caps them and a
   program printing forever dies of SIGXFSZ instead of filling a pipe or the disk;
@@ -58,9 +62,13 @@ from xtrain.evals.config import EvalConfig
 INSTALL = "sudo apt-get install bubblewrap"
 # no user namespace of its own for the program (a nested one would open more of the kernel to it)
 NO_USERNS = ("--unshare-user", "--disable-userns")
-_UID_LOCKS = Path(tempfile.gettempdir()) / "xtrain-sandbox-uids"
+_UID_LOCKS = Path("/run" if os.path.isdir("/run") else tempfile.gettempdir()) / "xtrain-sandbox-uids"
 _UID_CANDIDATES = 4096  # uids tried below the top of this namespace's uid range
 _warned: list[list[str]] = []
+
+
+class Cancelled(Exception):
+    """The evaluation was called off (its run is stopping)."""
 
 
 @dataclass(frozen=True)
@@ -93,10 +101,11 @@ def limits_for(cfg: EvalConfig, compile: bool) -> Limits:
 
 class Sandbox:
     """Chooses the isolation once (bubblewrap or the fallback), claims ``slots`` uids when root,
-    and hands out sessions; :meth:`close` releases the uids."""
+    and hands out sessions; :meth:`close` releases the uids. ``cancel`` (a threading.Event) set:
+    a session not started raises :class:`Cancelled`, and so does a running command, killed."""
 
-    def __init__(self, cfg: EvalConfig, slots: int):
-        self.cfg = cfg
+    def __init__(self, cfg: EvalConfig, slots: int, cancel: threading.Event | None = None):
+        self.cfg, self.cancel = cfg, cancel
         self._uid_locks: list[int] = []
         self._free: list[int | None] = [None] * slots
         self._lock = threading.Condition()
@@ -126,6 +135,11 @@ class Sandbox:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                os.close(fd)
+                continue
+            # unlocked, yet in use (another container's), or its zombies (an earlier evaluation's
+            # orphans, not collected yet) still count against its process limit
+            if _processes_of(uid, zombies=True):
                 os.close(fd)
                 continue
             self._uid_locks.append(fd)
@@ -219,6 +233,7 @@ class Sandbox:
     @contextlib.contextmanager
     def session(self):
         """A fresh temp dir and a uid slot for one program; both cleaned up on exit."""
+        self.check_cancelled()
         with self._lock:
             while not self._free:
                 self._lock.wait()
@@ -240,6 +255,10 @@ class Sandbox:
                     self._free.append(uid)
                     self._lock.notify()
 
+    def check_cancelled(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled("the run is stopping")
+
     def close(self) -> None:
         for fd in self._uid_locks:
             os.close(fd)
@@ -257,7 +276,7 @@ class Session:
 
     def run(self, argv: list[str], limits: Limits) -> Result:
         """Run ``argv`` under ``limits``, working in the session dir (use relative paths)."""
-        argv = (_prlimit(limits, self._process_limit(limits)) + self.sandbox._inside(self.root)
+        argv = (_limited(limits, self._process_limit(limits)) + self.sandbox._inside(self.root)
                 + argv)
         out_path, err_path = self.root / "stdout", self.root / "stderr"
         start = time.perf_counter()
@@ -265,14 +284,18 @@ class Session:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     cwd=self.box, env=_minimal_env(), start_new_session=True,
                                     **_as_user(self.uid))
-            try:
-                proc.wait(timeout=limits.wall_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, 9)  # the group: prlimit/bwrap and what they started
-                proc.wait()
+            deadline = start + limits.wall_s
+            try:  # in slices, so that a cancel ends it within a tenth of a second
+                while proc.poll() is None and time.perf_counter() < deadline:
+                    self.sandbox.check_cancelled()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=min(0.1, max(0.0, deadline - time.perf_counter())))
+            finally:
+                timed_out = proc.poll() is None
+                if timed_out:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, 9)  # the group: prlimit/bwrap and what they started
+                    proc.wait()
         seconds = time.perf_counter() - start
         code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
         return Result(code, timed_out, _read(out_path), _read(err_path), seconds)
@@ -295,9 +318,11 @@ def _make_writable_dirs(root: Path, uid: int | None) -> None:
             os.chown(root / name, uid, uid)
 
 
-def _prlimit(limits: Limits, processes: int) -> list[str]:
-    # CPU: soft limit sends SIGXCPU (reported as a timeout), the hard one a second later SIGKILL.
-    return ["prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
+def _limited(limits: Limits, processes: int) -> list[str]:
+    """The command prefix that puts a command first in line for the OOM killer and under
+    ``limits``. CPU: the soft limit sends SIGXCPU (reported as a timeout), the hard one a second
+    later SIGKILL."""
+    return ["choom", "-n", "1000", "--", "prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
             f"--as={limits.memory_mb << 20}", f"--fsize={limits.file_kb << 10}",
             f"--nproc={processes}", f"--nofile={limits.open_files}", "--core=0", "--"]
 
@@ -353,16 +378,32 @@ def _kill_all_of(uid: int) -> None:
         subprocess.run(["kill", "-9", "-1"], env=_minimal_env(), capture_output=True,
                        check=False, user=uid, group=uid, extra_groups=[])
         time.sleep(0.01)
+    _reap_orphans(uid)
 
 
-def _processes_of(uid: int) -> list[int]:
-    """Live processes of ``uid``. Zombies do not count: nothing runs in them, and collecting
-    their exit status is up to their parent or init (which may take a few seconds)."""
+def _reap_orphans(uid: int) -> None:
+    """Collect the exit status of ``uid``'s zombies this process is the parent of: a program's
+    orphans (and bubblewrap's own) are reparented to it when it is PID 1 (a container's entry
+    point) or a subreaper, and a zombie still counts against the uid's process limit, which
+    would leave the slot's next compile unable to fork."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or no child of this process
+            stat = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+            if entry.stat().st_uid == uid and stat[0] == "Z" and int(stat[1]) == os.getpid():
+                os.waitpid(int(entry.name), os.WNOHANG)
+
+
+def _processes_of(uid: int, zombies: bool = False) -> list[int]:
+    """Live processes of ``uid`` (with ``zombies``, its zombies too). Zombies are not waited for
+    after a session: nothing runs in them, and collecting their exit status is up to their
+    parent or init (which may take a few seconds)."""
     pids = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             with contextlib.suppress(OSError):  # exited while scanning
-                if entry.stat().st_uid == uid and not _is_zombie(entry.name):
+                if entry.stat().st_uid == uid and (zombies or not _is_zombie(entry.name)):
                     pids.append(int(entry.name))
     return pids
 
@@ -381,12 +422,17 @@ def _count_own() -> int:
     return len(_processes_of(os.getuid()))
 
 
-def uid_range() -> range:
+NOT_SANDBOX_UIDS = (65534, 65535)  # nobody, and (uint16)-1
+
+
+def uid_range() -> list[int]:
     """The uids sandboxed programs run as when xtrain runs as root: the top of the uid range
-    this process may switch to (below 2^31, as some tools read uids as signed; not 65534/65535,
-    nobody and (uint16)-1), far above any account."""
+    this process may switch to (below 2^31, as some tools read uids as signed; never
+    :data:`NOT_SANDBOX_UIDS`, which a map ending at 65536, a rootless container's, reaches), far
+    above any account."""
     top = min(2**31 - 1, _top_of_uid_map()) - 2
-    return range(top - _UID_CANDIDATES + 1, top + 1)
+    below = range(top - _UID_CANDIDATES - len(NOT_SANDBOX_UIDS) + 1, top + 1)
+    return [uid for uid in below if uid not in NOT_SANDBOX_UIDS][-_UID_CANDIDATES:]
 
 
 def _top_of_uid_map() -> int:

@@ -87,9 +87,13 @@ class CppEvalCallback(L.Callback):
     so evaluations never pile up when one takes longer than ``eval.cpp_every`` steps. Training
     also waits for the running one when it ends normally, so the last evaluation's record is
     written before the run's loggers close; when it ends by an exception (a preemption
-    included), one still generating is called off at its next token, with a warning: on a host
-    CPU a large model's generation takes minutes that a preemption notice does not give (one
-    already judging is waited for: its compiles and runs have time limits).
+    included), or a stop is requested while training waits for it, it is called off with a
+    warning: generating, at its next token; judging, its samples not judged yet skipped and its
+    running compiles and programs killed. On a host CPU a large model's generation takes
+    minutes, and judging ``eval.n`` samples of every problem can too: a preemption notice gives
+    neither. An evaluation that fails (its sandbox, the storage of its records) is a warning, and
+    training goes on: the config, the benchmark and the toolchain were checked before the first
+    step, and an evaluation is no reason to lose the steps since the last checkpoint.
     Records are written by the training thread only (the background thread hands its scores
     back), in step order with the other records of that step end."""
 
@@ -144,14 +148,18 @@ class CppEvalCallback(L.Callback):
             while pending.thread.is_alive():
                 pending.thread.join(0.1)
                 if self.stop is not None and self.stop.requested:
-                    self.stopping.set()  # its generation ends at the next token
+                    self.stopping.set()  # called off (Cancelled) within a token or 0.1 s
             waited = time.perf_counter() - t0
         self.pending = None
         if isinstance(pending.error, Cancelled):
             log.warning("C++ evaluation of step %d abandoned: the run stopped before it finished",
                         pending.step)
             return None
-        if pending.error is not None:
+        if isinstance(pending.error, Exception):
+            log.warning("C++ evaluation of step %d failed, training goes on: %s: %s",
+                        pending.step, type(pending.error).__name__, pending.error)
+            return None
+        if pending.error is not None:  # (KeyboardInterrupt, SystemExit)
             raise pending.error
         if pending.scores is None:  # its checkpoint never came
             return None
@@ -170,8 +178,7 @@ class CppEvalCallback(L.Callback):
         self.collect(wait=True)
 
     def on_exception(self, trainer, pl_module, exception):
-        # a checkpoint still awaited may never be committed now; a generation stops at its next
-        # token (judging, once started, ends within its compile and run time limits)
+        # a checkpoint still awaited may never be committed now; the evaluation is called off
         self.stopping.set()
         try:
             self.collect(wait=True)
