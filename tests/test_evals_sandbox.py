@@ -27,7 +27,9 @@ from xtrain.errors import ConfigError
 from xtrain.evals import EvalConfig, evaluate
 from xtrain.evals import sandbox as sandbox_module
 from xtrain.evals.problems import Problem
-from xtrain.evals.sandbox import Cancelled, Sandbox, uid_range
+from xtrain.evals import uids as uids_module
+from xtrain.evals.sandbox import Cancelled, Sandbox
+from xtrain.evals.uids import uid_range
 
 RUN_TIMEOUT = 2.0
 # Every header a hostile completion below needs (a completion cannot add includes: it starts
@@ -452,9 +454,9 @@ def test_a_subreapers_evaluation_reaps_the_orphans_it_is_given(mode, tmp_path):
 
 def test_uids_nobody_and_uint16_minus_one_are_never_sandbox_uids(monkeypatch):
     """A rootless container's uid map ends at 65536: the top of the range is not 65535 there."""
-    monkeypatch.setattr(sandbox_module, "_top_of_uid_map", lambda: 65536)
+    monkeypatch.setattr(uids_module, "_top_of_uid_map", lambda: 65536)
     uids = uid_range()
-    assert len(uids) == sandbox_module._UID_CANDIDATES and max(uids) == 65533
+    assert len(uids) == uids_module._UID_CANDIDATES and max(uids) == 65533
     assert not {65534, 65535} & set(uids)
 
 
@@ -472,7 +474,7 @@ def test_uid_slots_are_private_and_released():
         first.close()
         second.close()
     for uid in first._free + second._free:  # each one's lock free for the next sandbox
-        fd = os.open(sandbox_module._UID_LOCKS / str(uid), os.O_RDWR)
+        fd = os.open(uids_module._UID_LOCKS / str(uid), os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:

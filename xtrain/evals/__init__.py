@@ -25,6 +25,7 @@ The shipped benchmark is ``cpp_problems.jsonl`` beside this file; ``eval.cpp_fil
 file of the same format (a local path or ``gs://...``). Modules: ``config`` (checks of the ``eval``
 section beyond its schema, xtrain/config/evaluation.py), ``problems`` (load and validate),
 ``stop`` (cut a continuation at the function's end), ``sandbox`` (isolated compile and run),
+``uids`` (the sandbox's private uids when run as root),
 ``harness`` (parallel judging, scores, records), ``completions`` (the model's samples).
 """
 

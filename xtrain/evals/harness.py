@@ -40,7 +40,7 @@ from xtrain.errors import ConfigError
 from xtrain.evals import stop
 from xtrain.evals.config import EvalConfig, check
 from xtrain.evals.problems import DIFFICULTIES, Problem, load_problems
-from xtrain.evals.sandbox import Cancelled, Result, Sandbox, Session, limits_for
+from xtrain.evals.sandbox import Result, Sandbox, Session, limits_for
 
 OUTCOMES = ("compile_error", "timeout", "runtime_error", "wrong_answer", "passed")
 Generate = Callable[[list[str], int], list[list[str]]]
@@ -148,7 +148,7 @@ def evaluate(problems: Sequence[Problem], completions: Mapping[str, Sequence[str
              cancel: threading.Event | None = None) -> tuple[dict, list[dict]]:
     """Compile and test every completion (already cut); return the scores and one record per
     sample, also written as JSONL to ``records_path`` (any fsspec URL) when given. ``cancel``
-    set (the run is stopping) raises :class:`Cancelled` within a tenth of a second: the
+    set (the run is stopping) raises xtrain.evals.sandbox.Cancelled within a tenth of a second: the
     samples not judged yet are skipped, the running compiles and programs killed."""
     check(cfg)
     missing = [p.id for p in problems if not completions.get(p.id)]

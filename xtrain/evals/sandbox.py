@@ -44,7 +44,6 @@ only an explicit ``eval.sandbox=rlimits`` runs it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import math
 import os
 import shutil
@@ -57,13 +56,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xtrain.errors import ConfigError
+from xtrain.evals import uids
 from xtrain.evals.config import EvalConfig
 
 INSTALL = "sudo apt-get install bubblewrap"
 # no user namespace of its own for the program (a nested one would open more of the kernel to it)
 NO_USERNS = ("--unshare-user", "--disable-userns")
-_UID_LOCKS = Path("/run" if os.path.isdir("/run") else tempfile.gettempdir()) / "xtrain-sandbox-uids"
-_UID_CANDIDATES = 4096  # uids tried below the top of this namespace's uid range
 _warned: list[list[str]] = []
 
 
@@ -113,7 +111,7 @@ class Sandbox:
         self.mode = "bwrap"  # until the probe says otherwise
         try:
             if os.geteuid() == 0:
-                self._free = self._claim_uids(slots)
+                self._free = uids.claim(slots, self._uid_locks)
             self.mode = self._choose_mode()
         except BaseException:
             self.close()
@@ -122,31 +120,6 @@ class Sandbox:
             _warned.append(self.missing)
             print(f"xtrain: warning: C++ eval sandbox without bubblewrap: "
                   f"{'; '.join(self.missing)}", file=sys.stderr, flush=True)
-
-    def _claim_uids(self, count: int) -> list[int | None]:
-        """``count`` uids of :func:`uid_range` no other sandbox holds, each locked (a lock file)
-        for this sandbox's lifetime."""
-        _UID_LOCKS.mkdir(mode=0o755, exist_ok=True)
-        if _UID_LOCKS.is_symlink() or _UID_LOCKS.stat().st_uid != 0:  # /tmp is world-writable
-            raise RuntimeError(f"C++ sandbox: {_UID_LOCKS} is not a directory owned by root")
-        uids = []
-        for uid in reversed(uid_range()):
-            fd = os.open(_UID_LOCKS / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            # unlocked, yet in use (another container's), or its zombies (an earlier evaluation's
-            # orphans, not collected yet) still count against its process limit
-            if _processes_of(uid, zombies=True):
-                os.close(fd)
-                continue
-            self._uid_locks.append(fd)
-            uids.append(uid)
-            if len(uids) == count:
-                return uids
-        raise RuntimeError(f"C++ sandbox: all {_UID_CANDIDATES} sandbox uids are in use")
 
     def _choose_mode(self) -> str:
         root = os.geteuid() == 0
@@ -247,7 +220,7 @@ class Sandbox:
         finally:
             try:
                 if uid is not None:
-                    _kill_all_of(uid)
+                    uids.kill_all_of(uid)
                 if root is not None:
                     _remove(root)
             finally:
@@ -303,7 +276,7 @@ class Session:
     def _process_limit(self, limits: Limits) -> int:
         # A private uid counts only this session's processes. Without root the uid is shared
         # with everything else the account runs, so the limit is on top of those.
-        return limits.processes if self.uid is not None else limits.processes + _count_own()
+        return limits.processes if self.uid is not None else limits.processes + uids.count_own()
 
 
 # A session dir's dirs the program may write, and where bubblewrap shows them (the fallback
@@ -334,8 +307,7 @@ def _as_user(uid: int | None) -> dict:
 
 
 def _minimal_env() -> dict[str, str]:
-    # Nothing of this process's environment (tokens, keys) reaches the sandbox.
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+    return dict(uids.MINIMAL_ENV)
 
 
 def _remove(root: Path) -> None:
@@ -360,86 +332,3 @@ def _read(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def _kill_all_of(uid: int) -> None:
-    """SIGKILL every process of ``uid`` (kill(-1) from that uid reaches exactly its own) and wait
-    until they are gone: dying takes a while for dozens of busy processes on two cores, and the
-    slot's next program must not find its process count used up."""
-    # kill(-1) from root would kill every process on the machine: only ever as a sandbox uid
-    # (subprocess exits before exec when the switch to `uid` fails).
-    if not isinstance(uid, int) or uid <= 0:
-        raise ValueError(f"refusing to kill all processes of uid {uid!r}")
-    deadline = time.monotonic() + 10
-    while _processes_of(uid):  # usually none: bubblewrap's PID namespace died with the program
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"C++ sandbox: processes of uid {uid} survive SIGKILL for 10 s")
-        # procps kill: `kill -9 -1` is its documented "kill all processes you can kill" (it
-        # rejects `--` before -1). user= is spelled out here, not taken from _as_user: this
-        # call must never run as root.
-        subprocess.run(["kill", "-9", "-1"], env=_minimal_env(), capture_output=True,
-                       check=False, user=uid, group=uid, extra_groups=[])
-        time.sleep(0.01)
-    _reap_orphans(uid)
-
-
-def _reap_orphans(uid: int) -> None:
-    """Collect the exit status of ``uid``'s zombies this process is the parent of: a program's
-    orphans (and bubblewrap's own) are reparented to it when it is PID 1 (a container's entry
-    point) or a subreaper, and a zombie still counts against the uid's process limit, which
-    would leave the slot's next compile unable to fork."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):  # gone meanwhile, or no child of this process
-            stat = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
-            if entry.stat().st_uid == uid and stat[0] == "Z" and int(stat[1]) == os.getpid():
-                os.waitpid(int(entry.name), os.WNOHANG)
-
-
-def _processes_of(uid: int, zombies: bool = False) -> list[int]:
-    """Live processes of ``uid`` (with ``zombies``, its zombies too). Zombies are not waited for
-    after a session: nothing runs in them, and collecting their exit status is up to their
-    parent or init (which may take a few seconds)."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):  # exited while scanning
-                if entry.stat().st_uid == uid and (zombies or not _is_zombie(entry.name)):
-                    pids.append(int(entry.name))
-    return pids
-
-
-def _is_zombie(pid: str) -> bool:
-    """Whether every thread of ``pid`` is dead: a process whose leader thread exited shows the
-    leader's state (Z) while its other threads may run on."""
-    for task in os.listdir(f"/proc/{pid}/task"):
-        stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-            return False
-    return True
-
-
-def _count_own() -> int:
-    return len(_processes_of(os.getuid()))
-
-
-NOT_SANDBOX_UIDS = (65534, 65535)  # nobody, and (uint16)-1
-
-
-def uid_range() -> list[int]:
-    """The uids sandboxed programs run as when xtrain runs as root: the top of the uid range
-    this process may switch to (below 2^31, as some tools read uids as signed; never
-    :data:`NOT_SANDBOX_UIDS`, which a map ending at 65536, a rootless container's, reaches), far
-    above any account."""
-    top = min(2**31 - 1, _top_of_uid_map()) - 2
-    below = range(top - _UID_CANDIDATES - len(NOT_SANDBOX_UIDS) + 1, top + 1)
-    return [uid for uid in below if uid not in NOT_SANDBOX_UIDS][-_UID_CANDIDATES:]
-
-
-def _top_of_uid_map() -> int:
-    """The highest uid this process can switch to (its user namespace's mapped range)."""
-    top = 65533
-    with contextlib.suppress(OSError), open("/proc/self/uid_map") as f:
-        for line in f:
-            inside, _, length = (int(x) for x in line.split())
-            top = max(top, inside + length - 1)
-    return top
