@@ -41,6 +41,18 @@ def xtrain_cache(tmp_path_factory):
     return path
 
 
+@pytest.fixture(autouse=True)
+def secret_names_restored():
+    """A launch run in-process declares the secrets it forwards in this process's environment
+    (xtrain/config/secrets.py declare_secret_names): gone again after each test."""
+    before = os.environ.get("XTRAIN_SECRET_NAMES")
+    yield
+    if before is None:
+        os.environ.pop("XTRAIN_SECRET_NAMES", None)
+    else:
+        os.environ["XTRAIN_SECRET_NAMES"] = before
+
+
 # JAX in the test process runs on CPU only (Pallas interpret mode). Left to itself it would also
 # initialise libtpu (installed by the tpu extra), which arms a SIGPROF timer that later kills the
 # process. Work that needs libtpu runs in a child process.

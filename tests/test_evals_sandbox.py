@@ -460,6 +460,18 @@ def test_uids_nobody_and_uint16_minus_one_are_never_sandbox_uids(monkeypatch):
     assert not {65534, 65535} & set(uids)
 
 
+def test_uid_locks_go_to_the_temp_dir_where_run_is_read_only(monkeypatch, tmp_path):
+    """A container with a read-only root has no writable /run; its temp dir still takes them.
+    (Root writes through file modes: a /run that cannot take the dir is one that does not exist.)"""
+    if os.geteuid() != 0:
+        pytest.skip("uid slots are only claimed when xtrain runs as root")
+    monkeypatch.setattr(uids_module, "_LOCK_DIRS", (tmp_path / "no-run", tmp_path))
+    assert uids_module.lock_dir() == tmp_path / uids_module.LOCKS_NAME
+    box = Sandbox(EvalConfig(), 1)
+    box.close()
+    assert str(box._free[0]) in [p.name for p in (tmp_path / uids_module.LOCKS_NAME).iterdir()]
+
+
 def test_uid_slots_are_private_and_released():
     """Two sandboxes (two evaluations at once) never share a uid; closing releases them."""
     if os.geteuid() != 0:
@@ -474,7 +486,7 @@ def test_uid_slots_are_private_and_released():
         first.close()
         second.close()
     for uid in first._free + second._free:  # each one's lock free for the next sandbox
-        fd = os.open(uids_module._UID_LOCKS / str(uid), os.O_RDWR)
+        fd = os.open(uids_module.lock_dir() / str(uid), os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:

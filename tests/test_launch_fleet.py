@@ -466,8 +466,20 @@ def test_a_vm_takes_the_job_already_on_it_first_and_leaving_keeps_its_reason():
     queue = JobQueue(3, placed={2: "vm-a"}, vms=2)
     assert queue.take("vm-a") == 2  # jobs 0 and 1 would find vm-a busy with job 2
     assert queue.take("vm-a") == 0
-    assert queue.leave("vm-b", "TPU vm-b: it is PREEMPTED") == []
+    assert queue.leave("vm-b", "TPU vm-b: it is PREEMPTED") == ([], [])
     assert queue.reasons == ["TPU vm-b: it is PREEMPTED"]
+
+
+@pytest.mark.parametrize("up", [True, False])
+def test_a_vm_that_leaves_up_keeps_the_jobs_placed_on_it_from_the_others(up):
+    """Left up (a notice, a refusal), a VM still holds the checkpoints (or the run) of the jobs
+    placed on it: no other VM may run them (from step 0, or a second time). Left down
+    (preempted), its disk is gone: any VM runs them."""
+    queue = JobQueue(3, placed={1: "vm-a"}, vms=2)
+    assert queue.take("vm-b") == 0
+    assert queue.leave("vm-a", "TPU vm-a: it refused", up=up) == (([1], []) if up else ([], []))
+    queue.finish(0)
+    assert queue.take("vm-b") == (2 if up else 1)
 
 
 def test_the_queue_gives_requeued_jobs_first_and_placed_jobs_to_their_vm():
@@ -482,7 +494,7 @@ def test_the_queue_gives_requeued_jobs_first_and_placed_jobs_to_their_vm():
     waiter.start()
     time.sleep(0.2)
     assert waiter.is_alive()  # jobs are in flight and may come back: vm-a waits
-    assert queue.leave("vm-b") == []  # vm-a is still there
+    assert queue.leave("vm-b") == ([], [])  # vm-a is still there
     for job in (1, 2, 0):
         queue.finish(job)
     waiter.join(5)
@@ -490,7 +502,7 @@ def test_the_queue_gives_requeued_jobs_first_and_placed_jobs_to_their_vm():
     lonely = JobQueue(2, {}, vms=1)
     assert lonely.take("vm-a") == 0
     lonely.finish(0, requeue=True)
-    assert lonely.leave("vm-a") == [0, 1]  # nobody is left to run them
+    assert lonely.leave("vm-a") == ([], [0, 1])  # nobody is left to run them
 
 
 def test_the_summary_table_shows_every_job():

@@ -233,14 +233,12 @@ def test_a_gcloud_that_cannot_say_whether_maintenance_is_announced_is_not_waited
                         "not waited for"]
 
 
-@pytest.mark.parametrize("checkpoint_dir", ["gs://bucket/ckpt", None])
-def test_a_pool_vm_waits_out_its_maintenance_and_only_a_job_with_checkpoints_on_it_waits_too(
-        gcloud, tmp_path, v6e4, monkeypatch, checkpoint_dir):
-    """In a pool with recreate the noticed VM takes no job until gcloud no longer shows its
-    maintenance, or until no job is left (maintenance_wait_s bounds it). The noticed job goes
-    back to the queue at once: with its checkpoints in a bucket, for another VM (the pool ends
-    with that VM's run, not with the wait); with them on the noticed VM's disk, for that VM only
-    (elsewhere it would train from step 0), which runs it again after its wait."""
+def test_a_pool_vm_waits_out_its_maintenance_while_another_takes_the_job(
+        gcloud, tmp_path, v6e4, monkeypatch):
+    """In a pool with recreate (checkpoints in a bucket, as recreate needs) the noticed job goes
+    back to the queue at once, for another VM, while the noticed VM takes no job until gcloud no
+    longer shows its maintenance, or until no job is left (here: the pool ends with the other
+    VM's run, not with the hour's window)."""
     nodes = {name: tpu_node(name, ZONE, "v6e-4", [(host, host)])
              for name, host in (("vm-a", HOSTS[0]), ("vm-b", HOSTS[1]))}
     for node in nodes.values():
@@ -257,27 +255,21 @@ def test_a_pool_vm_waits_out_its_maintenance_and_only_a_job_with_checkpoints_on_
         return NOTICE
 
     monkeypatch.setattr(fleet, "launch_job", launch)
-    wait_s = 40 if checkpoint_dir else 3  # the bound of a wait for an hour's window
-    cfg = fleet_cfg(tmp_path, tpu=None, pool=["vm-a", "vm-b"], maintenance_wait_s=wait_s)
+    # maintenance_wait_s bounds a wait that would outlast the pool's jobs: 40 s, not 6 h
+    cfg = fleet_cfg(tmp_path, tpu=None, pool=["vm-a", "vm-b"], maintenance_wait_s=40)
     messages = []
     t0 = time.monotonic()
     (outcome,) = pool.run_pool([fleet.Job(cfg, v6e4, [], "run", str(tmp_path / "job"),
-                                          checkpoint_dir=checkpoint_dir)], log=messages.append)
-    took = time.monotonic() - t0
+                                          checkpoint_dir="gs://bucket/ckpt")], log=messages.append)
+    assert time.monotonic() - t0 < 30
     assert (outcome.state, outcome.history.count, outcome.result["step"]) == ("finished", 1, 40)
-    noticed = ran_on[0]
-    assert any(m.startswith(f"[{noticed}] fleet: TPU {noticed} announces maintenance")
+    assert ran_on[0] != ran_on[1]
+    assert any(m.startswith(f"[{ran_on[0]}] fleet: TPU {ran_on[0]} announces maintenance")
                for m in messages), messages
-    if checkpoint_dir:
-        assert took < 30
-        assert ran_on[1] != noticed
-    else:
-        assert took >= wait_s
-        assert ran_on == [noticed, noticed]
 
 
-@pytest.mark.parametrize("checkpoint_dir", ["gs://bucket/ckpt", None])
-@pytest.mark.parametrize("recreate", [True, False])
+@pytest.mark.parametrize("recreate, checkpoint_dir", [(True, "gs://bucket/ckpt"),
+                                                      (False, "gs://bucket/ckpt"), (False, None)])
 def test_a_pool_job_stopped_for_a_notice_runs_again(gcloud, tmp_path, v6e4, monkeypatch,
                                                     recreate, checkpoint_dir):
     """In a pool the job goes back to the queue: to the same VM with ``recreate`` (nothing to
@@ -302,7 +294,7 @@ def test_a_pool_job_stopped_for_a_notice_runs_again(gcloud, tmp_path, v6e4, monk
                                           checkpoint_dir=checkpoint_dir)], log=messages.append)
     assert changes(gcloud) == []
     noticed = ran_on[0]
-    if recreate or checkpoint_dir:
+    if checkpoint_dir:
         assert (outcome.state, outcome.history.count, outcome.result["step"]) == (
             "finished", 1, 40)
         assert ran_on[1] == noticed if recreate else ran_on[1] != noticed
@@ -310,11 +302,37 @@ def test_a_pool_job_stopped_for_a_notice_runs_again(gcloud, tmp_path, v6e4, monk
         assert (outcome.state, outcome.history.count) == ("stopped", 0)
         assert (outcome.result["stopped_for"], outcome.result["step"]) == ("notice", 12)
         assert ran_on == [noticed]
-        assert any(m.startswith(f"[{noticed}] fleet: ") and "checkpoints are on this VM's disk; "
+        assert any(m.startswith(f"[{noticed}] fleet: ") and "checkpoints are on this VM's disk: "
                    "run the same command to resume it here" in m for m in messages), messages
     if not recreate:
         assert (f"[{noticed}] fleet: TPU {noticed} leaves the pool: it is still READY after the "
                 "job's GCE notice") in messages
+
+
+def test_jobs_whose_checkpoints_are_on_a_noticed_vm_are_not_run_elsewhere(gcloud, tmp_path, v6e4,
+                                                                         monkeypatch):
+    """Two jobs ran on vm-a before, their checkpoints on its disk (locate places both there); the
+    first stops for a notice and vm-a leaves the pool, still up: the second is not started on
+    vm-b from step 0, it fails naming vm-a, for the same command once vm-a takes jobs again."""
+    for name, host in (("vm-a", HOSTS[0]), ("vm-b", HOSTS[1])):
+        gcloud.add(tpu_node(name, ZONE, "v6e-4", [(host, host)]))
+    monkeypatch.setattr(fleet, "VM_DOWN_WAIT_S", 0.0)
+    monkeypatch.setattr(pool, "locate", lambda *args, **kwargs: {0: "vm-a", 1: "vm-a"})
+    ran_on = []
+
+    def launch(cfg, *args, **kwargs):
+        ran_on.append(cfg.tpu)
+        return NOTICE
+
+    monkeypatch.setattr(fleet, "launch_job", launch)
+    cfg = fleet_cfg(tmp_path, tpu=None, pool=["vm-a", "vm-b"], recreate=False)
+    jobs = [fleet.Job(cfg, v6e4, [], name, str(tmp_path / name)) for name in ("run0", "run1")]
+    first, second = pool.run_pool(jobs, log=print)
+    assert ran_on == ["vm-a"]
+    assert (first.state, second.state) == ("stopped", "failed")
+    assert str(second.error).startswith(
+        "job run1: not run: it runs on TPU vm-a, or its checkpoints are on that VM's disk, and "
+        "TPU vm-a left the pool (it is still READY after the job's GCE notice"), second.error
 
 
 def test_a_jobs_result_says_why_only_this_attempt_stopped(tmp_path):

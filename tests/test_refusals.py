@@ -458,11 +458,16 @@ def test_a_secret_on_the_command_line_is_refused_before_hydra_writes_anything(tm
     check_no_secret_overrides(["hardware.env={HF_HUB_DISABLE_IMPLICIT_TOKEN: '1', XLA_FLAGS: x}",
                                "hardware.env={X: {HF_HUB_DISABLE_IMPLICIT_TOKEN: '1'}}",
                                "+hardware.env.HF_TOKEN=${oc.env:HF_TOKEN}"])
+    # (and reading a secret into a secret-named key, as the refusals advise: Hydra records the
+    # override's text under hydra.overrides, where it is judged by its own key)
     r = subprocess.run([sys.executable, "-m", "xtrain", "hardware=v6e4", "mode=plan",
                         "+hardware.env.HF_HUB_DISABLE_IMPLICIT_TOKEN=1",
-                        "+hardware.env.GOOGLE_APPLICATION_CREDENTIALS=/home/me/service-account.json"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                        "+hardware.env.GOOGLE_APPLICATION_CREDENTIALS=/home/me/service-account.json",
+                        "+hardware.env.HF_TOKEN=${oc.env:HF_TOKEN}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "HF_TOKEN": value})
     assert r.returncode == 0, r.stderr[-3000:]
+    assert value not in r.stdout + r.stderr
 
 
 def test_a_secret_variable_read_into_a_field_not_named_secret_is_refused(tmp_path, monkeypatch):

@@ -275,7 +275,8 @@ def test_values_of_a_secrets_form_are_masked_whatever_their_keys():
               "env": {"GH_LOGIN": github, "NOTE": f"made with {hf}"}, "aws": "AKIA" + "Q7" * 8,
               "keep": ["https://pypi.org/simple", "gs://bucket/runs", "git@github.com:o/r.git",
                        "hf_hub", "ghp_short", "sk-learn", "step_000020",
-                       "ssh://git@github.com/o/r.git", "https://alice2024@example.com/x"]}
+                       "ssh://git@github.com/o/r.git", "https://alice2024@example.com/x",
+                       "postgres://analytics_reader_01@db/x", "https://analytics_reader_01@x"]}
     assert mask_secrets(config, environ={}) == {
         "pip_args": ["--index-url=https://***@pypi.example.com/simple",
                      "--extra-index-url=https://***@pypi.fury.io/alice/"],

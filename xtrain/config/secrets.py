@@ -17,11 +17,12 @@ from xtrain.errors import ConfigError
 SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential",
                 "credentials", "auth", "pat"}
 # Values that are secrets whatever their key: a URL's [user]:password@ (a private package index's
-# token; the user may be an interpolation, read around), a URL's user alone when it is a token
-# (16 or more characters, letters and digits mixed: Gemfury's https://TOKEN@pypi.fury.io/...,
-# git+https://TOKEN@github.com/...), and the fixed formats of GitHub, Hugging Face, OpenAI-style
-# and AWS access keys.
-SECRET_VALUE = re.compile(r"://[^/\s:@]*:[^/\s@]+@|://(?=[^/\s:@]*\d)(?=[^/\s:@]*[A-Za-z])[\w.~-]{16,}@"
+# token; the user may be an interpolation, read around), an http(s) URL's user alone when it is
+# a token (16 or more letters and digits, both mixed: Gemfury's https://TOKEN@pypi.fury.io/...,
+# git+https://TOKEN@github.com/...; not a name such as postgres://reader_01@), and the fixed
+# formats of GitHub, Hugging Face, OpenAI-style and AWS access keys.
+SECRET_VALUE = re.compile(r"://[^/\s:@]*:[^/\s@]+@"
+                          r"|(?:(?<=https)|(?<=http))://(?=[A-Za-z0-9]*\d)(?=[A-Za-z0-9]*[A-Za-z])[A-Za-z0-9]{16,}@"
                           r"|\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}"
                           r"|hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{30,}|AKIA[0-9A-Z]{16})\b")
 
@@ -217,7 +218,7 @@ def secret_in_text(text: str, known=frozenset()) -> str | None:
     if PRIVATE_KEY.search(text):
         return "a private key"
     if has_secret_value(text):
-        return "a value of a secret's form (an access token, a URL's user:password@)"
+        return "a value of a secret's form (an access token, a URL's user:password@ or token@)"
     assigned = next(_assigned_secrets(text), None)
     if assigned:
         return f"{assigned[0]} a literal"
@@ -333,6 +334,9 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
 
 INTERPOLATION = re.compile(r"\$\{[^${}]*\}")
 ENV_READ = re.compile(r"\$\{oc\.env:\s*['\"]?([A-Za-z_]\w*)")  # (the variable an interpolation reads)
+# Hydra's records of the command line: ``key=value`` strings, each judged by its own key
+# (:func:`check_no_secret_overrides`), not by the record's
+COMMAND_LINE_RECORDS = ("hydra.overrides.", "hydra.job.override_dirname")
 
 
 def _secret_values(node, path: str, name: str, known: set[str]) -> list[tuple[str, str, str]]:
@@ -354,7 +358,8 @@ def _secret_values(node, path: str, name: str, known: set[str]) -> list[tuple[st
     while INTERPOLATION.search(literal):
         literal = INTERPOLATION.sub("", literal)
     by_name = literal == node and is_secret_name(name) and may_be_secret(node, name)
-    reads_secret = not is_secret_name(name) and any(map(is_secret_variable, ENV_READ.findall(node)))
+    reads_secret = (not is_secret_name(name) and not path.startswith(COMMAND_LINE_RECORDS)
+                    and any(map(is_secret_variable, ENV_READ.findall(node))))
     if by_name or reads_secret or has_secret_value(literal) or any(secret in node for secret in known):
         return [(path, name, node)]
     return []

@@ -116,11 +116,13 @@ def _check_references(problems: Sequence[Problem], cfg: EvalConfig) -> None:
     failed = [r for r in records if r["outcome"] != "passed"]
     if failed:
         first = failed[0]
-        said = (first["compiler_message"] if not first["compiled"] else first["test_output"])
+        said = (first["test_output"] if first["compiled"] else
+                "\n".join(ln for ln in first["compiler_message"].splitlines() if "error" in ln))
+        exit_code = "" if first["exit_code"] is None else f", exit code {first['exit_code']}"
         raise ConfigError(
             f"eval.cpp_file={cfg.cpp_file}: the reference of {len(failed)} problem(s) does not "
             f"pass its own tests, so no sample could ({', '.join(r['id'] for r in failed[:5])}); "
-            f"{first['id']!r}: {first['outcome']}, exit code {first['exit_code']}"
+            f"{first['id']!r}: {first['outcome']}{exit_code}"
             + (f": {said.strip().splitlines()[0][:200]}" if said.strip() else ""))
 
 

@@ -12,8 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# one place for the machine, whatever TMPDIR each process has
-_UID_LOCKS = Path("/run" if os.path.isdir("/run") else tempfile.gettempdir()) / "xtrain-sandbox-uids"
+# one place for the machine, whatever TMPDIR each process has; the temp dir where /run is
+# read-only (a container's read-only root)
+_LOCK_DIRS = (Path("/run"), Path(tempfile.gettempdir()))
+LOCKS_NAME = "xtrain-sandbox-uids"
 _UID_CANDIDATES = 4096  # uids tried below the top of this namespace's uid range
 # Nothing of this process's environment (tokens, keys) reaches a sandbox's command.
 MINIMAL_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -22,12 +24,10 @@ MINIMAL_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 def claim(count: int, locks: list[int]) -> list[int | None]:
     """``count`` uids of :func:`uid_range` no other sandbox holds, each locked (a lock file whose
     descriptor goes to ``locks``, for the caller to close when it releases them)."""
-    _UID_LOCKS.mkdir(mode=0o755, exist_ok=True)
-    if _UID_LOCKS.is_symlink() or _UID_LOCKS.stat().st_uid != 0:  # /tmp is world-writable
-        raise RuntimeError(f"C++ sandbox: {_UID_LOCKS} is not a directory owned by root")
+    directory = lock_dir()
     uids = []
     for uid in reversed(uid_range()):
-        fd = os.open(_UID_LOCKS / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
+        fd = os.open(directory / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -43,6 +43,22 @@ def claim(count: int, locks: list[int]) -> list[int | None]:
         if len(uids) == count:
             return uids
     raise RuntimeError(f"C++ sandbox: all {_UID_CANDIDATES} sandbox uids are in use")
+
+
+def lock_dir() -> Path:
+    """The dir of the uids' lock files, made if missing: the first of :data:`_LOCK_DIRS` that
+    takes it."""
+    for parent in _LOCK_DIRS:
+        directory = parent / LOCKS_NAME
+        try:
+            directory.mkdir(mode=0o755, exist_ok=True)
+        except OSError:  # read-only, or no such parent
+            continue
+        if directory.is_symlink() or directory.stat().st_uid != 0:  # /tmp is world-writable
+            raise RuntimeError(f"C++ sandbox: {directory} is not a directory owned by root")
+        return directory
+    raise RuntimeError(f"C++ sandbox: no writable dir for its uids' locks "
+                       f"({', '.join(str(p) for p in _LOCK_DIRS)})")
 
 
 def kill_all_of(uid: int) -> None:

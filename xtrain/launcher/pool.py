@@ -6,15 +6,16 @@ queue: to another VM, or to the same one once it is recreated (``recreate=true``
 ``recreate`` the preempted VM leaves the pool. A job that stopped for its VM's GCE notice while
 the VM stayed up (fleet.NoticeStop) is handled the same way, the VM needing no recreation (with
 ``recreate`` it takes no job while gcloud shows its maintenance: Vm.wait_out_maintenance),
-except that a job with its checkpoints on that VM's disk goes back to that VM only; without
-``recreate`` it ends stopped, for the same command to resume it there. A VM
+except that a job with its checkpoints on that VM's disk (no ``recreate`` then) ends stopped,
+for the same command to resume it there. A VM
 that refuses a job before starting it (another job or program holds it, unreachable, a failed
 setup) leaves the pool too, and the job goes back to the queue for another VM; once every VM has
 left, the jobs not run fail, naming why each VM left. A job still running on one of the VMs
 from an earlier launch of the same sweep (the local side was gone), or ended there unwatched, is
 reattached there (its end reported), never started a second time elsewhere; a job that ran on a
-VM before with its checkpoints on that VM's disk runs there again. Each job keeps its own Hydra
-job dir; the end is a summary table.
+VM before with its checkpoints on that VM's disk runs there again. Such jobs fail, naming the VM,
+when it leaves the pool up (a notice, a refusal); a VM lost with its disk (preempted) frees them
+for any VM. Each job keeps its own Hydra job dir; the end is a summary table.
 """
 
 from __future__ import annotations
@@ -81,29 +82,31 @@ class JobQueue:
         with self.cond:
             return not self.pending and not self.in_flight
 
-    def finish(self, i: int, requeue: bool = False, pin: str | None = None) -> None:
-        """Job ``i`` is off its VM; ``requeue``: it runs again first, on VM ``pin`` only if
-        given (until that VM leaves)."""
+    def finish(self, i: int, requeue: bool = False) -> None:
         with self.cond:
             self.in_flight -= 1
             if requeue:
                 self.pending.appendleft(i)
-                if pin is not None:
-                    self.placed[i] = pin
             self.cond.notify_all()
 
-    def leave(self, vm: str, reason: str = "") -> list[int]:
-        """``vm`` leaves the pool (``reason`` is kept in ``reasons``); returns the jobs nobody is
-        left to run (it was the last)."""
+    def leave(self, vm: str, reason: str = "", up: bool = False) -> tuple[list[int], list[int]]:
+        """``vm`` leaves the pool (``reason`` is kept in ``reasons``); returns (the jobs placed on
+        it that no other VM may run, as it leaves ``up``: running there, or with their
+        checkpoints on its disk; the jobs nobody is left to run, as it was the last). Leaving
+        down (preempted), its disk goes and the jobs placed on it may run anywhere."""
         with self.cond:
             self.alive -= 1
             self.reasons.append(reason or vm)
+            mine = [i for i, v in self.placed.items() if v == vm]
             self.placed = {i: v for i, v in self.placed.items() if v != vm}
+            stranded = [i for i in self.pending if i in mine] if up else []
+            for i in stranded:
+                self.pending.remove(i)
             orphans = list(self.pending) if self.alive == 0 else []
             if orphans:
                 self.pending.clear()
             self.cond.notify_all()
-            return orphans
+            return stranded, orphans
 
 
 def run_pool(jobs: list[Job], log=say) -> list[Outcome]:
@@ -141,20 +144,19 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
             why = f"it is {state}"
         except VmLost as lost:  # a NoticeStop too: the job goes back to the queue
             why, noticed = f"it {lost.why}", isinstance(lost, NoticeStop)
-            if noticed and job.checkpoints_on_vm and not vm.cfg.recreate:
-                out.result = lost.result  # elsewhere it would train from step 0 again
+            # (checkpoints on the VM mean no recreate: fleet.check_recreate wants gs://)
+            if noticed and job.checkpoints_on_vm:  # elsewhere it would train from step 0 again
+                out.result = lost.result
                 vm.log(f"fleet: {lost}: job {job.run_name} stopped for its notice, and its "
-                       "checkpoints are on this VM's disk; run the same command to resume it "
-                       "here (hydra.launcher.recreate=true waits for the VM unattended)")
+                       "checkpoints are on this VM's disk: run the same command to resume it here")
                 queue.finish(i)
-            else:  # after a notice the VM stayed up: the job's checkpoints on its disk wait
-                pin = vm.name if noticed and job.checkpoints_on_vm else None
-                queue.finish(i, requeue=_survives(vm, job, out, lost), pin=pin)
+            else:
+                queue.finish(i, requeue=_survives(vm, job, out, lost))
         except VmUnavailable as e:  # not the job's failure: recreating would not help either
             out.vm = ran_on  # it never ran here
             queue.finish(i, requeue=True)
             _leave(vm, jobs, queue, outcomes, f"it refused job {job.run_name} before starting "
-                                              f"it: {e}")
+                                              f"it: {e}", up=True)
             return
         except Exception as e:  # noqa: BLE001  (the job's own failure, the VM is READY: go on)
             out.error = e
@@ -166,15 +168,22 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
             why = _restore(vm, out.history)
             if why is None:
                 continue
-        _leave(vm, jobs, queue, outcomes, why)
+        _leave(vm, jobs, queue, outcomes, why, up=noticed and not vm.cfg.recreate)
         return
 
 
-def _leave(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome], why: str) -> None:
-    """Say once that ``vm`` leaves the pool, and why; if it was the last, the jobs not run fail
-    with every VM's reason."""
+def _leave(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome], why: str,
+           up: bool = False) -> None:
+    """Say once that ``vm`` leaves the pool, and why. Leaving ``up`` (a notice, a refusal), the
+    jobs placed on it fail, naming it: on another VM they would train from step 0 (or run twice);
+    if it was the last, the jobs not run fail with every VM's reason."""
     vm.log(f"fleet: {vm} leaves the pool: {why}")
-    for orphan in queue.leave(vm.name, f"{vm}: {why}"):
+    stranded, orphans = queue.leave(vm.name, f"{vm}: {why}", up)
+    for i in stranded:
+        outcomes[i].error = LaunchError(
+            f"job {jobs[i].run_name}: not run: it runs on {vm}, or its checkpoints are on that "
+            f"VM's disk, and {vm} left the pool ({why}): run the same command once it takes jobs")
+    for orphan in orphans:
         outcomes[orphan].error = LaunchError(f"job {jobs[orphan].run_name}: no VM of the pool is "
                                              "left to run it: " + "; ".join(queue.reasons))
 

@@ -84,7 +84,10 @@ def git_remote_url(root: Path) -> str | None:
         url = _git(root, "remote", "get-url", "origin").strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    parts = urlsplit(url)  # (git@host:path, scp-like, has no netloc and no password to drop)
+    try:
+        parts = urlsplit(url)  # (git@host:path, scp-like, has no netloc and no password to drop)
+    except ValueError:  # malformed (an unclosed IPv6 bracket): nothing W&B could record either
+        return None
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])) if parts.netloc else url
 
 
