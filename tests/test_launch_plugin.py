@@ -330,6 +330,8 @@ def test_a_secret_a_launch_forwards_or_written_in_utf16_is_not_synced(tmp_path, 
     (root / "setup_env.sh").unlink()
     index = "https://ci:" + "pw4ever@pypi.example.com/simple"  # (a secret by its form alone)
     for name, data in (("win.ps1", f"pip install --index-url {index} x\r\n".encode("utf-16")),
+                       ("wide.txt", f"pip install --index-url {index} x\n".encode("utf-32")),
+                       ("wide.bin", b"\0\1" + login.encode("utf-32-le")),
                        ("dump.bin", b"\0\1" + login.encode("utf-16-le") + b"\0"),
                        ("blob.bin", b"\0\2" + login.encode() + b"\0")):
         (root / name).write_bytes(data)

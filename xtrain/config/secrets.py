@@ -231,15 +231,17 @@ KNOWN_SECRET = "the value of a secret environment variable or of a W&B key store
 
 
 def secret_in_file(data: bytes, known=frozenset()) -> str | None:
-    """:func:`secret_in_text` of a file's bytes: UTF-8 text, or UTF-16 with its byte-order mark
-    (PowerShell 5 writes it); in any other file holding a NUL byte (binary, or UTF-16 without
-    the mark) only ``known`` values are looked for, in UTF-8 and in UTF-16."""
-    if data[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
-        return secret_in_text(data.decode("utf-16", errors="replace"), known)
+    """:func:`secret_in_text` of a file's bytes: UTF-8 text, or UTF-16 or UTF-32 with its
+    byte-order mark (PowerShell 5 writes UTF-16); in any other file holding a NUL byte (binary,
+    or such text without the mark) only ``known`` values are looked for, in each encoding."""
+    for marks, encoding in (((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE), "utf-32"),
+                            ((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE), "utf-16")):
+        if data.startswith(marks):  # (UTF-32's little-endian mark begins as UTF-16's)
+            return secret_in_text(data.decode(encoding, errors="replace"), known)
     if b"\0" not in data[:8192]:
         return secret_in_text(data.decode("utf-8", errors="replace"), known)
     encoded = (secret.encode(encoding) for secret in known
-               for encoding in ("utf-8", "utf-16-le", "utf-16-be"))
+               for encoding in ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"))
     return KNOWN_SECRET if any(e in data for e in encoded) else None
 
 
