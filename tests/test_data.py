@@ -146,6 +146,14 @@ def test_hosts_are_disjoint_and_cover_the_epoch(corpus):
     assert starts == [25 * len(u) for u in units]
 
 
+def test_one_shard_may_be_named_by_its_file(corpus):
+    root, _, tok = corpus
+    one = PackedLoader(str(root / "train" / "shard_1.parquet"), tok, 48, 2, loop=False)
+    assert [u[0].rsplit("/", 1)[-1] for u in one.units] == ["shard_1.parquet"] * 8
+    with pytest.raises(DataError, match=r"shard_9.parquet: no such directory \(nor a .parquet file\)"):
+        PackedLoader(str(root / "train" / "shard_9.parquet"), tok, 48, 2)
+
+
 def test_order_is_deterministic_and_seed_dependent(corpus):
     root, _, tok = corpus
     a = _take(PackedLoader(str(root / "train"), tok, 48, 2, seed=3), 5)
@@ -194,6 +202,20 @@ def test_a_position_saved_over_other_shards_or_seed_is_refused_over_moved_shards
                                         r"run's loader for seed 8 on process 0 of 1: resume with "
                                         r"the trainer.seed"):
         PackedLoader(str(moved), tok, 48, 3, seed=8).load_state_dict(state)
+    # rebuilt under the same names, as a corpus build replaces its own: other documents in row
+    # groups of the same count (the cursor would land on other rows; past a shorter one, an
+    # IndexError)
+    rebuilt = tmp_path / "rebuilt"
+    rebuilt.mkdir()
+    docs = [d + " // rebuilt" for d in _docs(600)][::-1]
+    for i in range(3):
+        pq.write_table(pa.table({"text": docs[i * 200:(i + 1) * 200]}),
+                       rebuilt / f"shard_{i}.parquet", row_group_size=25)
+    with pytest.raises(DataError, match=r"the checkpoint's data position is in shards of these "
+                                        r"names whose row groups hold other rows"):
+        PackedLoader(str(rebuilt), tok, 48, 3, seed=7).load_state_dict(state)
+    old_state = {k: v for k, v in state.items() if k != "sizes"}  # a checkpoint of before
+    PackedLoader(str(moved), tok, 48, 3, seed=7).load_state_dict(old_state)
 
 
 @pytest.mark.parametrize("k", [1, 4, 6])
@@ -465,6 +487,43 @@ def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, c
     (src / "c.cc").write_text("int h() { return 3; }\n")
     prepare(cfg.data, log=logs.append)
     assert len(logs) == 2 and json.loads((tmp_path / "build" / "manifest.json").read_text())["files"] == 4
+
+
+def test_a_build_with_no_training_chunk_or_too_small_a_vocabulary_is_refused_writing_nothing(
+        tmp_path):
+    """Two identical files leave validation's copy only (chunks are de-duplicated across the
+    splits); three tiny files cannot give 4096 tokens. Either is refused at the build, naming
+    what to change, before anything is written: a run would fail on it later, less clearly."""
+    from xtrain.data.corpus import BuildSpec, ensure_built
+
+    twins = tmp_path / "twins"
+    twins.mkdir()
+    for name in ("a.hpp", "b.hpp"):
+        (twins / name).write_text(CPP)
+    with pytest.raises(DataError, match=r"no training chunk left \(2 files, 1 held out for "
+                                        r"validation, \d+ duplicate chunks dropped\)"):
+        ensure_built(BuildSpec([str(twins)], str(tmp_path / "out-twins"), 300, 256))
+    small = _sources(tmp_path)
+    with pytest.raises(DataError, match=r"these sources give a vocabulary of \d+ tokens, fewer "
+                                        r"than data.vocab_size=4096: name more sources, or set "
+                                        r"data.vocab_size=\d+ or less"):
+        ensure_built(BuildSpec([str(small)], str(tmp_path / "out-small"), 4096, 256))
+    assert not (tmp_path / "out-twins" / "manifest.json").exists()
+    assert not (tmp_path / "out-small" / "manifest.json").exists()
+
+
+def test_sources_count_symlinked_files_and_never_binary_ones(tmp_path):
+    """A tree may link headers in from elsewhere; an object file named like a header is no C++."""
+    from xtrain.data.cpp_source import find_sources
+
+    src = _sources(tmp_path)
+    elsewhere = tmp_path / "elsewhere.hpp"
+    elsewhere.write_text("inline int e() { return 5; }\n")
+    (src / "linked.hpp").symlink_to(elsewhere)
+    (src / "blob.h").write_bytes(b"\x7fELF\x02\x01\x01\0\0\0int x;")
+    (src / "loop").symlink_to(src)  # (a link to a directory is not followed)
+    assert [url.rsplit("/", 1)[-1] for url, _ in find_sources([str(src)])] == [
+        "a.cpp", "linked.hpp", "b.hpp"]
 
 
 def _sources(tmp_path):

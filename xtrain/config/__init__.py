@@ -145,7 +145,7 @@ class DataConfig:
     """Where tokens come from. Paths may be local or any fsspec URL (gs://...)."""
 
     name: str = MISSING
-    train_files: str = MISSING  # directory or glob of parquet shards with a `text` column
+    train_files: str = MISSING  # parquet shards with a `text` column: a directory, a glob or one file
     val_files: str | None = None  # None: no validation (unless holdout_last_shard)
     # nanochat's convention: the last train shard is validation (val_files must then be None)
     holdout_last_shard: bool = False

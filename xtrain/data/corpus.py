@@ -256,6 +256,16 @@ def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
             seen.add(digest)
             splits["val" if url in val_files else "train"].append(chunk)
     rng.shuffle(splits["train"])
+    # refused before anything is written: a run would fail on either, later and less clearly
+    if not splits["train"]:
+        raise DataError(f"data.build_sources={spec.sources}: no training chunk left ({len(urls)} "
+                        f"files, {n_val} held out for validation, {duplicates} duplicate chunks "
+                        "dropped): name more, or other, sources")
+    if tok.get_vocab_size() < spec.vocab_size:
+        raise DataError(f"data.build_sources={spec.sources}: these sources give a vocabulary of "
+                        f"{tok.get_vocab_size()} tokens, fewer than data.vocab_size="
+                        f"{spec.vocab_size}: name more sources, or set data.vocab_size="
+                        f"{tok.get_vocab_size()} or less")
 
     fs, root = _claim(spec.sources, out_dir)
     save_hf(tok, token_bytes, f"{out_dir}/tokenizer")

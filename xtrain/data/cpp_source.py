@@ -13,24 +13,29 @@ CPP_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc"
 
 
 def looks_like_cpp(path: str, head: bytes) -> bool:
-    """C/C++ by suffix; extensionless headers (``<vector>``) by their first bytes."""
+    """C/C++ by suffix; extensionless headers (``<vector>``) by their first bytes; never a file
+    with a NUL byte in them (binary, whatever its name)."""
+    if b"\0" in head:
+        return False
     if path.endswith(CPP_SUFFIXES):
         return True
     name = path.rsplit("/", 1)[-1]
-    if "." in name or b"\0" in head:
+    if "." in name:
         return False
     return any(tok in head for tok in (b"#include", b"#pragma", b"namespace", b"// ", b"/*"))
 
 
 def find_sources(roots: list[str]) -> list[tuple[str, str]]:
-    """(url, fingerprint) of every C/C++ file under ``roots``, sorted; fingerprint = size+mtime."""
+    """(url, fingerprint) of every C/C++ file under ``roots``, sorted; fingerprint = size+mtime.
+    A symlink to a file counts as that file (a link to a directory is not followed)."""
     found = []
     for root in roots:
         fs, base = url_to_fs(root)
         if not fs.exists(base):
             continue
         for path, info in fs.find(base, detail=True).items():
-            if info.get("type") != "file" or info.get("size", 0) == 0:
+            linked_file = info.get("islink") and fs.isfile(path)  # (its size and mtime: the file's)
+            if (info.get("type") != "file" and not linked_file) or info.get("size", 0) == 0:
                 continue
             with fs.open(path, "rb") as f:
                 head = f.read(2048)

@@ -35,27 +35,30 @@ PAD = -1  # only in the last batch of a non-looping pass; an ignored target, nev
 
 
 def list_shards(files: str) -> list[str]:
-    """Parquet shards of ``files`` (a directory or a glob), as URLs, sorted."""
+    """Parquet shards of ``files`` (a directory, a glob, or one shard), as URLs, sorted."""
     fs, path = url_to_fs(files)
     if any(ch in path for ch in "*?["):
         paths = fs.glob(path)
     elif fs.isdir(path):
         paths = [p for p in fs.ls(path, detail=False) if p.endswith(".parquet")]
+    elif path.endswith(".parquet") and fs.isfile(path):
+        paths = [path]
     else:
-        raise DataError(f"{files}: no such directory")
+        raise DataError(f"{files}: no such directory (nor a .parquet file)")
     if not paths:
         raise DataError(f"{files}: no parquet shards found")
     return sorted(as_url(fs, p) for p in paths)
 
 
-def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int]]:
-    """(shard, row group) units, reading each footer once; checks each shard up front."""
+def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int, int, int]]:
+    """(shard, row group, its rows, the shard's bytes) units, reading each footer once; checks
+    each shard up front."""
     import pyarrow.parquet as pq
 
     def footer(url):
         try:
             with fsspec.open(url, "rb") as f:
-                meta = pq.ParquetFile(f).metadata
+                meta, size = pq.ParquetFile(f).metadata, f.size
         except Exception as e:  # pyarrow raises several types for a damaged file
             raise DataError(f"{url}: not a readable parquet file ({e})") from e
         if "text" not in meta.schema.names:
@@ -69,7 +72,8 @@ def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int]]:
             if stats is not None and stats.has_null_count and stats.null_count:
                 raise DataError(f"{url}: row group {rg} has {stats.null_count} null text(s); "
                                 "drop or fill them")
-        return [(url, rg) for rg in range(meta.num_row_groups) if meta.row_group(rg).num_rows]
+        return [(url, rg, meta.row_group(rg).num_rows, size) for rg in range(meta.num_row_groups)
+                if meta.row_group(rg).num_rows]
 
     with ThreadPoolExecutor(threads) as pool:
         units = [u for us in pool.map(footer, shards) for u in us]
@@ -88,10 +92,10 @@ def is_text(kind) -> bool:
     return types.is_string(kind) or types.is_large_string(kind) or types.is_string_view(kind)
 
 
-def read_unit(unit: tuple[str, int]) -> list[str]:
+def read_unit(unit: tuple[str, int, int, int]) -> list[str]:
     import pyarrow.parquet as pq
 
-    url, rg = unit
+    url, rg = unit[:2]
     try:
         with fsspec.open(url, "rb") as f:
             texts = pq.ParquetFile(f).read_row_group(rg, columns=["text"]).column("text").to_pylist()
@@ -102,10 +106,13 @@ def read_unit(unit: tuple[str, int]) -> list[str]:
     return texts
 
 
-def units_digest(units: list[tuple[str, int]]) -> str:
+def units_digest(units: list[tuple[str, int, int, int]], sizes: bool = False) -> str:
     """What a saved position counts in: each unit's shard file name and row group, in order (not
-    where the shards live: the same corpus moved elsewhere is the same data)."""
-    names = "\n".join(f"{url.rstrip('/').rsplit('/', 1)[-1]}#{rg}" for url, rg in units)
+    where the shards live: the same corpus moved elsewhere is the same data); with ``sizes``,
+    also its rows and its shard's bytes, which a corpus rebuilt or rewritten under the same
+    names (other documents, other row groups) changes."""
+    names = "\n".join(f"{url.rstrip('/').rsplit('/', 1)[-1]}#{rg}" + (f":{rows}:{size}" if sizes else "")
+                      for url, rg, rows, size in units)
     return hashlib.sha256(names.encode()).hexdigest()[:16]
 
 
@@ -163,6 +170,7 @@ class PackedLoader:
         if len(self.units) < world:
             raise DataError(f"{files}: {len(self.units)} row groups cannot be split over {world} hosts")
         self.units_digest = units_digest(self.units)
+        self.sizes_digest = units_digest(self.units, sizes=True)
         self._state = {"epoch": 0, "cursor": 0, "buffer": []}
         self._orders: dict[int, list[int]] = {}
         self.cropped_tokens = 0
@@ -182,7 +190,7 @@ class PackedLoader:
         return {"epoch": self._state["epoch"], "cursor": self._state["cursor"],
                 "buffer": [list(ref) for ref in self._state["buffer"]], "seed": self.seed,
                 "rank": self.rank, "world": self.world, "units": self.units_digest,
-                "unit_count": len(self.units)}
+                "sizes": self.sizes_digest, "unit_count": len(self.units)}
 
     def load_state_dict(self, state: dict) -> None:
         if (state["seed"], state["rank"], state["world"]) != (self.seed, self.rank, self.world):
@@ -195,7 +203,15 @@ class PackedLoader:
                 f"the checkpoint's data position counts {state['unit_count']} row groups of other "
                 f"shards than this data's {len(self.units)}: resumed, it would read other documents "
                 "than the run had left (some twice, some never); resume with the shards the run "
-                "trained on, or train a new run (another run.name)")
+                "trained on, or train a new run from step 0 (another run.name, no "
+                "checkpoint.resume)")
+        if state.get("sizes", self.sizes_digest) != self.sizes_digest:  # (older states: none)
+            raise DataError(
+                "the checkpoint's data position is in shards of these names whose row groups "
+                "hold other rows (their counts or their shards' sizes differ): the data was "
+                "rebuilt or rewritten since the run saved it, and resumed, the run would read "
+                "other documents than it had left; resume with the shards the run trained on, or "
+                "train a new run from step 0 (another run.name, no checkpoint.resume)")
         self._state = {"epoch": state["epoch"], "cursor": state["cursor"],
                        "buffer": [tuple(ref) for ref in state["buffer"]]}
 
