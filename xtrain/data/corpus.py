@@ -142,6 +142,19 @@ def check_output(sources: list[str], out_dir: str) -> None:
             "data.build_dir), or move that away")
 
 
+def _check_usable(spec, vocab_size: int, train_chunks: int, counts: str) -> None:
+    """Refuse, before anything is written, a build that a run would fail on later and less
+    clearly: no training chunk left (``counts`` says what became of the files), or a vocabulary
+    smaller than ``data.vocab_size`` (too little text to learn that many tokens from)."""
+    if not train_chunks:
+        raise DataError(f"data.build_sources={spec.sources}: no training chunk left ({counts}): "
+                        "name more, or other, sources")
+    if vocab_size < spec.vocab_size:
+        raise DataError(f"data.build_sources={spec.sources}: these sources give a vocabulary of "
+                        f"{vocab_size} tokens, fewer than data.vocab_size={spec.vocab_size}: "
+                        f"name more sources, or set data.vocab_size={vocab_size} or less")
+
+
 def checked_sources(roots: list[str]) -> list[tuple[str, str]]:
     """:func:`find_sources`, refusing fewer than 2 files: validation holds out whole files."""
     files = find_sources(roots)
@@ -256,16 +269,9 @@ def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
             seen.add(digest)
             splits["val" if url in val_files else "train"].append(chunk)
     rng.shuffle(splits["train"])
-    # refused before anything is written: a run would fail on either, later and less clearly
-    if not splits["train"]:
-        raise DataError(f"data.build_sources={spec.sources}: no training chunk left ({len(urls)} "
-                        f"files, {n_val} held out for validation, {duplicates} duplicate chunks "
-                        "dropped): name more, or other, sources")
-    if tok.get_vocab_size() < spec.vocab_size:
-        raise DataError(f"data.build_sources={spec.sources}: these sources give a vocabulary of "
-                        f"{tok.get_vocab_size()} tokens, fewer than data.vocab_size="
-                        f"{spec.vocab_size}: name more sources, or set data.vocab_size="
-                        f"{tok.get_vocab_size()} or less")
+    _check_usable(spec, tok.get_vocab_size(), len(splits["train"]),
+                  f"{len(urls)} files, {n_val} held out for validation, {duplicates} duplicate "
+                  "chunks dropped")
 
     fs, root = _claim(spec.sources, out_dir)
     save_hf(tok, token_bytes, f"{out_dir}/tokenizer")
