@@ -304,7 +304,8 @@ def _plain(value):
     return str(value)
 
 
-def _unparsed_secrets(key: str, name: str, value: str, known: set[str]) -> list[tuple[str, str, str]]:
+def _unparsed_secrets(key: str, name: str, value: str,
+                      known: set[str]) -> list[tuple[str, str, str]]:
     """(key, name, value) of the secrets in an override's value Hydra cannot parse
     (``{'HF_TOKEN': ...}``): the value under the key's name, and each ``name: value`` pair in it
     (a value ends at a brace, so a nested dict's pairs are read too); and the value itself when
@@ -342,9 +343,9 @@ COMMAND_LINE_RECORDS = ("hydra.overrides.", "hydra.job.override_dirname")
 
 
 def _secret_values(node, path: str, name: str, known: set[str]) -> list[tuple[str, str, str]]:
-    """(key, its last part, the string) of each string in the plain ``node`` that is a secret: by its form
-    (in the text around any interpolations), by the name of its key (unless it reads the
-    environment, or is a short flag or a path), or by holding one of ``known``; and of each that
+    """(key, its last part, the string) of each string in the plain ``node`` that is a secret:
+    by its form (in the text around any interpolations), by the name of its key (unless it reads
+    the environment, or is a short flag or a path), or by holding one of ``known``; and of each that
     reads a secret variable (``${oc.env:WANDB_API_KEY}``) into a key whose name does not say
     secret: masking goes by the key's name, so its value would be written out as it is (in a
     run's name, its dir and W&B's record of it; on a command line)."""
@@ -362,6 +363,6 @@ def _secret_values(node, path: str, name: str, known: set[str]) -> list[tuple[st
     by_name = literal == node and is_secret_name(name) and may_be_secret(node, name)
     reads_secret = (not is_secret_name(name) and not path.startswith(COMMAND_LINE_RECORDS)
                     and any(map(is_secret_variable, ENV_READ.findall(node))))
-    if by_name or reads_secret or has_secret_value(literal) or any(secret in node for secret in known):
+    if by_name or reads_secret or has_secret_value(literal) or any(s in node for s in known):
         return [(path, name, node)]
     return []

@@ -111,8 +111,8 @@ def units_digest(units: list[tuple[str, int, int, int]], sizes: bool = False) ->
     where the shards live: the same corpus moved elsewhere is the same data); with ``sizes``,
     also its rows and its shard's bytes, which a corpus rebuilt or rewritten under the same
     names (other documents, other row groups) changes."""
-    names = "\n".join(f"{url.rstrip('/').rsplit('/', 1)[-1]}#{rg}" + (f":{rows}:{size}" if sizes else "")
-                      for url, rg, rows, size in units)
+    names = "\n".join(f"{url.rstrip('/').rsplit('/', 1)[-1]}#{rg}"
+                      + (f":{rows}:{size}" if sizes else "") for url, rg, rows, size in units)
     return hashlib.sha256(names.encode()).hexdigest()[:16]
 
 

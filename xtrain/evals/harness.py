@@ -150,8 +150,8 @@ def evaluate(problems: Sequence[Problem], completions: Mapping[str, Sequence[str
              cancel: threading.Event | None = None) -> tuple[dict, list[dict]]:
     """Compile and test every completion (already cut); return the scores and one record per
     sample, also written as JSONL to ``records_path`` (any fsspec URL) when given. ``cancel``
-    set (the run is stopping) raises xtrain.evals.sandbox.Cancelled within a tenth of a second: the
-    samples not judged yet are skipped, the running compiles and programs killed."""
+    set (the run is stopping) raises xtrain.evals.sandbox.Cancelled within a tenth of a
+    second: the samples not judged yet are skipped, the running compiles and programs killed."""
     check(cfg)
     missing = [p.id for p in problems if not completions.get(p.id)]
     if missing:

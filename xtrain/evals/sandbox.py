@@ -6,10 +6,11 @@ compiler message). Every command runs
 
 - as a private unprivileged uid when xtrain runs as root (root ignores RLIMIT_NPROC and may write
   anywhere). Each parallel slot claims its own uid with a lock file under /run (one place for
-  the machine, whatever TMPDIR each process has) and only while no process runs as it (another
-  container's, say), so two slots (or two xtrain processes) never share a process count, and
-  after a session every process of that uid is killed, even one that left its process group,
-  and its zombies this process is the parent of are collected (as PID 1, or a subreaper);
+  the machine, whatever TMPDIR each process has; the temp dir where /run is read-only) and only
+  while no process runs as it (another container's, say), so two slots (or two xtrain
+  processes) never share a process count, and after a session every process of that uid is
+  killed, even one that left its process group, and its zombies this process is the parent of
+  are collected (as PID 1, or a subreaper);
 - under resource limits set by util-linux ``prlimit`` before exec (CPU seconds, address space,
   file size, process count, open files, no core files): a program, not a ``preexec_fn``, because
   the harness forks from several threads; first in line for the OOM killer (util-linux
