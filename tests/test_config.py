@@ -197,6 +197,24 @@ def test_a_sweep_whose_jobs_would_train_in_one_checkpoint_dir_is_refused(tmp_pat
     assert len(list((tmp_path / "ckpt").glob("*/step_000001/COMMITTED"))) == 2
 
 
+def test_a_sweep_whose_jobs_share_a_run_name_is_refused(tmp_path):
+    """Jobs given one run.name share a run dir and so its checkpoints: the second would resume the
+    first's finished training and record its own settings over it. Refused before any job runs."""
+    sweep = [sys.executable, "-m", "xtrain", "-m", "model=d2", "trainer.max_steps=1",
+             "optim.matrix_lr=0.01,0.02"]
+    r = subprocess.run([*sweep, "run.name=lr_sweep"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert ("sweep job 2 of 2 (model=d2 trainer.max_steps=1 optim.matrix_lr=0.02 run.name=lr_sweep): "
+            "sweep job 1 is run lr_sweep too (its checkpoints in multirun/") in r.stderr
+    assert not (tmp_path / "multirun").exists()
+    # a name that differs per job passes the check (mode=plan: nothing trained)
+    r = subprocess.run([*sweep, "run.name=lr_${optim.matrix_lr}", "mode=plan"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "run lr_0.02 " in r.stdout, r.stdout
+
+
 def test_a_checkpoint_dir_with_pattern_characters_is_refused(tmp_path):
     from xtrain.checkpoint.layout import check_writable
     from xtrain.errors import ConfigError

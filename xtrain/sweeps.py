@@ -27,7 +27,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     from xtrain.launcher.hydra_jobs import check_workers_compose_it
     from xtrain.modes import check_config
 
-    checkpoint_dirs: dict[str, int] = {}  # an explicit checkpoint.dir -> the job training there
+    checkpoint_dirs: dict[str, int] = {}  # a training's checkpoint dir -> the job training there
     try:
         for number, overrides in enumerate(batch, start=1):
             job = config_loader.load_sweep_config(master_config=sweep_config,
@@ -41,7 +41,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                 if is_remote(hydra_cfg.launcher):
                     check_workers_compose_it(hydra_cfg)
                 check_config(job)
-                check_own_checkpoint_dir(job, number, checkpoint_dirs)
+                check_own_checkpoint_dir(job, hydra_cfg, number, checkpoint_dirs)
                 if is_remote(hydra_cfg.launcher):  # the fleet's: keys, zone, gcloud, pool
                     check_job(hydra_cfg.launcher, job.hardware, job.checkpoint.dir)
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
@@ -53,22 +53,30 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
         HydraConfig.instance().set_config(sweep_config)
 
 
-def check_own_checkpoint_dir(job, number: int, taken: dict[str, int]) -> None:
-    """Trainings given one ``checkpoint.dir`` take each other's checkpoints (each would resume
-    from, or prune, the other's), so each job trains in its own; ``taken`` maps the dirs of the
-    jobs before (which it records this one's in)."""
+def check_own_checkpoint_dir(job, hydra_cfg, number: int, taken: dict[str, int]) -> None:
+    """Trainings given one checkpoint dir take each other's checkpoints (each would resume from,
+    or prune, the other's), so each job trains in its own: an explicit ``checkpoint.dir``, or its
+    run dir's (which jobs given one ``run.name`` share). ``taken`` maps the dirs of the jobs
+    before (which it records this one's in)."""
     from xtrain.config import Mode
     from xtrain.errors import ConfigError
+    from xtrain.inputs import checkpoint_dir
     from xtrain.paths import location
 
-    if job.mode != Mode.train or not job.checkpoint.dir:
+    if job.mode != Mode.train:
         return
-    directory = str(job.checkpoint.dir).rstrip("/")
+    directory = checkpoint_dir(job, f"{hydra_cfg.sweep.dir}/{hydra_cfg.sweep.subdir}").rstrip("/")
     first = taken.setdefault(location(directory), number)  # ckpt, ./ckpt, file://...: one dir
-    if first != number:
+    if first == number:
+        return
+    if job.checkpoint.dir:
         raise ConfigError(f"checkpoint.dir={directory} is sweep job {first}'s too: two trainings in "
                           "one checkpoint dir take each other's checkpoints; give each job its own, "
                           f"e.g. 'checkpoint.dir={directory}/${{run.name}}'")
+    raise ConfigError(f"sweep job {first} is run {job.run.name} too (its checkpoints in "
+                      f"{directory}): two trainings in one run dir take each other's checkpoints; "
+                      "give each job its own name, e.g. without run.name (a sweep's jobs are named "
+                      "by their overrides) or with 'run.name=lr_${optim.matrix_lr}'")
 
 
 class SweepRecord:
