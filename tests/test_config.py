@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -50,6 +51,21 @@ def test_run_name_keeps_groups_and_identity_overrides(compose_config, monkeypatc
     # how checkpoints are judged is not what is trained: mode=eval finds the trained run
     assert compose_config(["mode=eval", "eval.max_tokens=64", "eval.n=4"]).run.name == "d4-cpu-cpp_local"
     assert compose_config(["eval.cpp_every=500"]).run.name == "d4-cpu-cpp_local"
+    # nor are the planner's estimates, the length in tokens per parameter, or the compile guard
+    for neutral in ("hardware.hourly_usd_spot=2.5", "hardware.expected_mfu=0.4",
+                    "trainer.target_tokens_per_param=30", "trainer.max_compiles=3", "trainer.profile=true"):
+        assert compose_config([neutral]).run.name == "d4-cpu-cpp_local", neutral
+    # an interpolated value is named as it resolves (a run of depth 8 is not the d4 run); one
+    # built from the run's own name cannot be, and is left out
+    monkeypatch.setenv("XTRAIN_TEST_DEPTH", "8")
+    assert compose_config(["model.depth=${oc.env:XTRAIN_TEST_DEPTH}"]).run.name == \
+        "d4-cpu-cpp_local-model.depth_8"
+    assert compose_config(["model.depth=${oc.env:XTRAIN_TEST_DEPTH}", "data.name=${run.name}"]).run.name == \
+        "d4-cpu-cpp_local-model.depth_8"
+    # a string may be a secret: its digest names it
+    monkeypatch.setenv("XTRAIN_TEST_PATTERN", "SSSL")
+    assert compose_config(["model.window_pattern=${oc.env:XTRAIN_TEST_PATTERN}"]).run.name == \
+        "d4-cpu-cpp_local-model.window_pattern_sha-" + hashlib.sha256(b"SSSL").hexdigest()[:8]
     # training from another run's checkpoint continues this run; sampling or judging one logs
     # with the run it belongs to, not in the dir of the run these groups train
     resume = "checkpoint.resume=/r/x/checkpoints/step_000030"

@@ -29,7 +29,12 @@ NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval
                          "eval.",  # how checkpoints are judged, not what is trained
                          # how the same training is compiled and run (same losses, same keys)
                          "compile_cache.", "preflight.", "model.scan", "model.remat",
-                         "trainer.compile")
+                         "trainer.compile", "trainer.max_compiles", "trainer.profile",
+                         # the run's length, as trainer.max_steps
+                         "trainer.target_tokens_per_param",
+                         # the planner's estimates and the launchers' VM image
+                         "hardware.hourly_usd", "hardware.expected_mfu",
+                         "hardware.runtime_version", "hardware.python")
 GROUPS_IN_NAME = ("model", "hardware", "data")
 READS_CHECKPOINT = ("sample", "eval")  # modes that read a checkpoint instead of training
 MAX_NAME = 120  # bytes of a derived name
@@ -152,8 +157,8 @@ def run_dir_name(name: str) -> str:
     return name
 
 
-# Set while resolved_resume resolves checkpoint.resume, when run_name gives NAME_PENDING instead.
-_RESOLVING_RESUME = contextvars.ContextVar("xtrain_resolving_resume", default=False)
+# Set while resolved_override resolves an override's value, when run_name gives NAME_PENDING instead.
+_RESOLVING_OVERRIDE = contextvars.ContextVar("xtrain_resolving_override", default=False)
 NAME_PENDING = "xtrain-run-name-pending"
 
 
@@ -164,39 +169,43 @@ def run_name(*, _root_) -> str:
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    if _RESOLVING_RESUME.get():
+    if _RESOLVING_OVERRIDE.get():
         return NAME_PENDING
     hc = HydraConfig.get()
-    # unresolved, and without the overrides that interpolate: one may name the run itself
-    # (checkpoint.dir='gs://bucket/ckpt/${run.name}' gives every job of a sweep its own dir);
-    # sample/eval's checkpoint.resume comes back resolved (resolved_resume)
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)
-    kept = [o for o in overrides if not interpolates(o)]
-    sweep = hc.mode == RunMode.MULTIRUN
-    if not sweep:
-        kept += resolved_resume(overrides, _root_)
-    return compose_name(dict(hc.runtime.choices), kept, sweep=sweep, primary=other_primary_config(hc))
+    kept = [resolved_override(o, _root_) if interpolates(o) else o for o in overrides]
+    return compose_name(dict(hc.runtime.choices), [o for o in kept if o], sweep=hc.mode == RunMode.MULTIRUN,
+                        primary=other_primary_config(hc))
 
 
-def resolved_resume(overrides: list[str], root) -> list[str]:
-    """For a command that reads a checkpoint (``mode=sample|eval``), an interpolated
-    ``checkpoint.resume`` override (``'${oc.env:CK}'``) with its value in the composed config
-    ``root``, so that the command is named after the checkpoint's run (:func:`compose_name`), as
-    with a path written out. Nothing when the value does not resolve, or is built from the run's
-    own name (``/r/${run.name}/step_N``): such a command is named as before, from its groups."""
-    from omegaconf import OmegaConf
+def resolved_override(override: str, root) -> str | None:
+    """An override whose value interpolates (``'model.depth=${oc.env:D}'``) with its value in
+    the composed config ``root``, so that the name holds what is trained: a string by its digest
+    (it may be a secret: a token, a signed URL), but ``checkpoint.resume``'s path as it is (a
+    command reading that checkpoint is named after its run, :func:`compose_name`). None for
+    Hydra's own keys, a value that does not resolve to one plain value, and one built from the
+    run's own name (``checkpoint.dir=gs://b/${run.name}``, which is not known yet)."""
+    from enum import Enum
 
-    pairs = override_pairs(overrides)
-    if pairs.get("mode") not in READS_CHECKPOINT or not interpolates(pairs.get("checkpoint.resume", "")):
-        return []
-    token = _RESOLVING_RESUME.set(True)
+    from omegaconf import Container, OmegaConf
+
+    key = override.partition("=")[0].lstrip("+~")
+    if key.startswith(("hydra.", "hydra/")):
+        return None
+    token = _RESOLVING_OVERRIDE.set(True)
     try:
-        value = OmegaConf.select(root, "checkpoint.resume", throw_on_resolution_failure=False)
+        value = OmegaConf.select(root, key, throw_on_resolution_failure=False)
     finally:
-        _RESOLVING_RESUME.reset(token)
-    if not isinstance(value, str) or not value or NAME_PENDING in value:
-        return []
-    return [f"checkpoint.resume={value}"]
+        _RESOLVING_OVERRIDE.reset(token)
+    if value is None or isinstance(value, Container) or NAME_PENDING in str(value):
+        return None
+    if isinstance(value, str) and key != "checkpoint.resume":
+        value = "sha-" + hashlib.sha256(value.encode()).hexdigest()[:8]
+    elif isinstance(value, Enum):
+        value = value.name
+    elif isinstance(value, bool):
+        value = str(value).lower()
+    return f"{key}={value}"
 
 
 def interpolates(override: str) -> bool:
