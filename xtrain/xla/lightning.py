@@ -110,6 +110,15 @@ class SPMDStrategy(SingleDeviceStrategy):
         until training started."""
         return True
 
+    def teardown(self) -> None:
+        """Lightning's, without its move of the model and optimizer state to the CPU: that
+        gathers each sharded tensor whole onto every host (a compile and a transfer per tensor),
+        after every fit, inside a preemption's notice too. The state stays on the devices, where
+        a validation after fit (xtrain/train/finish.py) finds it, until the process ends."""
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
     def setup_environment(self) -> None:
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
         from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
