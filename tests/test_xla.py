@@ -26,13 +26,14 @@ DRIVER = r"""
 import json, sys
 from tests.conftest import compose_cfg
 from xtrain.modes import run
+from xtrain.xla.spmd import counters
 from tests.conftest import read_jsonl
 out = {}
 for job in json.loads(sys.argv[1]):
     cfg = compose_cfg(job["overrides"], output_dir=job["dir"])
     summary = run(cfg, job["dir"])
     records = read_jsonl(job["dir"] + "/metrics.jsonl")
-    out[job["name"]] = {"summary": summary, "records": records}
+    out[job["name"]] = {"summary": summary, "records": records, "at_exit": counters()}
 print("RESULT " + json.dumps(out))
 """
 
@@ -265,13 +266,18 @@ def test_a_resume_reads_into_the_sharded_model_and_optimizer_state(tmp_path):
 def test_a_run_resumed_at_its_last_step_runs_the_final_validation_its_log_lacks(tmp_path):
     """The end of a run stopped between its final checkpoint and its final validation
     (xtrain/train/finish.py: here the log's record taken away, as if that validation never ran):
-    run again, the validation outside fit gives the figures it gave inside fit."""
+    run again, the validation outside fit gives the figures it gave inside fit. The last step,
+    not a multiple of eval_every, is validated after fit: on the graphs fit compiled, with the
+    model still sharded on the devices (no gather to the host when fit ends)."""
     job = {"name": "run", "dir": str(tmp_path), "overrides": common(3) + [
-        "hardware.engine=xla", "parallelism=fsdp", "trainer.device_batch_size=2"]}
-    first = [r for r in drive([job], 4)["run"]["records"] if r["kind"] == "val" and r["step"] == 3]
+        "hardware.engine=xla", "parallelism=fsdp", "trainer.device_batch_size=2", "trainer.eval_every=2"]}
+    result = drive([job], 4)["run"]
+    assert [r["step"] for r in result["records"] if r["kind"] == "val"] == [2, 3]
+    assert result["at_exit"] == {"xla_compiles": 3, "host_syncs": 3 + 2 + 2}, result["at_exit"]
+    first = [r for r in result["records"] if r["kind"] == "val" and r["step"] == 3]
     log = tmp_path / "metrics.jsonl"
     log.write_text("".join(line for line in log.read_text().splitlines(keepends=True)
-                           if '"kind": "val"' not in line))
+                           if '"kind": "val"' not in line or '"step": 3' not in line))
     again = [r for r in drive([job], 4)["run"]["records"] if r["kind"] == "val" and r["step"] == 3]
     assert len(first) == len(again) == 1
     assert (again[0]["val_loss"], again[0]["val_bpb"]) == (first[0]["val_loss"], first[0]["val_bpb"])

@@ -25,14 +25,25 @@ def recorded_kinds(run_dir: str, step: int) -> set[str]:
     return {r.get("kind") for r in read_records(run_dir) if r.get("step") == step}
 
 
+def validate_end(trainer, module, val_loader, step: int, eval_every: int) -> None:
+    """The end's validation, the run's final figure, when Lightning's fit, which validates at
+    multiples of ``eval_every``, did not give one at the last ``step``."""
+    if val_loader is None or step % eval_every == 0:
+        return
+    log.info("step %d, the last, is not a multiple of trainer.eval_every=%d: validating it",
+             step, eval_every)
+    trainer.validate(module, dataloaders=val_loader, verbose=False)
+
+
 def finish_resumed_end(trainer, module, val_loader, callbacks, run_dir: str, processes,
-                       step: int, eval_every: int) -> None:
-    """Run the end's validation (at a multiple of ``eval_every``, as Lightning's), sample and C++
-    evaluation that ``run_dir``'s log lacks at ``step``, each as training would have at that step.
-    Process 0 reads the log and decides for all (validation is a collective)."""
+                       step: int) -> None:
+    """Run the end's validation (:func:`validate_end`'s, at every last step), sample and C++
+    evaluation (at a multiple of its ``eval.cpp_every``) that ``run_dir``'s log lacks at
+    ``step``, each as training would have at that step. Process 0 reads the log and decides
+    for all (validation is a collective)."""
     missing = None
     if processes.primary:
-        wanted = ["val"] if val_loader is not None and step % eval_every == 0 else []
+        wanted = ["val"] if val_loader is not None else []
         wanted += ["sample"] if callbacks.sampler.tokens > 0 else []
         cpp = callbacks.cpp_eval  # (process 0 only)
         wanted += ["eval"] if cpp is not None and step % cpp.every == 0 else []

@@ -19,7 +19,7 @@ from xtrain.config.hydra_record import ACCEPTED, accept
 from xtrain.engines.base import Engine
 from xtrain.errors import Terminated
 from xtrain.plan import RunPlan
-from xtrain.train.finish import end_status, finish_resumed_end, stopped
+from xtrain.train.finish import end_status, finish_resumed_end, stopped, validate_end
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +358,10 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
             if start_step == plan.max_steps:
                 finish_resumed_end(trainer, module, loaders.val, callbacks, run_dir, engine.processes,
-                                   start_step, trainer_cfg.eval_every or plan.max_steps)
+                                   start_step)
+            elif trainer.global_step == plan.max_steps and not callbacks.checkpointer.preempted:
+                validate_end(trainer, module, loaders.val, plan.max_steps,
+                             trainer_cfg.eval_every or plan.max_steps)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
             status = end_status(callbacks, run_log, trainer.global_step, engine.processes)
         except Terminated:  # SIGTERM before training or after it (xtrain/train/preemption.py)
