@@ -216,7 +216,7 @@ class TrainerConfig:
     total_batch_size: int | None = limits(None, ge=1)
     # steps between metrics records (the step's loss and norms leave the device only then)
     log_every: int = limits(10, ge=1)
-    eval_every: int = limits(0, ge=0)  # steps between validations (and one at the last step); 0: at the end only
+    eval_every: int = limits(0, ge=0)  # steps between validations, and one at the end; 0: the end only
     eval_batches: int = limits(8, ge=1)  # validation batches per evaluation (at most one pass)
     # tokens per training sample (every sample_every steps, and at the end); 0: none
     sample_tokens: int = limits(64, ge=0)
