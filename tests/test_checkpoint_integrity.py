@@ -246,6 +246,30 @@ def test_a_deletion_retention_could_not_make_warns_and_is_made_after_the_next_co
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000015"]
 
 
+def test_a_listing_that_fails_after_a_commit_warns_and_the_next_save_goes_on(tmp_path, capsys):
+    """Retention lists the checkpoint dir after each commit; a listing storage fails (a bucket's
+    error after gcsfs's retries) once reached the next save through the upload's result and
+    ended the training, before its final save. The commit stands, with a warning."""
+    from xtrain.checkpoint.async_io import FsspecCheckpointIO
+
+    io, calls = FsspecCheckpointIO(), []
+
+    def failing_listing(result):
+        calls.append(result["step"])
+        if len(calls) == 1:
+            raise OSError("500 listing failed")
+
+    io.on_commit = failing_listing
+    for step in (5, 10):
+        io.save_checkpoint({"state_dict": {"w": torch.full((3,), float(step))}, "global_step": step},
+                           tmp_path / f"step_{step:06d}")
+        assert io.wait()["step"] == step
+    assert calls == [5, 10]
+    assert (f"checkpoint {tmp_path / 'step_000005'} committed, but the work after its commit failed "
+            "(OSError: 500 listing failed); retention tries again after the next commit") in capsys.readouterr().err
+    assert (tmp_path / "step_000010" / "COMMITTED").exists()
+
+
 def test_a_deletion_cut_short_leaves_no_committed_checkpoint(tmp_path, monkeypatch):
     """Retention and a re-save of a step delete whole directories; the commit marker goes
     first, so a kill in the middle (here: the recursive delete failing) cannot leave a

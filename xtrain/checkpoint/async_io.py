@@ -135,7 +135,13 @@ class FsspecCheckpointIO(CheckpointIO):
         result = {"path": path, "step": meta["step"], "ckpt_s": round(time.perf_counter() - t0, 3),
                   "ckpt_blocking_s": round(blocking, 3)}
         if self.on_commit and self.rank == 0:
-            self.on_commit(result)
+            try:
+                self.on_commit(result)
+            except Exception as e:  # noqa: BLE001  (storage errors come in many types)
+                # the commit stands: retention's listing or the report failing must not fail
+                # the next save, or the final one
+                ckpt_io.warn(f"checkpoint {path} committed, but the work after its commit failed "
+                             f"({type(e).__name__}: {e}); retention tries again after the next commit")
         return result
 
     def wait(self):
