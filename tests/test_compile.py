@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import assert_same_tensors, checkpoint_tensors, compose_cfg, read_jsonl
+from xtrain.errors import EXIT_REFUSED
 from test_checkpoint import finish, losses, preempt_and_resume, xtrain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,6 +244,34 @@ def test_a_fresh_machine_finds_the_compiled_step_in_the_bucket(tmp_path, gcs_buc
     assert re.search(r"mirror gs://xtrain-test/xla_cache/\w+: 3 entries pulled\), 3 entries", out)
     assert fresh["PersistentCacheMiss"] == 0 and _served(fresh) == 3
     assert re.findall(r"(\d+) new entries pushed", out) == ["0", "0"]
+
+
+PUSH_TO_A_GONE_BUCKET = r"""
+import sys
+from xtrain.xla.compile_cache import CompileCache
+from xtrain.xla.lightning import CompileCacheSync
+cache = CompileCache(sys.argv[1], "key")
+(cache.local / "entry").write_bytes(b"compiled")
+CompileCacheSync(cache, rank=0).on_exception()
+print("SURVIVED")
+"""
+
+
+def test_a_mirror_that_cannot_be_written_is_refused_first_and_a_failed_push_warns(tmp_path, gcs_bucket):
+    """The compile cache only saves time: a mirror in no bucket is refused before any work (it
+    once crashed the run at its first push, after the step's compile); a push that fails later
+    (here the bucket is gone), or a pull, costs a warning, not the run."""
+    pytest.importorskip("torch_xla")
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XTRAIN_CACHE": str(tmp_path / "c")}
+    r = subprocess.run([sys.executable, "-m", "xtrain", *XLA_RUN, "compile_cache.dir=gs://no-such-bucket/xla"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == EXIT_REFUSED, r.stderr[-2000:]
+    assert "compile_cache.dir gs://no-such-bucket/xla is not writable (" in r.stderr
+    assert not list(Path(tmp_path / "c").rglob("xla_compile_mirror/*"))  # nothing compiled
+    r = subprocess.run([sys.executable, "-c", PUSH_TO_A_GONE_BUCKET, "gs://no-such-bucket/xla"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "SURVIVED" in r.stdout, r.stderr[-2000:]
+    assert "xtrain: warning: compile cache entries not pushed to gs://no-such-bucket/xla/key (" in r.stderr
 
 
 def test_the_cache_key_follows_the_compiler_stack_and_the_codegen_environment(compose_config):

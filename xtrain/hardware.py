@@ -23,6 +23,14 @@ REQUIRED_TPU_FACTS = ("accelerator_type", "runtime_version", "topology", "chips"
 REQUIRED_PINS = ("torch", "torch_xla", "libtpu")
 
 
+def compile_cache_enabled(compile_cache, hw) -> bool:
+    """Whether the XLA engine keeps a persistent compile cache (xtrain/xla/compile_cache.py): on
+    by default for TPU profiles; ``compile_cache.enabled`` decides otherwise."""
+    if compile_cache.enabled is None:
+        return bool(hw.accelerator_type)
+    return bool(compile_cache.enabled)
+
+
 def check_profile(hw) -> None:
     """A TPU profile must state every fact, and its facts must agree with each other."""
     if not hw.accelerator_type:

@@ -18,6 +18,7 @@ from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_c
                                       step_of)
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
                            StorageError, warn)
+from xtrain.hardware import compile_cache_enabled
 from xtrain.model.config import GPTConfig
 from xtrain.paths import is_local, location, url_to_fs
 
@@ -339,6 +340,10 @@ def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str, run_dir: str) -> None:
     if not cfg.checkpoint.resume:
         check_checkpoints_not_elsewhere(run_dir, ckpt_dir, cfg.data.remote_timeout_s, found)
     check_writable(ckpt_dir)
+    cache = cfg.compile_cache  # its mirror is pushed to after the first step's compile
+    if cfg.hardware.engine == "xla" and compile_cache_enabled(cache, cfg.hardware) and cache.dir \
+            and not is_local(cache.dir):
+        check_writable(cache.dir, "compile_cache.dir")
     check_data(cfg.data)
     if found and not cfg.data.build_sources:  # a corpus built on first use: once built (train/run.py)
         check_same_tokenizer(found, saved_meta(found), file_fingerprint(cfg.data.tokenizer))

@@ -175,11 +175,11 @@ def _sizes(fs, root: str) -> dict[str, int]:
     return {p[len(root):]: info["size"] for p, info in fs.find(root, detail=True).items()}
 
 
-def check_writable(directory: str) -> None:
-    """Fail before training (and a TPU compile) when checkpoints cannot be written to
-    ``directory``: a missing bucket, no permission, a file in the way."""
+def check_writable(directory: str, key: str = "checkpoint.dir") -> None:
+    """Fail before training (and a TPU compile) when files cannot be written to ``directory``
+    (the config's ``key``): a missing bucket, no permission, a file in the way."""
     if GLOB_CHARACTERS.search(directory):
-        raise ConfigError(f"checkpoint.dir {directory} holds one of *?[]: fsspec reads paths "
+        raise ConfigError(f"{key} {directory} holds one of *?[]: fsspec reads paths "
                           "with them as patterns (a removal by retention could match others)")
     fs, root = url_to_fs(directory)
     probe = f"{root.rstrip('/')}/.write-probe-{socket.gethostname()}-{os.getpid()}"
@@ -188,7 +188,7 @@ def check_writable(directory: str) -> None:
         fs.pipe_file(probe, b"")
         fs.rm(probe)
     except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
-        raise ConfigError(f"checkpoint.dir {directory} is not writable ({type(e).__name__}: {e})") from e
+        raise ConfigError(f"{key} {directory} is not writable ({type(e).__name__}: {e})") from e
 
 
 def check_shared(directory: str, processes) -> None:

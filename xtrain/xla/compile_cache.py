@@ -17,8 +17,10 @@ compiles again (a few minutes for d16; ``model.scan=true`` shortens it, xtrain/x
 
 ``compile_cache.dir`` may be a ``gs://`` URL, so the cache outlives the VM: the local copy
 (``<cache root>/xla_compile_mirror/<key>``) is pulled from the bucket before the runtime starts
-and new entries are pushed after the first training step and at the end of the run. Entries are
-written whole by torch_xla and never changed, so pushing a file once is enough.
+and new entries are pushed after the first training step, at the end of the run and when it
+stops. Entries are written whole by torch_xla and never changed, so pushing a file once is
+enough. The mirror is checked writable before training; a pull or push that fails later costs a
+warning, never the run.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import os
 from pathlib import Path
 
 from xtrain.compat import installed_versions
+from xtrain.errors import warn
+from xtrain.hardware import compile_cache_enabled
 from xtrain.paths import as_url, cache_root, is_local, url_to_fs
 
 STACK = ("torch", "torch_xla", "libtpu", "jax", "jaxlib")
@@ -44,13 +48,6 @@ def cache_key(hw, env=None) -> str:
              "topology": hw.topology, "engine": hw.engine,
              "env": {k: env.get(k) for k in _CODEGEN_ENV}}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def enabled(compile_cache, hw) -> bool:
-    """On by default for TPU profiles; ``compile_cache.enabled`` decides otherwise."""
-    if compile_cache.enabled is None:
-        return bool(hw.accelerator_type)
-    return bool(compile_cache.enabled)
 
 
 class CompileCache:
@@ -104,12 +101,16 @@ class CompileCache:
 def start_cache(compile_cache, hw) -> CompileCache | None:
     """Pull the mirror and point torch_xla at the local directory; before the runtime compiles
     anything (torch_xla reads the setting once, when it creates its computation cache)."""
-    if not enabled(compile_cache, hw):
+    if not compile_cache_enabled(compile_cache, hw):
         return None
     import torch_xla.runtime as xr
 
     cache = CompileCache(compile_cache.dir, cache_key(hw))
-    pulled = cache.pull()
+    try:
+        pulled = cache.pull()
+    except Exception as e:  # noqa: BLE001  (storage errors come in many types)
+        pulled = 0  # a cache only saves time: the run compiles as without it
+        warn(f"compile cache mirror {cache.remote} not read ({type(e).__name__}: {e})")
     xr.initialize_cache(str(cache.local), readonly=False)
     where = f"{cache.local}" + (f" (mirror {cache.remote}: {pulled} entries pulled)" if cache.remote else "")
     print(f"XLA compile cache: {where}, {len(cache.entries())} entries", flush=True)

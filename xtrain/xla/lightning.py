@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from xtrain import compat
+from xtrain.errors import warn
 
 
 class SPMDAccelerator(Accelerator):
@@ -208,10 +209,11 @@ class SPMDStrategy(SingleDeviceStrategy):
 
 
 class CompileCacheSync(L.Callback):
-    """After the first training step (the step's graph) and when training ends (the validation
-    step's): say what the persistent compile cache (xtrain/xla/compile_cache.py) did, and push
-    new entries to its mirror, if it has one (the first host pushes: every host compiles the
-    same programs)."""
+    """After the first training step (the step's graph), when training ends (the validation
+    step's) and when it stops (a preemption during the first compile leaves the compiled step
+    for the next VM): say what the persistent compile cache (xtrain/xla/compile_cache.py) did,
+    and push new entries to its mirror, if it has one (the first host pushes: every host
+    compiles the same programs). A push that fails costs a warning: the cache only saves time."""
 
     def __init__(self, cache, rank: int):
         self.cache, self.rank, self.reported_first = cache, rank, False
@@ -221,7 +223,12 @@ class CompileCacheSync(L.Callback):
 
         print(f"XLA compile cache ({when}): {describe_counters(cache_counters())}", flush=True)
         if self.rank == 0 and self.cache.remote is not None:
-            n = self.cache.push()
+            try:
+                n = self.cache.push()
+            except Exception as e:  # noqa: BLE001  (storage errors come in many types)
+                warn(f"compile cache entries not pushed to {self.cache.remote} ({type(e).__name__}: "
+                     f"{e}); pushed at the next sync")
+                return
             print(f"XLA compile cache: {n} new entries pushed to {self.cache.remote}", flush=True)
 
     def on_train_batch_end(self, *args) -> None:
@@ -231,3 +238,6 @@ class CompileCacheSync(L.Callback):
 
     def on_train_end(self, *args) -> None:
         self._sync("end of training")
+
+    def on_exception(self, *args) -> None:
+        self._sync("training stopped")
