@@ -149,6 +149,25 @@ def test_the_first_step_of_a_start_is_logged_whatever_log_every(tmp_path):
     assert train == [1, 4, 5, 10, 12]  # each start's first and last step, and every tenth
 
 
+def test_a_diverged_run_is_said_once_and_still_ends_with_its_checkpoint(tmp_path):
+    """Learning rates far too high make the loss NaN: said once, at the first logged step that
+    has it; the end's sample (on NaN probabilities it once crashed the run, and every re-run of
+    it at its end) is skipped and recorded, so the same command again has nothing left to do."""
+    run_dir = tmp_path / "run"
+    args = ["trainer.max_steps=10", "trainer.log_every=1", "trainer.sample_tokens=8",
+            "optim.embedding_lr=1e30", "optim.unembedding_lr=1e30", "optim.grad_clip=0"]
+    code, out, err = finish(xtrain(run_dir, *args))
+    assert code == 0, err[-3000:]
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    first_nan = next(r["step"] for r in train if r["loss"] != r["loss"])
+    assert err.count("the training diverged") == 1
+    assert f"xtrain: warning: the loss is nan at step {first_nan}: the training diverged" in err
+    assert "step     10 | sample skipped: the weights hold NaN or inf" in out
+    assert (run_dir / "checkpoints" / "step_000010" / "COMMITTED").exists()
+    code, out, err = finish(xtrain(run_dir, *args))
+    assert code == 0 and "running now" not in out, err[-3000:]
+
+
 def test_wandb_without_a_key_on_a_terminal_goes_offline_in_one_line_and_never_prompts(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["HOME"] = str(tmp_path / "home")  # no ~/.netrc, no W&B settings

@@ -183,6 +183,8 @@ def record_line(r: dict, max_steps: int) -> str | None:
         return f"step {step:6d} | checkpoint committed in {r['ckpt_s']:.2f} s"
     if kind == "stop":  # xtrain/train/run.py says it, with the fate of the stop's checkpoint
         return None
+    if kind == "sample" and "skipped" in r:
+        return f"step {step:6d} | sample skipped: {r['skipped']}"
     if kind == "sample":
         texts = "\n".join(f"--- {s['prompt']!r}\n{s['prompt']}{s['text']}" for s in r["samples"])
         return f"step {step:6d} | sample ({r['sample_tok_per_s']:,.0f} tok/s):\n{texts}"

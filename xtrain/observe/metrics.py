@@ -23,6 +23,7 @@ over resumes like ``tokens``) and ``eta_s``. Validation records hold ``val_loss`
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import defaultdict
@@ -74,6 +75,7 @@ class MetricsLogger(L.Callback):
         self.run_log, self.log_every = run_log, log_every
         self.max_steps, self.flops_per_token, self.peak_flops = max_steps, flops_per_token, peak_flops
         self.peak_measured, self._peak_raised = peak_measured, False
+        self._diverged = False  # a non-finite loss was said
         self.chips = chips
         self.timer = timer or PhaseTimer()
         self.extra = extra or (lambda: {})  # engine counters (XLA compiles, host syncs)
@@ -149,6 +151,10 @@ class MetricsLogger(L.Callback):
                                                pl_module.step_stats["grad_norm"]])
         fetched = time.perf_counter()
         self._compute += fetched - now
+        if not math.isfinite(loss) and not self._diverged:
+            self._diverged = True
+            warn(f"the loss is {loss} at step {step}: the training diverged (lower the learning "
+                 "rates, optim.*_lr, or keep optim.grad_clip on); its weights are not sampled")
         values = {"loss": loss, "lr": float(f"{opt.param_groups[0]['lr'] * lr_mult:.6g}"),
                   "grad_norm": round(grad_norm, 6), "tokens": self.tokens,
                   **self._rates(step, fetched), **self.extra()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import lightning as L
+import torch
 
 from xtrain import compat
 from xtrain.config import sample_prompts
@@ -56,6 +57,11 @@ class SampleCallback(L.Callback):
             if cpu_model is None:
                 self.tokens = 0
                 return None
+            if not all(torch.isfinite(p).all() for p in cpu_model.parameters()):
+                # (sampling would fail on NaN probabilities; recorded, so a resumed end is done)
+                model.train(was_training)
+                return self.run_log.record("sample", step, {"samples": [],
+                                                            "skipped": "the weights hold NaN or inf"})
             texts = generate(cpu_model, self.tokenizer, prompts, 1, max_tokens=self.tokens,
                              temperature=self.cfg.temperature, top_k=self.cfg.top_k,
                              seed=self.cfg.seed, stats=stats)
