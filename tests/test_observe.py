@@ -168,6 +168,27 @@ def test_a_diverged_run_is_said_once_and_still_ends_with_its_checkpoint(tmp_path
     assert code == 0 and "running now" not in out, err[-3000:]
 
 
+def test_a_warning_on_a_terminal_starts_its_own_line_and_a_closed_stdout_still_trains(tmp_path):
+    """On a terminal, a warning during training is written above the progress bar (it was glued
+    to the bar's end: written to the stderr of before the bar); with stdout closed (``>&-``,
+    some service wrappers) the run trains as with a pipe (it failed at its first line)."""
+    diverging = ["trainer.max_steps=6", "optim.embedding_lr=1e30", "optim.unembedding_lr=1e30",
+                 "optim.grad_clip=0"]
+    code, out = _on_a_terminal([*TINY, "trainer.log_every=1", *diverging,
+                                f"hydra.run.dir={tmp_path / 'tty'}"], dict(os.environ))
+    assert code == 0, out[-3000:]
+    # after the bar's "erase line", as the INFO lines (once it followed the bar's last cell)
+    assert out.count("the training diverged") == 1, out[-3000:]
+    assert "\x1b[2Kxtrain: warning: the loss is nan at step" in out, out[-3000:]
+    closed = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "trainer.max_steps=2",
+                             f"hydra.run.dir={tmp_path / 'closed'}"], cwd=ROOT, stdout=None,
+                            stderr=subprocess.PIPE, text=True, timeout=240, preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 0, closed.stderr[-3000:]
+    assert "Logging error" not in closed.stderr
+    assert (tmp_path / "closed" / "checkpoints" / "step_000002" / "COMMITTED").exists()
+    assert "step      2/2 | loss" in (tmp_path / "closed" / "console.log").read_text()
+
+
 def test_wandb_without_a_key_on_a_terminal_goes_offline_in_one_line_and_never_prompts(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["HOME"] = str(tmp_path / "home")  # no ~/.netrc, no W&B settings

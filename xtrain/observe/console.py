@@ -34,21 +34,31 @@ class _Masked(logging.Formatter):
         return mask_secrets(super().format(record))
 
 
-class _Stdout(logging.StreamHandler):
-    """Writes to whatever ``sys.stdout`` is at the time (rich's live display redirects it so log
-    lines scroll above the progress bar); INFO and below only."""
+class _Current(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` (or ``sys.stderr``) is at the time: rich's live display
+    redirects both, so lines scroll above the progress bar instead of landing on it; nothing
+    when the stream is closed (``>&-``). The stdout one takes INFO and below, the stderr one
+    warnings and up."""
 
-    def __init__(self):
+    def __init__(self, name: str):
         super().__init__()
-        self.addFilter(lambda r: r.levelno < logging.WARNING)
+        self.name_in_sys = name
+        if name == "stdout":
+            self.addFilter(lambda r: r.levelno < logging.WARNING)
+        else:
+            self.setLevel(logging.WARNING)
 
     @property
     def stream(self):
-        return sys.stdout
+        return getattr(sys, self.name_in_sys)
 
     @stream.setter
     def stream(self, value):
         pass
+
+    def emit(self, record):
+        if self.stream is not None:
+            super().emit(record)
 
 
 class _FileHandler(logging.Handler):
@@ -77,11 +87,10 @@ class ConsoleLog:
 
     def __init__(self, run_dir: str | None, level: int = logging.INFO):
         self.file = AppendFile(f"{run_dir.rstrip('/')}/{CONSOLE_FILE}") if run_dir else None
-        stderr = logging.StreamHandler(sys.stderr)
-        stderr.setLevel(logging.WARNING)
-        for console in (stdout := _Stdout(), stderr):
+        consoles = [_Current("stdout"), _Current("stderr")]
+        for console in consoles:
             console.setFormatter(_Masked())
-        self.handlers = [stdout, stderr] + ([_FileHandler(self.file)] if self.file else [])
+        self.handlers = consoles + ([_FileHandler(self.file)] if self.file else [])
         for handler in self.handlers:
             handler.addFilter(_quiet_libraries)
         self.level = level
@@ -202,19 +211,23 @@ class ProgressDisplay(Sink):
         """``console``: rich's Console to draw on (default: stdout's)."""
         self.max_steps = max_steps
         self.log = log or logging.getLogger("xtrain.progress")
-        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.tty = bool(sys.stdout and sys.stdout.isatty()) if tty is None else tty
         self._progress = self._task = None
         if self.tty:
             self._start_bar(start_step, console)
 
     def _start_bar(self, start_step: int, console) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn
 
+        # a narrow bar, the step first: on an 80-column terminal the line's end is what is cut;
+        # log lines above it keep their length (soft wrap: the terminal wraps them, rich does not)
         self._progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]} | {task.fields[tok_s]} tok/s | mfu {task.fields[mfu]}"
-                       " | elapsed {task.fields[elapsed]} | eta {task.fields[eta]}"),
-            console=console, auto_refresh=False, redirect_stdout=True, redirect_stderr=True)
+            BarColumn(bar_width=16),
+            TextColumn("{task.completed}/{task.total} | loss {task.fields[loss]} | {task.fields[tok_s]} tok/s"
+                       " | mfu {task.fields[mfu]} | elapsed {task.fields[elapsed]} | eta {task.fields[eta]}"),
+            console=console or Console(soft_wrap=True), auto_refresh=False, redirect_stdout=True,
+            redirect_stderr=True)
         self._task = self._progress.add_task("train", total=self.max_steps, completed=start_step,
                                              loss="-", tok_s="-", mfu="-", elapsed="-", eta="-")
         self._progress.start()
