@@ -160,6 +160,22 @@ def test_records_follow_the_last_attempt_and_a_torn_line_is_skipped(tmp_path, ca
     assert "metrics.jsonl: skipped 1 line(s) that are not JSON records" in caplog.text
 
 
+def test_a_chart_is_replaced_whole_and_a_run_without_records_draws_none(tmp_path):
+    """A chart or table rewritten in place was emptied first: a write that failed (a full disk, a
+    signal) left an empty file where the last good chart was. A run stopped before its first
+    record has nothing to draw, and says nothing about it (it once warned of a missing file)."""
+    from xtrain.observe.plots import write_run_plots
+    from xtrain.paths import write_whole
+
+    chart = tmp_path / "plots" / "loss.png"
+    write_whole(str(chart), b"the good chart")
+    with pytest.raises(TypeError):
+        write_whole(str(chart), "not bytes")  # fails inside the write
+    assert chart.read_bytes() == b"the good chart"
+    assert sorted(p.name for p in chart.parent.iterdir()) == ["loss.png"]  # nothing left aside
+    assert write_run_plots(str(tmp_path / "stopped_at_once")) == []
+
+
 def test_report_refuses_an_unknown_metric_and_a_dir_without_runs(sweep, tmp_path):
     r = report(sweep, "--out", tmp_path / "a", "--metrics", "loss,val_bpp")
     assert r.returncode == 2

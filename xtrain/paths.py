@@ -50,3 +50,22 @@ def location(url: str) -> str:
     ``./ckpt``, ``~/ckpt`` and ``file:///.../ckpt`` alike), a remote URL without a trailing ``/``."""
     url = str(url).rstrip("/")
     return os.path.abspath(url_to_fs(url)[1]) if is_local(url) else url
+
+
+def write_whole(url: str, data: bytes) -> None:
+    """``data`` as the file at ``url``, its directory made: readers (and a failed write) see the
+    old file or the new one, never half of one. An object store replaces objects whole; a local
+    file is written aside and renamed over."""
+    fs, root = url_to_fs(url)
+    fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
+    if not is_local(url):
+        fs.pipe_file(root, data)
+        return
+    tmp = f"{root}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, root)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -16,7 +16,7 @@ import sys
 
 from xtrain.errors import EXIT_REFUSED, InputError
 from xtrain.observe.plots import eval_metrics, metric_names, png, read_records, series, write_png
-from xtrain.paths import as_url, url_to_fs
+from xtrain.paths import as_url, url_to_fs, write_whole
 
 DEFAULT_METRICS = ("loss", "val_loss", "val_bpb", "tok_per_s", "mfu")
 METRICS_FILE = "metrics.jsonl"
@@ -124,13 +124,12 @@ def report(paths: list[str], out: str, metrics: str | None = None) -> list[dict]
         write_png(f"{out.rstrip('/')}/{metric}.png",
                   png(metric, metric, [line for line in lines if line[1]]))
     rows = [summary_row(name, records, scores) for name, records in runs.items()]
-    fs, root = url_to_fs(out)
-    fs.pipe_file(f"{root}/summary.md", table_markdown(rows).encode())
+    write_whole(f"{out.rstrip('/')}/summary.md", table_markdown(rows).encode())
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-    fs.pipe_file(f"{root}/summary.csv", buffer.getvalue().encode())
+    write_whole(f"{out.rstrip('/')}/summary.csv", buffer.getvalue().encode())
     return rows
 
 

@@ -9,7 +9,7 @@ import io
 import json
 import logging
 
-from xtrain.paths import url_to_fs
+from xtrain.paths import url_to_fs, write_whole
 
 log = logging.getLogger(__name__)
 NOT_METRICS = ("step", "time", "kind")
@@ -111,15 +111,17 @@ def png(title: str, ylabel: str, lines: list[tuple[str, list, list]]) -> bytes:
 
 
 def write_png(path: str, data: bytes) -> None:
-    fs, root = url_to_fs(path)
-    fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(root, data)
+    write_whole(path, data)  # a chart that fails to write leaves the one before it
 
 
 def write_run_plots(run_dir: str, records: list[dict] | None = None) -> list[str]:
     """The run's charts in ``<run dir>/plots/``: loss, validation bpb, throughput and, when the run
     has evaluation scores, eval.png. Charts without data are skipped. Returns the paths."""
-    records = read_records(run_dir) if records is None else records
+    if records is None:
+        fs, root = url_to_fs(f"{run_dir.rstrip('/')}/metrics.jsonl")
+        if not fs.exists(root):
+            return []  # stopped before its first record: nothing to draw
+        records = read_records(run_dir)
     written = []
     charts = dict(RUN_PLOTS)
     scores = eval_metrics(records)
