@@ -220,3 +220,25 @@ def test_the_snapshot_is_a_copy_training_cannot_change():
     with torch.no_grad():
         model.wte.weight.add_(1.0)
     assert not torch.equal(model(idx), snapshot(idx))
+
+
+def test_an_evaluation_whose_checkpoint_a_later_one_passed_over_gives_up_at_once(tmp_path):
+    """On several processes the evaluation reads its step's checkpoint once committed. One that
+    never will be (retention removed it before it was read, or its upload gave up) was waited
+    for an hour (COMMIT_WAIT_S), and the end of the run with it: a later committed step ends the
+    wait."""
+    import threading
+    import time
+
+    import torch
+
+    from xtrain.checkpoint.async_io import FsspecCheckpointIO
+    from xtrain.train.cpp_eval import committed_weights
+
+    io = FsspecCheckpointIO(retries=0)
+    io.save_checkpoint({"state_dict": {"model.w": torch.zeros(2)}, "global_step": 10},
+                       str(tmp_path / "step_000010"))
+    assert io.wait() is not None
+    t0 = time.monotonic()
+    assert committed_weights(None, str(tmp_path / "step_000005"), threading.Event()) is None
+    assert time.monotonic() - t0 < 10

@@ -95,6 +95,39 @@ def reference(tmp_path_factory):
     return root
 
 
+SLOW_EVALUATION = """
+import sys, time
+import xtrain.train.cpp_eval as cpp_eval
+judge = cpp_eval.evaluate_model
+def slow(*args, **kwargs):  # as a large model generating on a host's CPU
+    time.sleep(8)
+    return judge(*args, **kwargs)
+cpp_eval.evaluate_model = slow
+sys.argv[0] = "xtrain"
+from xtrain.cli import main
+main()
+"""
+
+
+def test_an_evaluation_longer_than_the_collective_timeout_holds_no_process(tmp_path):
+    """Process 0 judges the C++ benchmark in the background; an evaluation slower than
+    trainer.collective_timeout_s (here 8 s against 4; a fault injected into the real one) once
+    ended the run: the other process timed out in the gradient all-reduce while process 0 waited
+    for the running evaluation at the next one due, or in the end's broadcast while it waited for
+    the last. Now one due meanwhile is skipped, the last deferred, and the end waits on the store."""
+    run = tmp_path / "run"
+    overrides = [*cpp_eval_overrides(tmp_path), "eval.cpp_every=5", "checkpoint.every=5",
+                 "checkpoint.keep_last=5", "trainer.max_steps=15", "trainer.collective_timeout_s=4"]
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-c", SLOW_EVALUATION, *COMMON, *TWO, *overrides, f"hydra.run.dir={run}"]
+    procs = [start(cmd, {**launch, "RANK": str(rank)}) for rank in (0, 1)]
+    results = finish_all(procs)
+    assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    evals = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals == [5, 15], evals
+    assert "C++ evaluation of step 10 skipped: step 5's still runs" in results[0][2]
+
+
 def test_two_processes_train_the_one_process_batch_with_one_writer(reference):
     one, two = losses(reference / "one"), losses(reference / "two")
     assert sorted(two) == list(range(1, STEPS + 1))

@@ -7,7 +7,9 @@ judged (metrics.jsonl and every logger) by the training thread, at the first ste
 evaluation finished, and per-sample records go to ``<run dir>/cpp_eval/step_N.jsonl``.
 
 The other ranks do not take part and rank 0 does not stop for the evaluation, so the other hosts
-of a pod are not held at their next collective. On more than one process a host may hold only its
+of a pod are not held at their next collective: one due while another still runs is skipped (the
+last step's deferred), and the end waits for the last through the rendezvous store, which has no
+timeout (xtrain/train/finish.py). On more than one process a host may hold only its
 shards of the weights (a pod), so there the weights come from the checkpoint of the step instead
 (``eval.cpp_every`` is a multiple of ``checkpoint.every``, xtrain/inputs.py): the background
 thread waits for it to be committed and reads it from the checkpoint directory, which every host
@@ -23,7 +25,7 @@ import time
 import lightning as L
 
 from xtrain.checkpoint.io import read_model_weights
-from xtrain.checkpoint.layout import is_committed, step_dir
+from xtrain.checkpoint.layout import committed_checkpoints, is_committed, step_dir, step_of
 from xtrain.evals import prepare
 from xtrain.evals.completions import Cancelled, check_fit, evaluate_model, records_path
 from xtrain.model.gpt import GPT
@@ -48,12 +50,18 @@ def cpu_snapshot(model):
 
 def committed_weights(config, path: str, stopping: threading.Event):
     """The CPU model of the checkpoint at ``path`` once it is committed, or None when it is not
-    within ``COMMIT_WAIT_S`` or the run is stopping."""
+    within ``COMMIT_WAIT_S``, the run is stopping, or a later step committed without it (its
+    upload gave up, or retention removed it before it was read)."""
     deadline = time.monotonic() + COMMIT_WAIT_S
     while not is_committed(path):
-        if stopping.wait(2.0) or time.monotonic() > deadline:
+        if stopping.wait(1.0) or time.monotonic() > deadline or _passed_over(path):
             return None
     return GPT.from_weights(config, read_model_weights(path))
+
+
+def _passed_over(path: str) -> bool:
+    step, directory = step_of(path), path.rstrip("/").rsplit("/", 1)[0]
+    return any(later > step for later, _ in committed_checkpoints(directory)) and not is_committed(path)
 
 
 class Pending:
@@ -109,10 +117,21 @@ class CppEvalCallback(L.Callback):
         self.problems = prepare(eval_cfg)
         check_fit(tokenizer, self.problems, eval_cfg, sequence_len)
         self.pending: Pending | None = None
+        self.deferred = None  # (step, model): the last step's, due while another still ran
         self.stopping = threading.Event()  # set when the run ends by an exception
 
-    def evaluate(self, step: int, model) -> None:
-        """Start the evaluation of ``model``'s weights at ``step`` (after the running one ends)."""
+    def evaluate(self, step: int, model, last: bool = False) -> None:
+        """Start the evaluation of ``model``'s weights at ``step`` (after the running one ends).
+        On several processes, where waiting for the running one would hold the others at their
+        next collective until its timeout, one due meanwhile is skipped; the ``last`` step's is
+        deferred to :meth:`finish`."""
+        if self.checkpoints and self.pending is not None and self.pending.thread.is_alive():
+            if last:
+                self.deferred = (step, model)
+            else:
+                log.warning("C++ evaluation of step %d skipped: step %d's still runs (process 0 "
+                            "waiting for it would hold the other processes)", step, self.pending.step)
+            return
         self.collect(wait=True)
         path = records_path(self.run_dir, step)
         if self.checkpoints:
@@ -172,10 +191,16 @@ class CppEvalCallback(L.Callback):
         self.collect(wait=False)  # built on rank 0 only (xtrain/train/run.py)
         step = trainer.global_step
         if step % self.every == 0:
-            self.evaluate(step, pl_module.model)
+            self.evaluate(step, pl_module.model, last=step == trainer.max_steps)
 
-    def on_train_end(self, trainer, pl_module):
+    def finish(self) -> None:
+        """After training (xtrain/train/finish.py): the running evaluation's record, then the
+        deferred last step's."""
         self.collect(wait=True)
+        if self.deferred is not None:
+            (step, model), self.deferred = self.deferred, None
+            self.evaluate(step, model)
+            self.collect(wait=True)
 
     def on_exception(self, trainer, pl_module, exception):
         # a checkpoint still awaited may never be committed now; the evaluation is called off

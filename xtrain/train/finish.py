@@ -57,9 +57,17 @@ def finish_resumed_end(trainer, module, val_loader, callbacks, run_dir: str, pro
         trainer.validate(module, dataloaders=val_loader, verbose=False)
     if "sample" in missing and processes.primary:  # (as in training: process 0's alone)
         callbacks.sampler.sample(step, module.model)
-    if "eval" in missing and processes.primary:
+    if "eval" in missing and processes.primary:  # (waited for by wait_for_evaluation)
         callbacks.cpp_eval.evaluate(step, module.model)
-        callbacks.cpp_eval.collect(wait=True)
+
+
+def wait_for_evaluation(cpp_eval, processes) -> None:
+    """The end of the C++ evaluation (``cpp_eval``, process 0's callback; None elsewhere): the
+    other processes wait on the rendezvous store for as long as it takes while process 0 lives;
+    in a collective they would give up after trainer.collective_timeout_s, which an evaluation
+    of a large model on a host's CPU can outlast."""
+    processes.primary_first("the C++ evaluation of the last step",
+                            lambda: cpp_eval.finish() if cpp_eval is not None else None)
 
 
 def end_status(callbacks, run_log, step: int, processes) -> str:

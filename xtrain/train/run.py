@@ -19,7 +19,8 @@ from xtrain.config.hydra_record import ACCEPTED, accept
 from xtrain.engines.base import Engine
 from xtrain.errors import Terminated
 from xtrain.plan import RunPlan
-from xtrain.train.finish import end_status, finish_resumed_end, stopped, validate_end
+from xtrain.train.finish import (end_status, finish_resumed_end, stopped, validate_end,
+                                 wait_for_evaluation)
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +363,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
             elif trainer.global_step == plan.max_steps and not callbacks.checkpointer.preempted:
                 validate_end(trainer, module, loaders.val, plan.max_steps,
                              trainer_cfg.eval_every or plan.max_steps)
+            if cfg.eval.cpp_every and not callbacks.checkpointer.preempted:  # (stopped: called off)
+                wait_for_evaluation(callbacks.cpp_eval, engine.processes)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
             status = end_status(callbacks, run_log, trainer.global_step, engine.processes)
         except Terminated:  # SIGTERM before training or after it (xtrain/train/preemption.py)
