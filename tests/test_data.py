@@ -681,7 +681,7 @@ def test_a_character_of_more_tokens_than_the_budget_stays_whole():
 
 
 def test_last_shard_held_out_for_validation(corpus, compose_config):
-    from xtrain.train.run import build_loaders
+    from xtrain.train.loaders import build_loaders
 
     root, _, tok = corpus
     cfg = compose_config(["model.sequence_len=48"])
@@ -696,7 +696,7 @@ def test_one_evaluation_reads_each_validation_document_once(corpus, compose_conf
     """The held-out shard (200 documents, fewer than the loader buffers) with more evaluation
     batches than it fills: each document starts a row once; the last batch is padded, never
     refilled from the split's start."""
-    from xtrain.train.run import build_loaders
+    from xtrain.train.loaders import build_loaders
 
     root, docs, tok = corpus
     cfg = compose_config(["model.sequence_len=48", "trainer.eval_batches=1000"])

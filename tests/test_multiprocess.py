@@ -384,6 +384,44 @@ def test_processes_given_different_configs_are_refused_naming_the_keys(tmp_path)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_processes_running_other_code_or_reading_other_shards_are_refused(tmp_path):
+    """Every process packs the same global batch and trains a replica. One started from another
+    checkout (here, a comment added) trained another model into the same checkpoint; one whose
+    copy of the corpus lacks a shard packed its rows in another order from batch 95 on: both
+    trained silently, found only at a resume. Refused before the first step, naming the fact."""
+    from conftest import compose_cfg
+    from xtrain.data import prepare
+
+    other = tmp_path / "other"  # another checkout: the package and its configs
+    shutil.copytree(ROOT / "xtrain", other / "xtrain", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "conf", other / "conf")
+    with open(other / "xtrain" / "optim.py", "a") as f:
+        f.write("# changed in this checkout\n")
+    port = free_port()
+    procs = [xtrain_processes(tmp_path / "code", env={"PYTHONPATH": str(tree)}, port=port, ranks=(rank,),
+                              cwd=tree)[0] for rank, tree in ((0, ROOT), (1, other))]
+    results = finish_all(procs, timeout=120)
+    assert [code for code, _, _ in results] == [2, 2], [err[-2000:] for _, _, err in results]
+    for _, _, err in results:
+        assert "rank 1 of 2 has another code than rank 0 (rank 1: xtrain source)" in err
+    # each host's own copy of one corpus, found at one relative path; host 1's lacks a shard
+    data = compose_cfg([*COMMON, *TWO]).data
+    prepare(data, log=lambda *_: None)
+    for rank in (0, 1):
+        shutil.copytree(data.build_dir, tmp_path / f"host{rank}" / "corpus")
+    (tmp_path / "host1" / "corpus" / "train" / "shard_00001.parquet").unlink()
+    copies = ["data.train_files=corpus/train", "data.val_files=corpus/val",
+              "data.tokenizer=corpus/tokenizer", "data.build_sources=[]"]
+    port = free_port()
+    procs = [xtrain_processes(tmp_path / "data", *copies, env={"PYTHONPATH": str(ROOT)}, port=port,
+                              ranks=(rank,), cwd=tmp_path / f"host{rank}")[0] for rank in (0, 1)]
+    results = finish_all(procs, timeout=120)
+    assert [code for code, _, _ in results] == [2, 2], [err[-2000:] for _, _, err in results]
+    for _, _, err in results:
+        assert "rank 1 of 2 has another data than rank 0 (rank 1: train)" in err
+    assert not (tmp_path / "data" / "metrics.jsonl").exists()
+
+
 def test_a_stop_checkpoint_committed_as_a_rank_dies_is_kept_and_recorded(tmp_path):
     """SIGTERM to both; rank 1 killed once every host's files are written and rank 0 holds the
     commit (the fault-injection pause): the commit stands, recorded as the stop's checkpoint,

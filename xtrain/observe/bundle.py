@@ -156,6 +156,26 @@ def _changed_key_files(root: Path) -> list[str]:
     return sorted(found)
 
 
+CODE_PACKAGES = ("torch", "lightning", "torch_xla", "libtpu", "jax", "numpy", "tokenizers")
+
+
+def code_fingerprint() -> dict:
+    """What the processes of one run must share to train as one model: xtrain's own source (a
+    digest of every file of the package) and the versions of Python and the stack. A process
+    started from another checkout, or a host with another torch, trains another model."""
+    import hashlib
+    import platform
+
+    from xtrain.compat import installed_versions
+
+    package = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return {"xtrain source": digest.hexdigest()[:16], "python": platform.python_version(),
+            **installed_versions(CODE_PACKAGES)}
+
+
 def installed_packages() -> list[str]:
     found = {(d.metadata["Name"] or "?").lower(): d.version for d in metadata.distributions()}
     return [f"{name}=={version}" for name, version in sorted(found.items())]

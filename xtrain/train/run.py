@@ -18,9 +18,11 @@ from xtrain.config import to_plain
 from xtrain.config.hydra_record import ACCEPTED, accept
 from xtrain.engines.base import Engine
 from xtrain.errors import Terminated
+from xtrain.observe.bundle import code_fingerprint
 from xtrain.plan import RunPlan
 from xtrain.train.finish import (end_status, finish_resumed_end, stopped, validate_end,
                                  wait_for_evaluation)
+from xtrain.train.loaders import Loaders, build_loaders
 
 log = logging.getLogger(__name__)
 
@@ -39,35 +41,6 @@ def build_engine(cfg, plan: RunPlan, run_dir: str) -> Engine:
 
     compile_step = trainer_cfg.compile
     return CPUEngine(hardware, plan, timeout_s, compile_pays(plan) if compile_step is None else compile_step)
-
-
-@dataclass
-class Loaders:
-    steps: object  # optimizer-step batches for the Trainer (their position is checkpointed)
-    val: object | None
-
-
-def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: int,
-                  host_rows: slice = slice(None)) -> Loaders:
-    """Loaders packing ``rows`` rows per micro-batch (the global batch, the same on every
-    process), of which this process keeps ``host_rows``."""
-    from xtrain.data.batches import EvalBatches, StepBatches
-    from xtrain.data.loader import PackedLoader, list_shards
-
-    train_files, val_files = data.train_files, data.val_files
-    if data.holdout_last_shard:  # nanochat's convention: the last shard is the validation split
-        shards = list_shards(data.train_files)  # at least 2 (xtrain.inputs.check_data)
-        train_files, val_files = shards[:-1], shards[-1:]
-    train = PackedLoader(train_files, tokenizer, seq_len, rows, seed=trainer_cfg.seed,
-                         prefetch=data.prefetch, threads=data.tokenizer_threads)
-    val = None
-    if val_files:
-        # one pass, its last batch padded: a loop would count a small split's documents twice
-        val_loader = PackedLoader(val_files, tokenizer, seq_len, rows, shuffle=False, loop=False,
-                                  prefetch=2, threads=data.tokenizer_threads)
-        val = EvalBatches(val_loader, trainer_cfg.eval_batches, host_rows)
-    steps = StepBatches(train, accum, repeat=trainer_cfg.overfit_batches, rows=host_rows)
-    return Loaders(steps, val)
 
 
 def build_run_log(cfg, plan: RunPlan, run_dir: str, engine: Engine, start_step: int):
@@ -333,6 +306,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
     ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
     with naming_lost_peers(engine), contextlib.ExitStack() as held:
         engine.processes.check_same("config", to_plain(cfg))
+        engine.processes.check_same("code", code_fingerprint())
         check_shared(ckpt_dir, engine.processes)
         lease = held.enter_context(checkpoint_dir_lease(ckpt_dir, cfg, engine.processes))
         tokenizer = prepare_data(cfg.data, engine)
@@ -340,6 +314,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
         loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
                                 rows=engine.global_rows, accum=plan.batch.grad_accum_steps,
                                 host_rows=engine.host_rows)
+        engine.processes.check_same("data", loaders.digests())
         module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                            token_bytes=tokenizer.token_bytes)
         resume_from, start_step = resume_point(cfg, ckpt_dir, run_dir, tokenizer, engine, plan)
