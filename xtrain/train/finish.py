@@ -25,6 +25,20 @@ def recorded_kinds(run_dir: str, step: int) -> set[str]:
     return {r.get("kind") for r in read_records(run_dir) if r.get("step") == step}
 
 
+def finish_end(trainer, module, val_loader, callbacks, run_dir: str, processes, cfg,
+               start_step: int, max_steps: int) -> None:
+    """After fit: what the end lacks (a run resumed at its last step, :func:`finish_resumed_end`;
+    a validation of a last step fit did not validate, :func:`validate_end`), then the wait for
+    the last C++ evaluation (none after a stop, which called it off)."""
+    stopped_early = callbacks.checkpointer.preempted
+    if start_step == max_steps:
+        finish_resumed_end(trainer, module, val_loader, callbacks, run_dir, processes, start_step)
+    elif trainer.global_step == max_steps and not stopped_early:
+        validate_end(trainer, module, val_loader, max_steps, cfg.trainer.eval_every or max_steps)
+    if cfg.eval.cpp_every and not stopped_early:
+        wait_for_evaluation(callbacks.cpp_eval, processes)
+
+
 def validate_end(trainer, module, val_loader, step: int, eval_every: int) -> None:
     """The end's validation, the run's final figure, when Lightning's fit, which validates at
     multiples of ``eval_every``, did not give one at the last ``step``."""

@@ -20,8 +20,7 @@ from xtrain.engines.base import Engine
 from xtrain.errors import Terminated
 from xtrain.observe.bundle import code_fingerprint
 from xtrain.plan import RunPlan
-from xtrain.train.finish import (end_status, finish_resumed_end, stopped, validate_end,
-                                 wait_for_evaluation)
+from xtrain.train.finish import end_status, finish_end, stopped
 from xtrain.train.loaders import Loaders, build_loaders
 
 log = logging.getLogger(__name__)
@@ -332,14 +331,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                 accept(run_dir, record)
                 log.info(ACCEPTED)  # a launcher accepts its local record at this line
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
-            if start_step == plan.max_steps:
-                finish_resumed_end(trainer, module, loaders.val, callbacks, run_dir, engine.processes,
-                                   start_step)
-            elif trainer.global_step == plan.max_steps and not callbacks.checkpointer.preempted:
-                validate_end(trainer, module, loaders.val, plan.max_steps,
-                             trainer_cfg.eval_every or plan.max_steps)
-            if cfg.eval.cpp_every and not callbacks.checkpointer.preempted:  # (stopped: called off)
-                wait_for_evaluation(callbacks.cpp_eval, engine.processes)
+            finish_end(trainer, module, loaders.val, callbacks, run_dir, engine.processes, cfg,
+                       start_step, plan.max_steps)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
             status = end_status(callbacks, run_log, trainer.global_step, engine.processes)
         except Terminated:  # SIGTERM before training or after it (xtrain/train/preemption.py)
