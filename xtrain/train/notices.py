@@ -167,6 +167,7 @@ class NoticeWatcher:
     def _watch(self, key: str) -> None:
         noticed, etag, warned = KEYS[key], None, False
         while not self._done.is_set():
+            asked, asked_with = time.monotonic(), etag
             try:
                 value, etag = self._get(key, etag)
             except urllib.error.HTTPError as e:
@@ -185,7 +186,9 @@ class NoticeWatcher:
             if noticed(value) and not self._done.is_set():
                 self.on_notice(f"GCE notice {key}={value.strip()}")
                 return
-            if etag is None:  # a server without ETags cannot long-poll: plain polling
+            # a server without ETags cannot long-poll, and one answering an unchanged ETag at once
+            # does not hold the request: plain polling (else one core spins on requests)
+            if etag is None or (etag == asked_with and time.monotonic() - asked < 1.0):
                 self._done.wait(1.0)
 
     def _watch_maintenance(self) -> None:
