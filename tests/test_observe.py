@@ -107,6 +107,23 @@ def test_loggers_hold_the_metrics_keep_the_wandb_run_across_preemption_and_never
     assert (run_dir / "wandb-run-id").read_text() != first_id
 
 
+def test_tensorboard_shows_the_steps_a_killed_run_redid_once(tmp_path):
+    """A run killed after step 10's checkpoint redoes the steps after it when resumed; TensorBoard
+    showed both attempts of them (the charts ran back over them), now the resumed ones alone."""
+    run_dir = tmp_path / "run"
+    args = ["logger=[jsonl,tensorboard]", "trainer.max_steps=16", "checkpoint.every=10"]
+    proc = xtrain(run_dir, *args)
+    wait_for_step(run_dir, 12, proc)
+    proc.kill()
+    proc.wait()
+    code, _, err = finish(xtrain(run_dir, *args))
+    assert code == 0, err[-3000:]
+    loss = tensorboard_scalars(run_dir / "tensorboard")["loss"]
+    assert [s for s, _ in loss] == list(range(1, 17))
+    resumed = {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"}
+    assert all(value == pytest.approx(resumed[step], rel=1e-6) for step, value in loss)
+
+
 def _on_a_terminal(args: list[str], env: dict, timeout: float = 240) -> tuple[int | None, str]:
     """Run ``python -m xtrain args`` with a pseudo-terminal as stdin, stdout and stderr (where W&B
     would ask for a key); returns (exit code or None if it had to be killed, output)."""
