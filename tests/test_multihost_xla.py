@@ -144,3 +144,18 @@ def test_the_xla_rendezvous_store_carries_the_heartbeat_that_names_a_vanished_ho
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "vanished: rank 1 of 2: no heartbeat for 3 s" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_a_host_whose_launch_number_is_not_its_tpu_worker_number_is_refused():
+    """The launchers number the hosts as listed (RANK; rank 0 holds the run dir's lock and writes
+    its record), the TPU runtime by worker (process 0 writes the metrics and commits checkpoints):
+    hosts listed out of worker order split process 0's work over two hosts. Refused."""
+    from xtrain.errors import ConfigError
+    from xtrain.xla.runtime import check_launch_order
+
+    check_launch_order(1, 4, {"RANK": "1", "WORLD_SIZE": "4"})
+    check_launch_order(0, 1, {})  # a single host started by hand
+    for environ in ({"RANK": "0", "WORLD_SIZE": "4"}, {"RANK": "1", "WORLD_SIZE": "8"}):
+        with pytest.raises(ConfigError, match=r"this host was launched as RANK=\d of WORLD_SIZE=\d, and "
+                                              r"the XLA runtime counts it process 1 of 4: a TPU slice numbers its hosts"):
+            check_launch_order(1, 4, environ)

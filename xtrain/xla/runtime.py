@@ -96,10 +96,31 @@ def host_processes(timeout_s: float):
     from xtrain.engines.processes import Processes, joined
 
     rank, world = xr.process_index(), xr.process_count()
+    check_launch_order(rank, world)
     if world == 1:
         return Processes()
     import torch.distributed as dist
 
+    from xtrain.errors import PeerLost
+
     if not dist.is_initialized():  # torch_xla's xla:// rendezvous finds the hosts itself
-        dist.init_process_group("gloo", init_method="xla://", timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group("gloo", init_method="xla://", timeout=timedelta(seconds=timeout_s))
+        except dist.DistError as e:  # (torch_xla's store waits its own 300 s, whatever timeout_s)
+            raise PeerLost(f"not every host of {world} joined host 0's store: a host that was not "
+                           f"started, or that ended at start (its log says why) ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200]})") from e
     return joined(rank, world, timeout_s)
+
+
+def check_launch_order(rank: int, world: int, environ=os.environ) -> None:
+    """The launchers number the hosts (RANK, WORLD_SIZE; rank 0 holds the run dir's lock and
+    writes its record) and the TPU runtime numbers them too (process 0 writes the metrics and
+    commits checkpoints): refuse a host whose numbers disagree, or two hosts would each do half
+    of process 0's work."""
+    given = environ.get("RANK"), environ.get("WORLD_SIZE")
+    if given != (None, None) and given != (str(rank), str(world)):
+        raise ConfigError(f"this host was launched as RANK={given[0]} of WORLD_SIZE={given[1]}, and "
+                          f"the XLA runtime counts it process {rank} of {world}: a TPU slice numbers "
+                          "its hosts by worker (list them in gcloud's worker order); XLA on CPU is "
+                          "one process (several: hardware.engine=cpu)")
