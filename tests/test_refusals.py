@@ -83,6 +83,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("device-batch-0", ["trainer.device_batch_size=0"], {}, "trainer.device_batch_size=0: must be >= 1"),
     ("device-batch-neg", ["trainer.device_batch_size=-1"], {}, "trainer.device_batch_size=-1: must be >= 1"),
     ("max-steps-0", ["trainer.max_steps=0"], {}, "trainer.max_steps=0: must be >= 1"),
+    ("xla-cpu-hosts", ["hardware=cpu2", "hardware.engine=xla"], {},
+     "hardware=cpu2 has hosts: 2, and XLA on CPU is one process"),
     ("total-batch", ["trainer.total_batch_size=3000"], {}, "trainer.total_batch_size=3,000 is not a multiple"),
     ("log-every-0", ["trainer.log_every=0"], {}, "trainer.log_every=0: must be >= 1"),
     ("eval-every-neg", ["trainer.eval_every=-1"], {}, "trainer.eval_every=-1: must be >= 0"),

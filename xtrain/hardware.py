@@ -34,6 +34,10 @@ def compile_cache_enabled(compile_cache, hw) -> bool:
 def check_profile(hw) -> None:
     """A TPU profile must state every fact, and its facts must agree with each other."""
     if not hw.accelerator_type:
+        if hw.engine == "xla" and hw.hosts > 1:
+            raise ConfigError(f"hardware={hw.name} has hosts: {hw.hosts}, and XLA on CPU is one process "
+                              "(CPU_NUM_DEVICES virtual devices): several processes train with "
+                              "hardware.engine=cpu (gloo)")
         return
     missing = [f for f in REQUIRED_TPU_FACTS if not hw[f]]
     missing += [f"pins.{p}" for p in REQUIRED_PINS if p not in hw.pins]
