@@ -317,3 +317,22 @@ def test_an_enum_written_as_its_member_is_refused_naming_the_plain_value():
                         "written)\n")
     r = _cli("mode=plan", "sample.prompt=Engine.start")  # no member of Engine: a string
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_plan_says_which_setting_sets_the_runs_length(compose_config):
+    """trainer.max_steps wins over trainer.target_tokens_per_param; given both and disagreeing,
+    the plan says the target is not used (it was silently ignored)."""
+    from xtrain.plan import resolve
+
+    lines = {}
+    for name, overrides in (("both", ["trainer.target_tokens_per_param=20"]),
+                            ("steps", []),
+                            ("target", ["trainer.max_steps=null", "trainer.target_tokens_per_param=20"])):
+        cfg = compose_config(overrides)
+        plan = resolve(cfg, 1)
+        lines[name] = next(line for line in plan.describe().splitlines() if line.startswith("steps:"))
+        assert resolve(cfg, 1).describe() == plan.describe()  # resolving again changes nothing
+    assert lines["both"].startswith("steps: 200 x ") and lines["both"].endswith(
+        "; trainer.max_steps sets the length, not trainer.target_tokens_per_param=20")
+    assert "target_tokens_per_param" not in lines["steps"] + lines["target"]
+    assert "(20.00 tokens/param)" in lines["target"]

@@ -165,14 +165,11 @@ def default_device_batch(device_tokens: int, sequence_len: int) -> int:
 
 
 def max_steps(explicit: int | None, tokens_per_param: float | None, params: int, total_batch: int) -> int:
-    if explicit is not None:
-        if explicit < 1:
-            raise ConfigError(f"trainer.max_steps={explicit}: must be >= 1")
+    if explicit is not None:  # (>= 1: the schema's limit)
         return explicit
     if tokens_per_param is None:
         raise ConfigError("set trainer.max_steps or trainer.target_tokens_per_param")
     return max(1, math.ceil(tokens_per_param * params / total_batch))
-
 
 
 @dataclass
@@ -190,6 +187,7 @@ class RunPlan:
     memory: MemoryPlan
     step_seconds: float  # at the profile's expected MFU; 0 when the peak is unknown
     hourly_usd: tuple[float, float]  # (spot, on demand) for the whole slice
+    unused_target: float | None = None  # target_tokens_per_param, when max_steps is given too
 
     @property
     def params(self) -> dict[str, int]:
@@ -214,7 +212,8 @@ class RunPlan:
             f"mesh: {' x '.join(f'{a}={n}' for a, n in self.mesh.items())} on {self.devices} devices",
             self.batch.describe(),
             f"steps: {self.max_steps:,} x {self.batch.total_batch_size:,} tokens = {self.total_tokens:,} "
-            f"tokens ({self.total_tokens / p['total']:.2f} tokens/param)",
+            f"tokens ({self.total_tokens / p['total']:.2f} tokens/param)" + (f"; trainer.max_steps sets the "
+            f"length, not trainer.target_tokens_per_param={self.unused_target:g}" if self.unused_target else ""),
             self.memory.describe(),
         ]
         if self.hosts > 1:
@@ -304,9 +303,9 @@ def resolve(cfg, devices: int) -> RunPlan:
     specs = check_rules(cfg.parallelism.rules, mesh, gpt.param_shapes())
     batch = batch_plan(trainer.device_batch_size, model.sequence_len, batch_parallel(mesh),
                        trainer.total_batch_size)
-    steps = max_steps(trainer.max_steps, trainer.target_tokens_per_param,
-                      gpt.param_counts()["total"], batch.total_batch_size)
-    trainer.max_steps = steps
+    target, args = trainer.target_tokens_per_param, (gpt.param_counts()["total"], batch.total_batch_size)
+    trainer.max_steps = steps = max_steps(trainer.max_steps, target, *args)
+    unused_target = target if target and max_steps(None, target, *args) != steps else None
     memory = memory_per_chip(gpt, specs, mesh, trainer.device_batch_size, hw.precision,
                              hw.hbm_gib_per_chip)
     fpt = flops_per_token(gpt)
@@ -315,7 +314,7 @@ def resolve(cfg, devices: int) -> RunPlan:
     # one process per host: the CPU engine's devices are its processes; XLA on CPU is one process
     hosts = devices if hw.engine == "cpu" else (hw.hosts if hw.accelerator_type else 1)
     return RunPlan(devices, hosts, hw.engine, mesh, gpt, fpt, batch, steps, memory, step_s,
-                   (hw.hourly_usd_spot, hw.hourly_usd_on_demand))
+                   (hw.hourly_usd_spot, hw.hourly_usd_on_demand), unused_target)
 
 
 def check_engine_can_honour(par, hw, mode: Mode = Mode.train) -> None:
