@@ -1,8 +1,10 @@
 """Streaming, resumable loader: parquet shards (any fsspec URL) -> packed ``[rows, T+1]`` batches.
 
 - Work is split into *units* (one parquet row group each). Each epoch shuffles the units with a
-  seed-derived RNG and host ``rank`` takes units ``rank, rank + world, ...``: hosts are disjoint
-  and their union is the epoch.
+  seed-derived RNG. A loader of ``rank`` of ``world`` takes units ``rank, rank + world, ...``
+  (disjoint, their union the epoch); training does not split them so (world 1): every process
+  packs the same global batch and keeps its own rows (xtrain/data/batches.py), so a batch's rows
+  do not depend on the number of processes and a resume on another count is exact.
 - Units are read and tokenized ahead in background threads; a producer thread packs rows and
   keeps ``prefetch`` batches ready, so the training step does not wait on tokenization.
 - Packing is BOS-aligned best-fit (nanochat's): every row starts with a document's BOS; the row
