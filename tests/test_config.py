@@ -53,7 +53,9 @@ def test_run_name_keeps_groups_and_identity_overrides(compose_config, monkeypatc
     assert compose_config(["eval.cpp_every=500"]).run.name == "d4-cpu-cpp_local"
     # nor are the planner's estimates, the length in tokens per parameter, or the compile guard
     for neutral in ("hardware.hourly_usd_spot=2.5", "hardware.expected_mfu=0.4",
-                    "trainer.target_tokens_per_param=30", "trainer.max_compiles=3", "trainer.profile=true"):
+                    "trainer.target_tokens_per_param=30", "trainer.max_compiles=3", "trainer.profile=true",
+                    # how it is spread over the devices: a checkpoint resumes on any mesh
+                    "parallelism=fsdp", "parallelism.fsdp=2", "hardware.engine=xla"):
         assert compose_config([neutral]).run.name == "d4-cpu-cpp_local", neutral
     # an interpolated value is named as it resolves (a run of depth 8 is not the d4 run); one
     # built from the run's own name cannot be, and is left out

@@ -21,7 +21,7 @@ import re
 from xtrain.paths import PRIMARY_CONFIG, cache_root, config_dir
 
 # Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
-NAME_NEUTRAL_KEYS = ("mode",)
+NAME_NEUTRAL_KEYS = ("mode", "parallelism")  # (a checkpoint resumes on any mesh, and engine)
 NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
                          "run.", "checkpoint.", "logger", "sample.", "hydra.", "data.prefetch",
                          "data.tokenizer_threads", "data.remote_timeout_s",
@@ -30,6 +30,7 @@ NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval
                          # how the same training is compiled and run (same losses, same keys)
                          "compile_cache.", "preflight.", "model.scan", "model.remat",
                          "trainer.compile", "trainer.max_compiles", "trainer.profile",
+                         "parallelism.", "hardware.engine",
                          # the run's length, as trainer.max_steps
                          "trainer.target_tokens_per_param",
                          # the planner's estimates and the launchers' VM image
