@@ -464,6 +464,32 @@ def test_a_failed_save_is_said_in_one_line_naming_a_disk_too_full_for_it(tmp_pat
         "OSError: 503 from the bucket")  # an object store: no disk to measure
 
 
+SHARDED_SIZE = """
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
+from xtrain.checkpoint import io
+from xtrain.checkpoint.async_io import _nbytes
+xr.use_spmd()
+w = torch.zeros(1024, 1024).to(torch_xla.device())
+xs.mark_sharding(w, xs.Mesh(np.arange(4), (4,), ("fsdp",)), ("fsdp", None))
+print("BYTES", _nbytes(io.snapshot({"w": w}, sharded=True)))
+"""
+
+
+def test_a_sharded_snapshot_counts_its_bytes_for_the_disk_hint():
+    """The XLA engine's snapshot holds this host's shards (torch_xla's own type): counted as
+    nothing, a full disk was never named as the cause of a failed sharded save."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch_xla")
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    r = subprocess.run([sys.executable, "-c", SHARDED_SIZE], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"BYTES {1024 * 1024 * 4}" in r.stdout  # (one host holds all 4 devices' shards)
+
+
 def test_on_gcs_a_checkpoint_is_set_aside_whole(gcs_bucket):
     """Object stores have no rename: a server-side copy, then the original removed."""
     bucket, _ = gcs_bucket

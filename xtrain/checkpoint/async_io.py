@@ -30,7 +30,10 @@ def _nbytes(obj) -> int:
         return obj.nbytes
     if isinstance(obj, dict):
         return sum(map(_nbytes, obj.values()))
-    return sum(map(_nbytes, obj)) if isinstance(obj, (list, tuple)) else 0
+    if isinstance(obj, (list, tuple)):
+        return sum(map(_nbytes, obj))
+    # a sharded snapshot's entry (torch_xla's _CpuShards): this host's shards
+    return sum(_nbytes(shard.data) for shard in getattr(obj, "shards", ()))
 
 
 def _disk_short(path: str, needed: int) -> str | None:
