@@ -268,6 +268,36 @@ def test_sigkill_of_one_rank_is_named_and_the_newest_checkpoint_resumes(tmp_path
     assert max(losses(run)) == steps
 
 
+FAILING_RANK_1 = """
+import os, sys
+from xtrain.train.module import GPTModule
+step = GPTModule.training_step
+def failing(self, batch, batch_idx):  # a fault injected into rank 1's real step
+    if os.environ["RANK"] == "1" and self.trainer.global_step == 5:
+        raise RuntimeError("injected on rank 1 at step 5")
+    return step(self, batch, batch_idx)
+GPTModule.training_step = failing
+sys.argv[0] = "xtrain"
+from xtrain.cli import main
+main()
+"""
+
+
+def test_a_ranks_own_error_is_named_in_the_runs_log(tmp_path):
+    """Rank 1 fails with an error of its own: rank 0, whose log is the run's, says which rank was
+    lost and also why (it said only "lost rank 1"; the cause was in rank 1's own log alone)."""
+    run = tmp_path / "run"
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-c", FAILING_RANK_1, *COMMON, *TWO, f"hydra.run.dir={run}"]
+    procs = [start(cmd, {**launch, "RANK": str(rank)}) for rank in (0, 1)]
+    (code0, _, err0), (code1, _, err1) = finish_all(procs, timeout=240)
+    assert code1 != 0 and "injected on rank 1 at step 5" in err1, err1[-2000:]
+    assert code0 == 3, err0[-2000:]
+    assert ("xtrain: peer error: lost rank 1 of 2: no heartbeat for 3 s (its error, rank 1: "
+            "RuntimeError: injected on rank 1 at step 5)") in err0
+    assert "injected on rank 1 at step 5" in (run / "console.log").read_text()
+
+
 def test_a_process_whose_peer_never_joins_says_so_within_the_timeout(tmp_path):
     """Rank 0 started without rank 1, and rank 1 without rank 0 (each as if the other's host
     refused its command at start): each ends as a lost peer (exit 3), saying what it waited for."""

@@ -162,6 +162,14 @@ class Processes:
         """Which process is gone, in words, or None when all are alive (or it cannot be told)."""
         return self.heartbeat.vanished() if self.heartbeat else None
 
+    def say_failed(self, error: Exception) -> None:
+        """This process's ``error``, in a line, for the others to name (secrets masked)."""
+        if self.heartbeat:
+            from xtrain.observe.bundle import mask_secrets
+
+            lines = mask_secrets(str(error)).splitlines() or [""]
+            self.heartbeat.say_failed(f"{type(error).__name__}: {lines[0][:300]}")
+
     def close(self) -> None:
         """Stop the heartbeat and leave the process groups (at the end of a run: a store call or
         a gloo group left to the interpreter's exit can abort the process)."""
@@ -242,8 +250,15 @@ class Heartbeat:
         if not gone:
             return None
         ranks = ", ".join(map(str, gone))
+        said = [f"rank {r}: {store.get(f'error{r}').decode()}" for r in gone if store.check([f"error{r}"])]
         return (f"rank{'s' if len(gone) > 1 else ''} {ranks} of {self.world}: no heartbeat for "
-                f"{3 * self.INTERVAL_S:.0f} s")
+                f"{3 * self.INTERVAL_S:.0f} s" + (f" (its error, {'; '.join(said)})" if said else ""))
+
+    def say_failed(self, text: str) -> None:
+        """Leave this process's error where the others read it when they find it gone
+        (:meth:`vanished`): the run's log is process 0's, a failing host's own log is not."""
+        with contextlib.suppress(Exception):  # (the store's host may be gone too)
+            self.store(timeout_s=5.0).set(f"error{self.rank}", text)
 
     def stop(self) -> None:
         self._stop.set()

@@ -273,6 +273,7 @@ def naming_lost_peers(engine: Engine):
     except Exception as e:
         if engine.world == 1 or isinstance(e, (InputError, PeerLost)):  # own refusals: no wait
             raise
+        engine.processes.say_failed(e)  # (named by the others if this process is the one gone)
         lost = engine.processes.vanished()
         if not lost:
             raise
