@@ -720,6 +720,18 @@ def test_a_sweep_refuses_a_bad_job_before_running_any(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_sweep_refuses_a_job_too_big_for_this_machine_before_running_any(tmp_path):
+    """The CPU engine's memory check depends on the config and this machine alone: a local sweep
+    makes it for every job first (job 1 trained, then the sweep ended at job 2)."""
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *TINY, "model.depth=2,96", "trainer.max_steps=1",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1].startswith("xtrain: config error: sweep job 2 of 2 (")
+    assert "does not fit this machine: memory/chip: " in r.stderr.splitlines()[-1]
+    assert not (tmp_path / "sweep").exists()
+
+
 @pytest.mark.parametrize("overrides, job, expected", [
     (["hardware=cpu,_v6e"], 2, "hardware=_v6e: a base that the group's options extend"),
     (["optim.matrix_lr=0.01,0.02", "+trainer.max_step=5"], 1,

@@ -74,6 +74,13 @@ def run(cfg, run_dir: str) -> dict | None:
         return run_checked(cfg, run_dir, None)
 
 
+def check_host_memory(cfg) -> None:
+    """A training on the CPU engine refused when its state cannot fit this machine's memory
+    (xtrain/hardware.py check_fits_host); a local sweep checks it for every job first."""
+    if cfg.mode == Mode.train and cfg.hardware.engine == Engine.cpu:
+        check_fits_host(resolve(cfg, run_devices(cfg.hardware)).memory)
+
+
 def check_environment(cfg) -> None:
     """What a training needs of this process's environment, checked with the config (a launch
     checks it on the workers): the W&B key for online logging, the C++ evaluation's compiler and
@@ -81,8 +88,7 @@ def check_environment(cfg) -> None:
     on the CPU engine the machine's memory for its state (xtrain/hardware.py check_fits_host)."""
     if cfg.mode != Mode.train:
         return
-    if cfg.hardware.engine == Engine.cpu:
-        check_fits_host(resolve(cfg, run_devices(cfg.hardware)).memory)
+    check_host_memory(cfg)
     if cfg.logger.wandb is not None:
         from xtrain.observe.wandb_run import choose_mode
 

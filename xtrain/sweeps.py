@@ -25,7 +25,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     from xtrain.launcher import is_remote
     from xtrain.launcher.fleet import check_job
     from xtrain.launcher.hydra_jobs import check_workers_compose_it
-    from xtrain.modes import check_config
+    from xtrain.modes import check_config, check_host_memory
 
     checkpoint_dirs: dict[str, int] = {}  # a training's checkpoint dir -> the job training there
     try:
@@ -41,6 +41,8 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                 if is_remote(hydra_cfg.launcher):
                     check_workers_compose_it(hydra_cfg)
                 check_config(job)
+                if not is_remote(hydra_cfg.launcher):  # (a launch checks it on its workers)
+                    check_host_memory(job)
                 check_own_checkpoint_dir(job, hydra_cfg, number, checkpoint_dirs)
                 if is_remote(hydra_cfg.launcher):  # the fleet's: keys, zone, gcloud, pool
                     check_job(hydra_cfg.launcher, job.hardware, job.checkpoint.dir)
