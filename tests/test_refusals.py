@@ -62,7 +62,11 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("splash-head-dim", ["hardware=v6e4", "model=d4", "model.window_pattern=SL",
                          "model.attention=flash", "mode=plan"], {},
      "model.head_dim=64: layers [0, 2] run splash attention on the TPU (model.attention=flash, "
-     "model.window_pattern), whose kernel takes head_dim in multiples of 128"),
+     "model.window_pattern), whose kernel takes head_dim in multiples of 128; use a head_dim of "
+     "128, or a model.window_pattern without sliding-window layers, or model.attention=sdpa"),
+    ("splash-head-dim-all", ["hardware=v6e4", "model=d4", "model.attention=splash", "mode=plan"], {},
+     "whose kernel takes head_dim in multiples of 128; use a head_dim of 128, or "
+     "model.attention=flash with full-context layers only, or model.attention=sdpa"),
     ("sweep-with-cfg", ["-m", "--cfg", "job"], {},
      "xtrain: config error: --cfg with --multirun: Hydra takes one of --run, --multirun, --cfg"),
     ("flash-on-cpu", ["model.attention=flash"], {},

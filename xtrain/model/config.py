@@ -112,11 +112,15 @@ class GPTConfig:
         step, on the VM."""
         splash = [i for i, w in enumerate(self.windows) if tpu_kernel(self.attention, w) == "splash"]
         if splash and self.head_dim % SPLASH_HEAD_DIM:
+            # flash runs only full-context layers as flash: a pattern without windows helps there
+            instead = ("model.attention=flash with full-context layers only, or model.attention=sdpa"
+                       if self.attention == "splash" else
+                       "a model.window_pattern without sliding-window layers, or model.attention=sdpa")
             raise ConfigError(
                 f"model.head_dim={self.head_dim}: layers {splash} run splash attention on the TPU "
                 f"(model.attention={self.attention}, model.window_pattern), whose kernel takes "
                 f"head_dim in multiples of {SPLASH_HEAD_DIM}; use a head_dim of {SPLASH_HEAD_DIM}, "
-                "or a pattern without S (sliding) layers")
+                f"or {instead}")
 
     @property
     def kv_dim(self) -> int:
