@@ -283,8 +283,8 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
     check_host(cfg.hardware)
     data, ckpt_dir = cfg.data, checkpoint_dir(cfg, run_dir)
     built = [data.build_dir, *data.build_sources] if data.build_sources else []
-    remote = [u for u in (data.train_files, data.tokenizer, ckpt_dir, cfg.checkpoint.resume, *built)
-              if u and not is_local(u)]
+    remote = [u for u in (data.train_files, data.tokenizer, ckpt_dir, cfg.checkpoint.resume,
+                          cfg.compile_cache.dir, *built) if u and not is_local(u)]
     what = ", ".join(sorted({"/".join(u.split("/")[:3]) for u in remote})) or "local paths"
     if remote:
         within(data.remote_timeout_s, what, lambda: _check_paths(cfg, gpt, ckpt_dir, run_dir))

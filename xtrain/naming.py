@@ -21,7 +21,7 @@ import re
 from xtrain.paths import PRIMARY_CONFIG, cache_root, config_dir
 
 # Overrides that do not change what is trained, so they keep the run's name (and its checkpoints).
-NAME_NEUTRAL_KEYS = ("mode", "parallelism")  # (a checkpoint resumes on any mesh, and engine)
+NAME_NEUTRAL_KEYS = ("mode",)
 NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval", "trainer.sample",
                          "run.", "checkpoint.", "logger", "sample.", "hydra.", "data.prefetch",
                          "data.tokenizer_threads", "data.remote_timeout_s",
@@ -30,7 +30,6 @@ NAME_NEUTRAL_PREFIXES = ("trainer.max_steps", "trainer.log_every", "trainer.eval
                          # how the same training is compiled and run (same losses, same keys)
                          "compile_cache.", "preflight.", "model.scan", "model.remat",
                          "trainer.compile", "trainer.max_compiles", "trainer.profile",
-                         "parallelism.", "hardware.engine",
                          # the run's length, as trainer.max_steps
                          "trainer.target_tokens_per_param",
                          # the planner's estimates and the launchers' VM image
@@ -174,16 +173,17 @@ def run_name(*, _root_) -> str:
         return NAME_PENDING
     hc = HydraConfig.get()
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)
-    kept = [resolved_override(o, _root_) if interpolates(o) else o for o in overrides]
-    return compose_name(dict(hc.runtime.choices), [o for o in kept if o], sweep=hc.mode == RunMode.MULTIRUN,
+    sweep = hc.mode == RunMode.MULTIRUN
+    kept = [resolved_override(o, _root_, sweep) if interpolates(o) else o for o in overrides]
+    return compose_name(dict(hc.runtime.choices), [o for o in kept if o], sweep=sweep,
                         primary=other_primary_config(hc))
 
 
-def resolved_override(override: str, root) -> str | None:
+def resolved_override(override: str, root, sweep: bool) -> str | None:
     """An override whose value interpolates (``'model.depth=${oc.env:D}'``) with its value in
     the composed config ``root``, so that the name holds what is trained: a string by its digest
-    (it may be a secret: a token, a signed URL), but ``checkpoint.resume``'s path as it is (a
-    command reading that checkpoint is named after its run, :func:`compose_name`). None for
+    (it may be a secret: a token, a signed URL), but outside a sweep ``checkpoint.resume``'s path
+    as it is (a command reading that checkpoint is named after its run, :func:`compose_name`). None for
     Hydra's own keys, a value that does not resolve to one plain value, and one built from the
     run's own name (``checkpoint.dir=gs://b/${run.name}``, which is not known yet)."""
     from enum import Enum
@@ -200,10 +200,10 @@ def resolved_override(override: str, root) -> str | None:
         _RESOLVING_OVERRIDE.reset(token)
     if value is None or isinstance(value, Container) or NAME_PENDING in str(value):
         return None
-    if isinstance(value, str) and key != "checkpoint.resume":
+    if isinstance(value, Enum):  # (xtrain's enums are str's too)
+        value = value.value
+    elif isinstance(value, str) and not (key == "checkpoint.resume" and not sweep):
         value = "sha-" + hashlib.sha256(value.encode()).hexdigest()[:8]
-    elif isinstance(value, Enum):
-        value = value.name
     elif isinstance(value, bool):
         value = str(value).lower()
     return f"{key}={value}"

@@ -67,7 +67,13 @@ def check_own_checkpoint_dir(job, hydra_cfg, number: int, taken: dict[str, int])
 
     if job.mode != Mode.train:
         return
-    directory = checkpoint_dir(job, f"{hydra_cfg.sweep.dir}/{hydra_cfg.sweep.subdir}").rstrip("/")
+    try:
+        run_dir = f"{hydra_cfg.sweep.dir}/{hydra_cfg.sweep.subdir}"
+    except Exception:  # noqa: BLE001  (set by the launcher, ${hydra.job.num}: one dir per job)
+        run_dir = None
+    if run_dir is None and not job.checkpoint.dir:
+        return
+    directory = checkpoint_dir(job, run_dir).rstrip("/")
     first = taken.setdefault(location(directory), number)  # ckpt, ./ckpt, file://...: one dir
     if first == number:
         return

@@ -243,14 +243,15 @@ class Heartbeat:
             before = [store.add(self._key(r), 0) for r in range(self.world)]
             time.sleep(3 * self.INTERVAL_S)
             after = [store.add(self._key(r), 0) for r in range(self.world)]
+            gone = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
+            said = [f"rank {r}: {store.get(f'error{r}').decode()}" for r in gone
+                    if store.check([f"error{r}"])]
         except Exception as e:  # noqa: BLE001  (connection refused, reset, timeout...)
             return (f"rank 0 of {self.world} (or the launcher hosting the rendezvous store at "
                     f"{self.address}:{self.port}): the store is unreachable ({type(e).__name__})")
-        gone = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
         if not gone:
             return None
         ranks = ", ".join(map(str, gone))
-        said = [f"rank {r}: {store.get(f'error{r}').decode()}" for r in gone if store.check([f"error{r}"])]
         return (f"rank{'s' if len(gone) > 1 else ''} {ranks} of {self.world}: no heartbeat for "
                 f"{3 * self.INTERVAL_S:.0f} s" + (f" (its error, {'; '.join(said)})" if said else ""))
 

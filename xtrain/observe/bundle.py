@@ -156,13 +156,13 @@ def _changed_key_files(root: Path) -> list[str]:
     return sorted(found)
 
 
-CODE_PACKAGES = ("torch", "lightning", "torch_xla", "libtpu", "jax", "numpy", "tokenizers")
+CODE_PACKAGES = ("torch", "lightning", "torch_xla")  # what computes the step and its gradients
 
 
 def code_fingerprint() -> dict:
     """What the processes of one run must share to train as one model: xtrain's own source (a
-    digest of every file of the package) and the versions of Python and the stack. A process
-    started from another checkout, or a host with another torch, trains another model."""
+    digest of every file of the package) and the versions of Python and of what computes the step.
+    A process started from another checkout, or a host with another torch, trains another model."""
     import hashlib
     import platform
 
@@ -172,7 +172,7 @@ def code_fingerprint() -> dict:
     digest = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):
         digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return {"xtrain source": digest.hexdigest()[:16], "python": platform.python_version(),
+    return {"xtrain source": digest.hexdigest()[:16], "python": ".".join(platform.python_version_tuple()[:2]),
             **installed_versions(CODE_PACKAGES)}
 
 

@@ -54,7 +54,7 @@ def committed_weights(config, path: str, stopping: threading.Event):
     upload gave up, or retention removed it before it was read)."""
     deadline = time.monotonic() + COMMIT_WAIT_S
     while not is_committed(path):
-        if stopping.wait(1.0) or time.monotonic() > deadline or _passed_over(path):
+        if stopping.wait(2.0) or time.monotonic() > deadline or _passed_over(path):
             return None
     return GPT.from_weights(config, read_model_weights(path))
 
@@ -197,7 +197,7 @@ class CppEvalCallback(L.Callback):
         """After training (xtrain/train/finish.py): the running evaluation's record, then the
         deferred last step's."""
         self.collect(wait=True)
-        if self.deferred is not None:
+        if self.deferred is not None and not (self.stop is not None and self.stop.requested):
             (step, model), self.deferred = self.deferred, None
             self.evaluate(step, model)
             self.collect(wait=True)

@@ -8,6 +8,7 @@ samples and checkpoint metadata (``engine.processes`` is the one source of that 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import platform
@@ -259,6 +260,10 @@ def train(cfg, plan: RunPlan, run_dir: str, record: str | None = None) -> dict:
         return train_on(engine, cfg, plan, run_dir, record)
     finally:
         engine.processes.close()
+        # the model and optimizer state stay on the devices after fit (xtrain/xla/lightning.py's
+        # teardown) and the trainer and module refer to each other: freed now, for the next job
+        # of a sweep in this process
+        gc.collect()
 
 
 @contextlib.contextmanager
