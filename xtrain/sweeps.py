@@ -43,7 +43,9 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                 check_config(job)
                 if not is_remote(hydra_cfg.launcher):  # (a launch checks it on its workers)
                     check_host_memory(job)
-                check_own_checkpoint_dir(job, hydra_cfg, number, checkpoint_dirs)
+                # (a launched job's run dir is on its worker: only an explicit dir is shared)
+                check_own_checkpoint_dir(job, None if is_remote(hydra_cfg.launcher) else hydra_cfg,
+                                         number, checkpoint_dirs)
                 if is_remote(hydra_cfg.launcher):  # the fleet's: keys, zone, gcloud, pool
                     check_job(hydra_cfg.launcher, job.hardware, job.checkpoint.dir)
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
@@ -58,8 +60,8 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
 def check_own_checkpoint_dir(job, hydra_cfg, number: int, taken: dict[str, int]) -> None:
     """Trainings given one checkpoint dir take each other's checkpoints (each would resume from,
     or prune, the other's), so each job trains in its own: an explicit ``checkpoint.dir``, or its
-    run dir's (which jobs given one ``run.name`` share). ``taken`` maps the dirs of the jobs
-    before (which it records this one's in)."""
+    run dir's (which jobs given one ``run.name`` share; ``hydra_cfg`` None: not known here).
+    ``taken`` maps the dirs of the jobs before (which it records this one's in)."""
     from xtrain.config import Mode
     from xtrain.errors import ConfigError
     from xtrain.inputs import checkpoint_dir
@@ -68,7 +70,7 @@ def check_own_checkpoint_dir(job, hydra_cfg, number: int, taken: dict[str, int])
     if job.mode != Mode.train:
         return
     try:
-        run_dir = f"{hydra_cfg.sweep.dir}/{hydra_cfg.sweep.subdir}"
+        run_dir = f"{hydra_cfg.sweep.dir}/{hydra_cfg.sweep.subdir}" if hydra_cfg is not None else None
     except Exception:  # noqa: BLE001  (set by the launcher, ${hydra.job.num}: one dir per job)
         run_dir = None
     if run_dir is None and not job.checkpoint.dir:

@@ -57,12 +57,15 @@ def checkpoint_dir_lease(directory: str, cfg, processes):
     first process, None elsewhere."""
     from xtrain.checkpoint.lease import Lease
 
-    lease = None
-    if cfg.checkpoint.lease_s:
-        lease = processes.primary_first("taking checkpoint.dir's lease", lambda: Lease(
-            directory, cfg.run.name, cfg.checkpoint.lease_s).acquire())
+    made = []  # the Lease, kept from before it is taken: a stop (Terminated) landing between its
+    # file's write and this block's start still releases it
+
+    def take():
+        made.append(Lease(directory, cfg.run.name, cfg.checkpoint.lease_s))
+        return made[0].acquire()
+
     try:
-        yield lease
+        yield processes.primary_first("taking checkpoint.dir's lease", take) if cfg.checkpoint.lease_s else None
     finally:
-        if lease is not None:
+        for lease in made:
             lease.release()
