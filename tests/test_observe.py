@@ -166,37 +166,28 @@ def test_the_first_step_of_a_start_is_logged_whatever_log_every(tmp_path):
     assert train == [1, 4, 5, 10, 12]  # each start's first and last step, and every tenth
 
 
-def test_a_diverged_run_is_said_once_and_still_ends_with_its_checkpoint(tmp_path):
+def test_a_diverged_run_is_said_once_above_the_bar_and_still_ends_with_its_checkpoint(tmp_path):
     """Learning rates far too high make the loss NaN: said once, at the first logged step that
-    has it; the end's sample (on NaN probabilities it once crashed the run, and every re-run of
-    it at its end) is skipped and recorded, so the same command again has nothing left to do."""
-    run_dir = tmp_path / "run"
-    args = ["trainer.max_steps=10", "trainer.log_every=1", "trainer.sample_tokens=8",
+    has it, on a terminal above the progress bar (a warning was glued to the bar's end: written
+    to the stderr of before the bar). The end's sample (on NaN probabilities it crashed the run,
+    and every re-run of it at its end) is skipped and recorded: the same command again has nothing
+    left to do. With stdout closed (``>&-``, some service wrappers) a run trains as with a pipe
+    (it failed at its first line)."""
+    run_dir = tmp_path / "tty"
+    args = [*TINY, "trainer.log_every=1", "trainer.max_steps=6", "trainer.sample_tokens=8",
             "optim.embedding_lr=1e30", "optim.unembedding_lr=1e30", "optim.grad_clip=0"]
-    code, out, err = finish(xtrain(run_dir, *args))
-    assert code == 0, err[-3000:]
+    code, out = _on_a_terminal([*args, f"hydra.run.dir={run_dir}"], dict(os.environ))
+    assert code == 0, out[-3000:]
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     first_nan = next(r["step"] for r in train if r["loss"] != r["loss"])
-    assert err.count("the training diverged") == 1
-    assert f"xtrain: warning: the loss is nan at step {first_nan}: the training diverged" in err
-    assert "step     10 | sample skipped: the weights hold NaN or inf" in out
-    assert (run_dir / "checkpoints" / "step_000010" / "COMMITTED").exists()
-    code, out, err = finish(xtrain(run_dir, *args))
-    assert code == 0 and "running now" not in out, err[-3000:]
-
-
-def test_a_warning_on_a_terminal_starts_its_own_line_and_a_closed_stdout_still_trains(tmp_path):
-    """On a terminal, a warning during training is written above the progress bar (it was glued
-    to the bar's end: written to the stderr of before the bar); with stdout closed (``>&-``,
-    some service wrappers) the run trains as with a pipe (it failed at its first line)."""
-    diverging = ["trainer.max_steps=6", "optim.embedding_lr=1e30", "optim.unembedding_lr=1e30",
-                 "optim.grad_clip=0"]
-    code, out = _on_a_terminal([*TINY, "trainer.log_every=1", *diverging,
-                                f"hydra.run.dir={tmp_path / 'tty'}"], dict(os.environ))
-    assert code == 0, out[-3000:]
-    # after the bar's "erase line", as the INFO lines (once it followed the bar's last cell)
+    # after the bar's "erase line", as the INFO lines
     assert out.count("the training diverged") == 1, out[-3000:]
-    assert "\x1b[2Kxtrain: warning: the loss is nan at step" in out, out[-3000:]
+    assert f"\x1b[2Kxtrain: warning: the loss is nan at step {first_nan}: the training diverged" in out
+    assert "step      6 | sample skipped: the weights hold NaN or inf" in out
+    assert (run_dir / "checkpoints" / "step_000006" / "COMMITTED").exists()
+    code, again, err = finish(subprocess.Popen([sys.executable, "-m", "xtrain", *args, f"hydra.run.dir={run_dir}"],
+                                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    assert code == 0 and "running now" not in again, err[-3000:]
     closed = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "trainer.max_steps=2",
                              f"hydra.run.dir={tmp_path / 'closed'}"], cwd=ROOT, stdout=None,
                             stderr=subprocess.PIPE, text=True, timeout=240, preexec_fn=lambda: os.close(1))

@@ -137,7 +137,9 @@ def check_split(hlo, split, mesh):
         assert where == [coords[a] if a else 0 for a in split], (hlo, split, device, coords)
 
 
-@pytest.mark.parametrize("devices", [4, 8])
+# 8 devices (a v6e-8's count) checks the same rules on a bigger mesh: with `slow`, to keep the
+# default suite near its time budget
+@pytest.mark.parametrize("devices", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_parallelisms_match_the_cpu_engine_and_shard_as_declared(devices, cpu_reference, tmp_path):
     jobs = []
     for par in ("dp", "fsdp", "fsdp_tp"):
