@@ -15,7 +15,7 @@ import statistics
 import sys
 
 from xtrain.errors import EXIT_REFUSED, InputError
-from xtrain.observe.plots import eval_metrics, metric_names, png, read_records, series, write_png
+from xtrain.observe.plots import eval_metrics, metric_names, png, read_records, series
 from xtrain.paths import as_url, url_to_fs, write_whole
 
 DEFAULT_METRICS = ("loss", "val_loss", "val_bpb", "tok_per_s", "mfu")
@@ -121,8 +121,8 @@ def report(paths: list[str], out: str, metrics: str | None = None) -> list[dict]
     make_out_dir(out)
     for metric in chosen:
         lines = [(labels[name], *series(records, metric)) for name, records in runs.items()]
-        write_png(f"{out.rstrip('/')}/{metric}.png",
-                  png(metric, metric, [line for line in lines if line[1]]))
+        write_whole(f"{out.rstrip('/')}/{metric}.png",
+                    png(metric, metric, [line for line in lines if line[1]]))
     rows = [summary_row(name, records, scores) for name, records in runs.items()]
     write_whole(f"{out.rstrip('/')}/summary.md", table_markdown(rows).encode())
     buffer = io.StringIO()

@@ -16,18 +16,17 @@ import os
 from xtrain.launcher.logs import furthest_logged_step, log_path
 from xtrain.naming import names_checkpoint
 from xtrain.observe.wandb_run import RUN_ID_ENV, run_id
-from xtrain.paths import is_local
+from xtrain.paths import is_local, write_whole
 
 LAUNCH_RECORD = "launch.json"
 
 
 def record_attempt(job_dir: str, job_id: str, attempt: str, workers, remote_job_dir: str,
                    remote_run_dir: str) -> None:
-    path = os.path.join(job_dir, LAUNCH_RECORD)
-    with open(path + ".tmp", "w") as f:  # replaced whole: a launch killed here leaves the old one
-        json.dump({"job": job_id, "attempt": attempt, "hosts": [w.host for w in workers],
-                   "remote_job_dir": remote_job_dir, "remote_run_dir": remote_run_dir}, f, indent=1)
-    os.replace(path + ".tmp", path)
+    record = {"job": job_id, "attempt": attempt, "hosts": [w.host for w in workers],
+              "remote_job_dir": remote_job_dir, "remote_run_dir": remote_run_dir}
+    # replaced whole: a launch killed here leaves the old one
+    write_whole(os.path.join(job_dir, LAUNCH_RECORD), json.dumps(record, indent=1).encode())
 
 
 def earlier_attempt(job_dir: str) -> dict | None:

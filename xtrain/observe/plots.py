@@ -110,10 +110,6 @@ def png(title: str, ylabel: str, lines: list[tuple[str, list, list]]) -> bytes:
     return out.getvalue()
 
 
-def write_png(path: str, data: bytes) -> None:
-    write_whole(path, data)  # a chart that fails to write leaves the one before it
-
-
 def write_run_plots(run_dir: str, records: list[dict] | None = None) -> list[str]:
     """The run's charts in ``<run dir>/plots/``: loss, validation bpb, throughput and, when the run
     has evaluation scores, eval.png. Charts without data are skipped. Returns the paths."""
@@ -132,6 +128,6 @@ def write_run_plots(run_dir: str, records: list[dict] | None = None) -> list[str
         lines = [line for line in lines if line[1]]
         if lines:
             path = f"{run_dir.rstrip('/')}/plots/{name}"
-            write_png(path, png(title, ylabel, lines))
+            write_whole(path, png(title, ylabel, lines))  # a failed write keeps the last chart
             written.append(path)
     return written

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from xtrain.compat import installed_versions
 from xtrain.config import to_plain
 from xtrain.hardware import libtpu_init_args
-from xtrain.paths import cache_root
+from xtrain.paths import cache_root, write_whole
 
 STACK = ("torch", "torch_xla", "jax", "jaxlib", "libtpu", "flax")
 # relative to the xtrain package; directories stand for every .py file below them
@@ -66,8 +65,5 @@ def cached_report(cfg, plan) -> dict | None:
 
 
 def store_report(cfg, plan, report: dict) -> None:
-    path = cache_path(cfg, plan)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_suffix(f".tmp{os.getpid()}")
-    tmp_path.write_text(json.dumps(report, indent=1))
-    os.replace(tmp_path, path)  # readers see the old report or the new one, never half
+    # readers see the old report or the new one, never half
+    write_whole(str(cache_path(cfg, plan)), json.dumps(report, indent=1).encode())
