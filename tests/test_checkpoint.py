@@ -341,7 +341,7 @@ def test_a_run_made_longer_says_its_learning_rate_schedule_changes(tmp_path):
     assert code == 0, err[-3000:]
     code, _, err = finish(xtrain(tmp_path / "run", "trainer.max_steps=6", "optim.warmdown_ratio=0.5"))
     assert code == 0, err[-3000:]
-    assert (f"step_000003 was trained toward step 3, this run toward step 6 (trainer.max_steps): "
+    assert ("step_000003 was trained toward step 3, this run toward step 6 (trainer.max_steps): "
             "the learning rate follows the new length's schedule (warmup, warmdown) from step 3 on") in err
     lrs = {r["step"]: r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "lr" in r}
     assert lrs[4] > lrs[3]  # what the line warns of
@@ -435,12 +435,34 @@ def test_a_run_resumed_at_its_last_step_runs_the_end_its_log_lacks(tmp_path):
     of the end taken out) and run again resumes at its last step with nothing to train, and
     runs the validation and sample its log lacks, with the checkpoint's weights: the figures
     the run had given, recorded once. The end always has a validation, also where the last step
-    is not a multiple of trainer.eval_every (after Lightning's fit, which validates only there)."""
-    command = ["trainer.max_steps=6", "trainer.eval_batches=2", "trainer.sample_tokens=4"]
+    is not a multiple of trainer.eval_every (after Lightning's fit, which validates only there).
+    The same at a periodic step: a stop commits the step's checkpoint and ends before its
+    validation and sample (here: the run cut back to step 4, after step 2's); resumed there,
+    both are made before step 5, and the steps after train as before."""
+    ending = ["trainer.max_steps=6", "trainer.eval_batches=2"]
+    command = [*ending, "trainer.sample_tokens=4", "trainer.eval_every=2", "trainer.sample_every=2",
+               "checkpoint.every=2"]
     run_dir = tmp_path / "run"
     code, _, err = finish(xtrain(run_dir, *command))
     assert code == 0, err[-3000:]
     records = read_jsonl(run_dir / "metrics.jsonl")
+    cut = tmp_path / "cut"
+    shutil.copytree(run_dir, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_000006")
+    (cut / "metrics.jsonl").write_text("".join(
+        json.dumps(r) + "\n" for r in records
+        if r["step"] < 4 or (r["step"] == 4 and r["kind"] in ("train", "checkpoint"))))
+    code, out, err = finish(xtrain(cut, *command))
+    assert code == 0, err[-3000:]
+    assert "step 4 was trained before this command, but its val, sample were not recorded" in out
+    resumed = [r for r in read_jsonl(cut / "metrics.jsonl") if r["kind"] in ("val", "sample")]
+    assert [(r["step"], r["kind"]) for r in resumed] == [(2, "sample"), (2, "val"), (4, "sample"),
+                                                         (4, "val"), (6, "val"), (6, "sample")]
+    figures = ("val_loss", "val_bpb", "samples")
+    assert [{k: r[k] for k in figures if k in r} for r in resumed] == \
+        [{k: r[k] for k in figures if k in r} for r in records if r["kind"] in ("val", "sample")]
+    straight, again = losses(run_dir), losses(cut)
+    assert max(straight) == 6 and all(again[step] == straight[step] for step in straight)
     ended = {r["kind"]: r for r in records if r["step"] == 6 and r["kind"] in ("val", "sample")}
     assert set(ended) == {"val", "sample"}
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records
@@ -458,7 +480,7 @@ def test_a_run_resumed_at_its_last_step_runs_the_end_its_log_lacks(tmp_path):
     assert code == 0 and "running now" not in out, err[-3000:]
     kinds = [r["kind"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == 6]
     assert sorted(kinds) == ["checkpoint", "sample", "train", "val"], kinds
-    uneven = [*command, "trainer.eval_every=4", "trainer.sample_tokens=0"]
+    uneven = [*ending, "trainer.eval_every=4", "trainer.sample_tokens=0"]
     code, out, err = finish(xtrain(tmp_path / "uneven", *uneven))
     assert code == 0, err[-3000:]
     assert "step 6, the last, is not a multiple of trainer.eval_every=4: validating it" in out
@@ -501,6 +523,27 @@ def test_retention_keeps_last_k_and_every_nth():
     assert stale_checkpoints(steps, keep_last=2, keep_every=0) == [10, 20, 30, 40]
     assert stale_checkpoints(steps, keep_last=2, keep_every=20) == [10, 30]
     assert stale_checkpoints([10], keep_last=2, keep_every=0) == []
+
+
+def test_a_resumed_run_judges_the_evaluations_its_log_lacks_whose_checkpoints_are_kept(tmp_path):
+    """The C++ evaluations a stop called off (xtrain/train/catch_up.py): steps before the resume
+    step, a multiple of eval.cpp_every, without an eval record, with a committed checkpoint; none
+    at all without a run log (a run dir on a new VM: what was judged is unknown)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from xtrain.train.catch_up import called_off_evaluations
+
+    for step, committed in ((3, True), (6, True), (9, True), (12, False)):
+        d = tmp_path / f"step_{step:06d}"
+        d.mkdir()
+        if committed:
+            (d / COMMIT_MARKER).write_text("")
+    cpp = SimpleNamespace(every=3)
+    recorded = defaultdict(set, {"train": set(range(1, 16)), "eval": {6}})
+    assert called_off_evaluations(15, recorded, cpp, str(tmp_path)) == [3, 9]  # 12: not committed
+    assert called_off_evaluations(9, recorded, cpp, str(tmp_path)) == [3]  # (9: the resume's own)
+    assert called_off_evaluations(15, defaultdict(set), cpp, str(tmp_path)) == []
 
 
 def test_checkpoint_loading_never_unpickles(tmp_path):

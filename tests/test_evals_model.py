@@ -103,7 +103,9 @@ def test_a_stop_does_not_wait_for_a_running_evaluation(tmp_path, problem_file, t
     """SIGTERM while step 3's evaluation (made long: 16 samples of 400 tokens at 512 context)
     still runs, with training going on (step 5) or waiting for it (at step 6, where the next
     evaluation is due): the run checkpoints and exits at once, abandoning it, instead of holding
-    a preemption's last seconds (and every further signal) until it ends."""
+    a preemption's last seconds (and every further signal) until it ends. The same command
+    again judges what was called off from those steps' checkpoints, in the background, each
+    step's once."""
     import signal
     import time
 
@@ -111,9 +113,10 @@ def test_a_stop_does_not_wait_for_a_running_evaluation(tmp_path, problem_file, t
     from test_checkpoint import wait_for_step
 
     run = tmp_path / "run"
-    proc = xtrain(run, "trainer.max_steps=50", "model.sequence_len=512", "eval.cpp_every=3",
-                  f"eval.cpp_file={problem_file}", "eval.n=16", "eval.max_tokens=400",
-                  "eval.temperature=0.8", "eval.k=[1]")
+    args = ["model.sequence_len=512", "eval.cpp_every=3", "checkpoint.every=3",
+            "checkpoint.keep_every=3", f"eval.cpp_file={problem_file}", "eval.temperature=0.8",
+            "eval.k=[1]"]
+    proc = xtrain(run, *args, "trainer.max_steps=50", "eval.n=16", "eval.max_tokens=400")
     wait_for_step(run, 5 if training == "running" else 6, proc)
     if training == "waiting":
         time.sleep(1.0)  # step 6's hook is waiting for step 3's evaluation
@@ -124,6 +127,14 @@ def test_a_stop_does_not_wait_for_a_running_evaluation(tmp_path, problem_file, t
     records = read_jsonl(run / "metrics.jsonl")
     assert not [r for r in records if r["kind"] == "eval"]  # not waited for
     assert "checkpoint committed" in out
+    stopped_at = max(r["step"] for r in records if r["kind"] == "train")
+    assert stopped_at < 12, stopped_at
+    code, out, err = finish(xtrain(run, *args, "trainer.max_steps=12", "eval.n=1", "eval.max_tokens=8"))
+    assert code == 0, err[-3000:]
+    evals = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
+    assert sorted(evals) == [3, 6, 9, 12], evals
+    for step in evals:
+        _check_records(run / "cpp_eval" / f"step_{step:06d}.jsonl", n=1)
 
 
 def test_a_stop_after_the_last_step_ends_as_a_stop_and_the_same_command_finishes_it(tmp_path,

@@ -208,6 +208,37 @@ def test_two_processes_resumed_at_the_last_step_run_only_the_end_their_log_lacks
         assert len(figures) > 2, figures  # (more than step and kind)
 
 
+def test_two_processes_resumed_at_a_periodic_step_make_its_records_before_training_on(reference,
+                                                                                    tmp_path):
+    """A stop commits its step's checkpoint and ends before that step's validation and C++
+    evaluation (xtrain/train/catch_up.py; here the run cut back to step 10). Run again, both
+    processes validate together before step 11 (inside fit) and process 0 judges step 10's
+    weights; the steps after train as before, to the same end."""
+    run = tmp_path / "two"
+    shutil.copytree(reference / "two", run)
+    shutil.rmtree(run / "checkpoints" / f"step_{STEPS:06d}")
+    records = read_jsonl(run / "metrics.jsonl")
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps(r) + "\n" for r in records
+        if r["step"] < 10 or (r["step"] == 10 and r["kind"] in ("train", "checkpoint"))))
+    evaluation = [*cpp_eval_overrides(reference), "eval.cpp_every=10", "checkpoint.every=10",
+                  "trainer.eval_every=10"]  # (a validation due at step 10 too)
+    code, out, err = finish_all([start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                        "--nproc-per-node", "2", "-m", "xtrain", *COMMON, *TWO,
+                                        *evaluation, f"hydra.run.dir={run}"])])[0]
+    assert code == 0, err[-3000:]
+    assert "step 10 was trained before this command, but its val, eval were not recorded" in out
+    again = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in again if r["kind"] == "val"] == [10, STEPS]
+    assert sorted(r["step"] for r in again if r["kind"] == "eval") == [10, STEPS]
+    for kind, step in (("eval", 10), ("val", STEPS), ("eval", STEPS)):
+        (before,) = [r for r in records if (r["kind"], r["step"]) == (kind, step)]
+        (after,) = [r for r in again if (r["kind"], r["step"]) == (kind, step)]
+        figures = [k for k in before if k != "time" and not k.endswith(("_s", "seconds"))]
+        assert {k: after[k] for k in figures} == {k: before[k] for k in figures}, kind
+    assert losses(run) == losses(reference / "two")
+
+
 def stop_step(out: str) -> int:
     return int(re.search(r"stopped \(.*\) at step (\d+)", out).group(1))
 

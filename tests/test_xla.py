@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -270,14 +271,27 @@ def test_a_run_resumed_at_its_last_step_runs_the_final_validation_its_log_lacks(
     (xtrain/train/finish.py: here the log's record taken away, as if that validation never ran):
     run again, the validation outside fit gives the figures it gave inside fit. The last step,
     not a multiple of eval_every, is validated after fit: on the graphs fit compiled, with the
-    model still sharded on the devices (no gather to the host when fit ends)."""
+    model still sharded on the devices (no gather to the host when fit ends). Before that, the
+    run cut back to step 2, stopped before that step's validation (xtrain/train/catch_up.py),
+    validates it before step 3 on the same graphs, with the same figures."""
     job = {"name": "run", "dir": str(tmp_path), "overrides": common(3) + [
-        "hardware.engine=xla", "parallelism=fsdp", "trainer.device_batch_size=2", "trainer.eval_every=2"]}
+        "hardware.engine=xla", "parallelism=fsdp", "trainer.device_batch_size=2", "trainer.eval_every=2",
+        "checkpoint.every=2"]}
     result = drive([job], 4)["run"]
     assert [r["step"] for r in result["records"] if r["kind"] == "val"] == [2, 3]
-    assert result["at_exit"] == {"xla_compiles": 3, "host_syncs": 3 + 2 + 2}, result["at_exit"]
-    first = [r for r in result["records"] if r["kind"] == "val" and r["step"] == 3]
+    assert result["at_exit"] == {"xla_compiles": 3, "host_syncs": 3 + 2 + 2 + 2}, result["at_exit"]
     log = tmp_path / "metrics.jsonl"
+    figures = [(r["step"], r["val_loss"], r["val_bpb"]) for r in result["records"] if r["kind"] == "val"]
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000003")
+    log.write_text("".join(json.dumps(r) + "\n" for r in result["records"]
+                           if r["step"] < 2 or (r["step"] == 2 and r["kind"] != "val")))
+    cut = drive([job], 4)["run"]
+    assert [(r["step"], r["val_loss"], r["val_bpb"]) for r in cut["records"] if r["kind"] == "val"] \
+        == figures
+    # no graph of its own: a resumed run's 3, and the restore's (one small graph of the restored
+    # tensors' copies onto the devices)
+    assert cut["at_exit"]["xla_compiles"] == 4, cut["at_exit"]
+    first = [r for r in result["records"] if r["kind"] == "val" and r["step"] == 3]
     log.write_text("".join(line for line in log.read_text().splitlines(keepends=True)
                            if '"kind": "val"' not in line or '"step": 3' not in line))
     again = [r for r in drive([job], 4)["run"]["records"] if r["kind"] == "val" and r["step"] == 3]

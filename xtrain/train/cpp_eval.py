@@ -105,19 +105,23 @@ class CppEvalCallback(L.Callback):
     Records are written by the training thread only (the background thread hands its scores
     back), in step order with the other records of that step end."""
 
-    def __init__(self, eval_cfg, tokenizer, run_log, timer, run_dir: str, sequence_len: int,
-                 checkpoints: str | None = None, stop=None):
-        """``checkpoints``: the checkpoint directory to read each step's weights from (a run of
-        more than one process), or None to snapshot the live model. ``stop``: the run's
-        StopRequest (xtrain/train/preemption.py): a stop requested while training waits for an
-        evaluation calls that evaluation off."""
+    def __init__(self, eval_cfg, tokenizer, run_log, timer, run_dir: str, gpt_config,
+                 checkpoints: str, from_checkpoints: bool, stop=None):
+        """``gpt_config``: the trained model's. ``checkpoints``: the run's checkpoint directory;
+        each step's weights are read from it with ``from_checkpoints`` (a run of more than one
+        process), else snapshot from the live model. ``stop``: the run's StopRequest (xtrain/train/preemption.py): a stop requested
+        while training waits for an evaluation calls that evaluation off."""
         self.stop = stop
         self.cfg, self.tokenizer, self.run_log, self.timer = eval_cfg, tokenizer, run_log, timer
         self.run_dir, self.every, self.checkpoints = run_dir, eval_cfg.cpp_every, checkpoints
+        self.gpt_config, self.from_checkpoints = gpt_config, from_checkpoints
         self.problems = prepare(eval_cfg)
-        check_fit(tokenizer, self.problems, eval_cfg, sequence_len)
+        check_fit(tokenizer, self.problems, eval_cfg, gpt_config.sequence_len)
         self.pending: Pending | None = None
         self.deferred = None  # (step, model): the last step's, due while another still ran
+        # (step, CPU model): evaluations an earlier command's stop called off, judged while
+        # nothing else runs (xtrain/train/catch_up.py)
+        self.backlog: list[tuple] = []
         self.stopping = threading.Event()  # set when the run ends by an exception
 
     def evaluate(self, step: int, model, last: bool = False) -> None:
@@ -125,7 +129,7 @@ class CppEvalCallback(L.Callback):
         On several processes, where waiting for the running one would hold the others at their
         next collective until its timeout, one due meanwhile is skipped; the ``last`` step's is
         deferred to :meth:`finish`."""
-        if self.checkpoints and self.pending is not None and self.pending.thread.is_alive():
+        if self.from_checkpoints and self.pending is not None and self.pending.thread.is_alive():
             if last:
                 self.deferred = (step, model)
             else:
@@ -134,7 +138,7 @@ class CppEvalCallback(L.Callback):
             return
         self.collect(wait=True)
         path = records_path(self.run_dir, step)
-        if self.checkpoints:
+        if self.from_checkpoints:
             checkpoint = step_dir(self.checkpoints, step)
 
             def from_checkpoint():
@@ -153,8 +157,23 @@ class CppEvalCallback(L.Callback):
             t0 = time.perf_counter()
             snapshot = cpu_snapshot(model)
             snapshot_s = time.perf_counter() - t0
+        self.start(step, snapshot, snapshot_s)
+
+    def start(self, step: int, cpu_model, snapshot_s: float | None = None) -> None:
+        """The evaluation of ``cpu_model`` (the weights at ``step``) on the background thread."""
+        path = records_path(self.run_dir, step)
         self.pending = Pending(step, snapshot_s, lambda: evaluate_model(
-            snapshot, self.tokenizer, self.problems, self.cfg, path, self.stopping))
+            cpu_model, self.tokenizer, self.problems, self.cfg, path, self.stopping))
+
+    def take_called_off(self, steps: list[int]) -> None:
+        """Read the weights of ``steps``, whose evaluations an earlier command's stop called off,
+        from their committed checkpoints now (retention removes a checkpoint once newer ones
+        are committed), to judge them while nothing else runs (:attr:`backlog`)."""
+        for step in steps:
+            log.info("step %d's C++ evaluation was called off by a stop: judging it from %s",
+                     step, step_dir(self.checkpoints, step))
+            self.backlog.append((step, GPT.from_weights(self.gpt_config, read_model_weights(
+                step_dir(self.checkpoints, step)))))
 
     def collect(self, wait: bool) -> dict | None:
         """Log the pending evaluation's record if it has finished (or, with ``wait``, once it
@@ -192,15 +211,23 @@ class CppEvalCallback(L.Callback):
         step = trainer.global_step
         if step % self.every == 0:
             self.evaluate(step, pl_module.model, last=step == trainer.max_steps)
+        elif self.backlog and self.pending is None:
+            self.start(*self.backlog.pop(0))
 
     def finish(self) -> None:
-        """After training (xtrain/train/finish.py): the running evaluation's record, then the
-        deferred last step's."""
+        """After training (xtrain/train/finish.py): the running
+        evaluation's record, then the deferred last step's, then the backlog's."""
         self.collect(wait=True)
-        if self.deferred is not None and not (self.stop is not None and self.stop.requested):
+        if self.deferred is not None and not self._stopped():
             (step, model), self.deferred = self.deferred, None
             self.evaluate(step, model)
             self.collect(wait=True)
+        while self.backlog and not self._stopped():
+            self.start(*self.backlog.pop(0))
+            self.collect(wait=True)
+
+    def _stopped(self) -> bool:
+        return self.stop is not None and self.stop.requested
 
     def on_exception(self, trainer, pl_module, exception):
         # a checkpoint still awaited may never be committed now; the evaluation is called off

@@ -4,35 +4,28 @@ stopped (a preemption, a lost host) before the end's validation, sample or C++ e
 recorded. The last step's checkpoint is committed before the final validation
 (xtrain/train/checkpointing.py), so that a failing validation loses no trained step; run again,
 Lightning's fit finds no step left and calls no hook, so what the run log lacks at the last step
-is done here, with the checkpoint's weights."""
+is made here, after fit, with the checkpoint's weights (xtrain/train/catch_up.py)."""
 
 from __future__ import annotations
 
 import logging
 
-from xtrain.observe.plots import read_records
-from xtrain.paths import url_to_fs
+from xtrain.train.catch_up import run_missing
 
 log = logging.getLogger(__name__)
 
 
-def recorded_kinds(run_dir: str, step: int) -> set[str]:
-    """The kinds of record the run log (metrics.jsonl) holds at ``step``; none without a log (a
-    run dir on a new VM)."""
-    fs, root = url_to_fs(f"{run_dir.rstrip('/')}/metrics.jsonl")
-    if not fs.exists(root):
-        return set()
-    return {r.get("kind") for r in read_records(run_dir) if r.get("step") == step}
-
-
-def finish_end(trainer, module, val_loader, callbacks, run_dir: str, processes, cfg,
-               start_step: int, max_steps: int) -> None:
-    """After fit: what the end lacks (a run resumed at its last step, :func:`finish_resumed_end`;
-    a validation of a last step fit did not validate, :func:`validate_end`), then the wait for
-    the last C++ evaluation (none after a stop, which called it off)."""
+def finish_end(trainer, module, val_loader, callbacks, run_dir: str, ckpt_dir: str, processes,
+               cfg, start_step: int, max_steps: int) -> None:
+    """After fit: what the end lacks (a run resumed at its last step: the records its log lacks
+    there, xtrain/train/catch_up.py; a validation of a last step fit did not validate,
+    :func:`validate_end`), then the wait for the C++ evaluations still running or due (none
+    after a stop, which called them off)."""
     stopped_early = callbacks.checkpointer.preempted
     if start_step == max_steps:
-        finish_resumed_end(trainer, module, val_loader, callbacks, run_dir, processes, start_step)
+        run_missing(start_step, True, run_dir, ckpt_dir, callbacks, processes, module.model,
+                    val_loader is not None, cfg.trainer.eval_every or max_steps,
+                    lambda: trainer.validate(module, dataloaders=val_loader, verbose=False))
     elif trainer.global_step == max_steps and not stopped_early:
         validate_end(trainer, module, val_loader, max_steps, cfg.trainer.eval_every or max_steps)
     if cfg.eval.cpp_every and not stopped_early:
@@ -49,38 +42,12 @@ def validate_end(trainer, module, val_loader, step: int, eval_every: int) -> Non
     trainer.validate(module, dataloaders=val_loader, verbose=False)
 
 
-def finish_resumed_end(trainer, module, val_loader, callbacks, run_dir: str, processes,
-                       step: int) -> None:
-    """Run the end's validation (:func:`validate_end`'s, at every last step), sample and C++
-    evaluation (at a multiple of its ``eval.cpp_every``) that ``run_dir``'s log lacks at
-    ``step``, each as training would have at that step. Process 0 reads the log and decides
-    for all (validation is a collective)."""
-    missing = None
-    if processes.primary:
-        wanted = ["val"] if val_loader is not None else []
-        wanted += ["sample"] if callbacks.sampler.tokens > 0 else []
-        cpp = callbacks.cpp_eval  # (process 0 only)
-        wanted += ["eval"] if cpp is not None and step % cpp.every == 0 else []
-        missing = [kind for kind in wanted if kind not in recorded_kinds(run_dir, step)]
-    missing = processes.broadcast(missing)
-    if not missing:
-        return
-    log.info("step %d, the last, was trained before this command, but its %s not recorded: "
-             "running now", step, ", ".join(missing) + (" was" if len(missing) == 1 else " were"))
-    if "val" in missing:
-        trainer.validate(module, dataloaders=val_loader, verbose=False)
-    if "sample" in missing and processes.primary:  # (as in training: process 0's alone)
-        callbacks.sampler.sample(step, module.model)
-    if "eval" in missing and processes.primary:  # (waited for by wait_for_evaluation)
-        callbacks.cpp_eval.evaluate(step, module.model)
-
-
 def wait_for_evaluation(cpp_eval, processes) -> None:
     """The end of the C++ evaluation (``cpp_eval``, process 0's callback; None elsewhere): the
     other processes wait on the rendezvous store for as long as it takes while process 0 lives;
     in a collective they would give up after trainer.collective_timeout_s, which an evaluation
     of a large model on a host's CPU can outlast."""
-    processes.primary_first("the C++ evaluation of the last step",
+    processes.primary_first("the C++ evaluations still running or due",
                             lambda: cpp_eval.finish() if cpp_eval is not None else None)
 
 
@@ -88,7 +55,7 @@ def end_status(callbacks, run_log, step: int, processes) -> str:
     """"preempted" when a stop ended training at a step boundary (the processes agreed on it), or
     arrived at process 0 after the last one: the end's C++ evaluation and sample, process 0's
     work, were called off, and the same command again records what the end lacks
-    (:func:`finish_resumed_end`); the ``stop`` record says why, for the launcher
+    (xtrain/train/catch_up.py); the ``stop`` record says why, for the launcher
     (xtrain/observe/preemptions.py). Else "success"."""
     from xtrain.observe.preemptions import stop_record
 

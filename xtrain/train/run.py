@@ -145,9 +145,8 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
         from xtrain.train.cpp_eval import CppEvalCallback
 
         # on more than one process, a host may hold only its shards: the step's checkpoint then
-        cpp_eval = CppEvalCallback(cfg.eval, tokenizer, run_log, timer, run_dir, plan.gpt.sequence_len,
-                                   stop=stop,
-                                   checkpoints=ckpt_dir if engine.world > 1 else None)
+        cpp_eval = CppEvalCallback(cfg.eval, tokenizer, run_log, timer, run_dir, plan.gpt, ckpt_dir,
+                                   from_checkpoints=engine.world > 1, stop=stop)
     return Callbacks(metrics, checkpointer, sampler, stop, checkpoint_io, cpp_eval,
                      debug_dump(engine.rank, engine.host_rows))
 
@@ -303,6 +302,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
 
     from xtrain.checkpoint.layout import check_shared, latest_checkpoint
     from xtrain.inputs import checkpoint_dir
+    from xtrain.train.catch_up import CatchUp
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
     from xtrain.train.run_lock import checkpoint_dir_lease
@@ -330,15 +330,18 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
         try:
             callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer, lease)
             held.callback(callbacks.stop.uninstall)  # a stop during the end's work: end_status
+            has_val, eval_every = loaders.val is not None, trainer_cfg.eval_every or plan.max_steps
+            catch_up = CatchUp(start_step, run_dir, ckpt_dir, callbacks, engine.processes, has_val,
+                               eval_every)  # (last, after the metrics' on_train_start)
             trainer = build_trainer(engine, callbacks.checkpoint_io,
-                                    callbacks.all(LoaderState(loaders.steps)), plan, trainer_cfg,
-                                    loaders.val is not None, run_dir)
+                                    [*callbacks.all(LoaderState(loaders.steps)), catch_up], plan,
+                                    trainer_cfg, has_val, run_dir)
             if record:  # every check passed: .hydra/ says what trains here
                 accept(run_dir, record)
                 log.info(ACCEPTED)  # a launcher accepts its local record at this line
             fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
-            finish_end(trainer, module, loaders.val, callbacks, run_dir, engine.processes, cfg,
-                       start_step, plan.max_steps)
+            finish_end(trainer, module, loaders.val, callbacks, run_dir, ckpt_dir, engine.processes,
+                       cfg, start_step, plan.max_steps)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
             status = end_status(callbacks, run_log, trainer.global_step, engine.processes)
         except Terminated:  # SIGTERM before training or after it (xtrain/train/preemption.py)
