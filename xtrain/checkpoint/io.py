@@ -210,7 +210,7 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
     fs, root = url_to_fs(str(path))
     if not fs.exists(f"{root}/{COMMIT_MARKER}"):
         raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
-    skeleton = _load_state(fs, root, path)
+    skeleton = read_plain_state(path)
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
         tensors = _read_tensors(fs, path, staging, targets, sharded, process_group,
                                 referenced=_references(skeleton))
@@ -228,7 +228,7 @@ def missing_tensors(path: str) -> list[str]:
     """The tensors the checkpoint's ``state.pt`` refers to that its tensors/ lacks (empty: none),
     from those two small files; refused (CheckpointError) where :func:`read` would refuse them."""
     fs, root = url_to_fs(str(path))
-    skeleton = _load_state(fs, root, path)
+    skeleton = read_plain_state(path)
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging, _refusals(path):
         stored = _reader(fs, path, staging).read_metadata().state_dict_metadata
     return sorted(_references(skeleton) - set(stored))
@@ -259,8 +259,9 @@ def _check_complete(path: str, missing: list[str]) -> None:
                               "incomplete and cannot be loaded")
 
 
-def _load_state(fs, root: str, path: str):
-    """``state.pt``, loaded with ``weights_only=True``: plain data and tensors, never code."""
+def read_plain_state(path: str):
+    """``state.pt`` alone (``weights_only=True``): plain data, its tensors only named; no code."""
+    fs, root = url_to_fs(str(path))
     data = fs.cat_file(f"{root}/state.pt")
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # untrusted input

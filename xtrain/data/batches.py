@@ -34,6 +34,9 @@ class StepBatches(torch.utils.data.IterableDataset):
         self.loader.load_state_dict(state)
         self.replay_next = state.get("replay_next", 0)
 
+    def check_position(self, state: dict) -> None:
+        self.loader.check_position(state)
+
     def __iter__(self):
         if not self.repeat:
             yield from self._steps()

@@ -195,6 +195,13 @@ class PackedLoader:
                 "sizes": self.sizes_digest, "unit_count": len(self.units)}
 
     def load_state_dict(self, state: dict) -> None:
+        self.check_position(state)
+        self._state = {"epoch": state["epoch"], "cursor": state["cursor"],
+                       "buffer": [tuple(ref) for ref in state["buffer"]]}
+
+    def check_position(self, state: dict) -> None:
+        """Refuse a saved position (:meth:`state_dict`) this loader cannot continue from: another
+        seed or process numbering, or other data (shards added or removed, or rebuilt)."""
         if (state["seed"], state["rank"], state["world"]) != (self.seed, self.rank, self.world):
             raise DataError(f"the checkpoint's data position is for seed {state['seed']} on process "
                             f"{state['rank']} of {state['world']}, this run's loader for seed "
@@ -214,8 +221,6 @@ class PackedLoader:
                 "rebuilt or rewritten since the run saved it, and resumed, the run would read "
                 "other documents than it had left; resume with the shards the run trained on, or "
                 "train a new run from step 0 (another run.name, no checkpoint.resume)")
-        self._state = {"epoch": state["epoch"], "cursor": state["cursor"],
-                       "buffer": [tuple(ref) for ref in state["buffer"]]}
 
     # --- production -------------------------------------------------------------------------
     def _tokenize(self, texts: list[str]) -> list[np.ndarray]:

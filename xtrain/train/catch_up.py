@@ -44,7 +44,8 @@ def missing_at(step: int, last: bool, recorded: dict[str, set[int]], callbacks, 
     return [kind for kind, wanted in due.items() if wanted and step not in recorded[kind]]
 
 
-def called_off_evaluations(step: int, recorded: dict[str, set[int]], cpp, ckpt_dir: str) -> list[int]:
+def called_off_evaluations(step: int, recorded: dict[str, set[int]], cpp,
+                           ckpt_dir: str) -> list[int]:
     """The steps before ``step`` whose C++ evaluation the log lacks and whose checkpoint is still
     committed in ``ckpt_dir`` (retention may have removed it). None without a log: a run dir on
     a new VM does not say what was judged."""
@@ -88,7 +89,8 @@ def run_missing(step: int, last: bool, run_dir: str, ckpt_dir: str, callbacks, p
 
 
 class CatchUp(L.Callback):
-    """At the start of a run resumed before its last step: :func:`run_missing` at that step."""
+    """At the start of a run resumed before its last step: :func:`run_missing` at that step.
+    Placed after the run's other callbacks: their ``on_train_start`` (the metrics') first."""
 
     def __init__(self, start_step: int, run_dir: str, ckpt_dir: str, callbacks, processes,
                  has_val: bool, eval_every: int):

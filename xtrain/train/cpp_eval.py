@@ -109,8 +109,9 @@ class CppEvalCallback(L.Callback):
                  checkpoints: str, from_checkpoints: bool, stop=None):
         """``gpt_config``: the trained model's. ``checkpoints``: the run's checkpoint directory;
         each step's weights are read from it with ``from_checkpoints`` (a run of more than one
-        process), else snapshot from the live model. ``stop``: the run's StopRequest (xtrain/train/preemption.py): a stop requested
-        while training waits for an evaluation calls that evaluation off."""
+        process), else snapshot from the live model. ``stop``: the run's StopRequest
+        (xtrain/train/preemption.py): a stop requested while training waits for an evaluation
+        calls that evaluation off."""
         self.stop = stop
         self.cfg, self.tokenizer, self.run_log, self.timer = eval_cfg, tokenizer, run_log, timer
         self.run_dir, self.every, self.checkpoints = run_dir, eval_cfg.cpp_every, checkpoints

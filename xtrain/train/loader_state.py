@@ -1,4 +1,5 @@
-"""The Lightning callback that checkpoints the data loader's position."""
+"""The Lightning callback that checkpoints the data loader's position, and the check of a saved
+position before any tensor of its checkpoint is read."""
 
 from __future__ import annotations
 
@@ -24,3 +25,14 @@ class LoaderState(L.Callback):
     def load_state_dict(self, state_dict):
         self.state = state_dict["loader"]  # until a batch is trained, the resumed position holds
         self.steps.load_state_dict(self.state)
+
+
+def check_saved_position(checkpoint: str, steps: StepBatches) -> None:
+    """Refuse to resume from ``checkpoint`` when ``steps`` cannot continue from its data position
+    (other data, seed or processes), from its ``state.pt`` alone: Lightning restores the
+    position after reading every tensor (minutes, for a large model on gs://)."""
+    from xtrain.checkpoint.io import read_plain_state
+
+    saved = read_plain_state(checkpoint).get("callbacks", {}).get(LoaderState.__qualname__)
+    if saved is not None:
+        steps.check_position(saved["loader"])

@@ -151,19 +151,21 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
                      debug_dump(engine.rank, engine.host_rows))
 
 
-def resume_point(cfg, ckpt_dir: str, run_dir: str, tokenizer, engine: Engine,
+def resume_point(cfg, ckpt_dir: str, run_dir: str, tokenizer, steps, engine: Engine,
                  plan: RunPlan) -> tuple[str | None, int]:
     """The checkpoint to start from (``checkpoint.resume``, else the newest intact committed one,
     as process 0 sees it: every process must resume from the same step) and its step (0 for a
     fresh run). One trained with another tokenizer is refused: its token ids mean other text; so
-    is one behind the dir the run's last training saved to (the early check compared that dir
-    with the newest commit here, unverified, which may have been passed over as corrupt).
+    is one at a data position ``steps`` (the training batches) cannot continue from, and one
+    behind the dir the run's last training saved to (the early check compared that dir with the
+    newest commit here, unverified, which may have been passed over as corrupt).
     Commits in ``ckpt_dir`` past that step (corrupt ones passed over, or those a
     ``checkpoint.rewind`` goes back from) are renamed aside by process 0, never deleted."""
     from xtrain.checkpoint.layout import read_meta
     from xtrain.errors import warn
     from xtrain.inputs import check_checkpoints_not_elsewhere, check_same_tokenizer, resume_checkpoint
     from xtrain.train.checkpointing import set_aside_newer
+    from xtrain.train.loader_state import check_saved_position
 
     ckpt, primary = cfg.checkpoint, engine.processes.primary
 
@@ -180,6 +182,7 @@ def resume_point(cfg, ckpt_dir: str, run_dir: str, tokenizer, engine: Engine,
         return None, 0
     meta = read_meta(resume_from)
     check_same_tokenizer(resume_from, meta, tokenizer.fingerprint)
+    check_saved_position(resume_from, steps)
     step = int(meta.get("step") or 0)
     if primary:
         if ckpt.resume and resume_from != ckpt.resume:
@@ -322,7 +325,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
         engine.processes.check_same("data", loaders.digests())
         module = GPTModule(plan.gpt, cfg.optim, plan.max_steps, precision=cfg.hardware.precision,
                            token_bytes=tokenizer.token_bytes)
-        resume_from, start_step = resume_point(cfg, ckpt_dir, run_dir, tokenizer, engine, plan)
+        resume_from, start_step = resume_point(cfg, ckpt_dir, run_dir, tokenizer, loaders.steps,
+                                               engine, plan)
         if engine.processes.primary:
             say_if_nothing_to_train(resume_from, start_step, plan.max_steps)
         run_log = build_run_log(cfg, plan, run_dir, engine, start_step)
@@ -330,12 +334,11 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
         try:
             callbacks = build_callbacks(cfg, plan, engine, ckpt_dir, run_dir, run_log, tokenizer, lease)
             held.callback(callbacks.stop.uninstall)  # a stop during the end's work: end_status
-            has_val, eval_every = loaders.val is not None, trainer_cfg.eval_every or plan.max_steps
-            catch_up = CatchUp(start_step, run_dir, ckpt_dir, callbacks, engine.processes, has_val,
-                               eval_every)  # (last, after the metrics' on_train_start)
+            catch_up = CatchUp(start_step, run_dir, ckpt_dir, callbacks, engine.processes,
+                               loaders.val is not None, trainer_cfg.eval_every or plan.max_steps)
             trainer = build_trainer(engine, callbacks.checkpoint_io,
                                     [*callbacks.all(LoaderState(loaders.steps)), catch_up], plan,
-                                    trainer_cfg, has_val, run_dir)
+                                    trainer_cfg, loaders.val is not None, run_dir)
             if record:  # every check passed: .hydra/ says what trains here
                 accept(run_dir, record)
                 log.info(ACCEPTED)  # a launcher accepts its local record at this line
