@@ -35,6 +35,26 @@ def test_every_option_composes_and_matches_its_yaml(group, compose_config):
             assert cfg[group][key] == value, f"{group}={option}: {key}"
 
 
+@pytest.mark.parametrize("group", ["hardware", "model", "data", "parallelism", "optim"])
+def test_no_option_restates_its_schemas_default(group):
+    """Each fact in one place: a value an option file (shared bases included) gives a field is
+    never the default its schema already gives it (xtrain/config/)."""
+    import dataclasses
+    import typing
+
+    import yaml
+
+    from xtrain.config import TrainConfig
+
+    schema = typing.get_type_hints(TrainConfig)[group]
+    defaults = {f.name: f.default.value if hasattr(f.default, "value") else f.default
+                for f in dataclasses.fields(schema) if f.default is not dataclasses.MISSING}
+    for path in sorted((CONF / group).glob("*.yaml")):
+        declared = yaml.safe_load(path.read_text()) or {}
+        restated = [k for k, v in declared.items() if k in defaults and v == defaults[k]]
+        assert not restated, f"{path.name}: {restated} restate {schema.__name__}'s defaults"
+
+
 def test_default_is_the_embedded_cpu_run(compose_config):
     cfg = compose_config()
     assert cfg.hardware.engine == "cpu" and cfg.hardware.name == "cpu"

@@ -75,16 +75,16 @@ class HardwareConfig:
     """Facts about one machine or TPU slice; the only place such facts live."""
 
     name: str = MISSING
-    engine: Engine = Engine.cpu
+    engine: Engine = MISSING
     accelerator_type: str | None = None  # gcloud --accelerator-type, e.g. v6e-4, v4-32
     runtime_version: str | None = None  # gcloud --version used to create the VM
     topology: str | None = None  # TPU compiler topology name, e.g. v6e:2x2
     # accelerator chips in the slice (v4 names count TensorCores: v4-32 = 16 chips)
-    chips: int = limits(1, ge=1)
+    chips: int = limits(ge=1)
     # machines, one training process each: TPU VM workers (xla), or CPU processes joined over
     # gloo (cpu); a cpu profile with hosts > 1 needs the standard launch variables (README)
-    hosts: int = limits(1, ge=1)
-    chips_per_host: int = limits(1, ge=1)
+    hosts: int = limits(ge=1)
+    chips_per_host: int = limits(ge=1)
     cores_per_chip: int = limits(1, ge=1)  # TensorCores per chip
     hbm_gib_per_chip: float = limits(0.0, ge=0)  # 0 means "host memory, not checked"
     peak_bf16_tflops_per_chip: float = limits(0.0, ge=0)  # 0 means unknown: MFU is not reported
@@ -92,11 +92,11 @@ class HardwareConfig:
     hourly_usd_on_demand: float = limits(0.0, ge=0)
     # assumed by the planner for step time, wall time and cost
     expected_mfu: float = limits(0.3, gt=0, le=1)
-    precision: Precision = Precision.float32
+    precision: Precision = MISSING
     # default model.sequence_len when neither data nor model sets it
-    sequence_len: int = limits(256, ge=1)
+    sequence_len: int = limits(ge=1)
     # default tokens per device per micro-batch (device batch = this / sequence length)
-    device_tokens: int = limits(2048, ge=1)
+    device_tokens: int = limits(ge=1)
     python: str = "3.11"  # the Python version the launchers make the worker's venv with
     pins: dict[str, str] = field(default_factory=dict)  # package -> exact version on the VM
     # environment of the XLA runtime and the TPU compiler, set before torch_xla initialises (a
@@ -172,13 +172,13 @@ class ParallelismConfig:
     replicates every parameter: only the data axis applies to it."""
 
     name: str = MISSING
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = MISSING
+    fsdp: int = MISSING
+    tensor: int = MISSING
     # Parameter sharding rules: [regex searched in the parameter's name, partition spec], first
     # match wins; the spec has one entry per tensor dim: a mesh axis, a list of axes, or null.
     # Parameters no rule matches are replicated.
-    rules: list[Any] = field(default_factory=list)
+    rules: list[Any] = MISSING
 
 
 @dataclass
