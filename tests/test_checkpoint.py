@@ -537,12 +537,12 @@ def test_retention_keeps_last_k_and_every_nth():
     assert stale_checkpoints([10], keep_last=2, keep_every=0) == []
 
 
-def test_a_resumed_run_judges_the_evaluations_its_log_lacks_whose_checkpoints_are_kept(tmp_path):
-    """The C++ evaluations a stop called off (xtrain/train/catch_up.py): steps before the resume
-    step, a multiple of eval.cpp_every, without an eval record, with a committed checkpoint; none
-    at all without a run log (a run dir on a new VM: what was judged is unknown)."""
+def test_a_resumed_run_judges_the_unfinished_evaluations_its_log_lacks_if_their_checkpoints_are_kept(
+        tmp_path):
+    """The C++ evaluations a stop called off (xtrain/train/catch_up.py): of those unfinished when
+    the resumed checkpoint was saved (its own record of them), the ones before its step without
+    an eval record and with a committed checkpoint. Steps never evaluated are not among them."""
     from collections import defaultdict
-    from types import SimpleNamespace
 
     from xtrain.train.catch_up import called_off_evaluations
 
@@ -551,11 +551,10 @@ def test_a_resumed_run_judges_the_evaluations_its_log_lacks_whose_checkpoints_ar
         d.mkdir()
         if committed:
             (d / COMMIT_MARKER).write_text("")
-    cpp = SimpleNamespace(every=3)
     recorded = defaultdict(set, {"train": set(range(1, 16)), "eval": {6}})
-    assert called_off_evaluations(15, recorded, cpp, str(tmp_path)) == [3, 9]  # 12: not committed
-    assert called_off_evaluations(9, recorded, cpp, str(tmp_path)) == [3]  # (9: the resume's own)
-    assert called_off_evaluations(15, defaultdict(set), cpp, str(tmp_path)) == []
+    unfinished = [6, 9, 12]  # (3: never evaluated, e.g. eval.cpp_every set since)
+    assert called_off_evaluations(15, recorded, unfinished, str(tmp_path)) == [9]  # 12: not kept
+    assert called_off_evaluations(9, recorded, unfinished, str(tmp_path)) == []  # (9: its own)
 
 
 def test_checkpoint_loading_never_unpickles(tmp_path):

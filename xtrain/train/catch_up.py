@@ -3,9 +3,10 @@ first step. A stop (a preemption) ends training at a step boundary as soon as th
 checkpoint is committed, before the step's validation, sample and C++ evaluation (a 30 s notice
 has no time for them), and calls off a C++ evaluation still running in the background. The same
 command again resumes at that step: the records due there that the log lacks are made first,
-with the checkpoint's weights, as training would have made them; the C++ evaluations called off
-earlier are judged from their steps' checkpoints in the background while training goes on
-(xtrain/train/cpp_eval.py). A run resumed at its last step makes them after fit, in
+with the checkpoint's weights, as training would have made them; the C++ evaluations that were
+unfinished when that checkpoint was saved (its own record of them, xtrain/train/cpp_eval.py) and
+that the log lacks are judged from their steps' checkpoints in the background, one at a time,
+while training goes on. A run resumed at its last step makes them after fit, in
 xtrain/train/finish.py: with no step left, fit calls no hook."""
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def recorded_steps(run_dir: str) -> dict[str, set[int]]:
 
 def missing_at(step: int, last: bool, recorded: dict[str, set[int]], callbacks, has_val: bool,
                eval_every: int) -> list[str]:
-    """The kinds of record due at ``step`` (every kind at the ``last``; else those whose period
-    divides it) that ``recorded`` lacks there. Process 0's view: the C++ callback is its own."""
+    """The kinds of record due at ``step`` (validation and sample at the ``last`` whatever their
+    period; else, and the C++ evaluation always, those whose period divides it) that
+    ``recorded`` lacks there. Process 0's view: the C++ callback is its own."""
     sampler, cpp = callbacks.sampler, callbacks.cpp_eval
     due = {"val": has_val and (last or step % eval_every == 0),
            "sample": sampler.tokens > 0 and (last or (sampler.every and step % sampler.every == 0)),
@@ -44,53 +46,51 @@ def missing_at(step: int, last: bool, recorded: dict[str, set[int]], callbacks, 
     return [kind for kind, wanted in due.items() if wanted and step not in recorded[kind]]
 
 
-def called_off_evaluations(step: int, recorded: dict[str, set[int]], cpp,
+def called_off_evaluations(step: int, recorded: dict[str, set[int]], unfinished: list[int],
                            ckpt_dir: str) -> list[int]:
-    """The steps before ``step`` whose C++ evaluation the log lacks and whose checkpoint is still
-    committed in ``ckpt_dir`` (retention may have removed it). None without a log: a run dir on
-    a new VM does not say what was judged."""
-    if cpp is None or not recorded:
-        return []
-    lacking = [s for s in range(cpp.every, step, cpp.every) if s not in recorded["eval"]]
+    """Of the C++ evaluations ``unfinished`` when the checkpoint at ``step`` was saved, those the
+    log lacks whose step's checkpoint is still committed in ``ckpt_dir`` (retention may have
+    removed it)."""
+    lacking = [s for s in unfinished if s < step and s not in recorded["eval"]]
     kept = {s for s, _ in committed_checkpoints(ckpt_dir)}
-    gone = [s for s in lacking if s not in kept]
-    if gone:
-        log.info("the C++ evaluations of steps %s are not in the run log and their checkpoints "
-                 "are gone: not judged", ", ".join(map(str, gone)))
+    for s in lacking:
+        log.info("step %d's C++ evaluation was unfinished when step %d's checkpoint was saved: %s",
+                 s, step, "judging it from its own" if s in kept else "no checkpoint of it is kept")
     return [s for s in lacking if s in kept]
 
 
 def run_missing(step: int, last: bool, run_dir: str, ckpt_dir: str, callbacks, processes, model,
                 has_val: bool, eval_every: int, validate) -> None:
-    """Make the records ``step`` lacks (:func:`missing_at`) and take the evaluations called off
-    before it: process 0 reads the log and decides for all (validation, ``validate()``, is a
-    collective); samples and C++ evaluations are process 0's alone, as in training."""
-    def decide() -> list[str]:
+    """Make the records ``step`` lacks (:func:`missing_at`) and judge the evaluations called
+    off before it (:func:`called_off_evaluations`): process 0 reads the log and decides for all
+    (validation, ``validate()``, is a collective); samples and C++ evaluations are process 0's
+    alone, as in training."""
+    missing, cpp, unfinished = None, callbacks.cpp_eval, []
+    if processes.primary:
         recorded = recorded_steps(run_dir)
-        if callbacks.cpp_eval is not None:
-            callbacks.cpp_eval.take_called_off(
-                called_off_evaluations(step, recorded, callbacks.cpp_eval, ckpt_dir))
-        return missing_at(step, last, recorded, callbacks, has_val, eval_every)
-
-    # (reading the weights of called-off evaluations can outlast trainer.collective_timeout_s)
-    missing = processes.broadcast(processes.primary_first("the run log's missing records", decide))
-    if not missing:
-        return
-    which = ", ".join(missing) + (" was" if len(missing) == 1 else " were")
-    log.info("step %d%s was trained before this command, but its %s not recorded: running now",
-             step, ", the last," if last else "", which)
-    # in training's order: the step-end hooks', then the validation
+        missing = missing_at(step, last, recorded, callbacks, has_val, eval_every)
+        if cpp is not None:
+            unfinished = called_off_evaluations(step, recorded, cpp.unfinished, ckpt_dir)
+    missing = processes.broadcast(missing)
+    if missing:
+        which = ", ".join(missing) + (" was" if len(missing) == 1 else " were")
+        log.info("step %d%s was trained before this command, but its %s not recorded: running "
+                 "now", step, ", the last," if last else "", which)
+    # the sample and the C++ evaluation first, then the validation (a step's end in training)
     if "sample" in missing and processes.primary:
         callbacks.sampler.sample(step, model)
     if "eval" in missing and processes.primary:  # (in the background; the end waits for it)
-        callbacks.cpp_eval.evaluate(step, model)
+        cpp.evaluate(step, model)
+    if unfinished:  # (after this step's own: on several processes one running skips another)
+        cpp.judge_later(unfinished)
     if "val" in missing:
         validate()
 
 
 class CatchUp(L.Callback):
     """At the start of a run resumed before its last step: :func:`run_missing` at that step.
-    Placed after the run's other callbacks: their ``on_train_start`` (the metrics') first."""
+    The trainer's last callback (xtrain/train/run.py): the other callbacks' ``on_train_start``
+    (the metrics', the engine's) come first."""
 
     def __init__(self, start_step: int, run_dir: str, ckpt_dir: str, callbacks, processes,
                  has_val: bool, eval_every: int):

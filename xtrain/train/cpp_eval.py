@@ -120,9 +120,11 @@ class CppEvalCallback(L.Callback):
         check_fit(tokenizer, self.problems, eval_cfg, gpt_config.sequence_len)
         self.pending: Pending | None = None
         self.deferred = None  # (step, model): the last step's, due while another still ran
-        # (step, CPU model): evaluations an earlier command's stop called off, judged while
-        # nothing else runs (xtrain/train/catch_up.py)
-        self.backlog: list[tuple] = []
+        # steps whose evaluation was unfinished when the checkpoint this run resumed from was
+        # saved (:meth:`state_dict`), and those of them to judge (xtrain/train/catch_up.py)
+        self.unfinished: list[int] = []
+        self.backlog: list[int] = []
+        self.called_off: list[int] = []  # by a stop, in this run
         self.stopping = threading.Event()  # set when the run ends by an exception
 
     def evaluate(self, step: int, model, last: bool = False) -> None:
@@ -138,43 +140,50 @@ class CppEvalCallback(L.Callback):
                             "waiting for it would hold the other processes)", step, self.pending.step)
             return
         self.collect(wait=True)
-        path = records_path(self.run_dir, step)
         if self.from_checkpoints:
-            checkpoint = step_dir(self.checkpoints, step)
-
-            def from_checkpoint():
-                weights = committed_weights(model.config, checkpoint, self.stopping)
-                if weights is None:
-                    log.warning("C++ evaluation of step %d skipped: %s was not committed", step,
-                                checkpoint)
-                    return None
-                return evaluate_model(weights, self.tokenizer, self.problems, self.cfg, path,
-                                      self.stopping)
-
-            self.pending = Pending(step, None, from_checkpoint)
+            self.evaluate_checkpoint(step)
             return
         # the snapshot and any wait are what training pays; like validation, not throughput
         with self.timer.measure("eval"):
             t0 = time.perf_counter()
             snapshot = cpu_snapshot(model)
             snapshot_s = time.perf_counter() - t0
-        self.start(step, snapshot, snapshot_s)
-
-    def start(self, step: int, cpu_model, snapshot_s: float | None = None) -> None:
-        """The evaluation of ``cpu_model`` (the weights at ``step``) on the background thread."""
         path = records_path(self.run_dir, step)
         self.pending = Pending(step, snapshot_s, lambda: evaluate_model(
-            cpu_model, self.tokenizer, self.problems, self.cfg, path, self.stopping))
+            snapshot, self.tokenizer, self.problems, self.cfg, path, self.stopping))
 
-    def take_called_off(self, steps: list[int]) -> None:
-        """Read the weights of ``steps``, whose evaluations an earlier command's stop called off,
-        from their committed checkpoints now (retention removes a checkpoint once newer ones
-        are committed), to judge them while nothing else runs (:attr:`backlog`)."""
-        for step in steps:
-            log.info("step %d's C++ evaluation was called off by a stop: judging it from %s",
-                     step, step_dir(self.checkpoints, step))
-            self.backlog.append((step, GPT.from_weights(self.gpt_config, read_model_weights(
-                step_dir(self.checkpoints, step)))))
+    def evaluate_checkpoint(self, step: int) -> None:
+        """The evaluation of the weights in ``step``'s checkpoint, read on the background thread
+        once it is committed (a checkpoint that cannot be read fails that evaluation alone)."""
+        checkpoint, path = step_dir(self.checkpoints, step), records_path(self.run_dir, step)
+
+        def from_checkpoint():
+            weights = committed_weights(self.gpt_config, checkpoint, self.stopping)
+            if weights is None:
+                log.warning("C++ evaluation of step %d skipped: %s was not committed", step,
+                            checkpoint)
+                return None
+            return evaluate_model(weights, self.tokenizer, self.problems, self.cfg, path,
+                                  self.stopping)
+
+        self.pending = Pending(step, None, from_checkpoint)
+
+    def state_dict(self) -> dict:
+        """Saved in every checkpoint: the evaluations unfinished at its save (called off, running,
+        deferred or still to judge; the step's own starts after the save), which a stop calls
+        off and a crash loses."""
+        running = [self.pending.step] if self.pending is not None else []
+        deferred = [self.deferred[0]] if self.deferred is not None else []
+        return {"unfinished": self.called_off + running + deferred + self.backlog}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.unfinished = list(state_dict.get("unfinished", []))
+
+    def judge_later(self, steps: list[int]) -> None:
+        """Judge ``steps`` from their checkpoints when no other evaluation runs: the first now."""
+        self.backlog += steps
+        if self.backlog and self.pending is None:
+            self.evaluate_checkpoint(self.backlog.pop(0))
 
     def collect(self, wait: bool) -> dict | None:
         """Log the pending evaluation's record if it has finished (or, with ``wait``, once it
@@ -193,13 +202,14 @@ class CppEvalCallback(L.Callback):
         if isinstance(pending.error, Cancelled):
             log.warning("C++ evaluation of step %d abandoned: the run stopped before it finished",
                         pending.step)
+            self.called_off.append(pending.step)
             return None
-        if isinstance(pending.error, Exception):
+        if isinstance(pending.error, (KeyboardInterrupt, SystemExit)):
+            raise pending.error
+        if pending.error is not None:  # (DCP's CheckpointException is a BaseException too)
             log.warning("C++ evaluation of step %d failed, training goes on: %s: %s",
                         pending.step, type(pending.error).__name__, pending.error)
             return None
-        if pending.error is not None:  # (KeyboardInterrupt, SystemExit)
-            raise pending.error
         if pending.scores is None:  # its checkpoint never came
             return None
         snapshot = {} if pending.snapshot_s is None else {
@@ -213,18 +223,18 @@ class CppEvalCallback(L.Callback):
         if step % self.every == 0:
             self.evaluate(step, pl_module.model, last=step == trainer.max_steps)
         elif self.backlog and self.pending is None:
-            self.start(*self.backlog.pop(0))
+            self.evaluate_checkpoint(self.backlog.pop(0))
 
     def finish(self) -> None:
-        """After training (xtrain/train/finish.py): the running
-        evaluation's record, then the deferred last step's, then the backlog's."""
+        """After training (xtrain/train/finish.py): the running evaluation's record, then the
+        deferred last step's, then the backlog's."""
         self.collect(wait=True)
         if self.deferred is not None and not self._stopped():
             (step, model), self.deferred = self.deferred, None
             self.evaluate(step, model)
             self.collect(wait=True)
         while self.backlog and not self._stopped():
-            self.start(*self.backlog.pop(0))
+            self.evaluate_checkpoint(self.backlog.pop(0))
             self.collect(wait=True)
 
     def _stopped(self) -> bool:

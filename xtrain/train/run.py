@@ -81,7 +81,8 @@ def build_profiler(trainer_cfg, run_dir: str):
 
 
 def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan, trainer_cfg,
-                  has_val: bool, run_dir: str):
+                  has_val: bool, run_dir: str, catch_up):
+    """``catch_up`` (xtrain/train/catch_up.py) goes last: every other ``on_train_start`` first."""
     import lightning as L
 
     compat.quiet_lightning_tpu_probe()
@@ -89,7 +90,7 @@ def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan,
     return L.Trainer(
         **engine.trainer_kwargs(checkpoint_io), max_steps=plan.max_steps, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=callbacks + engine.callbacks(trainer_cfg, run_dir),
+        num_sanity_val_steps=0, callbacks=[*callbacks, *engine.callbacks(trainer_cfg, run_dir), catch_up],
         profiler=build_profiler(trainer_cfg, run_dir), default_root_dir=run_dir,
         val_check_interval=eval_every if has_val else None,
         check_val_every_n_epoch=None, limit_val_batches=trainer_cfg.eval_batches,
@@ -337,8 +338,8 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
             catch_up = CatchUp(start_step, run_dir, ckpt_dir, callbacks, engine.processes,
                                loaders.val is not None, trainer_cfg.eval_every or plan.max_steps)
             trainer = build_trainer(engine, callbacks.checkpoint_io,
-                                    [*callbacks.all(LoaderState(loaders.steps)), catch_up], plan,
-                                    trainer_cfg, loaders.val is not None, run_dir)
+                                    callbacks.all(LoaderState(loaders.steps)), plan, trainer_cfg,
+                                    loaders.val is not None, run_dir, catch_up)
             if record:  # every check passed: .hydra/ says what trains here
                 accept(run_dir, record)
                 log.info(ACCEPTED)  # a launcher accepts its local record at this line
