@@ -52,6 +52,8 @@ def called_off_evaluations(step: int, recorded: dict[str, set[int]], unfinished:
     log lacks whose step's checkpoint is still committed in ``ckpt_dir`` (retention may have
     removed it)."""
     lacking = [s for s in unfinished if s < step and s not in recorded["eval"]]
+    if not lacking:  # (no listing of a gs:// dir at every resume)
+        return []
     kept = {s for s, _ in committed_checkpoints(ckpt_dir)}
     for s in lacking:
         log.info("step %d's C++ evaluation was unfinished when step %d's checkpoint was saved: %s",

@@ -33,6 +33,7 @@ def check_saved_position(checkpoint: str, steps: StepBatches) -> None:
     position after reading every tensor (minutes, for a large model on gs://)."""
     from xtrain.checkpoint.io import read_plain_state
 
-    saved = read_plain_state(checkpoint).get("callbacks", {}).get(LoaderState.__qualname__)
+    callbacks = read_plain_state(checkpoint).get("callbacks", {})
+    saved = callbacks.get(LoaderState.__qualname__)  # (Lightning's default key of its state)
     if saved is not None:
         steps.check_position(saved["loader"])
