@@ -52,6 +52,10 @@ def _main(cfg: DictConfig) -> None:
         check_composed(cfg, hc)
         summary = launch_from_hydra(cfg) if remote else run(cfg, hc.runtime.output_dir)
     except Exception as ex:  # noqa: BLE001  (refusals end here, in one line; the rest is raised)
+        from xtrain.train.preemption import SIGTERM_RAISED
+
+        if SIGTERM_RAISED.is_set():  # a stop the code it interrupted turned into another error
+            raise Terminated() from ex
         if not is_refusal(ex) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         if not isinstance(ex, RunDirInUse):  # a refused command leaves no trace of its own

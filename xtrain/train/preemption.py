@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 CAUSES = (None, SIGNAL, NOTICE)
 
 
+# set once :func:`sigterm_raises` raised Terminated: code it interrupted may have turned it into an
+# error of its own (a C extension's import leaves an ImportError), which is then still a stop
+SIGTERM_RAISED = threading.Event()
+
+
 @contextlib.contextmanager
 def sigterm_raises():
     """SIGTERM raises Terminated inside (from training's start to the end's records,
@@ -28,6 +33,7 @@ def sigterm_raises():
     clean-up a Ctrl-C takes, instead of ending the process where it is, the checkpoint lease
     left for the next start to wait out."""
     def handle(signum, frame):
+        SIGTERM_RAISED.set()
         raise Terminated()
 
     if threading.current_thread() is not threading.main_thread():  # (only it may set handlers)
