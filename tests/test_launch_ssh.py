@@ -463,10 +463,10 @@ def test_the_launch_lock_makes_a_second_launch_wait_and_refuses_what_it_cannot_h
 
     def second_launch():
         order.append("waiting")
-        with launch_lock([second], said.append):
+        with launch_lock([second], said.append, 60):
             order.append("locked")
 
-    with launch_lock([first], print) as still_held:
+    with launch_lock([first], print, 60) as still_held:
         waiting = threading.Thread(target=second_launch)
         waiting.start()
         deadline = time.time() + 30
@@ -476,11 +476,21 @@ def test_the_launch_lock_makes_a_second_launch_wait_and_refuses_what_it_cannot_h
         assert re.fullmatch(rf"launch: worker 0 \({HOSTS[0]}\): another launch \({socket.gethostname()}"
                             r" since \d\d:\d\d:\d\d\) is placing a job there: waiting for it",
                             said[0]), said
+        third, _, _ = make_worker(remote, tmp_path)  # one more, that waits 1 s at most
+        started = time.monotonic()
+        with pytest.raises(VmUnavailable, match=rf"worker 0 \({HOSTS[0]}\): another launch "
+                                                rf"\({socket.gethostname()} since .*\) still "
+                                                rf"held {third.root}/launch.lock after 1 s "
+                                                r"\(hydra.launcher.lock_wait_s\)"):
+            with launch_lock([third], print, 1):
+                pass
+        assert time.monotonic() - started < 20
+        assert order == ["waiting"]
         still_held()
     waiting.join(timeout=30)
     assert order == ["waiting", "locked"]  # released at the end of the first launch's block
 
-    with launch_lock([first], print) as still_held:
+    with launch_lock([first], print, 60) as still_held:
         for proc in ssh_processes(f"root={first.root}"):  # this test's lock alone
             os.kill(proc, signal.SIGKILL)  # the connection that holds it ends
         time.sleep(0.5)
@@ -493,13 +503,13 @@ def test_the_launch_lock_makes_a_second_launch_wait_and_refuses_what_it_cannot_h
     other.index = 1
     with pytest.raises(ConfigError, match=rf"worker 1 \({HOSTS[0]}\) shares {tmp_path}/one with "
                                           "another worker of this launch"):
-        with launch_lock([shared, other], print):
+        with launch_lock([shared, other], print, 60):
             pass
 
     (tmp_path / "one" / "launch.lock").unlink()
     (tmp_path / "one" / "launch.lock").mkdir()  # cannot be opened as a file
     with pytest.raises(VmUnavailable, match=f"could not take {tmp_path}/one/launch.lock"):
-        with launch_lock([shared], print):
+        with launch_lock([shared], print, 60):
             pass
 
 
@@ -520,7 +530,7 @@ def test_the_launch_lock_reads_its_answer_past_a_banner_and_says_why_flock_faile
     worker = Worker(Target(0, "127.0.0.2", "127.0.0.2"), LocalShell("Welcome to the VM"),
                     str(tmp_path), None)
     worker.root = str(tmp_path)
-    proc = worker.hold_lock("t0k3n here since 12:00:00", print)  # "Welcome...XTRAIN-LOCK locked"
+    proc = worker.hold_lock("t0k3n here since 12:00:00", print, 60)  # "Welcome...XTRAIN-LOCK locked"
     assert (tmp_path / "launch.holder").read_text() == "t0k3n here since 12:00:00\n"
     proc.stdin.close()
     proc.wait(timeout=10)
@@ -528,7 +538,7 @@ def test_the_launch_lock_reads_its_answer_past_a_banner_and_says_why_flock_faile
     (tmp_path / "launch.lock").mkdir()  # cannot be opened: the shell's own error is the reason
     with pytest.raises(VmUnavailable, match=r"could not take .*/launch.lock \(Welcome to the VM"
                                             r".*launch.lock: Is a directory\)"):
-        worker.hold_lock("t0k3n here since 12:00:00", print)
+        worker.hold_lock("t0k3n here since 12:00:00", print, 60)
 
 
 def test_a_stop_given_while_a_launch_takes_a_pods_locks_stops_every_worker(remote, tmp_path,

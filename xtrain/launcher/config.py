@@ -74,6 +74,9 @@ class LauncherConfig:
     tpu_lockfile: str = "/tmp/libtpu_lockfile"
     # stop this job on its workers (SIGTERM: it checkpoints and exits 143) instead of running it
     stop: bool = False
+    # how long a launch (or a stop) waits for another launch placing a job on the same worker
+    # (its launch lock, xtrain/launcher/worker.py); then that worker refuses
+    lock_wait_s: float = limits(1800.0, gt=0)
 
     # Spot fleet (xtrain/launcher/fleet.py, pool.py). With `tpu` or `pool`, a job whose stream or
     # connection ends is judged by the VM's state in gcloud: not READY is a preemption.

@@ -72,11 +72,12 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     job_id = job_name(run_name)
     os.makedirs(job_dir, exist_ok=True)
     if cfg.stop:  # on every worker that answers
-        return stop_job(workers, job_id, cfg.stop_grace_s, log)
+        return stop_job(workers, job_id, cfg.stop_grace_s, cfg.lock_wait_s, log)
     code = code_record(root, files)
     with before_start():
         parallel(lambda w: w.probe(job_id), workers)  # reaches them, knows their dirs
-    with launch_lock(workers, log) as still_held:  # no other launch places a job in between
+    # no other launch places a job in between
+    with launch_lock(workers, log, cfg.lock_wait_s) as still_held:
         with before_start():
             probes = parallel(lambda w: w.probe(job_id), workers)
         jobs = [RemoteJob(w, job_id) for w in workers]
@@ -354,7 +355,7 @@ def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dic
     return final
 
 
-def stop_job(workers, job_id: str, grace_s: float, log) -> dict:
+def stop_job(workers, job_id: str, grace_s: float, lock_wait_s: float, log) -> dict:
     """``hydra.launcher.stop=true``: SIGTERM the job where it runs (SIGKILL after the grace) on
     every worker that answers, then raise LaunchError naming those that did not. The launch lock
     of every worker that answers is taken first, all together as a launch takes them: a launch
@@ -379,7 +380,7 @@ def stop_job(workers, job_id: str, grace_s: float, log) -> dict:
 
     outcomes = parallel(reach, workers)
     answered = [w for w, o in zip(workers, outcomes) if o is None]
-    with launch_lock(answered, log):
+    with launch_lock(answered, log, lock_wait_s):
         stops = dict(zip([w.index for w in answered], parallel(stop_one, answered)))
     outcomes = [stops.get(w.index, o) for w, o in zip(workers, outcomes)]
     stopped = [o for o in outcomes if o in ("stopped", "killed")]

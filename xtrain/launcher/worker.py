@@ -21,15 +21,18 @@ TOOLS = ("bash", "rsync", "setsid", "tail", "find", "ps", "awk", "flock")
 
 # Holds the worker's launch lock (util-linux flock on <remote dir>/launch.lock) while stdin stays
 # open. Says "<LOCK_MARK> busy <holder>" first when another launch holds it (its holder line,
-# written beside the lock), then "<LOCK_MARK> locked" once this one does; a failure ends it
-# without that, its error on the same stream.
+# written beside the lock), "<LOCK_MARK> timeout" when that one still holds it after $wait
+# seconds, and "<LOCK_MARK> locked" once this one holds it; a failure ends it without that, its
+# error on the same stream.
 LOCK_MARK = "XTRAIN-LOCK"
 LOCK_SH = f"""exec 2>&1
 exec 9>>"$root/launch.lock" || exit 1
 flock -n -E 75 9; rc=$?
 if [ "$rc" = 75 ]; then echo "{LOCK_MARK} busy $(cat "$root/launch.holder" 2>/dev/null)"
-  flock 9 || exit 1
-elif [ "$rc" != 0 ]; then exit 1; fi
+  flock -w "$wait" -E 75 9; rc=$?
+  if [ "$rc" = 75 ]; then echo "{LOCK_MARK} timeout"; exit 1; fi
+fi
+[ "$rc" = 0 ] || exit 1
 echo "$holder" > "$root/launch.holder"
 echo {LOCK_MARK} locked
 exec cat > /dev/null
@@ -98,12 +101,14 @@ class Worker:
                      values.get("busy", []), values.get("ended", []), values.get("ran", []),
                      values.get("lacks", []))
 
-    def hold_lock(self, holder: str, log):
+    def hold_lock(self, holder: str, log, wait_s: float):
         """Take this worker's launch lock (after a probe: the connection and flock are known to
-        work) as ``holder`` (``<launch token> <host> <time>``); returns the ssh process that
-        holds it until its stdin is closed. A lock held under this launch's own token is another
-        worker's of this launch: the two share one remote dir, which no launch can use."""
-        script = f"root={q(self.root)}\nholder={q(holder)}\n{LOCK_SH}"
+        work) as ``holder`` (``<launch token> <host> <time>``), waiting ``wait_s`` at most for
+        another launch's; returns the ssh process that holds it until its stdin is closed. A lock
+        held under this launch's own token is another worker's of this launch: the two share one
+        remote dir, which no launch can use."""
+        script = f"root={q(self.root)}\nholder={q(holder)}\nwait={wait_s:.3f}\n{LOCK_SH}"
+        other = []
         proc = self.ssh.hold(self.host, "bash -c " + q(script), "lock")
         said = []  # anything else: a login script's lines, an error
         while True:
@@ -118,6 +123,13 @@ class Worker:
                 said.append(line)
             elif told.split() == ["locked"]:
                 return proc
+            elif told.split() == ["timeout"]:
+                proc.wait()
+                raise VmUnavailable(
+                    f"{self}: another launch ({' '.join(other[1:]) or 'unknown'}) still held "
+                    f"{self.root}/launch.lock after {wait_s:g} s (hydra.launcher.lock_wait_s); "
+                    "a launch whose machine went away holds it until the worker's sshd drops "
+                    "that connection")
             elif told.split()[:1] == ["busy"]:
                 other = told.split()[1:]
                 if other[:1] == holder.split()[:1]:
@@ -131,9 +143,10 @@ class Worker:
 
 
 @contextlib.contextmanager
-def launch_lock(workers, log):
+def launch_lock(workers, log, wait_s: float):
     """Every worker's launch lock, held from the probe the job's placement is decided by to its
-    start: a second launch at the same moment waits, then probes and finds the job started
+    start: a second launch at the same moment waits (``wait_s`` at most for each worker's lock,
+    then it is that worker's refusal), then probes and finds the job started
     (reattaching to it) or the worker busy, instead of syncing, installing and starting it a
     second time over the first. Taken in worker order by every launch (the same order whatever
     address reaches a worker): no deadlock. A remote ``cat`` of the ssh session's stdin holds it,
@@ -151,7 +164,7 @@ def launch_lock(workers, log):
 
     try:
         for worker in sorted(workers, key=lambda w: w.index):
-            holders.append((worker, worker.hold_lock(holder, log)))
+            holders.append((worker, worker.hold_lock(holder, log, wait_s)))
         yield still_held
     finally:
         for _, proc in holders:
