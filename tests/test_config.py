@@ -192,7 +192,7 @@ def test_another_primary_config_names_its_runs_and_sweeps(tmp_path):
     r = subprocess.run([sys.executable, "-m", "xtrain", "-m", *chosen, "mode=plan"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert [p.name for p in (tmp_path / "multirun").iterdir()] == ["ablation-mode_plan"]
+    assert f" -> {tmp_path}/multirun/ablation-mode_plan/" in r.stdout, r.stdout
 
 
 def test_a_job_may_read_its_sweep_dir(tmp_path):
@@ -205,7 +205,23 @@ def test_a_job_may_read_its_sweep_dir(tmp_path):
     r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", reads, "optim.matrix_lr=0.01,0.02"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "multirun" / "mode_plan-optim.matrix_lr_0.01,0.02" / "multirun.yaml").is_file()
+    assert f" -> {tmp_path}/multirun/mode_plan-optim.matrix_lr_0.01,0.02/" in r.stdout, r.stdout
+    assert not (tmp_path / "multirun").exists()  # plans keep nothing, the sweep's record neither
+
+
+def test_a_sweep_of_plans_puts_back_the_record_of_an_earlier_sweep_in_its_dir(tmp_path):
+    """Hydra writes multirun.yaml before the jobs run; a sweep whose jobs keep nothing (plans)
+    leaves the sweep dir as it found it (xtrain/sweeps.py SweepRecord)."""
+    sweep_dir = tmp_path / "sweeps" / "lr"
+    sweep_dir.mkdir(parents=True)
+    (sweep_dir / "multirun.yaml").write_text("an earlier sweep's record\n")
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", f"hydra.sweep.dir={sweep_dir}",
+                        "optim.matrix_lr=0.01,0.02"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(f" -> {sweep_dir}/") == 2, r.stdout
+    assert [p.name for p in sweep_dir.iterdir()] == ["multirun.yaml"]
+    assert (sweep_dir / "multirun.yaml").read_text() == "an earlier sweep's record\n"
 
 
 def test_a_sweep_whose_jobs_would_train_in_one_checkpoint_dir_is_refused(tmp_path):

@@ -28,6 +28,12 @@ def plan_run(cfg, where: str) -> RunPlan:
     return plan
 
 
+def keeps_nothing(cfg, remote: bool) -> bool:
+    """Whether the command keeps nothing in its run dir (a plan, or a compile for a TPU, made
+    here: a launched one runs on its workers), so it leaves no Hydra record either."""
+    return not remote and cfg.mode in (Mode.plan, Mode.compile)
+
+
 def check_config(cfg) -> None:
     """The checks of ``cfg`` alone, nothing read or printed (a sweep runs them on every job before
     the first: xtrain/sweeps.py), and by :func:`run` before the run dir is taken."""

@@ -14,7 +14,11 @@ class XtrainSweeper(BasicSweeper):
 
         # Hydra writes the sweep's record before the first batch is checked
         self.record = SweepRecord(self.config.hydra.sweep.dir)
-        return super().sweep(arguments)
+        self.nothing_kept = False
+        returns = super().sweep(arguments)
+        if self.nothing_kept:  # plans, compiles: no run dir kept, so no sweep record either
+            self.record.restore()
+        return returns
 
     def validate_batch_is_legal(self, batch) -> None:
         # called before each batch is launched: the first call checks every batch of the sweep
@@ -24,5 +28,5 @@ class XtrainSweeper(BasicSweeper):
         from xtrain.sweeps import check_jobs
 
         with self.record.restored_if_refused():
-            check_jobs(self.hydra_context.config_loader, self.config,
-                       [job for jobs in self.overrides for job in jobs])
+            self.nothing_kept = check_jobs(self.hydra_context.config_loader, self.config,
+                                           [job for jobs in self.overrides for job in jobs])
