@@ -153,11 +153,16 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "data.build_sources=[]"),
     ("unreachable-bucket", ["data=cpp16k", "data.remote_timeout_s=0.5"],
      {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}, "storage error: gs://nanochat-training-data-2026: no answer within 0.5 s"),
-    # on several hosts the C++ evaluation reads the checkpoint of its step (xtrain/train/cpp_eval.py)
+    # on several processes the C++ evaluation reads the checkpoint of its step
+    # (xtrain/train/cpp_eval.py): a profile of 2 hosts, or hardware=cpu under torchrun
     ("cpp-eval-between-checkpoints", ["hardware=cpu2", "eval.cpp_every=3", "checkpoint.every=2"],
      {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "0"},
-     "eval.cpp_every=3 on 2 hosts: the evaluation reads the weights of the checkpoint of its step, "
-     "so it must be a multiple of checkpoint.every (now 2)"),
+     "eval.cpp_every=3 on 2 processes: the evaluation reads the weights of the checkpoint of its "
+     "step, so it must be a multiple of checkpoint.every (now 2)"),
+    ("cpp-eval-between-checkpoints-torchrun", ["eval.cpp_every=3", "checkpoint.every=2"],
+     {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "0"},
+     "eval.cpp_every=3 on 2 processes: the evaluation reads the weights of the checkpoint of its "
+     "step, so it must be a multiple of checkpoint.every (now 2)"),
     # the evaluation's own checks, before data, checkpoints or the model are read
     ("eval-k-above-n-in-training", ["eval.cpp_every=5", "eval.k=[2]"], {},
      "eval.k=[2]: each k must be in 1..eval.n=1"),
@@ -261,8 +266,9 @@ def torch_import_s():
 
 # Config errors found by xtrain/inputs.py beside the inputs it reads, once the run dir is taken
 # (its console.log says why); every other config error leaves no run dir
-CHECKED_WITH_INPUTS = {"cpp-eval-between-checkpoints", "resume-other-model",
-                       "checkpoint-dir-of-another-run", "checkpoint-dir-blocked"}
+CHECKED_WITH_INPUTS = {"cpp-eval-between-checkpoints", "cpp-eval-between-checkpoints-torchrun",
+                       "resume-other-model", "checkpoint-dir-of-another-run",
+                       "checkpoint-dir-blocked"}
 
 
 @pytest.mark.parametrize("case, overrides, env, expected", CASES, ids=[c[0] for c in CASES])

@@ -79,6 +79,11 @@ def run_devices(hw) -> int:
     return cpu_processes(hw)
 
 
+def run_processes(hw, env=os.environ) -> int:
+    """The run's process count: the CPU engine's (:func:`cpu_processes`), one per host on XLA."""
+    return cpu_processes(hw, env) if hw.engine == "cpu" else hw.hosts
+
+
 def cpu_processes(hw, env=os.environ) -> int:
     """The CPU engine's process count: WORLD_SIZE when a launcher set it (torchrun, xtrain's SSH
     launcher, or by hand), else the profile's hosts. A multi-host profile that disagrees with

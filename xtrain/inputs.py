@@ -18,7 +18,7 @@ from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_c
                                       step_of)
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
                            StorageError, warn)
-from xtrain.hardware import compile_cache_enabled
+from xtrain.hardware import compile_cache_enabled, run_processes
 from xtrain.model.config import GPTConfig
 from xtrain.paths import is_local, location, url_to_fs
 
@@ -270,9 +270,10 @@ def check_evaluation_steps(cfg) -> None:
     """On more than one process the C++ evaluation reads the weights of its step's checkpoint
     (xtrain/train/cpp_eval.py): every evaluated step must be a checkpointed one."""
     every, ckpt_every = cfg.eval.cpp_every, cfg.checkpoint.every
-    if every and cfg.hardware.hosts > 1 and (not ckpt_every or every % ckpt_every):
+    processes = run_processes(cfg.hardware) if every else 1
+    if processes > 1 and (not ckpt_every or every % ckpt_every):
         raise ConfigError(
-            f"eval.cpp_every={every} on {cfg.hardware.hosts} hosts: the evaluation reads the "
+            f"eval.cpp_every={every} on {processes} processes: the evaluation reads the "
             f"weights of the checkpoint of its step, so it must be a multiple of checkpoint.every "
             f"(now {ckpt_every}); set checkpoint.every={every}, for example")
 
