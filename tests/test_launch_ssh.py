@@ -476,14 +476,20 @@ def test_the_launch_lock_makes_a_second_launch_wait_and_refuses_what_it_cannot_h
         assert re.fullmatch(rf"launch: worker 0 \({HOSTS[0]}\): another launch \({socket.gethostname()}"
                             r" since \d\d:\d\d:\d\d\) is placing a job there: waiting for it",
                             said[0]), said
-        third, _, _ = make_worker(remote, tmp_path)  # one more, that waits 1 s at most
+        # one more, that waits 2 s at most; meanwhile the holder's line changes, as when the
+        # holder it found lets go and another launch takes the lock: the refusal names that one
+        third, _, _ = make_worker(remote, tmp_path)
+        holder_line = Path(third.root) / "launch.holder"
+        relay = threading.Timer(1.0, holder_line.write_text, ["beef relay-host since 12:34:56\n"])
         started = time.monotonic()
+        relay.start()
         with pytest.raises(VmUnavailable, match=rf"worker 0 \({HOSTS[0]}\): another launch "
-                                                rf"\({socket.gethostname()} since .*\) still "
-                                                rf"held {third.root}/launch.lock after 1 s "
+                                                r"\(relay-host since 12:34:56\) still "
+                                                rf"held {third.root}/launch.lock after 2 s "
                                                 r"\(hydra.launcher.lock_wait_s\)"):
-            with launch_lock([third], print, 1):
+            with launch_lock([third], print, 2):
                 pass
+        relay.join()
         assert time.monotonic() - started < 20
         assert order == ["waiting"]
         still_held()

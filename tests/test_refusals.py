@@ -176,8 +176,10 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "hardware.env sets OMP_NUM_THREADS: the XLA runtime's environment, which the cpu engine"),
     # the launcher's fields, before anything is copied
     ("launcher-range", ["hardware=v6e4", "hydra/launcher=tpu_vm", "hydra.launcher.hosts=[127.0.0.9]",
-                        "hydra.launcher.retries=-1", "hydra.launcher.port=0"], {},
-     "hydra.launcher.port=0: must be >= 1; hydra.launcher.retries=-1: must be >= 0"),
+                        "hydra.launcher.retries=-1", "hydra.launcher.port=0",
+                        "hydra.launcher.lock_wait_s=inf"], {},
+     "hydra.launcher.port=0: must be >= 1; hydra.launcher.retries=-1: must be >= 0; "
+     "hydra.launcher.lock_wait_s=inf: must be <= 604800"),
     ("launcher-added-unknown-key", ["hardware=v6e4", "hydra/launcher=tpu_vm",
                                     "hydra.launcher.hosts=[127.0.0.9]", "+hydra.launcher.retrys=3"], {},
      "hydra.launcher.retrys (did you mean hydra.launcher.retries?): the config has no such key"),

@@ -55,7 +55,8 @@ def _main(cfg: DictConfig) -> None:
         from xtrain.train.preemption import SIGTERM_RAISED
 
         if SIGTERM_RAISED.is_set():  # a stop the code it interrupted turned into another error
-            print(f"xtrain: after the SIGTERM: {type(ex).__name__}: {ex}", file=sys.stderr)
+            said = " ".join(f"{type(ex).__name__}: {ex}".split())
+            print(mask_secrets(f"xtrain: after the SIGTERM: {said}"), file=sys.stderr)
             raise Terminated() from ex
         if not is_refusal(ex) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -76,7 +76,7 @@ class LauncherConfig:
     stop: bool = False
     # how long a launch (or a stop) waits for another launch placing a job on the same worker
     # (its launch lock, xtrain/launcher/worker.py); then that worker refuses
-    lock_wait_s: float = limits(1800.0, gt=0)
+    lock_wait_s: float = limits(1800.0, gt=0, le=604800)  # (a week: flock's timer takes no more)
 
     # Spot fleet (xtrain/launcher/fleet.py, pool.py). With `tpu` or `pool`, a job whose stream or
     # connection ends is judged by the VM's state in gcloud: not READY is a preemption.

@@ -21,7 +21,7 @@ TOOLS = ("bash", "rsync", "setsid", "tail", "find", "ps", "awk", "flock")
 
 # Holds the worker's launch lock (util-linux flock on <remote dir>/launch.lock) while stdin stays
 # open. Says "<LOCK_MARK> busy <holder>" first when another launch holds it (its holder line,
-# written beside the lock), "<LOCK_MARK> timeout" when that one still holds it after $wait
+# written beside the lock), "<LOCK_MARK> timeout <holder>" when one still holds it after $wait
 # seconds, and "<LOCK_MARK> locked" once this one holds it; a failure ends it without that, its
 # error on the same stream.
 LOCK_MARK = "XTRAIN-LOCK"
@@ -30,7 +30,9 @@ exec 9>>"$root/launch.lock" || exit 1
 flock -n -E 75 9; rc=$?
 if [ "$rc" = 75 ]; then echo "{LOCK_MARK} busy $(cat "$root/launch.holder" 2>/dev/null)"
   flock -w "$wait" -E 75 9; rc=$?
-  if [ "$rc" = 75 ]; then echo "{LOCK_MARK} timeout"; exit 1; fi
+  if [ "$rc" = 75 ]; then echo "{LOCK_MARK} timeout $(cat "$root/launch.holder" 2>/dev/null)"
+    exit 1
+  fi
 fi
 [ "$rc" = 0 ] || exit 1
 echo "$holder" > "$root/launch.holder"
@@ -108,7 +110,6 @@ class Worker:
         held under this launch's own token is another worker's of this launch: the two share one
         remote dir, which no launch can use."""
         script = f"root={q(self.root)}\nholder={q(holder)}\nwait={wait_s:.3f}\n{LOCK_SH}"
-        other = []
         proc = self.ssh.hold(self.host, "bash -c " + q(script), "lock")
         said = []  # anything else: a login script's lines, an error
         while True:
@@ -123,10 +124,11 @@ class Worker:
                 said.append(line)
             elif told.split() == ["locked"]:
                 return proc
-            elif told.split() == ["timeout"]:
+            elif told.split()[:1] == ["timeout"]:
                 proc.wait()
+                now = " ".join(told.split()[2:]) or "unknown"  # the holder now, maybe a later one
                 raise VmUnavailable(
-                    f"{self}: another launch ({' '.join(other[1:]) or 'unknown'}) still held "
+                    f"{self}: another launch ({now}) still held "
                     f"{self.root}/launch.lock after {wait_s:g} s (hydra.launcher.lock_wait_s); "
                     "a launch whose machine went away holds it until the worker's sshd drops "
                     "that connection")

@@ -15,10 +15,11 @@ class XtrainSweeper(BasicSweeper):
         # Hydra writes the sweep's record before the first batch is checked
         self.record = SweepRecord(self.config.hydra.sweep.dir)
         self.nothing_kept = False
-        returns = super().sweep(arguments)
-        if self.nothing_kept:  # plans, compiles: no run dir kept, so no sweep record either
-            self.record.restore()
-        return returns
+        try:
+            return super().sweep(arguments)
+        finally:  # also when a job was refused (its exit passes through Hydra)
+            if self.nothing_kept:  # plans, compiles: no run dir kept, so no sweep record either
+                self.record.restore()
 
     def validate_batch_is_legal(self, batch) -> None:
         # called before each batch is launched: the first call checks every batch of the sweep
