@@ -22,7 +22,7 @@ import hydra
 from omegaconf import DictConfig
 
 from xtrain import compat
-from xtrain.config import register
+from xtrain.config import Mode, register
 from xtrain.config.choices import check_composed, check_group_overrides
 from xtrain.config.hydra_record import discard, writes_record
 from xtrain.config.secrets import check_no_secret_overrides
@@ -43,7 +43,7 @@ def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from xtrain.launcher import is_remote, launch_from_hydra
-    from xtrain.modes import keeps_nothing, run
+    from xtrain.modes import run
     from xtrain.train.run_lock import RunDirInUse
 
     hc = HydraConfig.get()
@@ -63,7 +63,7 @@ def _main(cfg: DictConfig) -> None:
         if not isinstance(ex, RunDirInUse):  # a refused command leaves no trace of its own
             discard(hc.runtime.output_dir, CWD_BEFORE)
         refuse(ex)
-    if keeps_nothing(cfg, remote):
+    if not remote and cfg.mode in (Mode.plan, Mode.compile):  # nothing kept in the run dir
         discard(hc.runtime.output_dir, CWD_BEFORE)
     if summary and summary.get("preempted"):
         sys.exit(EXIT_STOPPED)  # not finished; re-running the command resumes

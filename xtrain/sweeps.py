@@ -5,8 +5,8 @@ Hydra's basic sweeper composes each job of a batch first, only to see that it co
 sweeper (``hydra/sweeper=xtrain``: its config in xtrain/config/, its class in
 launch/hydra_plugins/xtrain_launchers/sweeper.py) calls :func:`check_jobs` there instead,
 whatever the launcher. What reads paths or storage is still checked by each job as it starts.
-A sweep refused by these checks, or one whose jobs keep nothing in their run dirs (plans,
-compiles for a TPU), leaves the sweep dir as it found it (:class:`SweepRecord`).
+A sweep refused by these checks, or one that leaves no job dir (plans, compiles for a TPU, jobs
+refused as they start), leaves the sweep dir as it found it (:class:`SweepRecord`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import contextlib
 from pathlib import Path
 
 
-def check_jobs(config_loader, sweep_config, batch) -> bool:
+def check_jobs(config_loader, sweep_config, batch) -> None:
     """Compose each job of ``batch`` (lists of overrides) and run xtrain's checks of its config
-    (xtrain/modes.py's check_config); the first refusal names its job and ends the sweep.
-    Returns whether no job keeps anything in its run dir (xtrain/modes.py keeps_nothing)."""
+    (xtrain/modes.py's check_config); the first refusal names its job and ends the sweep."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
@@ -27,10 +26,9 @@ def check_jobs(config_loader, sweep_config, batch) -> bool:
     from xtrain.launcher import is_remote
     from xtrain.launcher.fleet import check_job
     from xtrain.launcher.hydra_jobs import check_workers_compose_it
-    from xtrain.modes import check_config, check_host_memory, keeps_nothing
+    from xtrain.modes import check_config, check_host_memory
 
     checkpoint_dirs: dict[str, int] = {}  # a training's checkpoint dir -> the job training there
-    nothing_kept = True
     try:
         for number, overrides in enumerate(batch, start=1):
             job = config_loader.load_sweep_config(master_config=sweep_config,
@@ -51,7 +49,6 @@ def check_jobs(config_loader, sweep_config, batch) -> bool:
                                          number, checkpoint_dirs)
                 if is_remote(hydra_cfg.launcher):  # the fleet's: keys, zone, gcloud, pool
                     check_job(hydra_cfg.launcher, job.hardware, job.checkpoint.dir)
-                nothing_kept = nothing_kept and keeps_nothing(job, is_remote(hydra_cfg.launcher))
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
                 if not is_refusal(e):
                     raise
@@ -59,7 +56,6 @@ def check_jobs(config_loader, sweep_config, batch) -> bool:
                                   f"{e}; no job was run") from e
     finally:
         HydraConfig.instance().set_config(sweep_config)
-    return nothing_kept
 
 
 def check_own_checkpoint_dir(job, hydra_cfg, number: int, taken: dict[str, int]) -> None:
@@ -96,9 +92,9 @@ def check_own_checkpoint_dir(job, hydra_cfg, number: int, taken: dict[str, int])
 
 class SweepRecord:
     """The sweep dir's ``multirun.yaml``, which Hydra writes before the jobs are checked, as it
-    was before this sweep: a refused sweep, or one that keeps nothing, puts back what it replaced
-    (an earlier sweep's record in the same dir), or removes it and the dirs Hydra made for it
-    (``multirun/<sweep>``)."""
+    was before this sweep: a refused sweep, or one that leaves no job dir beside it, puts back
+    what it replaced (an earlier sweep's record in the same dir), or removes it and the dirs
+    Hydra made for it (``multirun/<sweep>``)."""
 
     def __init__(self, sweep_dir: str):
         self.path = Path(sweep_dir) / "multirun.yaml"
@@ -119,6 +115,11 @@ class SweepRecord:
             if is_refusal(e):
                 self.restore()
             raise
+
+    def restore_if_no_jobs(self) -> None:
+        """Put the dir back when nothing but this sweep's record is left in it."""
+        if self.path.is_file() and [p.name for p in self.path.parent.iterdir()] == [self.path.name]:
+            self.restore()
 
     def restore(self) -> None:
         if self.before is not None:

@@ -14,12 +14,10 @@ class XtrainSweeper(BasicSweeper):
 
         # Hydra writes the sweep's record before the first batch is checked
         self.record = SweepRecord(self.config.hydra.sweep.dir)
-        self.nothing_kept = False
         try:
             return super().sweep(arguments)
-        finally:  # also when a job was refused (its exit passes through Hydra)
-            if self.nothing_kept:  # plans, compiles: no run dir kept, so no sweep record either
-                self.record.restore()
+        finally:  # (also when a job was refused: its exit passes through Hydra)
+            self.record.restore_if_no_jobs()  # plans and compiles keep no job dir
 
     def validate_batch_is_legal(self, batch) -> None:
         # called before each batch is launched: the first call checks every batch of the sweep
@@ -29,5 +27,5 @@ class XtrainSweeper(BasicSweeper):
         from xtrain.sweeps import check_jobs
 
         with self.record.restored_if_refused():
-            self.nothing_kept = check_jobs(self.hydra_context.config_loader, self.config,
-                                           [job for jobs in self.overrides for job in jobs])
+            check_jobs(self.hydra_context.config_loader, self.config,
+                       [job for jobs in self.overrides for job in jobs])
