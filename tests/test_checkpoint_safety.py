@@ -429,8 +429,8 @@ def test_an_earlier_checkpoint_dir_that_does_not_answer_is_said_and_passed_over(
     t0 = time.monotonic()
     check_checkpoints_not_elsewhere(str(run), str(run / "checkpoints"), timeout_s=1.0)
     assert time.monotonic() - t0 < 5
-    assert (f"xtrain: warning: the last training in {run} saved its checkpoints to gs://gone/ckpt, "
-            "which could not be read (gs://gone/ckpt: no answer within 1 s") in capfd.readouterr().err
+    assert (f"xtrain: warning: the last training in {run} saved its checkpoints elsewhere, which "
+            "could not be read (gs://gone/ckpt: no answer within 1 s") in capfd.readouterr().err
     gcsfs.GCSFileSystem.clear_instance_cache()
 
 

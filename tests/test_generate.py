@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from conftest import TINY
 from xtrain.model.config import GPTConfig
-from xtrain.model.generate import generate, generate_ids
+from xtrain.model.generate import generate, generate_ids, next_tokens
 from xtrain.model.gpt import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,6 +88,14 @@ class CharTokenizer:
 
     def decode(self, ids):
         return bytes(i for i in ids if i < 256).decode("latin-1")
+
+
+def test_a_tiny_temperature_samples_the_likeliest_token():
+    """Divided by 1e-40, the float32 logits overflowed to inf and the softmax gave NaN."""
+    logits = torch.randn(4, 4096) * 30
+    for top_k in (None, 50):
+        ids = next_tokens(logits, 1e-40, top_k, torch.Generator().manual_seed(0))
+        assert torch.equal(ids, logits.argmax(dim=-1, keepdim=True))
 
 
 def test_generate_gives_n_texts_per_prompt_with_a_text_stop_hook():
@@ -180,6 +189,27 @@ def test_mode_sample_refuses_a_bad_checkpoint_before_building_anything(tmp_path,
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # no log, no record left
 
 
+def test_mode_sample_reads_only_its_own_runs_checkpoints(trained_run, tmp_path):
+    """A checkpoint.dir another run wrote to is not read as this run's (its model would be
+    sampled, or judged, under this run's name); a run whose last training saved its checkpoints
+    elsewhere is refused naming where."""
+    ckpts = trained_run / "checkpoints"
+    r = _sample(tmp_path / "other", f"checkpoint.dir={ckpts}", "run.name=other")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert re.fullmatch(rf"xtrain: config error: {ckpts}/step_000030 belongs to run \S+, not to "
+                        rf"this run \(other\): to read it on purpose, set checkpoint.resume="
+                        rf"{ckpts}/step_000030", r.stderr.strip().splitlines()[-1]), r.stderr
+    moved = tmp_path / "moved"
+    (moved / ".hydra").mkdir(parents=True)  # its training's record: checkpoints saved elsewhere
+    (moved / ".hydra" / "config.yaml").write_text(f"checkpoint:\n  dir: {ckpts}\n")
+    r = _sample(moved)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"xtrain: input error: mode=sample: no committed checkpoint in {moved}/checkpoints (the "
+        f"last training of this run saved its checkpoints to {ckpts}, newest {ckpts}/step_000030: "
+        f"add checkpoint.dir={ckpts})")
+
+
 def test_a_sample_sweep_that_finds_no_checkpoint_says_why_a_sweep_does_not(tmp_path):
     """A sweep's jobs read their own dirs, named with the sweep's mode: a sample sweep after a
     training sweep finds nothing there, and the refusal says why and what to give instead."""
@@ -195,6 +225,7 @@ def test_a_sample_sweep_that_finds_no_checkpoint_says_why_a_sweep_does_not(tmp_p
                          "this mode does not find a training sweep's checkpoints; give each job "
                          "checkpoint.resume=PATH, such as multirun/<training sweep>/<job>/"
                          "checkpoints/step_N)"), line
+    assert not (tmp_path / "multirun").exists()  # no job dir kept, so no sweep record either
 
 
 def test_mode_sample_refuses_a_prompt_longer_than_the_context(trained_run):

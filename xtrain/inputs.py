@@ -16,6 +16,7 @@ from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_checkpoints,
                                       latest_checkpoint, newer_commits, read_meta, saved_config,
                                       step_of)
+from xtrain.config.hydra_record import RECORD
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
                            StorageError, warn)
 from xtrain.hardware import compile_cache_enabled, run_processes
@@ -115,12 +116,12 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
     return found
 
 
-def check_same_run(path: str, run_name: str | None, meta: dict) -> None:
+def check_same_run(path: str, run_name: str | None, meta: dict, advice: str | None = None) -> None:
     """A run continues on its own only from its own checkpoints: refuse one another run wrote
     (a checkpoint.dir shared by runs or sweep jobs; the name keeps out what does not change the
     training, e.g. trainer.max_steps, so extending a run still resumes it). Retention would
     otherwise delete that run's checkpoints too. A checkpoint that names no run (in its
-    ``meta``) passes."""
+    ``meta``) passes. ``advice``: what to do instead, for a command other than training."""
     if run_name is None:
         return
     try:
@@ -129,9 +130,9 @@ def check_same_run(path: str, run_name: str | None, meta: dict) -> None:
         raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
     if written_by is not None and written_by != run_name:
         raise ConfigError(
-            f"{path} belongs to run {written_by}, not to this run ({run_name}): give each run its "
-            "own checkpoint.dir (e.g. .../ckpt/${run.name}); to continue from it on purpose, set "
-            f"checkpoint.resume={path} with a checkpoint.dir of this run's own")
+            f"{path} belongs to run {written_by}, not to this run ({run_name}): " + (advice or
+            "give each run its own checkpoint.dir (e.g. .../ckpt/${run.name}); to continue from "
+            f"it on purpose, set checkpoint.resume={path} with a checkpoint.dir of this run's own"))
 
 
 def continued(resume: str, directory: str) -> bool:
@@ -293,6 +294,26 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
         _check_paths(cfg, gpt, ckpt_dir, run_dir)
 
 
+def saved_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: float, step: int = -1):
+    """(where, its commits past ``step``) when the last accepted training in ``run_dir`` saved
+    its checkpoints elsewhere than ``ckpt_dir`` and some are still there, else None; a location
+    that does not answer within ``timeout_s`` raises StorageError."""
+    from omegaconf import OmegaConf
+
+    record = os.path.join(run_dir, RECORD, "config.yaml")
+    if not is_local(run_dir) or not os.path.isfile(record):
+        return None
+    try:
+        earlier = checkpoint_dir(OmegaConf.load(record), run_dir)
+    except Exception:  # noqa: BLE001  (a record of another version, or edited: it tells nothing)
+        return None
+    if location(earlier) == location(ckpt_dir):
+        return None
+    found: dict = {}
+    within(timeout_s, earlier, lambda: found.update(newer=newer_commits(earlier, step)))
+    return (earlier, found["newer"]) if found.get("newer") else None
+
+
 def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: float,
                                     resumes: str | None = None) -> None:
     """Refuse to go on in a run dir whose last accepted training saved its checkpoints elsewhere,
@@ -300,35 +321,21 @@ def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: floa
     None: it would start from step 0): a ``checkpoint.dir`` override left off (such overrides
     keep the run's name, so its dir) would train those steps again over the run's records. A
     location that does not answer within ``timeout_s`` is said and passed over."""
-    from omegaconf import OmegaConf
-
-    from xtrain.config.hydra_record import RECORD
-
-    record = os.path.join(run_dir, RECORD, "config.yaml")
-    if not is_local(run_dir) or not os.path.isfile(record):
-        return
-    try:
-        earlier = OmegaConf.load(record).checkpoint.dir or os.path.join(run_dir, "checkpoints")
-    except Exception:  # noqa: BLE001  (a record of another version, or edited: it tells nothing)
-        return
-    if location(earlier) == location(ckpt_dir):
-        return
     step = step_of(resumes) if resumes else -1
-    found: dict = {}
     try:
-        within(timeout_s, earlier, lambda: found.update(newer=newer_commits(earlier, step)))
+        elsewhere = saved_elsewhere(run_dir, ckpt_dir, timeout_s, step)
     except StorageError as e:
-        warn(f"the last training in {run_dir} saved its checkpoints to {earlier}, which could not "
-             f"be read ({e}); this run starts from {resumes or 'step 0'} in "
-             f"checkpoint.dir={ckpt_dir}")
+        warn(f"the last training in {run_dir} saved its checkpoints elsewhere, which could not be "
+             f"read ({e}); this run starts from {resumes or 'step 0'} in checkpoint.dir={ckpt_dir}")
         return
-    if found.get("newer"):
+    if elsewhere:
+        earlier, newer = elsewhere
         here, again = (f"checkpoint.dir={ckpt_dir} holds no checkpoint of this run", "from step 0")
         if resumes:
             here, again = f"this command would resume from {resumes}", f"from step {step}"
         raise ConfigError(
             f"{here}, but the last training in {run_dir} ({RECORD}/config.yaml) saved its "
-            f"checkpoints to {earlier}, newest {found['newer'][-1]}: this command would train "
+            f"checkpoints to {earlier}, newest {newer[-1]}: this command would train "
             f"{again} over the run's records; to continue it, add checkpoint.dir={earlier}; to "
             "start anew, choose another run.name")
 

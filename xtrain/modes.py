@@ -28,12 +28,6 @@ def plan_run(cfg, where: str) -> RunPlan:
     return plan
 
 
-def keeps_nothing(cfg, remote: bool) -> bool:
-    """Whether the command keeps nothing in its run dir (a plan, or a compile for a TPU, made
-    here: a launched one runs on its workers), so it leaves no Hydra record either."""
-    return not remote and cfg.mode in (Mode.plan, Mode.compile)
-
-
 def check_config(cfg) -> None:
     """The checks of ``cfg`` alone, nothing read or printed (a sweep runs them on every job before
     the first: xtrain/sweeps.py), and by :func:`run` before the run dir is taken."""
@@ -155,12 +149,13 @@ def show_plan(cfg, plan: RunPlan) -> None:
 def checkpoint_to_read(cfg, run_dir: str) -> str:
     """``checkpoint.resume``, else the newest committed checkpoint of the run whose files match
     its manifest and hold every tensor it names (a damaged or incomplete newer one is warned
-    about and passed over); refused (with the path) when there is none, the one named is not
-    committed or damaged, or either cannot be loaded safely (xtrain/checkpoint/io.py,
-    check_loadable)."""
+    about and passed over); refused (with the path) when there is none, the newest is another
+    run's (a shared ``checkpoint.dir``), the one named is not committed or damaged, or either
+    cannot be loaded safely (xtrain/checkpoint/io.py, check_loadable)."""
     from xtrain.checkpoint.io import check_loadable
-    from xtrain.errors import InputError
-    from xtrain.inputs import check_named_checkpoint, checkpoint_dir, newest_intact
+    from xtrain.errors import InputError, StorageError
+    from xtrain.inputs import (check_named_checkpoint, check_same_run, checkpoint_dir,
+                               newest_intact, saved_elsewhere, saved_meta)
 
     if cfg.checkpoint.resume:
         check_named_checkpoint(cfg.checkpoint.resume)
@@ -168,15 +163,23 @@ def checkpoint_to_read(cfg, run_dir: str) -> str:
         return cfg.checkpoint.resume
     directory = checkpoint_dir(cfg, run_dir)
     path = newest_intact(directory)  # checked as loadable on the way (missing_tensors)
-    if path is None:
-        in_sweep = os.path.exists(os.path.join(os.path.dirname(run_dir), "multirun.yaml"))
-        raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} " + (
-            "(a sweep's job reads the checkpoints of its own dir, and a sweep's mode and sample "
-            "settings are in its dirs' names: a sweep of this mode does not find a training "
-            "sweep's checkpoints; give each job checkpoint.resume=PATH, such as multirun/"
-            "<training sweep>/<job>/checkpoints/step_N)" if in_sweep and not cfg.checkpoint.dir
-            else "(train this run first, or set checkpoint.resume=PATH)"))
-    return path
+    if path is not None:
+        check_same_run(path, cfg.run.name, saved_meta(path),
+                       f"to read it on purpose, set checkpoint.resume={path}")
+        return path
+    try:
+        elsewhere = saved_elsewhere(run_dir, directory, cfg.data.remote_timeout_s)
+    except StorageError:
+        elsewhere = None  # (the refusal below is still true)
+    in_sweep = os.path.exists(os.path.join(os.path.dirname(run_dir), "multirun.yaml"))
+    raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} " + (
+        f"(the last training of this run saved its checkpoints to {elsewhere[0]}, newest "
+        f"{elsewhere[1][-1]}: add checkpoint.dir={elsewhere[0]})" if elsewhere else
+        "(a sweep's job reads the checkpoints of its own dir, and a sweep's mode and sample "
+        "settings are in its dirs' names: a sweep of this mode does not find a training "
+        "sweep's checkpoints; give each job checkpoint.resume=PATH, such as multirun/"
+        "<training sweep>/<job>/checkpoints/step_N)" if in_sweep and not cfg.checkpoint.dir
+        else "(train this run first, or set checkpoint.resume=PATH)"))
 
 
 def checkpoint_inputs(cfg, path: str):

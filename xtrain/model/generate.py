@@ -61,7 +61,8 @@ def next_tokens(logits, temperature: float, top_k: int | None, generator) -> tor
     likeliest (all when None)."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    # the row's largest first: divided by a tiny temperature it stays 0, never inf (nor NaN)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
