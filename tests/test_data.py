@@ -617,6 +617,27 @@ def test_an_output_directory_overlapping_the_sources_is_refused(tmp_path, monkey
     assert not list(tmp_path.glob("*.lock")) and not list(src.glob("*.lock"))
 
 
+@pytest.mark.parametrize("out, relation", [(".", "is"), ("./", "is"), ("..", "contains")])
+def test_an_output_directory_holding_the_working_directory_is_refused(tmp_path, monkeypatch, capsys,
+                                                                      out, relation):
+    """A build replaces its output directory: it would take the working directory with it (and
+    `--out .` found its own lock file there, `..lock`, and refused the directory as not empty)."""
+    from xtrain.data.__main__ import main
+
+    src = _sources(tmp_path)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    _no_reading_or_training(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        main(["build", str(src), "--out", out])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == (f"xtrain: data error: corpus output directory {out} "
+                                             f"{relation} the working directory: a build replaces its "
+                                             "output directory; choose a new directory (--out, or "
+                                             "data.build_dir)\n"), err
+    assert not list((tmp_path / "work").iterdir()) and not list(tmp_path.glob("*.lock"))
+
+
 def test_a_finished_build_in_a_place_not_writable_is_reused_and_a_new_one_refused(tmp_path, monkeypatch,
                                                                                    compose_config):
     """A corpus built once and shared read-only is read, not refused for want of write access;

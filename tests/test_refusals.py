@@ -98,6 +98,10 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("beta1", ["optim.adam_beta1=1.5"], {}, "optim.adam_beta1=1.5: must be < 1"),
     ("eps-0", ["optim.adam_eps=0"], {}, "optim.adam_eps=0: must be > 0"),
     ("warmdown", ["optim.warmdown_ratio=1.5"], {}, "optim.warmdown_ratio=1.5: must be <= 1"),
+    # Lightning's seed_everything takes 32 bits (and a sample's generator 64, seed + prompt)
+    ("seeds", ["trainer.seed=4294967296", "sample.seed=18446744073709551615"], {},
+     "trainer.seed=4294967296: must be <= 4294967295; sample.seed=18446744073709551615: must be <= "
+     "4294967295"),
     ("final-lr", ["optim.final_lr_frac=2"], {}, "optim.final_lr_frac=2: must be <= 1"),
     ("grad-clip", ["optim.grad_clip=-1"], {}, "optim.grad_clip=-1: must be >= 0"),
     ("ns-steps", ["optim.muon_ns_steps=0"], {}, "optim.muon_ns_steps=0: must be >= 1"),
@@ -144,7 +148,9 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "data.tokenizer={missing}: no such directory"),
     ("half-tokenizer", ["data.build_sources=[]", "data.tokenizer={half_tokenizer}"], {},
      "needs tokenizer.json (or tokenizer.pkl) and token_bytes.pt"),
-    ("no-sources", ["data.build_sources=[{missing}]"], {}, "no C/C++ sources found"),
+    ("no-sources", ["data.build_sources=[{empty}]"], {}, "no C/C++ sources found"),
+    ("missing-source", ["data.build_sources=[{one_source},{missing}]"], {},
+     "data.build_sources=['{one_source}', '{missing}']: {missing} does not exist"),
     ("one-source", ["data.build_sources=[{one_source}]"], {},
      "data.build_sources=['{one_source}']: only one C/C++ source file ({one_source}/only.cpp); "
      "the build holds out whole files for validation, so it needs at least 2"),

@@ -32,8 +32,13 @@ def out_of_range(cfg, schema, prefix: str = "") -> list[str]:
         bounds = f.metadata.get("bounds") or {}
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        broken = [f"{_BOUNDS[k][0]} {b:g}" for k, b in bounds.items() if not _BOUNDS[k][1](value, b)]
+        broken = [f"{_BOUNDS[k][0]} {_number(b)}" for k, b in bounds.items()
+                  if not _BOUNDS[k][1](value, b)]
         if broken:
             hint = f" ({f.metadata['hint']})" if f.metadata.get("hint") else ""
-            problems.append(f"{path}={value:g}: must be {' and '.join(broken)}{hint}")
+            problems.append(f"{path}={_number(value)}: must be {' and '.join(broken)}{hint}")
     return problems
+
+
+def _number(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"  # (an int's every digit: a seed, a size)

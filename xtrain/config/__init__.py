@@ -222,7 +222,9 @@ class TrainerConfig:
     sample_tokens: int = limits(64, ge=0)
     # steps between samples during training (prompts: sample.*); 0: at the end only
     sample_every: int = limits(0, ge=0)
-    seed: int = limits(42, ge=0)  # initial weights and the data order (samples: sample.seed)
+    # initial weights and the data order (samples: sample.seed); Lightning's seed_everything
+    # takes 32 bits
+    seed: int = limits(42, ge=0, le=2**32 - 1)
     # XLA engine: stop the run when its training step has compiled more graphs than this (a
     # healthy run compiles the step once), naming the graph and torch_xla's reason; None: no
     # limit. The debug presets set 1.

@@ -71,7 +71,7 @@ class SampleConfig:
     max_tokens: int = limits(128, ge=1)  # new tokens per sample (mode=sample)
     temperature: float = limits(0.8, ge=0)  # 0: greedy
     top_k: int | None = limits(50, ge=1)  # sample among the k likeliest tokens; None: all
-    seed: int = limits(42, ge=0)
+    seed: int = limits(42, ge=0, le=2**32 - 1)  # (prompt i samples with seed + i)
 
 
 def sample_prompts(sample) -> list[str]:

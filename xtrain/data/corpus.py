@@ -120,12 +120,17 @@ def _unwritable(out_dir: str) -> str | None:
 
 
 def check_output(sources: list[str], out_dir: str) -> None:
-    """Refuse an output directory a build would destroy something in: one that is, lies inside
-    or contains a source directory, or holds anything but a previous xtrain build; and one it
-    could not write. Reads no source file."""
+    """Refuse an output directory a build would destroy something in: one that is or contains
+    the working directory, that is, lies inside or contains a source directory, or holds
+    anything but a previous xtrain build; and one it could not write. Reads no source file."""
     why = _unwritable(out_dir) if read_manifest(out_dir) is None else None  # (a build: reused)
     if why:
         raise DataError(f"corpus output directory {out_dir} cannot be written: {why}")
+    here = _overlap(out_dir, os.getcwd())
+    if here in ("is", "contains"):  # replaced, it would take the working directory with it
+        raise DataError(f"corpus output directory {out_dir} {here} the working directory: a build "
+                        "replaces its output directory; choose a new directory (--out, or "
+                        "data.build_dir)")
     for source in sources:
         relation = _overlap(out_dir, source)
         if relation:

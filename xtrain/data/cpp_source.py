@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import re
 
+from xtrain.errors import DataError
 from xtrain.paths import as_url, url_to_fs
 
 CPP_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc", ".ipp", ".inl")
@@ -27,12 +28,14 @@ def looks_like_cpp(path: str, head: bytes) -> bool:
 
 def find_sources(roots: list[str]) -> list[tuple[str, str]]:
     """(url, fingerprint) of every C/C++ file under ``roots``, sorted; fingerprint = size+mtime.
-    A symlink to a file counts as that file (a link to a directory is not followed)."""
+    A symlink to a file counts as that file (a link to a directory is not followed). A root that
+    does not exist is refused (a typo would leave its code out of the corpus without a word)."""
     found = []
     for root in roots:
         fs, base = url_to_fs(root)
         if not fs.exists(base):
-            continue
+            raise DataError(f"data.build_sources={roots}: {root} does not exist (/usr/include/c++ "
+                            "comes with g++)")
         for path, info in fs.find(base, detail=True).items():
             linked_file = info.get("islink") and fs.isfile(path)  # (its size and mtime: the file's)
             if (info.get("type") != "file" and not linked_file) or info.get("size", 0) == 0:
