@@ -90,30 +90,40 @@ def test_multirun_gives_one_dir_per_job_in_a_dir_per_sweep(tmp_path):
     assert len([p for p in second.iterdir() if p.is_dir()]) == 1
 
 
+def _plan_sweep(tmp_path, args, sweep: str) -> list[str]:
+    """Run a sweep of plans whose sweep dir, named by the README's rule, is ``sweep``; returns the
+    jobs' run dirs. That dir is made first, holding a file of the test's: a sweep that leaves no
+    job dir (plans) keeps its record (multirun.yaml) only in a dir that holds more."""
+    (tmp_path / "multirun" / sweep).mkdir(parents=True)
+    (tmp_path / "multirun" / sweep / "kept").write_text("")
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", *args], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [line.split(" -> ")[1] for line in r.stdout.splitlines() if line.startswith("run ")]
+
+
 def test_sweeps_that_differ_only_in_keys_that_keep_a_runs_name_keep_apart(tmp_path):
     for steps in ("3,6", "10,20"):  # the jobs' names differ (in a sweep they carry every key)
-        r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", "model=d2",
-                            f"trainer.max_steps={steps}"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 0, r.stderr[-3000:]
+        sweep = f"d2-mode_plan-trainer.max_steps_{steps}"
+        jobs = _plan_sweep(tmp_path, ["model=d2", f"trainer.max_steps={steps}"], sweep)
+        assert len(jobs) == 2 and {Path(job).parent for job in jobs} == {tmp_path / "multirun" / sweep}
     records = sorted((tmp_path / "multirun").glob("*/multirun.yaml"))
     assert [p.parent.name for p in records] == ["d2-mode_plan-trainer.max_steps_10,20",
                                                 "d2-mode_plan-trainer.max_steps_3,6"]
 
 
-@pytest.mark.parametrize("args", [["+debug=fast,overfit"],
-                                  ["model=d2", "optim.embedding_lr=${optim.matrix_lr}", "optim.matrix_lr=0.01,0.02"]],
-                         ids=["groups", "interpolation"])
-def test_a_sweep_keeps_its_jobs_in_its_own_dir(tmp_path, args):
+@pytest.mark.parametrize("args, sweep", [
+    (["+debug=fast,overfit"], "debug_fast,overfit-mode_plan"),
+    (["model=d2", "optim.embedding_lr=${optim.matrix_lr}", "optim.matrix_lr=0.01,0.02"],
+     "d2-mode_plan-optim.matrix_lr_0.01,0.02")], ids=["groups", "interpolation"])
+def test_a_sweep_keeps_its_jobs_in_its_own_dir(tmp_path, args, sweep):
     """+debug=... sets model=d2 in every job, not in the sweep's own config, and an interpolation
     resolves to each job's value: the sweep dir must follow neither, or its record and its jobs
     part ways. Nor does a job's name show an interpolation (Hydra escapes it as $\\{...})."""
-    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", *args],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = _plan_sweep(tmp_path, args, sweep)
     (record,) = (tmp_path / "multirun").glob("*/multirun.yaml")
-    jobs = [line.split(" -> ")[1] for line in r.stdout.splitlines() if line.startswith("run ")]
     assert len(jobs) == 2 and all(Path(job).parent == record.parent for job in jobs), (record, jobs)
+    assert record.parent.name == sweep
     assert not [job for job in jobs if "$" in job]
 
 
