@@ -179,8 +179,10 @@ def test_a_notice_stops_at_the_next_step_with_a_checkpoint(metadata_server, tmp_
     assert {k: v for k, v in stop.items() if k != "time"} == {
         "step": stopped_at, "kind": "stop", "stopped_for": "notice",
         "stop_reason": f"GCE notice instance/{key}={value}"}
-    # the step running when the notice came, or at worst the one after it
-    assert before < stopped_at <= delivered[0] + 2, (before, delivered, stopped_at)
+    # the step running when the notice came, or at worst the one after it; the one just logged
+    # when it came between that step's record and its stop check (metrics come first:
+    # xtrain/train/run.py Callbacks.all), as once on a loaded machine
+    assert before <= stopped_at <= delivered[0] + 2, (before, delivered, stopped_at)
     assert [s for s, _ in committed_checkpoints(str(run_dir / "checkpoints"))] == [stopped_at]
     asked = {(path.rsplit("/", 1)[-1], "wait_for_change=true" in query, flavor)
              for path, query, flavor in metadata_server.requests}
@@ -223,7 +225,7 @@ def test_a_maintenance_window_within_the_lead_time_stops_the_run_one_far_ahead_d
     stopped_at = int(re.search(r"at step (\d+): checkpoint committed", out).group(1))
     assert ("stopped (GCE notice instance/upcoming-maintenance: SCHEDULED PENDING, window starts "
             in out), out[-3000:]
-    assert before < stopped_at <= delivered[0] + 2, (before, delivered, stopped_at)
+    assert before <= stopped_at <= delivered[0] + 2, (before, delivered, stopped_at)  # (as above)
     assert [s for s, _ in committed_checkpoints(str(run_dir / "checkpoints"))] == [stopped_at]
 
 
