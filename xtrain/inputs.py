@@ -14,8 +14,8 @@ import threading
 from xtrain import compat
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_checkpoints,
-                                      latest_checkpoint, newer_commits, read_meta, saved_config,
-                                      step_of)
+                                      latest_checkpoint, newer_commits, read_meta, run_of,
+                                      saved_config, step_of)
 from xtrain.config.hydra_record import RECORD
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
                            StorageError, warn)
@@ -116,23 +116,18 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
     return found
 
 
-def check_same_run(path: str, run_name: str | None, meta: dict, advice: str | None = None) -> None:
+def check_same_run(path: str, run_name: str | None, meta: dict) -> None:
     """A run continues on its own only from its own checkpoints: refuse one another run wrote
     (a checkpoint.dir shared by runs or sweep jobs; the name keeps out what does not change the
     training, e.g. trainer.max_steps, so extending a run still resumes it). Retention would
     otherwise delete that run's checkpoints too. A checkpoint that names no run (in its
-    ``meta``) passes. ``advice``: what to do instead, for a command other than training."""
-    if run_name is None:
-        return
-    try:
-        written_by = (meta.get("config") or {}).get("run", {}).get("name")
-    except (TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
+    ``meta``) passes."""
+    written_by = run_of(meta, path) if run_name is not None else None
     if written_by is not None and written_by != run_name:
         raise ConfigError(
-            f"{path} belongs to run {written_by}, not to this run ({run_name}): " + (advice or
-            "give each run its own checkpoint.dir (e.g. .../ckpt/${run.name}); to continue from "
-            f"it on purpose, set checkpoint.resume={path} with a checkpoint.dir of this run's own"))
+            f"{path} belongs to run {written_by}, not to this run ({run_name}): give each run its "
+            "own checkpoint.dir (e.g. .../ckpt/${run.name}); to continue from it on purpose, set "
+            f"checkpoint.resume={path} with a checkpoint.dir of this run's own")
 
 
 def continued(resume: str, directory: str) -> bool:

@@ -149,30 +149,40 @@ def show_plan(cfg, plan: RunPlan) -> None:
 def checkpoint_to_read(cfg, run_dir: str) -> str:
     """``checkpoint.resume``, else the newest committed checkpoint of the run whose files match
     its manifest and hold every tensor it names (a damaged or incomplete newer one is warned
-    about and passed over); refused (with the path) when there is none, the newest is another
-    run's (a shared ``checkpoint.dir``), the one named is not committed or damaged, or either
-    cannot be loaded safely (xtrain/checkpoint/io.py, check_loadable)."""
+    about and passed over; so is one another run wrote, and newer ones the run's last training
+    saved elsewhere); refused (with the path) when there is none, the one named is not
+    committed or damaged, or either cannot be loaded safely (xtrain/checkpoint/io.py,
+    check_loadable)."""
     from xtrain.checkpoint.io import check_loadable
+    from xtrain.checkpoint.layout import run_of, step_of
     from xtrain.errors import InputError, StorageError
-    from xtrain.inputs import (check_named_checkpoint, check_same_run, checkpoint_dir,
-                               newest_intact, saved_elsewhere, saved_meta)
+    from xtrain.inputs import (check_named_checkpoint, checkpoint_dir, newest_intact,
+                               saved_elsewhere, saved_meta)
 
     if cfg.checkpoint.resume:
         check_named_checkpoint(cfg.checkpoint.resume)
         check_loadable(cfg.checkpoint.resume)  # before the tokenizer, the data or the model
         return cfg.checkpoint.resume
-    directory = checkpoint_dir(cfg, run_dir)
+    directory, mode = checkpoint_dir(cfg, run_dir), f"mode={cfg.mode.value}"
     path = newest_intact(directory)  # checked as loadable on the way (missing_tensors)
-    if path is not None:
-        check_same_run(path, cfg.run.name, saved_meta(path),
-                       f"to read it on purpose, set checkpoint.resume={path}")
-        return path
     try:
-        elsewhere = saved_elsewhere(run_dir, directory, cfg.data.remote_timeout_s)
+        elsewhere = saved_elsewhere(run_dir, directory, cfg.data.remote_timeout_s,
+                                    step_of(path) if path else -1)
     except StorageError:
-        elsewhere = None  # (the refusal below is still true)
+        elsewhere = None  # (not answering: what is here is all that can be said)
+    if path is not None:
+        # said, not refused: the checkpoint decides the model, and a sweep's or another
+        # profile's name may differ from its training's
+        written_by = run_of(saved_meta(path), path)
+        if written_by not in (None, cfg.run.name):
+            warn(f"{mode} reads {path}, written by run {written_by} (not {cfg.run.name})")
+        if elsewhere:
+            warn(f"{mode} reads {path}, but the last training of this run saved newer "
+                 f"checkpoints to {elsewhere[0]} (newest {elsewhere[1][-1]}): add "
+                 f"checkpoint.dir={elsewhere[0]} to read them")
+        return path
     in_sweep = os.path.exists(os.path.join(os.path.dirname(run_dir), "multirun.yaml"))
-    raise InputError(f"mode={cfg.mode.value}: no committed checkpoint in {directory} " + (
+    raise InputError(f"{mode}: no committed checkpoint in {directory} " + (
         f"(the last training of this run saved its checkpoints to {elsewhere[0]}, newest "
         f"{elsewhere[1][-1]}: add checkpoint.dir={elsewhere[0]})" if elsewhere else
         "(a sweep's job reads the checkpoints of its own dir, and a sweep's mode and sample "

@@ -6,7 +6,7 @@ sweeper (``hydra/sweeper=xtrain``: its config in xtrain/config/, its class in
 launch/hydra_plugins/xtrain_launchers/sweeper.py) calls :func:`check_jobs` there instead,
 whatever the launcher. What reads paths or storage is still checked by each job as it starts.
 A sweep refused by these checks, or one that leaves no job dir (plans, compiles for a TPU, jobs
-refused as they start), leaves the sweep dir as it found it (:class:`SweepRecord`).
+refused before they kept anything), leaves the sweep dir as it found it (:class:`SweepRecord`).
 """
 
 from __future__ import annotations

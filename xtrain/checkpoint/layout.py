@@ -78,6 +78,14 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
+def run_of(meta: dict, path: str) -> str | None:
+    """The run that wrote a checkpoint, as its ``meta`` (:func:`read_meta`) says; None: unnamed."""
+    try:
+        return (meta.get("config") or {}).get("run", {}).get("name")
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
+
+
 def saved_config(meta: dict, path: str):
     """The config a checkpoint's ``meta`` (:func:`read_meta`) holds, as an OmegaConf object whose
     strings are only text: xtrain writes the config resolved, so a ``${...}`` there is a value

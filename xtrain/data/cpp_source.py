@@ -34,8 +34,8 @@ def find_sources(roots: list[str]) -> list[tuple[str, str]]:
     for root in roots:
         fs, base = url_to_fs(root)
         if not fs.exists(base):
-            raise DataError(f"data.build_sources={roots}: {root} does not exist (/usr/include/c++ "
-                            "comes with g++)")
+            raise DataError(f"data.build_sources={roots}: {root} does not exist" + (
+                " (it comes with g++)" if root.rstrip("/") == "/usr/include/c++" else ""))
         for path, info in fs.find(base, detail=True).items():
             linked_file = info.get("islink") and fs.isfile(path)  # (its size and mtime: the file's)
             if (info.get("type") != "file" and not linked_file) or info.get("size", 0) == 0:

@@ -59,7 +59,7 @@ class KVCache:
 def next_tokens(logits, temperature: float, top_k: int | None, generator) -> torch.Tensor:
     """[B, V] logits -> [B, 1] ids: greedy at temperature 0, else sampled from the ``top_k``
     likeliest (all when None)."""
-    if temperature <= 0:
+    if temperature < torch.finfo(logits.dtype).tiny:  # (0 in the logits' dtype: greedy, the limit)
         return logits.argmax(dim=-1, keepdim=True)
     # the row's largest first: divided by a tiny temperature it stays 0, never inf (nor NaN)
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
