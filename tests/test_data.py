@@ -312,6 +312,7 @@ def test_the_smallest_vocab_size_allowed_is_the_smallest_tokenizer_xtrain_trains
 
 def test_no_cpp_sources_is_a_clear_error(tmp_path, compose_config):
     cfg = compose_config()
+    (tmp_path / "nothing-here").mkdir()  # (one that does not exist: tests/test_refusals.py)
     cfg.data.build_sources = [str(tmp_path / "nothing-here")]
     cfg.data.build_dir = str(tmp_path / "build")
     with pytest.raises(DataError, match="no C/C\\+\\+ sources found"):
