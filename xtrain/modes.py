@@ -149,9 +149,9 @@ def show_plan(cfg, plan: RunPlan) -> None:
 def checkpoint_to_read(cfg, run_dir: str) -> str:
     """``checkpoint.resume``, else the newest committed checkpoint of the run whose files match
     its manifest and hold every tensor it names (a damaged or incomplete newer one is warned
-    about and passed over; so is one another run wrote, and newer ones the run's last training
-    saved elsewhere); refused (with the path) when there is none, the one named is not
-    committed or damaged, or either cannot be loaded safely (xtrain/checkpoint/io.py,
+    about and passed over; one another run wrote is read, and said, as are newer ones the run's
+    last training saved elsewhere); refused (with the path) when there is none, the one named
+    is not committed or damaged, or either cannot be loaded safely (xtrain/checkpoint/io.py,
     check_loadable)."""
     from xtrain.checkpoint.io import check_loadable
     from xtrain.checkpoint.layout import run_of, step_of
