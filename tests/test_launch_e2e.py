@@ -218,7 +218,10 @@ def test_a_failing_worker_stops_its_peer_and_its_error_reaches_the_console(remot
     assert "FileExistsError" in r.stderr or "Not a directory" in r.stderr  # the worker's own error
     w0 = job_dir(remote, "e2e-fail", HOSTS[0])
     assert live_group(int((w0 / "pid").read_text())) == []  # the peer was stopped
-    assert (w0 / "exit").read_text().strip() == "143" or not (w0 / "exit").exists()
+    if (w0 / "exit").exists():
+        assert (w0 / "exit").read_text().strip() == "143"  # it ended on the SIGTERM
+    else:  # the grace ran out (seen under CI load) and SIGKILL took its wrapper too
+        assert f"worker 0 ({HOSTS[0]}) did not stop within 10 s of SIGTERM: killed" in r.stdout
     assert "stopping the others" in r.stdout
 
 

@@ -292,7 +292,10 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                 others = [j for j in jobs if j.worker.index not in final]
                 if others:
                     log(f"launch: {jobs[i].worker} failed ({describe(state)}); stopping the others")
-                    parallel(lambda j: j.stop(cfg.stop_grace_s), others)
+                    killed = parallel(lambda j: j.stop(cfg.stop_grace_s), others)
+                    for job in (j for j, k in zip(others, killed) if k):
+                        log(f"launch: {job.worker} did not stop within "
+                            f"{cfg.stop_grace_s:g} s of SIGTERM: killed")
     except KeyboardInterrupt:
         log("launch: interrupted; the job continues on the workers (run the same command to "
             "reattach, add hydra.launcher.stop=true to stop it)")
