@@ -21,7 +21,6 @@ import re
 import secrets as random_tokens
 import shlex
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from xtrain.config.hydra_record import ACCEPTED, accept
 from xtrain.errors import EXIT_STOPPED, ConfigError
@@ -31,7 +30,7 @@ from xtrain.launcher.gcloud import Gcloud
 from xtrain.launcher.job import JobState, RemoteJob, command_digest
 from xtrain.launcher.jobdir import identity_env, keep_metrics, record_attempt, resume_offset
 from xtrain.launcher.logs import LogStream, log_path, tail_lines
-from xtrain.launcher.runner import LaunchError, Runner, VmUnavailable
+from xtrain.launcher.runner import LaunchError, Runner, VmUnavailable, parallel
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.sync import code_files, code_record, send_code_record, source_root, sync
 from xtrain.launcher.targets import resolve_targets
@@ -164,13 +163,6 @@ def job_name(run_name: str) -> str:
     return safe
 
 
-def parallel(fn, items):
-    """``fn`` over ``items`` in threads (one per worker); the first error, in worker order, wins."""
-    with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
-        futures = [pool.submit(fn, item) for item in items]
-    return [f.result() for f in futures]
-
-
 def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, log,
                 job_identity_env: dict[str, str]) -> str:
     """Start a new attempt of the job on every worker; returns its id. ``job_identity_env``:
@@ -292,10 +284,7 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                 others = [j for j in jobs if j.worker.index not in final]
                 if others:
                     log(f"launch: {jobs[i].worker} failed ({describe(state)}); stopping the others")
-                    killed = parallel(lambda j: j.stop(cfg.stop_grace_s), others)
-                    for job in (j for j, k in zip(others, killed) if k):
-                        log(f"launch: {job.worker} did not stop within "
-                            f"{cfg.stop_grace_s:g} s of SIGTERM: killed")
+                    stop_others(others, cfg.stop_grace_s, log)
     except KeyboardInterrupt:
         log("launch: interrupted; the job continues on the workers (run the same command to "
             "reattach, add hydra.launcher.stop=true to stop it)")
@@ -310,6 +299,13 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                           f"its log ({log_path(job_dir, first_failure)}):\n"
                           + tail_lines(log_path(job_dir, first_failure)))
     return [final[j.worker.index] for j in jobs]
+
+
+def stop_others(jobs, grace_s: float, log) -> None:
+    """Stop a pod's other workers after one failed; a pod's workers wait on each other."""
+    killed = parallel(lambda j: j.stop(grace_s), jobs)
+    for job in (j for j, k in zip(jobs, killed) if k):
+        log(f"launch: {job.worker} did not stop within {grace_s:g} s of SIGTERM: killed")
 
 
 def _poll(job) -> JobState:

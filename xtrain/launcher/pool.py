@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from xtrain.launcher.fleet import Job, NoticeStop, Preemptions, attempt, check_known, preempted
 from xtrain.launcher.jobdir import earlier_attempt
-from xtrain.launcher.launch import job_name, parallel, say
-from xtrain.launcher.runner import LaunchError, VmUnavailable
+from xtrain.launcher.launch import job_name, say
+from xtrain.launcher.runner import LaunchError, VmUnavailable, parallel
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.vm import NO_ANSWER, UP, Vm, VmLost, clock, vm_health
 from xtrain.launcher.targets import node_targets

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from xtrain.errors import LaunchError, VmUnavailable  # noqa: F401  (raised by the launcher modules)
@@ -79,3 +80,10 @@ def _text(value) -> str:
     if value is None:
         return ""
     return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def parallel(fn, items):
+    """``fn`` over ``items`` in threads (one per worker); the first error, in worker order, wins."""
+    with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
+        futures = [pool.submit(fn, item) for item in items]
+    return [f.result() for f in futures]
