@@ -157,6 +157,7 @@ def test_mode_sample_prints_text_from_the_runs_newest_checkpoint(trained_run):
     assert len(samples) == 2 and all(s.split("\n", 1)[1].startswith("int main(") for s in samples)
     assert len(samples[0].split("\n", 1)[1]) > len("int main(") + 10  # it wrote something
     assert " tok/s (KV cache, CPU)" in r.stdout
+    assert "runs the checkpoint's model" not in r.stderr  # this config's model is the same
     # explicit checkpoint, greedy: deterministic
     ckpt = f"checkpoint.resume={trained_run}/checkpoints/step_000030"
     greedy = [_sample(trained_run, ckpt, "sample.temperature=0", "sample.max_tokens=16").stdout
@@ -192,11 +193,15 @@ def test_mode_sample_refuses_a_bad_checkpoint_before_building_anything(tmp_path,
 
 def test_mode_sample_says_whose_checkpoint_it_reads_and_where_newer_ones_are(trained_run, tmp_path):
     """A checkpoint.dir another run wrote to is read (the checkpoint decides the model), with a
-    warning naming that run; a run whose last training saved its checkpoints elsewhere is
+    warning naming that run, and one naming the model settings given that it does not use; a run whose last training saved its checkpoints elsewhere is
     refused naming where, or warned of the newer ones there."""
     ckpts = trained_run / "checkpoints"
-    r = _sample(tmp_path / "other", f"checkpoint.dir={ckpts}", "run.name=other", "sample.max_tokens=4")
+    r = _sample(tmp_path / "other", f"checkpoint.dir={ckpts}", "run.name=other", "sample.max_tokens=4",
+                "model.depth=3", "model.softcap=20", "model.attention_block=8")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert ("xtrain: warning: mode=sample runs the checkpoint's model; this config's differs and "
+            "is not used: model.depth=3 (the checkpoint's: 2), model.softcap=20.0 (the "
+            "checkpoint's: 15.0)\n") in r.stderr, r.stderr  # (the attention block is no model's)
     assert re.search(rf"xtrain: warning: mode=sample reads {ckpts}/step_000030, written by run "
                      rf"\S+ \(not other\)\n", r.stderr), r.stderr
     moved = tmp_path / "moved"

@@ -202,8 +202,23 @@ def checkpoint_inputs(cfg, path: str):
 
     meta = saved_meta(path)
     saved = saved_config(meta, path)
+    say_model_not_used(cfg, saved.model)
     directory = checkpoint_tokenizer(path, meta, cfg.data.tokenizer)
     return saved, checked_tokenizer(saved.data, directory), int(meta.get("step") or 0)
+
+
+# The model fields that decide the network a checkpoint holds (the others choose how it runs)
+ARCHITECTURE = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "vocab_size", "sequence_len",
+                "window_pattern", "window_len", "softcap")
+
+
+def say_model_not_used(cfg, saved_model) -> None:
+    """Warn when this config's model differs from the checkpoint's, which is the one run."""
+    differ = [f"model.{k}={cfg.model[k]} (the checkpoint's: {saved_model.get(k)})"
+              for k in ARCHITECTURE if cfg.model[k] is not None and cfg.model[k] != saved_model.get(k)]
+    if differ:
+        warn(f"mode={cfg.mode.value} runs the checkpoint's model; this config's differs and is "
+             "not used: " + ", ".join(differ))
 
 
 def checkpoint_model(path: str, saved):
