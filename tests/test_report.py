@@ -48,12 +48,16 @@ def test_report_draws_a_sweep_together_with_a_summary_table(sweep, tmp_path):
     assert len(jobs) == 3
     rows = (tmp_path / "report" / "summary.md").read_text().splitlines()[2:]
     assert [row.split(" | ")[0].lstrip("| ") for row in rows] == jobs
+    differs = []
     for row, job in zip(rows, jobs):
         cells = row.strip("| ").split(" | ")
         last = [x for x in read_jsonl(sweep / job / "metrics.jsonl") if x["kind"] == "train"][-1]
         val = [x for x in read_jsonl(sweep / job / "metrics.jsonl") if x["kind"] == "val"][-1]
-        assert cells[1] == "10" and float(cells[2]) == pytest.approx(last["loss"], abs=1e-4)
-        assert float(cells[3]) == pytest.approx(val["val_bpb"], abs=1e-4)
+        assert cells[2] == "10" and float(cells[3]) == pytest.approx(last["loss"], abs=1e-4)
+        assert float(cells[4]) == pytest.approx(val["val_bpb"], abs=1e-4)
+        differs.append(cells[1])
+    # what tells the jobs apart: the swept value as given (their names end in a hash: too long)
+    assert sorted(differs) == [f"optim.matrix_lr={lr}" for lr in LRS]
     assert rows[0] in r.stdout
     for metric in ("loss", "val_loss", "val_bpb", "tok_per_s", "mfu"):
         assert is_png(tmp_path / "report" / f"{metric}.png"), metric
@@ -97,8 +101,26 @@ def test_report_keeps_runs_of_one_name_apart(sweep, tmp_path, other_sweep):
     rows = [row.strip("| ").split(" | ") for row in
             (tmp_path / "report" / "summary.md").read_text().splitlines()[2:]]
     assert len(rows) == 4 and len({row[0] for row in rows}) == 4
-    steps = [row[1] for row in rows if row[0].endswith(job.name)]  # both runs, the shorter one too
+    steps = [row[2] for row in rows if row[0].endswith(job.name)]  # both runs, the shorter one too
     assert len(steps) == 2 and "10" in steps and len(set(steps)) == 2
+
+
+def test_report_takes_a_dir_of_sweeps_and_names_a_job_that_left_no_records(sweep, tmp_path):
+    """``multirun/`` holds sweeps; a job that failed before its first step has a dir but no
+    metrics.jsonl: the report says it left it out, rather than drawing the others silently."""
+    import shutil
+
+    runs = tmp_path / "multirun"
+    shutil.copytree(sweep, runs / sweep.name)
+    crashed = runs / sweep.name / "d2-crashed"
+    (crashed / ".hydra").mkdir(parents=True)
+    (crashed / "console.log").write_text("Traceback ...\n")
+    r = report(runs, "--out", tmp_path / "report")
+    assert r.returncode == 0, r.stderr
+    rows = (tmp_path / "report" / "summary.md").read_text().splitlines()[2:]
+    assert len(rows) == 3
+    assert (f"xtrain.report: warning: {crashed}: no metrics.jsonl (a job that ended before its "
+            "first step?): left out") in r.stderr, r.stderr
 
 
 def test_the_summary_takes_the_last_loss_and_bpb_and_the_median_rate_past_the_first_step():
@@ -112,8 +134,9 @@ def test_the_summary_takes_the_last_loss_and_bpb_and_the_median_rate_past_the_fi
                {"kind": "train", "step": 3, "loss": 3.0, "tok_per_s": 100.0},
                {"kind": "train", "step": 4, "loss": 3.5, "tok_per_s": 200.0},
                {"kind": "val", "step": 4, "val_bpb": 1.75}]
-    assert summary_row("r", records, []) == {"run": "r", "steps": 4, "final loss": 3.5,
-                                             "final val bpb": 1.75, "tok/s (median)": 200.0}
+    assert summary_row("r", "r", records, []) == {
+        "run": "r", "differs in": "", "steps": 4, "final loss": 3.5, "final val bpb": 1.75,
+        "tok/s (median)": 200.0}
 
 
 def test_the_summary_and_the_eval_chart_take_scores_not_timings():
@@ -132,7 +155,7 @@ def test_the_summary_and_the_eval_chart_take_scores_not_timings():
                {"kind": "eval", "step": 30, **{k: v / 4 for k, v in scores.items()},
                 "cpp_eval_seconds": 1.0, "cpp_generate_tok_per_s": 50.0}]
     assert eval_metrics(records) == sorted(scores)  # every score, nothing else
-    row = summary_row("run", records, eval_metrics(records))
+    row = summary_row("run", "run", records, eval_metrics(records))
     assert row["best cpp_pass_rate"] == scores["cpp_pass_rate"] == 0.5
     assert not [k for k in row if "seconds" in k or "tok_per_s" in k]
 
@@ -182,7 +205,8 @@ def test_report_refuses_an_unknown_metric_and_a_dir_without_runs(sweep, tmp_path
     assert r.stderr.startswith("xtrain.report: unknown metric 'val_bpp': the runs have ")
     assert "val_bpb" in r.stderr and not (tmp_path / "a").exists()
     r = report(tmp_path, "--out", tmp_path / "b")
-    assert r.returncode == 2 and f"{tmp_path}: no metrics.jsonl in it or in its subdirectories" in r.stderr
+    assert r.returncode == 2
+    assert f"{tmp_path}: no metrics.jsonl in it, in its subdirectories or theirs" in r.stderr
     (tmp_path / "file").write_text("kept")  # --out naming a file: one line, the file untouched
     r = report(sweep, "--out", tmp_path / "file")
     assert r.returncode == 2 and r.stderr.startswith(

@@ -2,8 +2,10 @@
 whole sweep dirs, drawn together (one PNG per metric, a line per run) with a summary table
 (``summary.md``, ``summary.csv``, also printed): steps, final loss, final validation bits per
 byte, median tokens/s, and the best of each evaluation score (higher is better, as for pass
-rates). A RUN_DIR holding ``metrics.jsonl`` is one run; otherwise every subdirectory holding one
-is (a sweep dir, e.g. ``multirun/<sweep>/``). Paths may be fsspec URLs (gs://...).
+rates); each run labelled with what its command changed that the others' did not. A RUN_DIR
+holding ``metrics.jsonl`` is one run; otherwise every subdirectory holding one is (a sweep dir,
+e.g. ``multirun/<sweep>/``), else every such subdirectory of its subdirectories (``multirun/``).
+Paths may be fsspec URLs (gs://...).
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ import csv
 import io
 import statistics
 import sys
+from collections import Counter
+
+import yaml
+
+from xtrain.config.hydra_record import RECORD
 
 from xtrain.errors import EXIT_REFUSED, InputError
 from xtrain.observe.plots import eval_metrics, metric_names, png, read_records, series
@@ -22,24 +29,37 @@ DEFAULT_METRICS = ("loss", "val_loss", "val_bpb", "tok_per_s", "mfu")
 METRICS_FILE = "metrics.jsonl"
 
 
-def find_runs(paths: list[str]) -> dict[str, str]:
-    """name -> run dir, for run dirs and sweep dirs (their subdirectories that hold runs). Runs of
-    one name (the same job in two sweeps, the same sweep in two places) are named with as many of
-    their parent dirs as tell them apart, so each keeps its own line and row."""
-    found = []
+def find_runs(paths: list[str]) -> tuple[dict[str, str], list[str]]:
+    """name -> run dir, for run dirs, sweep dirs (their subdirectories that hold runs) and dirs of
+    sweeps (``multirun/``); and the subdirectories of a sweep without records (a job that ended
+    before its first step). Runs of one name (the same job in two sweeps, the same sweep in two
+    places) are named with as many of their parent dirs as tell them apart, so each keeps its own
+    line and row."""
+    found, without = [], []
     for path in paths:
         fs, root = url_to_fs(path)
         root = root.rstrip("/")
         if fs.exists(f"{root}/{METRICS_FILE}"):
             found.append(as_url(fs, root))  # as fsspec resolves it: ".", given twice, ... named alike
             continue
-        runs = sorted(d for d in fs.ls(root, detail=False) if fs.exists(f"{d.rstrip('/')}/{METRICS_FILE}")) \
-            if fs.isdir(root) else []
+        runs, empty = runs_below(fs, root)
+        if not runs:  # a dir of sweeps: one level further
+            below = [runs_below(fs, d) for d in empty]
+            runs, empty = [r for rs, _ in below for r in rs], [e for _, es in below for e in es]
         if not runs:
-            raise InputError(f"{path}: no {METRICS_FILE} in it or in its subdirectories")
-        found += [as_url(fs, d.rstrip("/")) for d in runs]
+            raise InputError(f"{path}: no {METRICS_FILE} in it, in its subdirectories or theirs")
+        found += [as_url(fs, d) for d in runs]
+        without += [as_url(fs, d) for d in empty]
     found = list(dict.fromkeys(found))  # a run given twice is one run
-    return {unique_tail(d, found): d for d in found}
+    return {unique_tail(d, found): d for d in found}, without
+
+
+def runs_below(fs, root: str) -> tuple[list[str], list[str]]:
+    """``root``'s subdirectories that hold records, and the others (hidden ones left out)."""
+    subdirs = sorted(d.rstrip("/") for d in fs.ls(root, detail=False)) if fs.isdir(root) else []
+    subdirs = [d for d in subdirs if not d.rsplit("/", 1)[-1].startswith(".") and fs.isdir(d)]
+    holds = [fs.exists(f"{d}/{METRICS_FILE}") for d in subdirs]
+    return [d for d, h in zip(subdirs, holds) if h], [d for d, h in zip(subdirs, holds) if not h]
 
 
 def unique_tail(path: str, paths: list[str]) -> str:
@@ -52,11 +72,12 @@ def unique_tail(path: str, paths: list[str]) -> str:
     return path
 
 
-def summary_row(name: str, records: list[dict], scores: list[str]) -> dict:
+def summary_row(name: str, label: str, records: list[dict], scores: list[str]) -> dict:
     train = [r for r in records if r.get("kind", "train") == "train" and "loss" in r]
     val = [r for r in records if "val_bpb" in r]
     rates = [r["tok_per_s"] for r in train[1:] or train if "tok_per_s" in r]  # step 1 compiles
-    row = {"run": name, "steps": train[-1]["step"] if train else 0,
+    row = {"run": name, "differs in": "" if label == name else label,
+           "steps": train[-1]["step"] if train else 0,
            "final loss": train[-1]["loss"] if train else None,
            "final val bpb": val[-1]["val_bpb"] if val else None,
            "tok/s (median)": round(statistics.median(rates), 1) if rates else None}
@@ -92,13 +113,32 @@ def choose_metrics(asked: str | None, known: set[str], scores: list[str]) -> lis
     return wanted
 
 
-def legend_names(names: list[str]) -> list[str]:
-    """Run names without the parts all of them share (a sweep's jobs differ in a few overrides)."""
-    parts = [n.split("-") for n in names]
-    if len(parts) < 2:
-        return names
-    shared = set.intersection(*(set(p) for p in parts))
-    return ["-".join(x for x in p if x not in shared) or n for p, n in zip(parts, names)]
+def run_overrides(run_dir: str) -> list[str] | None:
+    """The overrides of the run's last accepted command (its Hydra record), Hydra's own left out;
+    None without a record."""
+    fs, root = url_to_fs(run_dir)
+    try:
+        given = yaml.safe_load(fs.cat_file(f"{root.rstrip('/')}/{RECORD}/overrides.yaml"))
+    except (FileNotFoundError, yaml.YAMLError):
+        return None
+    if not isinstance(given, list):
+        return None
+    return [str(o) for o in given if not str(o).lstrip("+~").startswith(("hydra.", "hydra/"))]
+
+
+def legends(runs: dict[str, str]) -> dict[str, str]:
+    """name -> what tells a run apart: the overrides of its command that not every run's command
+    has (a sweep's swept values), read from the records, since a run's name may be cut and
+    hashed and its values may hold a ``-``. A run without a record, or alike another, by its name."""
+    given = {name: run_overrides(d) for name, d in runs.items()}
+    recorded = [set(o) for o in given.values() if o is not None]
+    if len(recorded) < 2:
+        return {name: name for name in runs}
+    shared = set.intersection(*recorded)
+    own = {name: " ".join(o for o in given[name] if o not in shared) if given[name] is not None
+           else "" for name in runs}
+    alike = Counter(own.values())
+    return {name: label if label and alike[label] == 1 else name for name, label in own.items()}
 
 
 def make_out_dir(out: str) -> None:
@@ -113,17 +153,21 @@ def make_out_dir(out: str) -> None:
 
 
 def report(paths: list[str], out: str, metrics: str | None = None) -> list[dict]:
-    runs = {name: read_records(d) for name, d in find_runs(paths).items()}
+    dirs, without = find_runs(paths)
+    for d in without:
+        print(f"xtrain.report: warning: {d}: no {METRICS_FILE} (a job that ended before its "
+              "first step?): left out", file=sys.stderr)
+    runs = {name: read_records(d) for name, d in dirs.items()}
     known = set().union(*(metric_names(r) for r in runs.values()))
     scores = sorted(set().union(*(eval_metrics(r) for r in runs.values())))
-    labels = dict(zip(runs, legend_names(list(runs))))
+    labels = legends(dirs)
     chosen = choose_metrics(metrics, known, scores)
     make_out_dir(out)
     for metric in chosen:
         lines = [(labels[name], *series(records, metric)) for name, records in runs.items()]
         write_whole(f"{out.rstrip('/')}/{metric}.png",
                     png(metric, metric, [line for line in lines if line[1]]))
-    rows = [summary_row(name, records, scores) for name, records in runs.items()]
+    rows = [summary_row(name, labels[name], records, scores) for name, records in runs.items()]
     write_whole(f"{out.rstrip('/')}/summary.md", table_markdown(rows).encode())
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
