@@ -25,6 +25,7 @@ from conftest import read_jsonl
 from test_checkpoint import losses, wait_for_step
 from test_evals_model import PROBLEMS
 from xtrain.checkpoint.layout import committed_checkpoints
+from xtrain.errors import EXIT_STOPPED
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20
@@ -340,6 +341,29 @@ def test_a_process_whose_peer_never_joins_says_so_within_the_timeout(tmp_path):
     assert "xtrain: peer error: not every process of 2 joined rank 0's store at 127.0.0.1:" in err0
     assert "xtrain: peer error: rank 0's store at 127.0.0.1:" in err1
     assert f"within trainer.collective_timeout_s={timeout} s" in err0 and "Traceback" not in err0 + err1
+
+
+def test_a_sigterm_while_waiting_for_a_peer_stops_the_process_at_once(tmp_path):
+    """Rank 0 waits at the rendezvous for a rank 1 that never comes (its host failed at start);
+    the launcher then stops it: the SIGTERM takes effect at once, not when the wait times out
+    (it did, 10 minutes later, and the launcher's grace ran out first)."""
+    port = free_port()
+    (alone,) = xtrain_processes(tmp_path / "run", "trainer.collective_timeout_s=600", port=port,
+                                ranks=(0,))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until rank 0's store listens: it is in the rendezvous
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert alone.poll() is None, alone.communicate()[1][-2000:]
+        time.sleep(0.2)
+    time.sleep(1)
+    sent = time.monotonic()
+    alone.send_signal(signal.SIGTERM)
+    ((code, _, err),) = finish_all([alone], timeout=60)
+    assert code == EXIT_STOPPED, err[-2000:]
+    assert time.monotonic() - sent < 30
+    assert "xtrain: stopped (SIGTERM) outside a training step" in err, err[-2000:]
 
 
 def test_corpus_builds_longer_than_the_collective_timeout_are_waited_for(tmp_path):

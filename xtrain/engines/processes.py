@@ -274,8 +274,9 @@ def join_gloo(rank: int, world: int, timeout_s: float, store: str) -> Processes:
     from xtrain.errors import PeerLost
 
     try:
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        waiting_for_signals(lambda: dist.init_process_group(
+            "gloo", init_method="env://", rank=rank, world_size=world,
+            timeout=timedelta(seconds=timeout_s)))
     except dist.DistError as e:  # the store's own words name no process
         missing = (f"not every process of {world} joined rank 0's store at {store}" if rank == 0
                    else f"rank 0's store at {store} did not let this rank {rank} join")
@@ -283,6 +284,28 @@ def join_gloo(rank: int, world: int, timeout_s: float, store: str) -> Processes:
                        "that was not started, or that ended at start (its log says why) "
                        f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
     return joined(rank, world, timeout_s)
+
+
+def waiting_for_signals(call):
+    """``call()`` in a thread while this one waits in short slices, its result returned or its
+    error raised here. A rendezvous waits in C++ (up to its timeout, minutes) for processes that
+    may never come; Python runs signal handlers only between its own instructions, so a SIGTERM
+    there would take effect at the timeout. Waiting here, it raises at once."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except BaseException as e:  # re-raised in the waiting thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="xtrain-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def joined(rank: int, world: int, timeout_s: float) -> Processes:

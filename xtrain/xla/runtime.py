@@ -93,7 +93,7 @@ def host_processes(timeout_s: float):
     """
     import torch_xla.runtime as xr
 
-    from xtrain.engines.processes import Processes, joined
+    from xtrain.engines.processes import Processes, joined, waiting_for_signals
 
     rank, world = xr.process_index(), xr.process_count()
     check_launch_order(rank, world)
@@ -105,7 +105,8 @@ def host_processes(timeout_s: float):
 
     if not dist.is_initialized():  # torch_xla's xla:// rendezvous finds the hosts itself
         try:
-            dist.init_process_group("gloo", init_method="xla://", timeout=timedelta(seconds=timeout_s))
+            waiting_for_signals(lambda: dist.init_process_group(
+                "gloo", init_method="xla://", timeout=timedelta(seconds=timeout_s)))
         except dist.DistError as e:  # (torch_xla's store waits its own 300 s, whatever timeout_s)
             raise PeerLost(f"not every host of {world} joined host 0's store: a host that was not "
                            f"started, or that ended at start (its log says why) ({type(e).__name__}: "
