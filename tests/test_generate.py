@@ -168,11 +168,14 @@ def test_mode_sample_prints_text_from_the_runs_newest_checkpoint(trained_run):
 
 
 def test_mode_sample_of_a_named_checkpoint_logs_with_the_run_it_belongs_to(trained_run, tmp_path):
-    """Not in the dir of the run the command's groups would train (outputs/d2-cpu-cpp_local-...)."""
-    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "mode=sample", "sample.max_tokens=4",
+    """Not in the dir of the run the command's groups would train (outputs/d4-cpu-cpp_local-...).
+    The command gives no model (the default group's is another): nothing to warn of."""
+    no_model = [a for a in TINY if not a.startswith("model")]
+    r = subprocess.run([sys.executable, "-m", "xtrain", *no_model, "mode=sample", "sample.max_tokens=4",
                         f"checkpoint.resume={trained_run}/checkpoints/step_000030"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "runs the checkpoint's model" not in r.stderr
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == [trained_run.name]
     assert "sampling " in (tmp_path / "outputs" / trained_run.name / "console.log").read_text()
 
@@ -199,8 +202,8 @@ def test_mode_sample_says_whose_checkpoint_it_reads_and_where_newer_ones_are(tra
     r = _sample(tmp_path / "other", f"checkpoint.dir={ckpts}", "run.name=other", "sample.max_tokens=4",
                 "model.depth=3", "model.softcap=20", "model.attention_block=8")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert ("xtrain: warning: mode=sample runs the checkpoint's model; this config's differs and "
-            "is not used: model.depth=3 (the checkpoint's: 2), model.softcap=20.0 (the "
+    assert ("xtrain: warning: mode=sample runs the checkpoint's model; the one this command gives "
+            "differs and is not used: model.depth=3 (the checkpoint's: 2), model.softcap=20.0 (the "
             "checkpoint's: 15.0)\n") in r.stderr, r.stderr  # (the attention block is no model's)
     assert re.search(rf"xtrain: warning: mode=sample reads {ckpts}/step_000030, written by run "
                      rf"\S+ \(not other\)\n", r.stderr), r.stderr
@@ -237,6 +240,22 @@ def test_a_sample_sweep_that_finds_no_checkpoint_says_why_a_sweep_does_not(tmp_p
                          "checkpoint.resume=PATH, such as multirun/<training sweep>/<job>/"
                          "checkpoints/step_N)"), line
     assert not (tmp_path / "multirun").exists()  # no job dir kept, so no sweep record either
+
+
+def test_the_model_given_is_compared_with_the_checkpoints_as_a_network(compose_config, capsys):
+    """Composed without Hydra's command line, every architecture field counts as given: an
+    n_kv_head equal to the head count is the checkpoint's network (which left it unset); another
+    one is not, and is named."""
+    from omegaconf import OmegaConf
+
+    from xtrain.modes import say_model_not_used
+
+    trained = OmegaConf.to_container(compose_config(["model=d2"]).model, resolve=True)
+    saved = OmegaConf.create({**trained, "n_kv_head": None, "vocab_size": 512, "sequence_len": 64})
+    for kv, said in ((4, ""), (2, "model.n_kv_head=2 (the checkpoint's: unset)")):
+        say_model_not_used(compose_config(["model=d2", f"model.n_kv_head={kv}", "mode=sample"]), saved)
+        err = capsys.readouterr().err
+        assert (said in err) if said else err == "", err
 
 
 def test_mode_sample_refuses_a_prompt_longer_than_the_context(trained_run):

@@ -213,12 +213,37 @@ ARCHITECTURE = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "vocab_size", 
 
 
 def say_model_not_used(cfg, saved_model) -> None:
-    """Warn when this config's model differs from the checkpoint's, which is the one run."""
-    differ = [f"model.{k}={cfg.model[k]} (the checkpoint's: {saved_model.get(k)})"
-              for k in ARCHITECTURE if cfg.model[k] is not None and cfg.model[k] != saved_model.get(k)]
-    if differ:
-        warn(f"mode={cfg.mode.value} runs the checkpoint's model; this config's differs and is "
-             "not used: " + ", ".join(differ))
+    """Warn when the model this command gives (a ``model=`` group or ``model.*`` fields) describes
+    another network than the checkpoint's, which is the one run."""
+    from omegaconf import OmegaConf
+
+    from xtrain.model.config import GPTConfig
+
+    given = {k: cfg.model[k] for k in model_keys_given() if cfg.model[k] is not None}
+    try:  # compared as networks: n_kv_head unset is n_kv_head = n_head
+        same = GPTConfig.from_model(OmegaConf.merge(saved_model, given), "sdpa") == \
+            GPTConfig.from_model(saved_model, "sdpa")
+    except ConfigError:  # (what is given does not make a network with the checkpoint's rest)
+        same = False
+    if not same:
+        theirs = {k: saved_model.get(k) for k in given}
+        differ = [f"model.{k}={v} (the checkpoint's: {'unset' if theirs[k] is None else theirs[k]})"
+                  for k, v in given.items() if v != theirs[k]]
+        warn(f"mode={cfg.mode.value} runs the checkpoint's model; the one this command gives "
+             "differs and is not used: " + ", ".join(differ))
+
+
+def model_keys_given() -> list[str]:
+    """The architecture fields the command sets: all of them for a ``model=`` group (or for a
+    config composed without Hydra's command line), else those of its ``model.*`` overrides."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return list(ARCHITECTURE)
+    keys = [o.partition("=")[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+    if "model" in keys:
+        return list(ARCHITECTURE)
+    return [k for k in ARCHITECTURE if f"model.{k}" in keys]
 
 
 def checkpoint_model(path: str, saved):
