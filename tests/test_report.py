@@ -106,21 +106,24 @@ def test_report_keeps_runs_of_one_name_apart(sweep, tmp_path, other_sweep):
 
 
 def test_report_takes_a_dir_of_sweeps_and_names_a_job_that_left_no_records(sweep, tmp_path):
-    """``multirun/`` holds sweeps; a job that failed before its first step has a dir but no
-    metrics.jsonl: the report says it left it out, rather than drawing the others silently."""
+    """``multirun/`` holds sweeps (and here a run of its own); a job that failed before its first
+    step has a dir but no metrics.jsonl: the report says it left it out, rather than drawing the
+    others silently. A dir that is no job (an earlier report) is no such warning."""
     import shutil
 
     runs = tmp_path / "multirun"
     shutil.copytree(sweep, runs / sweep.name)
+    shutil.copytree(sorted(p for p in sweep.iterdir() if p.is_dir())[0], runs / "stray")
     crashed = runs / sweep.name / "d2-crashed"
     (crashed / ".hydra").mkdir(parents=True)
     (crashed / "console.log").write_text("Traceback ...\n")
-    r = report(runs, "--out", tmp_path / "report")
+    (runs / sweep.name / "report").mkdir()
+    r = report(runs, runs, "--out", runs / sweep.name / "report")
     assert r.returncode == 0, r.stderr
-    rows = (tmp_path / "report" / "summary.md").read_text().splitlines()[2:]
-    assert len(rows) == 3
-    assert (f"xtrain.report: warning: {crashed}: no metrics.jsonl (a job that ended before its "
-            "first step?): left out") in r.stderr, r.stderr
+    rows = (runs / sweep.name / "report" / "summary.md").read_text().splitlines()[2:]
+    assert sorted(row.split(" | ")[0].lstrip("| ") for row in rows)[-1] == "stray" and len(rows) == 4
+    assert r.stderr == (f"xtrain.report: warning: {crashed}: no metrics.jsonl (yet: a job still "
+                        "starting, or one that ended before its first step): left out\n"), r.stderr
 
 
 def test_the_summary_takes_the_last_loss_and_bpb_and_the_median_rate_past_the_first_step():
@@ -134,7 +137,7 @@ def test_the_summary_takes_the_last_loss_and_bpb_and_the_median_rate_past_the_fi
                {"kind": "train", "step": 3, "loss": 3.0, "tok_per_s": 100.0},
                {"kind": "train", "step": 4, "loss": 3.5, "tok_per_s": 200.0},
                {"kind": "val", "step": 4, "val_bpb": 1.75}]
-    assert summary_row("r", "r", records, []) == {
+    assert summary_row("r", None, records, []) == {
         "run": "r", "differs in": "", "steps": 4, "final loss": 3.5, "final val bpb": 1.75,
         "tok/s (median)": 200.0}
 
@@ -155,7 +158,7 @@ def test_the_summary_and_the_eval_chart_take_scores_not_timings():
                {"kind": "eval", "step": 30, **{k: v / 4 for k, v in scores.items()},
                 "cpp_eval_seconds": 1.0, "cpp_generate_tok_per_s": 50.0}]
     assert eval_metrics(records) == sorted(scores)  # every score, nothing else
-    row = summary_row("run", "run", records, eval_metrics(records))
+    row = summary_row("run", None, records, eval_metrics(records))
     assert row["best cpp_pass_rate"] == scores["cpp_pass_rate"] == 0.5
     assert not [k for k in row if "seconds" in k or "tok_per_s" in k]
 
@@ -348,3 +351,9 @@ def test_a_gs_run_dir_gets_metrics_console_log_bundle_and_plots(gcs_bucket, comp
     # TensorBoard writes local files only: a mirror under the cache root
     mirror = Path(os.environ["XTRAIN_CACHE"], "runs", "gs_xtrain-test_runs_tiny", "tensorboard")
     assert list(mirror.glob("events.out.tfevents.*"))
+    # the report finds it under the bucket's runs/ (listed through fsspec), and draws it
+    from xtrain.report import report
+
+    (row,) = report([f"{bucket}/runs"], str(tmp_path / "report"))
+    assert (row["run"], row["steps"], row["differs in"]) == ("tiny", 6, "")
+    assert is_png(tmp_path / "report" / "loss.png")

@@ -31,35 +31,48 @@ METRICS_FILE = "metrics.jsonl"
 
 def find_runs(paths: list[str]) -> tuple[dict[str, str], list[str]]:
     """name -> run dir, for run dirs, sweep dirs (their subdirectories that hold runs) and dirs of
-    sweeps (``multirun/``); and the subdirectories of a sweep without records (a job that ended
-    before its first step). Runs of one name (the same job in two sweeps, the same sweep in two
-    places) are named with as many of their parent dirs as tell them apart, so each keeps its own
-    line and row."""
-    found, without = [], []
+    sweeps (``multirun/``); and the job dirs among them without records. Runs of one name (the
+    same job in two sweeps, the same sweep in two places) are named with as many of their parent
+    dirs as tell them apart, so each keeps its own line and row."""
+    found, unrecorded = [], []
     for path in paths:
         fs, root = url_to_fs(path)
         root = root.rstrip("/")
         if fs.exists(f"{root}/{METRICS_FILE}"):
             found.append(as_url(fs, root))  # as fsspec resolves it: ".", given twice, ... named alike
             continue
-        runs, empty = runs_below(fs, root)
-        if not runs:  # a dir of sweeps: one level further
-            below = [runs_below(fs, d) for d in empty]
-            runs, empty = [r for rs, _ in below for r in rs], [e for _, es in below for e in es]
+        runs, jobs = runs_below(fs, root, sweeps=True)
         if not runs:
             raise InputError(f"{path}: no {METRICS_FILE} in it, in its subdirectories or theirs")
         found += [as_url(fs, d) for d in runs]
-        without += [as_url(fs, d) for d in empty]
+        unrecorded += [as_url(fs, d) for d in jobs]
     found = list(dict.fromkeys(found))  # a run given twice is one run
-    return {unique_tail(d, found): d for d in found}, without
+    return {unique_tail(d, found): d for d in found}, list(dict.fromkeys(unrecorded))
 
 
-def runs_below(fs, root: str) -> tuple[list[str], list[str]]:
-    """``root``'s subdirectories that hold records, and the others (hidden ones left out)."""
-    subdirs = sorted(d.rstrip("/") for d in fs.ls(root, detail=False)) if fs.isdir(root) else []
-    subdirs = [d for d in subdirs if not d.rsplit("/", 1)[-1].startswith(".") and fs.isdir(d)]
-    holds = [fs.exists(f"{d}/{METRICS_FILE}") for d in subdirs]
-    return [d for d, h in zip(subdirs, holds) if h], [d for d, h in zip(subdirs, holds) if not h]
+def runs_below(fs, root: str, sweeps: bool) -> tuple[list[str], list[str]]:
+    """The run dirs among ``root``'s subdirectories (with ``sweeps``, also among theirs: a dir of
+    sweeps), and the job dirs there without records (a Hydra record or a console.log, but no
+    metrics.jsonl: a job still starting, or one that ended before its first step)."""
+    runs, jobs = [], []
+    for d in subdirectories(fs, root):
+        names = {e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(d, detail=False)}
+        if METRICS_FILE in names:
+            runs.append(d)
+        elif "console.log" in names or any(n.startswith(RECORD) for n in names):
+            jobs.append(d)
+        elif sweeps:
+            below = runs_below(fs, d, sweeps=False)
+            runs, jobs = runs + below[0], jobs + below[1]
+    return runs, jobs
+
+
+def subdirectories(fs, root: str) -> list[str]:
+    """The directories in ``root``, hidden ones left out (an object store may list ``root``)."""
+    if not fs.isdir(root):
+        return []
+    found = [e["name"].rstrip("/") for e in fs.ls(root, detail=True) if e["type"] == "directory"]
+    return sorted(d for d in found if d != root and not d.rsplit("/", 1)[-1].startswith("."))
 
 
 def unique_tail(path: str, paths: list[str]) -> str:
@@ -72,11 +85,11 @@ def unique_tail(path: str, paths: list[str]) -> str:
     return path
 
 
-def summary_row(name: str, label: str, records: list[dict], scores: list[str]) -> dict:
+def summary_row(name: str, differs: str | None, records: list[dict], scores: list[str]) -> dict:
     train = [r for r in records if r.get("kind", "train") == "train" and "loss" in r]
     val = [r for r in records if "val_bpb" in r]
     rates = [r["tok_per_s"] for r in train[1:] or train if "tok_per_s" in r]  # step 1 compiles
-    row = {"run": name, "differs in": "" if label == name else label,
+    row = {"run": name, "differs in": "(none)" if differs == "" else differs or "",
            "steps": train[-1]["step"] if train else 0,
            "final loss": train[-1]["loss"] if train else None,
            "final val bpb": val[-1]["val_bpb"] if val else None,
@@ -98,7 +111,7 @@ def cell(v) -> str:
 def table_markdown(rows: list[dict]) -> str:
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r[c]).replace("|", "\\|") for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -115,30 +128,35 @@ def choose_metrics(asked: str | None, known: set[str], scores: list[str]) -> lis
 
 def run_overrides(run_dir: str) -> list[str] | None:
     """The overrides of the run's last accepted command (its Hydra record), Hydra's own left out;
-    None without a record."""
+    None without a readable record (labels are no reason to fail a report)."""
     fs, root = url_to_fs(run_dir)
     try:
         given = yaml.safe_load(fs.cat_file(f"{root.rstrip('/')}/{RECORD}/overrides.yaml"))
-    except (FileNotFoundError, yaml.YAMLError):
+    except (OSError, yaml.YAMLError):
         return None
     if not isinstance(given, list):
         return None
     return [str(o) for o in given if not str(o).lstrip("+~").startswith(("hydra.", "hydra/"))]
 
 
-def legends(runs: dict[str, str]) -> dict[str, str]:
-    """name -> what tells a run apart: the overrides of its command that not every run's command
-    has (a sweep's swept values), read from the records, since a run's name may be cut and
-    hashed and its values may hold a ``-``. A run without a record, or alike another, by its name."""
+def differences(runs: dict[str, str]) -> dict[str, str | None]:
+    """name -> the overrides of its command that not every run's command has (a sweep's swept
+    values; "" for a run with none of its own), read from the records, since a run's name may be
+    cut and hashed and its values may hold a ``-``. None without a record, or fewer than two."""
     given = {name: run_overrides(d) for name, d in runs.items()}
     recorded = [set(o) for o in given.values() if o is not None]
     if len(recorded) < 2:
-        return {name: name for name in runs}
+        return dict.fromkeys(runs)
     shared = set.intersection(*recorded)
-    own = {name: " ".join(o for o in given[name] if o not in shared) if given[name] is not None
-           else "" for name in runs}
-    alike = Counter(own.values())
-    return {name: label if label and alike[label] == 1 else name for name, label in own.items()}
+    return {name: None if o is None else " ".join(x for x in o if x not in shared)
+            for name, o in given.items()}
+
+
+def plot_labels(differ: dict[str, str | None]) -> dict[str, str]:
+    """A run's line is labelled with its differences, or its name when it has none or shares
+    them with another run."""
+    alike = Counter(differ.values())
+    return {name: d if d and alike[d] == 1 else name for name, d in differ.items()}
 
 
 def make_out_dir(out: str) -> None:
@@ -153,21 +171,22 @@ def make_out_dir(out: str) -> None:
 
 
 def report(paths: list[str], out: str, metrics: str | None = None) -> list[dict]:
-    dirs, without = find_runs(paths)
-    for d in without:
-        print(f"xtrain.report: warning: {d}: no {METRICS_FILE} (a job that ended before its "
-              "first step?): left out", file=sys.stderr)
+    dirs, unrecorded = find_runs(paths)
+    for d in unrecorded:
+        print(f"xtrain.report: warning: {d}: no {METRICS_FILE} (yet: a job still starting, or "
+              "one that ended before its first step): left out", file=sys.stderr)
     runs = {name: read_records(d) for name, d in dirs.items()}
     known = set().union(*(metric_names(r) for r in runs.values()))
     scores = sorted(set().union(*(eval_metrics(r) for r in runs.values())))
-    labels = legends(dirs)
+    differ = differences(dirs)
+    labels = plot_labels(differ)
     chosen = choose_metrics(metrics, known, scores)
     make_out_dir(out)
     for metric in chosen:
         lines = [(labels[name], *series(records, metric)) for name, records in runs.items()]
         write_whole(f"{out.rstrip('/')}/{metric}.png",
                     png(metric, metric, [line for line in lines if line[1]]))
-    rows = [summary_row(name, labels[name], records, scores) for name, records in runs.items()]
+    rows = [summary_row(name, differ[name], records, scores) for name, records in runs.items()]
     write_whole(f"{out.rstrip('/')}/summary.md", table_markdown(rows).encode())
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
@@ -179,7 +198,7 @@ def report(paths: list[str], out: str, metrics: str | None = None) -> list[dict]
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m xtrain.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs or sweep dirs")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs, sweep dirs or dirs of sweeps (multirun/)")
     parser.add_argument("--out", required=True, help="directory for the PNGs and summary tables")
     parser.add_argument("--metrics", help="comma-separated metrics to draw (default: loss, "
                         "val_loss, val_bpb, tok_per_s, mfu and every evaluation score)")
