@@ -50,17 +50,22 @@ job_state() {
 
 # SIGTERM to the job's process group (xtrain checkpoints at the next step boundary and exits 143),
 # SIGKILL after the grace period, then wait until the group is gone. Expects $dir (the job's),
-# $pid and $grace.
+# $pid and $ticks (the grace in fifths of a second).
 STOP_SH = GROUP_ALIVE_SH + r"""
 if this_boot "$dir" && group_alive "$pid"; then
   kill -TERM -- "-$pid" 2>/dev/null
-  ticks=$(( grace * 5 ))
   while group_alive "$pid"; do
     if [ "$ticks" -eq 0 ]; then kill -KILL -- "-$pid" 2>/dev/null; echo killed; fi
     sleep 0.2; ticks=$(( ticks - 1 ))
   done
 fi
 """
+
+
+def grace_ticks(grace_s: float) -> int:
+    """STOP_SH's $ticks for a grace of ``grace_s`` seconds."""
+    return max(0, round(grace_s * 5))
+
 
 # The job's wrapper: records its pid, loads the secrets (then deletes them), and stays alive to
 # write the exit code. Signals go to the whole group: the wrapper survives them (handled by `true`
@@ -120,7 +125,7 @@ class RemoteJob:
                                exports="\n".join(f"export {k}={q(str(v))}" for k, v in env.items()),
                                command=" ".join(q(a) for a in command))
         script = "\n".join([
-            f"mkdir -p {d}", f"dir={d}; pid=$(cat {d}/pid 2>/dev/null); grace={int(grace_s)}",
+            f"mkdir -p {d}", f"dir={d}; pid=$(cat {d}/pid 2>/dev/null); ticks={grace_ticks(grace_s)}",
             'if [ -n "$pid" ]; then', STOP_SH, "fi",
             _clear_lock_sh(tpu_lockfile) if tpu_lockfile else "",
             f"rm -f {d}/exit {d}/reported {d}/pid {d}/boot {d}/secrets",
@@ -152,8 +157,9 @@ class RemoteJob:
     def stop(self, grace_s: float) -> bool:
         """SIGTERM, then SIGKILL after ``grace_s``; True when it had to be killed."""
         d = q(self.dir)
-        r = self.worker.run(f"dir={d}; pid=$(cat {d}/pid 2>/dev/null) || exit 0; grace={int(grace_s)}\n"
-                            + STOP_SH, "stop", timeout=grace_s + 120)
+        r = self.worker.run(f"dir={d}; pid=$(cat {d}/pid 2>/dev/null) || exit 0; "
+                            f"ticks={grace_ticks(grace_s)}\n" + STOP_SH, "stop",
+                            timeout=grace_s + 120)
         return "killed" in r.stdout
 
     def acknowledge(self) -> None:
