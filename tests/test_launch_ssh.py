@@ -307,6 +307,26 @@ def test_stop_sends_sigterm_then_sigkill_after_the_grace(remote, tmp_path):
     assert live_group(pid) == []
 
 
+def test_stopping_a_pods_others_names_the_killed_and_the_unreachable(remote, tmp_path):
+    """After a worker failed the others are stopped: one that outlasts the grace is named as
+    killed, one that does not answer (nothing listens on 127.0.0.4) is named too, its error not
+    raised in place of the failure the launch reports."""
+    from xtrain.launcher.job import stop_others
+
+    worker, _, _ = make_worker(remote, tmp_path)
+    job = RemoteJob(worker, "unit")
+    start_trapped(job, "trap '' TERM", tmp_path / "trapped", "sleep 60")
+    cfg = OmegaConf.structured(LauncherConfig(**remote.launcher_fields(
+        hosts=["127.0.0.4"], retries=0, remote_dir=str(tmp_path / "hosts") + "/{host}")))
+    gone = Worker(Target(1, "127.0.0.4", "127.0.0.4"), Ssh(cfg, Runner(), print), cfg.remote_dir,
+                  cfg.venv)
+    said = []
+    stop_others([job, RemoteJob(gone, "unit")], 0.4, said.append)
+    assert said[0] == f"launch: {worker} did not stop within 0.4 s of SIGTERM: killed"
+    assert said[1].startswith(f"launch: {gone} could not be stopped (") and "unreachable" in said[1]
+    assert job.state().state == "lost"
+
+
 def test_a_job_that_exits_on_sigterm_keeps_its_own_exit_code(remote, tmp_path):
     """The stop's SIGTERM reaches the wrapper too: its exit code must stay the job's (3 here), not
     128 + 15, which reads as a preemption. Several rounds: the job and the wrapper race."""

@@ -20,7 +20,7 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from xtrain.launcher.runner import LaunchError, VmUnavailable
+from xtrain.launcher.runner import LaunchError, VmUnavailable, parallel
 
 q = shlex.quote
 
@@ -201,3 +201,20 @@ def _clear_lock_sh(lockfile: str) -> str:
             f'    echo "the TPU is in use: process $holder holds {lockfile}:" '
             f'"$(tr "\\0" " " < /proc/$holder/cmdline)"; exit 3; fi\n'
             'fi')
+
+
+def stop_others(jobs, grace_s: float, log) -> None:
+    """Stop a pod's other workers after one failed (a pod's workers wait on each other); one that
+    cannot be reached is named, its error kept from replacing the failure being reported."""
+    def stop(job):
+        try:
+            return job.stop(grace_s)
+        except LaunchError as e:
+            return e
+
+    for job, outcome in zip(jobs, parallel(stop, jobs)):
+        if isinstance(outcome, LaunchError):
+            log(f"launch: {job.worker} could not be stopped ({outcome}); once it answers, "
+                "hydra.launcher.stop=true stops it")
+        elif outcome:
+            log(f"launch: {job.worker} did not stop within {grace_s:g} s of SIGTERM: killed")

@@ -27,7 +27,7 @@ from xtrain.errors import EXIT_STOPPED, ConfigError
 from xtrain.launcher import secrets as job_secrets
 from xtrain.launcher.env import EnvSpec, ensure_env, requirements
 from xtrain.launcher.gcloud import Gcloud
-from xtrain.launcher.job import JobState, RemoteJob, command_digest
+from xtrain.launcher.job import JobState, RemoteJob, command_digest, stop_others
 from xtrain.launcher.jobdir import identity_env, keep_metrics, record_attempt, resume_offset
 from xtrain.launcher.logs import LogStream, log_path, tail_lines
 from xtrain.launcher.runner import LaunchError, Runner, VmUnavailable, parallel
@@ -299,13 +299,6 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                           f"its log ({log_path(job_dir, first_failure)}):\n"
                           + tail_lines(log_path(job_dir, first_failure)))
     return [final[j.worker.index] for j in jobs]
-
-
-def stop_others(jobs, grace_s: float, log) -> None:
-    """Stop a pod's other workers after one failed; a pod's workers wait on each other."""
-    killed = parallel(lambda j: j.stop(grace_s), jobs)
-    for job in (j for j, k in zip(jobs, killed) if k):
-        log(f"launch: {job.worker} did not stop within {grace_s:g} s of SIGTERM: killed")
 
 
 def _poll(job) -> JobState:
