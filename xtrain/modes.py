@@ -220,9 +220,12 @@ def say_model_not_used(cfg, saved_model) -> None:
     from xtrain.model.config import GPTConfig
 
     given = {k: cfg.model[k] for k in model_keys_given() if cfg.model[k] is not None}
+    try:
+        theirs = GPTConfig.from_model(saved_model, "sdpa")
+    except ConfigError:
+        return  # (refused where the model is built, naming what is wrong)
     try:  # compared as networks: n_kv_head unset is n_kv_head = n_head
-        same = GPTConfig.from_model(OmegaConf.merge(saved_model, given), "sdpa") == \
-            GPTConfig.from_model(saved_model, "sdpa")
+        same = GPTConfig.from_model(OmegaConf.merge(saved_model, given), "sdpa") == theirs
     except ConfigError:  # (what is given does not make a network with the checkpoint's rest)
         same = False
     if not same:
