@@ -24,13 +24,11 @@ def pytest_configure(config):
     install()  # CI=true: a declared package that cannot be imported fails, never skips
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups
 def pytest_collection_modifyitems(items):
-    """`make test` runs on two pytest-xdist workers: every test that reaches the loopback hosts
-    (tests/sshd.py) goes to one worker, since the hosts are this one machine for both workers and a
-    launch refuses a host that is busy with another job."""
-    for item in items:
-        if "sshd" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("loopback-hosts"))
+    from worker_groups import group_items  # tests/ is on sys.path while pytest runs
+
+    group_items(items)
 
 
 @pytest.fixture(scope="session", autouse=True)
