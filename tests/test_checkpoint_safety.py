@@ -268,6 +268,13 @@ def test_sample_builds_no_corpus_where_a_checkpoint_says_and_reads_a_copy_of_its
         f"and its tokenizer), or add data.tokenizer=<a copy of that tokenizer> "
         f"checkpoint.resume={ckpt}")  # (what the command below does)
     assert not elsewhere.exists() and "sampling" not in out
+    meta = json.loads((ckpt / "meta.json").read_text())  # a corpus its training did not build
+    meta["config"]["data"]["build_sources"] = []
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    _reseal(str(ckpt))
+    code, out, err = finish(xtrain(tmp_path / "run", *args, f"data.tokenizer={elsewhere}/tokenizer"))
+    assert code == EXIT_REFUSED and "build no corpus): copy it there (its training read a corpus " \
+        "made beforehand, e.g. by python -m xtrain.data build), or add data.tokenizer=" in err, err
     copy = tmp_path / "copy"
     shutil.copytree(_trained_tokenizer(world), copy)
     code, out, err = finish(xtrain(tmp_path / "run", *args, f"data.tokenizer={copy}"))

@@ -195,7 +195,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("resume-uncommitted", ["checkpoint.resume={uncommitted}"], {}, "not a committed checkpoint (no COMMITTED"),
     ("resume-run-dir", ["checkpoint.resume={checkpoints}"], {}, "it holds checkpoints: point at one"),
     ("resume-other-model", ["model=d4", "checkpoint.resume={committed}"], {},
-     "holds a different model (n_layer 2 -> 4"),
+     "checkpoint.resume={committed} holds a different model (n_layer 2 -> 4, n_embd 128 -> 256): "
+     "give the model it was trained with, or a checkpoint of this model"),
     ("cpu2-without-launch-variables", ["hardware=cpu2"], {"MASTER_ADDR": "", "RANK": ""},
      "hardware=cpu2 runs 2 processes; MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK not set"),
     ("cpp-eval-without-its-compiler", ["eval.cpp_every=5", "eval.gxx=g++-nowhere"], {},

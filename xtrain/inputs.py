@@ -53,15 +53,18 @@ def saved_meta(path: str) -> dict:
         raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
 
 
-def check_compatible(path: str, gpt: GPTConfig, meta: dict) -> None:
+def check_compatible(path: str, gpt: GPTConfig, meta: dict, named: bool = False) -> None:
     """Refuse a checkpoint whose model (in its ``meta``, see :func:`saved_meta`) differs in
-    shape from the configured one."""
+    shape from the configured one; ``named``: by ``checkpoint.resume`` (the advice differs)."""
     saved = saved_config(meta, path)
     try:
         saved_model = saved.model
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
     diff = gpt.differences(GPTConfig.from_model(saved_model))
+    if diff and named:
+        raise ConfigError(f"checkpoint.resume={path} holds a different model ({', '.join(diff)}): "
+                          "give the model it was trained with, or a checkpoint of this model")
     if diff:
         raise ConfigError(f"checkpoint {path} holds a different model ({', '.join(diff)}); "
                           "start a new run (run.name=...) or restore the model config")
@@ -95,7 +98,7 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
                 f"starting over them (a new run would overwrite them step by step); {again}")
         if found:
             meta = saved_meta(found)
-            check_compatible(found, gpt, meta)
+            check_compatible(found, gpt, meta, named=bool(resume))
             if not resume:
                 check_same_run(found, run_name, meta)
             elif not rewind:
@@ -374,7 +377,8 @@ def checkpoint_tokenizer(path: str, meta: dict, given: str | None) -> str:
     when neither holds it."""
     from xtrain.data.tokenizer import file_fingerprint
 
-    recorded, trained_with = saved_config(meta, path).data.tokenizer, meta.get("tokenizer_sha256")
+    data = saved_config(meta, path).data
+    recorded, trained_with = data.tokenizer, meta.get("tokenizer_sha256")
     found = {}  # directory -> the fingerprint of the tokenizer it holds
     for directory in dict.fromkeys(d for d in (recorded, given) if d):
         found[directory] = file_fingerprint(directory)
@@ -389,7 +393,8 @@ def checkpoint_tokenizer(path: str, meta: dict, given: str | None) -> str:
     dirs = list(found)
     none = (f"{dirs[0]} holds no tokenizer" if len(dirs) == 1 else
             f"neither {dirs[0]} nor {dirs[1]} holds a tokenizer")
-    raise DataError(
-        f"{path} was trained with the tokenizer of {recorded}, and {none} "
-        "(mode=sample and mode=eval build no corpus): run the training command of that checkpoint "
-        f"once on this machine (it builds the corpus and its tokenizer), or {copy}")
+    build = ("run the training command of that checkpoint once on this machine (it builds the "
+             "corpus and its tokenizer)" if data.get("build_sources") else "copy it there (its "
+             "training read a corpus made beforehand, e.g. by python -m xtrain.data build)")
+    raise DataError(f"{path} was trained with the tokenizer of {recorded}, and {none} (mode=sample "
+                    f"and mode=eval build no corpus): {build}, or {copy}")
