@@ -221,17 +221,17 @@ def say_model_not_used(cfg, saved_model) -> None:
 
     given = {k: cfg.model[k] for k in model_keys_given() if cfg.model[k] is not None}
     try:
-        theirs = GPTConfig.from_model(saved_model, "sdpa")
+        network = GPTConfig.from_model(saved_model, "sdpa")
     except ConfigError:
         return  # (refused where the model is built, naming what is wrong)
     try:  # compared as networks: n_kv_head unset is n_kv_head = n_head
-        same = GPTConfig.from_model(OmegaConf.merge(saved_model, given), "sdpa") == theirs
+        same = GPTConfig.from_model(OmegaConf.merge(saved_model, given), "sdpa") == network
     except ConfigError:  # (what is given does not make a network with the checkpoint's rest)
         same = False
     if not same:
-        theirs = {k: saved_model.get(k) for k in given}
-        differ = [f"model.{k}={v} (the checkpoint's: {'unset' if theirs[k] is None else theirs[k]})"
-                  for k, v in given.items() if v != theirs[k]]
+        saved = {k: saved_model.get(k) for k in given}
+        differ = [f"model.{k}={v} (the checkpoint's: {'unset' if saved[k] is None else saved[k]})"
+                  for k, v in given.items() if v != saved[k]]
         warn(f"mode={cfg.mode.value} runs the checkpoint's model; the one this command gives "
              "differs and is not used: " + ", ".join(differ))
 

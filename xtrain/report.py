@@ -20,7 +20,6 @@ from collections import Counter
 import yaml
 
 from xtrain.config.hydra_record import RECORD
-
 from xtrain.errors import EXIT_REFUSED, InputError
 from xtrain.observe.plots import eval_metrics, metric_names, png, read_records, series
 from xtrain.paths import as_url, url_to_fs, write_whole
@@ -198,7 +197,8 @@ def report(paths: list[str], out: str, metrics: str | None = None) -> list[dict]
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m xtrain.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs, sweep dirs or dirs of sweeps (multirun/)")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="run dirs, sweep dirs or dirs of sweeps (multirun/)")
     parser.add_argument("--out", required=True, help="directory for the PNGs and summary tables")
     parser.add_argument("--metrics", help="comma-separated metrics to draw (default: loss, "
                         "val_loss, val_bpb, tok_per_s, mfu and every evaluation score)")
