@@ -241,9 +241,11 @@ def model_keys_given() -> list[str]:
     config composed without Hydra's command line), else those of its ``model.*`` overrides."""
     from hydra.core.hydra_config import HydraConfig
 
+    from xtrain.naming import override_pairs
+
     if not HydraConfig.initialized():
         return list(ARCHITECTURE)
-    keys = [o.partition("=")[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+    keys = override_pairs(HydraConfig.get().overrides.task)
     if "model" in keys:
         return list(ARCHITECTURE)
     return [k for k in ARCHITECTURE if f"model.{k}" in keys]
