@@ -491,10 +491,12 @@ def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, c
 
 
 def test_a_build_with_no_training_chunk_or_too_small_a_vocabulary_is_refused_writing_nothing(
-        tmp_path):
+        tmp_path, capsys):
     """Two identical files leave validation's copy only (chunks are de-duplicated across the
     splits); three tiny files cannot give 4096 tokens. Either is refused at the build, naming
-    what to change, before anything is written: a run would fail on it later, less clearly."""
+    what to change, before anything is written: a run would fail on it later, less clearly. The
+    corpus CLI names its own arguments, not a training's config fields."""
+    from xtrain.data.__main__ import main
     from xtrain.data.corpus import BuildSpec, ensure_built
 
     twins = tmp_path / "twins"
@@ -509,6 +511,17 @@ def test_a_build_with_no_training_chunk_or_too_small_a_vocabulary_is_refused_wri
                                         r"than data.vocab_size=4096: name more sources, or set "
                                         r"data.vocab_size=\d+ or less"):
         ensure_built(BuildSpec([str(small)], str(tmp_path / "out-small"), 4096, 256))
+    (tmp_path / "empty").mkdir()
+    for sources, refusal in [(small, r"these sources give a vocabulary of \d+ tokens, fewer than "
+                                     r"--vocab-size 4096: name more sources, or set --vocab-size "
+                                     r"\d+ or less"),
+                             (tmp_path / "empty", "no C/C\\+\\+ sources found"),
+                             (tmp_path / "missing", ".*missing does not exist")]:
+        with pytest.raises(SystemExit):
+            main(["build", str(sources), "--out", str(tmp_path / "out-cli"), "--vocab-size", "4096"])
+        err = capsys.readouterr().err
+        assert re.fullmatch(rf"xtrain: data error: sources \['{re.escape(str(sources))}'\]: "
+                            rf"{refusal}.*\n", err), err
     assert not (tmp_path / "out-twins" / "manifest.json").exists()
     assert not (tmp_path / "out-small" / "manifest.json").exists()
 

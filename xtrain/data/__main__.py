@@ -6,7 +6,7 @@ import argparse
 import json
 
 from xtrain.config import DataConfig
-from xtrain.data.corpus import BuildSpec, ensure_built
+from xtrain.data.corpus import CLI_NAMES, BuildSpec, ensure_built
 from xtrain.errors import DataError, InputError, refuse
 from xtrain.limits import out_of_range
 
@@ -41,7 +41,8 @@ def main(argv=None) -> None:
     except InputError as ex:
         refuse(ex)
     spec = BuildSpec(sources=args.sources, out_dir=args.out, vocab_size=args.vocab_size,
-                     chunk_tokens=args.chunk_tokens, val_fraction=args.val_fraction)
+                     chunk_tokens=args.chunk_tokens, val_fraction=args.val_fraction,
+                     names=CLI_NAMES)
     try:
         manifest = ensure_built(spec)
     except InputError as ex:  # refused (e.g. an output directory holding other files): one line

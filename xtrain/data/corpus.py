@@ -19,7 +19,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
@@ -39,6 +39,21 @@ BUILD_MARKER = ".xtrain-corpus"
 # --- building --------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Names:
+    """How errors name a build's sources and vocabulary size: as a training's data config does,
+    or as the corpus CLI's arguments (xtrain/data/__main__.py)."""
+    sources: str = "data.build_sources"
+    vocab_size: str = "data.vocab_size"
+    equals: str = "="
+
+    def setting(self, name: str, value) -> str:
+        return f"{getattr(self, name)}{self.equals}{value}"
+
+
+CLI_NAMES = Names(sources="sources", vocab_size="--vocab-size", equals=" ")
+
+
 @dataclass
 class BuildSpec:
     sources: list[str]
@@ -47,6 +62,7 @@ class BuildSpec:
     chunk_tokens: int
     val_fraction: float = 0.05
     seed: int = 0
+    names: Names = field(default_factory=Names)  # (not part of the build's key)
 
     def key(self, fingerprints) -> str:
         h = hashlib.sha256(json.dumps([BUILDER_VERSION, self.vocab_size, self.chunk_tokens,
@@ -151,24 +167,29 @@ def _check_usable(spec, vocab_size: int, train_chunks: int, counts: str) -> None
     """Refuse, before anything is written, a build that a run would fail on later and less
     clearly: no training chunk left (``counts`` says what became of the files), or a vocabulary
     smaller than ``data.vocab_size`` (too little text to learn that many tokens from)."""
+    named = spec.names.setting
     if not train_chunks:
-        raise DataError(f"data.build_sources={spec.sources}: no training chunk left ({counts}): "
+        raise DataError(f"{named('sources', spec.sources)}: no training chunk left ({counts}): "
                         "name more, or other, sources")
     if vocab_size < spec.vocab_size:
-        raise DataError(f"data.build_sources={spec.sources}: these sources give a vocabulary of "
-                        f"{vocab_size} tokens, fewer than data.vocab_size={spec.vocab_size}: "
-                        f"name more sources, or set data.vocab_size={vocab_size} or less")
+        raise DataError(f"{named('sources', spec.sources)}: these sources give a vocabulary of "
+                        f"{vocab_size} tokens, fewer than {named('vocab_size', spec.vocab_size)}: "
+                        f"name more sources, or set {named('vocab_size', vocab_size)} or less")
 
 
-def checked_sources(roots: list[str]) -> list[tuple[str, str]]:
+def checked_sources(roots: list[str], names: Names = Names()) -> list[tuple[str, str]]:
     """:func:`find_sources`, refusing fewer than 2 files: validation holds out whole files."""
-    files = find_sources(roots)
+    named = names.setting("sources", roots)
+    try:
+        files = find_sources(roots)
+    except DataError as e:  # (a root that does not exist)
+        raise DataError(f"{named}: {e}") from None
     if not files:
-        raise DataError(f"data.build_sources={roots}: no C/C++ sources found (install g++ for "
-                        "/usr/include/c++, or name a directory of C++ code)")
+        raise DataError(f"{named}: no C/C++ sources found (install g++ for /usr/include/c++, or "
+                        "name a directory of C++ code)")
     if len(files) < 2:
-        raise DataError(f"data.build_sources={roots}: only one C/C++ source file ({files[0][0]}); "
-                        "the build holds out whole files for validation, so it needs at least 2")
+        raise DataError(f"{named}: only one C/C++ source file ({files[0][0]}); the build holds "
+                        "out whole files for validation, so it needs at least 2")
     return files
 
 
@@ -177,7 +198,7 @@ def ensure_built(spec: BuildSpec, log=print) -> dict:
     (check_output) before reading a source when the output directory is not the build's to
     replace."""
     check_output(spec.sources, spec.out_dir)
-    files = checked_sources(spec.sources)
+    files = checked_sources(spec.sources, spec.names)
     key = spec.key(files)
     manifest = read_manifest(spec.out_dir)
     if manifest and manifest.get("build_key") == key:

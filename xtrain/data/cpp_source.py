@@ -34,7 +34,7 @@ def find_sources(roots: list[str]) -> list[tuple[str, str]]:
     for root in roots:
         fs, base = url_to_fs(root)
         if not fs.exists(base):
-            raise DataError(f"data.build_sources={roots}: {root} does not exist" + (
+            raise DataError(f"{root} does not exist" + (
                 " (it comes with g++)" if root.rstrip("/") == "/usr/include/c++" else ""))
         for path, info in fs.find(base, detail=True).items():
             linked_file = info.get("islink") and fs.isfile(path)  # (its size and mtime: the file's)
