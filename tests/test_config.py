@@ -231,6 +231,22 @@ def test_a_sweep_of_plans_puts_back_the_record_of_an_earlier_sweep_in_its_dir(tm
     assert (sweep_dir / "multirun.yaml").read_text() == "an earlier sweep's record\n"
 
 
+@pytest.mark.parametrize("subdir", ["{tmp_path}/elsewhere/${{hydra.job.num}}",
+                                    "../../elsewhere/${{hydra.job.num}}"], ids=["absolute", "climbing"])
+def test_a_sweep_whose_jobs_dirs_would_lie_outside_its_dir_is_refused(tmp_path, subdir):
+    """A sweep's record and xtrain.report find its jobs in its dir. Jobs put elsewhere by
+    hydra.sweep.subdir trained there, and their sweep dir, left with its record alone, was
+    removed as that of a sweep that kept nothing: refused before any job runs."""
+    subdir = subdir.format(tmp_path=tmp_path)
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "model=d2", "trainer.max_steps=1",
+                        "optim.matrix_lr=0.01,0.02", f"hydra.sweep.subdir={subdir}"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert (f"hydra.sweep.subdir={subdir}: a sweep's jobs get dirs inside its dir "
+            "(hydra.sweep.dir)") in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_sweep_whose_jobs_would_train_in_one_checkpoint_dir_is_refused(tmp_path):
     """Two trainings in one checkpoint dir take each other's checkpoints: a sweep giving its jobs
     one checkpoint.dir is refused before any job runs; the run's name in it keeps them apart."""
