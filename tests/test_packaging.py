@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,8 +14,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_wheel_contains_every_config_and_module(tmp_path):
+    # built from a copy: setuptools writes build/ and xtrain.egg-info/ beside the sources
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source)
+    for name in ("conf", "launch", "xtrain"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                        "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
+                        "-q", "-w", str(tmp_path), str(source)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("xtrain-*.whl")
