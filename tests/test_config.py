@@ -232,18 +232,23 @@ def test_a_sweep_of_plans_puts_back_the_record_of_an_earlier_sweep_in_its_dir(tm
 
 
 @pytest.mark.parametrize("subdir", ["{tmp_path}/elsewhere/${{hydra.job.num}}",
-                                    "../../elsewhere/${{hydra.job.num}}"], ids=["absolute", "climbing"])
+                                    "../../elsewhere/${{hydra.job.num}}", "."],
+                         ids=["absolute", "climbing", "the-sweep-dir"])
 def test_a_sweep_whose_jobs_dirs_would_lie_outside_its_dir_is_refused(tmp_path, subdir):
-    """A sweep's record and xtrain.report find its jobs in its dir. Jobs put elsewhere by
-    hydra.sweep.subdir trained there, and their sweep dir, left with its record alone, was
-    removed as that of a sweep that kept nothing: refused before any job runs."""
+    """A sweep's record and xtrain.report find its jobs in its dir, one dir each. Jobs put
+    elsewhere by hydra.sweep.subdir trained there, and their sweep dir, left with its record
+    alone, was removed as that of a sweep that kept nothing: refused before any job runs (the
+    first job's number, 0, as its dir would have it)."""
     subdir = subdir.format(tmp_path=tmp_path)
     r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "model=d2", "trainer.max_steps=1",
                         "optim.matrix_lr=0.01,0.02", f"hydra.sweep.subdir={subdir}"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == EXIT_REFUSED, r.stderr
-    assert (f"hydra.sweep.subdir={subdir}: a sweep's jobs get dirs inside its dir "
-            "(hydra.sweep.dir)") in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    first = subdir.replace("${hydra.job.num}", "0")
+    assert (f"sweep job 1 of 2 (model=d2 trainer.max_steps=1 optim.matrix_lr=0.01): "
+            f"hydra.sweep.subdir={first} puts the job in ") in r.stderr, r.stderr
+    assert "not in a dir of its own inside the sweep's dir multirun/" in r.stderr
+    assert len(r.stderr.splitlines()) == 1, r.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -12,6 +12,8 @@ refused before they kept anything), leaves the sweep dir as it found it (:class:
 from __future__ import annotations
 
 import contextlib
+import copy
+import os
 from pathlib import Path
 
 
@@ -31,21 +33,26 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     checkpoint_dirs: dict[str, int] = {}  # a training's checkpoint dir -> the job training there
     try:
         for number, overrides in enumerate(batch, start=1):
-            job = config_loader.load_sweep_config(master_config=sweep_config,
-                                                  sweep_overrides=list(overrides))
-            HydraConfig.instance().set_config(job)  # its resolvers (the run name) see this job
-            hydra_cfg = job.hydra
+            loaded = config_loader.load_sweep_config(master_config=sweep_config,
+                                                     sweep_overrides=list(overrides))
+            with open_dict(loaded):  # numbered as the launcher numbers it (its dir may use that)
+                loaded.hydra.job.num = loaded.hydra.job.id = number - 1
+            HydraConfig.instance().set_config(loaded)  # its resolvers (the run name) see this job
+            # the job's own config apart; Hydra's stays in `loaded`, where its dirs can still
+            # name the job's fields (${run.name})
+            hydra_cfg, job = loaded.hydra, copy.deepcopy(loaded)
             with open_dict(job):
                 del job["hydra"]
             try:
                 check_composed(job, hydra_cfg)
+                run_dir = job_dir_in_sweep_dir(hydra_cfg)
                 if is_remote(hydra_cfg.launcher):
                     check_workers_compose_it(hydra_cfg)
                 check_config(job)
                 if not is_remote(hydra_cfg.launcher):  # (a launch checks it on its workers)
                     check_host_memory(job)
                 # (a launched job's run dir is on its worker: only an explicit dir is shared)
-                check_own_checkpoint_dir(job, None if is_remote(hydra_cfg.launcher) else hydra_cfg,
+                check_own_checkpoint_dir(job, None if is_remote(hydra_cfg.launcher) else run_dir,
                                          number, checkpoint_dirs)
                 if is_remote(hydra_cfg.launcher):  # the fleet's: keys, zone, gcloud, pool
                     check_job(hydra_cfg.launcher, job.hardware, job.checkpoint.dir)
@@ -58,10 +65,30 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
         HydraConfig.instance().set_config(sweep_config)
 
 
-def check_own_checkpoint_dir(job, hydra_cfg, number: int, taken: dict[str, int]) -> None:
+def job_dir_in_sweep_dir(hydra_cfg) -> str:
+    """A sweep job's dir (``hydra.sweep.subdir`` joined to ``hydra.sweep.dir`` as Hydra's run_job
+    joins them), refused outside the sweep's dir or as that dir itself (a subdir that is absolute,
+    climbs out with ``..`` or is empty): the sweep's record (:class:`SweepRecord`) and
+    ``xtrain.report`` find a sweep's jobs in its dir, one dir each."""
+    from omegaconf import OmegaConf
+
+    from xtrain.errors import ConfigError
+
+    sweep_dir, subdir = (str(OmegaConf.select(hydra_cfg, f"sweep.{key}")) for key in ("dir", "subdir"))
+    run_dir = os.path.join(sweep_dir, subdir)
+    inside = os.path.relpath(os.path.abspath(run_dir), os.path.abspath(sweep_dir))
+    if inside == "." or inside.split(os.sep)[0] == "..":
+        raise ConfigError(f"hydra.sweep.subdir={subdir} puts the job in {run_dir}, not in a dir "
+                          f"of its own inside the sweep's dir {sweep_dir}, where the sweep's record "
+                          "and xtrain.report find its jobs; to put a sweep elsewhere, set "
+                          "hydra.sweep.dir")
+    return run_dir
+
+
+def check_own_checkpoint_dir(job, run_dir: str | None, number: int, taken: dict[str, int]) -> None:
     """Trainings given one checkpoint dir take each other's checkpoints (each would resume from,
     or prune, the other's), so each job trains in its own: an explicit ``checkpoint.dir``, or its
-    run dir's (which jobs given one ``run.name`` share; ``hydra_cfg`` None: not known here).
+    run dir's (which jobs given one ``run.name`` share; ``run_dir`` None: not known here).
     ``taken`` maps the dirs of the jobs before (which it records this one's in)."""
     from xtrain.config import Mode
     from xtrain.errors import ConfigError
@@ -70,10 +97,6 @@ def check_own_checkpoint_dir(job, hydra_cfg, number: int, taken: dict[str, int])
 
     if job.mode != Mode.train:
         return
-    try:
-        run_dir = f"{hydra_cfg.sweep.dir}/{hydra_cfg.sweep.subdir}" if hydra_cfg is not None else None
-    except Exception:  # noqa: BLE001  (set by the launcher, ${hydra.job.num}: one dir per job)
-        run_dir = None
     if run_dir is None and not job.checkpoint.dir:
         return
     directory = checkpoint_dir(job, run_dir).rstrip("/")

@@ -90,7 +90,6 @@ def check_composed(cfg, hydra_cfg) -> None:
     check_no_secret_values(hydra_cfg, "hydra.")
     check_run_name(cfg.run.name)  # resolved: it may interpolate
     check_local_dir(hydra_cfg)
-    check_job_dir_in_sweep_dir(hydra_cfg)
 
 
 def check_local_dir(hydra_cfg) -> None:
@@ -108,25 +107,6 @@ def check_local_dir(hydra_cfg) -> None:
         raise ConfigError(f"hydra.{key}={where}: Hydra makes this dir on this machine (here: "
                           f"{os.path.abspath(where)}); give a local dir, and put checkpoints in a "
                           "bucket with checkpoint.dir=gs://...")
-
-
-def check_job_dir_in_sweep_dir(hydra_cfg) -> None:
-    """Refuse a sweep whose jobs' dirs would lie outside its dir (``hydra.sweep.subdir`` absolute,
-    or climbing out with ``..``): the sweep's record (xtrain/sweeps.py SweepRecord) and
-    ``xtrain.report`` find a sweep's jobs in its dir."""
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf
-
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        return
-    try:
-        subdir = str(OmegaConf.select(hydra_cfg, "sweep.subdir"))
-    except Exception:  # noqa: BLE001  (${hydra.job.num} is set as each job is launched)
-        subdir = str(OmegaConf.to_container(hydra_cfg.sweep)["subdir"])
-    if os.path.isabs(subdir) or os.path.normpath(subdir).split(os.sep)[0] == "..":
-        raise ConfigError(f"hydra.sweep.subdir={subdir}: a sweep's jobs get dirs inside its dir "
-                          "(hydra.sweep.dir), where its record and xtrain.report find them; to put "
-                          "a sweep elsewhere, set hydra.sweep.dir")
 
 
 def check_known_keys(cfg, prefix: str = "") -> None:
