@@ -277,6 +277,12 @@ def torch_import_s():
     return import_torch_s()
 
 
+def before_torch_could_import(seconds: float, torch_import_s: float) -> bool:
+    """``seconds`` under the session's torch import, or else under one measured again at once,
+    under this moment's load (the other worker's)."""
+    return seconds < torch_import_s or seconds < import_torch_s()
+
+
 # Config errors found by xtrain/inputs.py beside the inputs it reads, once the run dir is taken
 # (its console.log says why); every other config error leaves no run dir
 CHECKED_WITH_INPUTS = {"cpp-eval-between-checkpoints", "cpp-eval-between-checkpoints-torchrun",
@@ -298,9 +304,8 @@ def test_bad_input_is_refused_fast_in_one_line(case, overrides, env, expected, w
     assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("xtrain: "), r.stderr[-3000:]
     assert expected.format(**world) in lines[0]
-    if seconds >= torch_import_s:  # measured again under this moment's load (the other worker's)
-        torch_import_s = import_torch_s()
-    assert seconds < torch_import_s, f"refused after {seconds:.2f} s (import torch: {torch_import_s:.2f} s)"
+    assert before_torch_could_import(seconds, torch_import_s), \
+        f"refused after {seconds:.2f} s, slower than importing torch ({torch_import_s:.2f} s, and again)"
     assert tree_digest(world["base"], world["corpus"]) == before  # nothing it did not mean to touch
     # nor its own record: also one refused after it took the run dir (inputs, checkpoints)
     assert not list((tmp_path / "run").glob(".hydra*")), sorted((tmp_path / "run").iterdir())
@@ -335,7 +340,8 @@ def test_a_checkpoint_trained_with_another_tokenizer_is_not_resumed(world, tmp_p
         f"{corpus}/tokenizer (sha256 ")
     assert "its token ids mean other text" in r.stderr and "resuming from" not in r.stdout
     # refused with the other input checks, before the data and the model are prepared
-    assert len(r.stderr.splitlines()) == 1 and seconds < torch_import_s, (seconds, r.stderr[-3000:])
+    assert len(r.stderr.splitlines()) == 1, r.stderr[-3000:]
+    assert before_torch_could_import(seconds, torch_import_s), (seconds, torch_import_s)
 
 
 def test_a_refused_command_leaves_the_runs_record_and_an_accepted_one_replaces_it(world, tmp_path):
