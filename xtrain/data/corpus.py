@@ -19,7 +19,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
@@ -41,17 +41,18 @@ BUILD_MARKER = ".xtrain-corpus"
 
 @dataclass(frozen=True)
 class Names:
-    """How errors name a build's sources and vocabulary size: as a training's data config does,
-    or as the corpus CLI's arguments (xtrain/data/__main__.py)."""
-    sources: str = "data.build_sources"
-    vocab_size: str = "data.vocab_size"
-    equals: str = "="
+    """How errors name a build's sources and vocabulary size: as a training's data config does
+    (CONFIG_NAMES), or as the corpus CLI's arguments (CLI_NAMES, xtrain/data/__main__.py)."""
+    sources: str
+    vocab_size: str
+    separator: str  # between a name and its value
 
     def setting(self, name: str, value) -> str:
-        return f"{getattr(self, name)}{self.equals}{value}"
+        return f"{getattr(self, name)}{self.separator}{value}"
 
 
-CLI_NAMES = Names(sources="sources", vocab_size="--vocab-size", equals=" ")
+CONFIG_NAMES = Names(sources="data.build_sources", vocab_size="data.vocab_size", separator="=")
+CLI_NAMES = Names(sources="sources", vocab_size="--vocab-size", separator=" ")
 
 
 @dataclass
@@ -62,7 +63,7 @@ class BuildSpec:
     chunk_tokens: int
     val_fraction: float = 0.05
     seed: int = 0
-    names: Names = field(default_factory=Names)  # (not part of the build's key)
+    names: Names = CONFIG_NAMES  # (not part of the build's key)
 
     def key(self, fingerprints) -> str:
         h = hashlib.sha256(json.dumps([BUILDER_VERSION, self.vocab_size, self.chunk_tokens,
@@ -177,7 +178,7 @@ def _check_usable(spec, vocab_size: int, train_chunks: int, counts: str) -> None
                         f"name more sources, or set {named('vocab_size', vocab_size)} or less")
 
 
-def checked_sources(roots: list[str], names: Names = Names()) -> list[tuple[str, str]]:
+def checked_sources(roots: list[str], names: Names = CONFIG_NAMES) -> list[tuple[str, str]]:
     """:func:`find_sources`, refusing fewer than 2 files: validation holds out whole files."""
     named = names.setting("sources", roots)
     try:
