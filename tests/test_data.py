@@ -520,7 +520,8 @@ def test_a_build_with_no_training_chunk_or_too_small_a_vocabulary_is_refused_wri
         with pytest.raises(SystemExit) as exit_:
             main(["build", str(sources), "--out", str(tmp_path / "out-cli"), "--vocab-size", "4096"])
         err = capsys.readouterr().err
-        assert exit_.value.code == 2 and re.fullmatch(rf"xtrain: data error: sources \['{re.escape(str(sources))}'\]: "
+        assert exit_.value.code == 2, err
+        assert re.fullmatch(rf"xtrain: data error: sources \['{re.escape(str(sources))}'\]: "
                             rf"{refusal}.*\n", err), err
     assert not (tmp_path / "out-twins" / "manifest.json").exists()
     assert not (tmp_path / "out-small" / "manifest.json").exists()
