@@ -248,17 +248,32 @@ def test_a_wandb_run_left_open_by_a_failed_job_is_not_the_next_jobs(tmp_path, mo
         first.experiment.finish()
 
 
+def _child_process_names() -> list[str]:
+    """The command names of this process's children, from /proc (Linux)."""
+    names = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            stat = Path("/proc", pid, "stat").read_text()  # pid (comm) state ppid ...
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == os.getpid():
+                names.append(stat[stat.index("(") + 1:stat.rindex(")")])
+    return names
+
+
 def test_each_offline_start_is_a_wandb_run_of_its_own_in_the_runs_group(tmp_path, monkeypatch):
     """`wandb sync` of two offline pieces with one id keeps only the later's history, and W&B
     cannot join them (wandb/wandb#3841, #5865): a run dir's offline starts get ids of their own,
     grouped under the run's name. Online, W&B continues the stored id."""
+    from xtrain.observe.sinks import LightningSink
     from xtrain.observe.wandb_run import RUN_ID_FILE, attempt_id, wandb_logger
 
     monkeypatch.delenv("XTRAIN_WANDB_RUN_ID", raising=False)
     for step in (1, 2):  # a start, then its resume
-        run = wandb_logger(str(tmp_path), str(tmp_path), "d2-run", {}, mode="offline").experiment
-        run.log({"trainer/global_step": step, "loss": 1.0 / step})
-        run.finish()
+        sink = LightningSink(wandb_logger(str(tmp_path), str(tmp_path), "d2-run", {}, mode="offline"))
+        sink.write({"step": step, "loss": 1.0 / step})
+        sink.close()
+        # W&B's service may still be writing the run's file after run.finish(): closing waits
+        # for it to end, so the files below are complete
+        assert "wandb-core" not in _child_process_names()
     stored = (tmp_path / RUN_ID_FILE).read_text()
     runs = wandb_runs(tmp_path)
     assert len({r["id"] for r in runs}) == 2 and all(r["id"].startswith(f"{stored}-") for r in runs)

@@ -134,7 +134,14 @@ class LightningSink(Sink):
 
         self.logger.finalize("success" if status == "success" else "failed")
         if isinstance(self.logger, WandbLogger):
+            import wandb
+
             run = self.logger.experiment
             if status == "preempted":
                 run.mark_preempting()  # W&B shows it as preempted, to be resumed
             run.finish(exit_code={"success": 0, "preempted": EXIT_STOPPED}.get(status, 1))
+            # finish() can return before W&B's service process has written and closed the run's
+            # file (wandb 0.31 tells the service the run is done without waiting); teardown
+            # waits for that process to exit, so a closed RunLog leaves a complete run file (a
+            # sweep's next job starts a service of its own)
+            wandb.teardown()
