@@ -107,6 +107,12 @@ def finish(proc, timeout=300):
     return proc.returncode, out, err
 
 
+def child_pids(pid: int) -> list[int]:
+    """The pids of ``pid``'s children (any of its threads may have started one), from /proc."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
 def losses(run_dir):
     """step -> loss, the last record of each step winning (a resumed run re-logs from its start)."""
     return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_tensors, checkpoint_tensors, compose_cfg, read_jsonl
+from conftest import assert_same_tensors, checkpoint_tensors, child_pids, compose_cfg, read_jsonl
 from xtrain.errors import EXIT_REFUSED
 from test_checkpoint import finish, losses, preempt_and_resume, xtrain
 
@@ -296,19 +296,11 @@ def _compile_mode(cache, *extra):
                             stderr=subprocess.PIPE, text=True)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids = (task / "children").read_text().split()
-        out += [int(k) for k in kids]
-    return out
-
-
 def _wait_for_compiler(pid: int, timeout=600) -> int:
     """The pid of the step's TPU compiler child of ``pid`` (xtrain.preflight.tpu_compile step)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        for child in _children(pid):
+        for child in child_pids(pid):
             try:
                 cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
             except FileNotFoundError:

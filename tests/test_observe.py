@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, read_jsonl
+from conftest import TINY, child_pids, read_jsonl
 from logreaders import tensorboard_scalars, tensorboard_texts, wandb_runs
 from test_checkpoint import finish, wait_for_step, xtrain
 
@@ -249,13 +249,10 @@ def test_a_wandb_run_left_open_by_a_failed_job_is_not_the_next_jobs(tmp_path, mo
 
 
 def _child_process_names() -> list[str]:
-    """The command names of this process's children, from /proc (Linux)."""
     names = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            stat = Path("/proc", pid, "stat").read_text()  # pid (comm) state ppid ...
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == os.getpid():
-                names.append(stat[stat.index("(") + 1:stat.rindex(")")])
+    for pid in child_pids(os.getpid()):
+        with contextlib.suppress(FileNotFoundError):  # (exited since)
+            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
     return names
 
 
