@@ -109,8 +109,13 @@ def finish(proc, timeout=300):
 
 def child_pids(pid: int) -> list[int]:
     """The pids of ``pid``'s children (any of its threads may have started one), from /proc."""
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
+    pids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            pids += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread ended after the listing (W&B's come and go)
+            continue
+    return pids
 
 
 def losses(run_dir):
