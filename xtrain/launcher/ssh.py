@@ -18,6 +18,7 @@ import getpass
 import hashlib
 import os
 import shlex
+import stat
 import subprocess
 import tempfile
 import time
@@ -54,6 +55,21 @@ def check_identity(cfg) -> None:
         raise ConfigError(f"hydra.launcher.identity_file={cfg.identity_file}: no such file "
                           "(gcloud creates ~/.ssh/google_compute_engine on its first "
                           "`gcloud compute tpus tpu-vm ssh`)")
+
+
+def private_dir(path: str) -> str:
+    """Make ``path`` (0700) and check that this user alone owns it and can write to its parent.
+    ssh hands a session's stdin, which carries a job's secrets, to whatever listens at its
+    ControlPath without asking whose it is, and the path under the shared temp dir is known."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    for where, open_bits in ((os.path.dirname(path), 0o022), (path, 0o077)):
+        st = os.lstat(where)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & open_bits:
+            raise ConfigError(
+                f"{where}, the directory of ssh's shared connections, is not this user's alone "
+                f"({stat.filemode(st.st_mode)}, owner uid {st.st_uid}): remove it, or set "
+                "hydra.launcher.multiplex=false")
+    return path
 
 
 class Ssh:
@@ -107,8 +123,8 @@ class Ssh:
             # connection verified against one trust store is never reused for another. Short,
             # because socket paths are limited to about 100 characters.
             trust = hashlib.sha256(f"{self.identity}\0{self.known_hosts}".encode()).hexdigest()
-            control_dir = os.path.join(tempfile.gettempdir(), f"xtrain-ssh-{os.getuid()}", trust[:10])
-            os.makedirs(control_dir, mode=0o700, exist_ok=True)
+            control_dir = private_dir(os.path.join(
+                tempfile.gettempdir(), f"xtrain-ssh-{os.getuid()}", trust[:10]))
             opts.update(ControlMaster="auto", ControlPath=os.path.join(control_dir, "%C"),
                         ControlPersist="120")
         return ["-i", self.identity, "-p", str(cfg.port)] + [f"-o{k}={v}" for k, v in opts.items()]
