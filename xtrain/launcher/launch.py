@@ -61,17 +61,18 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     runner = runner or Runner()
     ssh = Ssh(cfg, runner, log)
     ssh.check_local()
+    job_id = job_name(run_name)
+    if cfg.stop:  # on every worker that answers, whatever state this checkout is in
+        os.makedirs(job_dir, exist_ok=True)
+        return stop_job(workers_of(cfg, hardware, ssh, runner), job_id, cfg.stop_grace_s,
+                        cfg.lock_wait_s, log)
     secret_values = job_secrets.collect(cfg.secrets)
     root = source_root(cfg.source)
     files = code_files(root, runner, cfg.exclude, cfg.max_file_mb, cfg.max_total_mb)
     spec = EnvSpec(cfg.base_python or f"python{hardware.python}",
                    tuple(requirements(root, hardware.pins)), tuple(cfg.pip_args), cfg.install)
-    workers = [Worker(t, ssh, cfg.remote_dir, cfg.venv)
-               for t in resolve_targets(cfg, hardware, Gcloud(runner))]
-    job_id = job_name(run_name)
+    workers = workers_of(cfg, hardware, ssh, runner)
     os.makedirs(job_dir, exist_ok=True)
-    if cfg.stop:  # on every worker that answers
-        return stop_job(workers, job_id, cfg.stop_grace_s, cfg.lock_wait_s, log)
     code = code_record(root, files)
     with before_start():
         parallel(lambda w: w.probe(job_id), workers)  # reaches them, knows their dirs
@@ -104,6 +105,12 @@ def launch_job(cfg, hardware, overrides, run_name: str, job_dir: str, runner: Ru
     watch = accepting(job_dir, record, log, seen=offsets[0])
     states = follow(jobs, job_dir, offsets, cfg, log, vm_check, watch)
     return result(workers[0], job_id, job_dir, states, log, attempt)
+
+
+def workers_of(cfg, hardware, ssh: Ssh, runner: Runner) -> list[Worker]:
+    """The workers of the VMs or hosts ``cfg`` names (gcloud describes a TPU VM's)."""
+    return [Worker(t, ssh, cfg.remote_dir, cfg.venv)
+            for t in resolve_targets(cfg, hardware, Gcloud(runner))]
 
 
 def accepting(job_dir: str, record: str | None, log, seen: int = 0):
