@@ -36,15 +36,17 @@ this_boot() { [ ! -f "$1/boot" ] || [ "$(cat "$1/boot")" = "$(cat /proc/sys/kern
 # state: none (never started), running, exited, lost (gone without an exit code: killed or the
 # VM restarted).
 STATE_SH = GROUP_ALIVE_SH + r"""
+# a file's one word, or - (missing, or empty: a start on a full disk writes empty files)
+word() { w=$(cat "$1" 2>/dev/null); echo "${w:--}"; }
 job_state() {
   pid=$(cat "$1/pid" 2>/dev/null)
   if [ -z "$pid" ]; then s=none
   elif [ -f "$1/exit" ]; then s=exited
   elif this_boot "$1" && group_alive "$pid"; then s=running
   else s=lost; fi
-  printf '%s %s %s %s %s %s\n' "$s" "$(cat "$1/exit" 2>/dev/null || echo -)" \
-    "$([ -f "$1/reported" ] && echo 1 || echo 0)" "$(cat "$1/attempt" 2>/dev/null || echo -)" \
-    "$(stat -c %s "$1/log" 2>/dev/null || echo 0)" "$(cat "$1/command" 2>/dev/null || echo -)"
+  printf '%s %s %s %s %s %s\n' "$s" "$(word "$1/exit")" \
+    "$([ -f "$1/reported" ] && echo 1 || echo 0)" "$(word "$1/attempt")" \
+    "$(stat -c %s "$1/log" 2>/dev/null || echo 0)" "$(word "$1/command")"
 }
 """
 
