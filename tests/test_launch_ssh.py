@@ -10,10 +10,12 @@ import hashlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,7 +30,7 @@ from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher import env
 from xtrain.launcher import worker as worker_module
 from xtrain.launcher.env import EnvSpec, ensure_env, system_tools_script
-from xtrain.launcher.job import RemoteJob
+from xtrain.launcher.job import STATE_SH, JobState, RemoteJob
 from xtrain.launcher.runner import LaunchError, Result, Runner, VmUnavailable
 from xtrain.launcher.ssh import Ssh
 from xtrain.launcher.sync import code_files, sync
@@ -111,6 +113,42 @@ def test_a_host_name_the_resolver_does_not_know_is_refused_at_once(tmp_path):
                                           "known.*hydra.launcher.hosts"):
         ssh.retrying("nohost.invalid", lambda: calls.append(1) or next(answers))
     assert len(calls) == 2  # the unanswered lookup retried once, the unknown name not at all
+
+
+def test_a_shared_connection_dir_that_is_not_this_users_alone_is_refused(tmp_path, monkeypatch):
+    """ssh's shared connections (ControlMaster) listen under the temp dir at a path anyone can
+    work out, and ssh hands a session's stdin (secrets included) to whatever socket it finds there:
+    a socket dir or its parent that another user owns or may write to, or a symlink, is refused
+    before any connection."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg = OmegaConf.structured(LauncherConfig(hosts=["h"], known_hosts=str(tmp_path / "kh")))
+    ssh = Ssh(cfg, Runner(), print)
+
+    def control_dir() -> Path:
+        options = dict(o[2:].split("=", 1) for o in ssh.options() if o.startswith("-o"))
+        return Path(options["ControlPath"]).parent
+
+    base, sockets = tmp_path / f"xtrain-ssh-{os.getuid()}", control_dir()
+    assert sockets.parent == base and sockets.stat().st_mode & 0o777 == 0o700
+    refused = "the directory of ssh.s shared connections, is not this user.s alone .*multiplex=false"
+    for where, mode in ((base, 0o777), (base, 0o775), (sockets, 0o750), (sockets, 0o701)):
+        where.chmod(mode)
+        with pytest.raises(ConfigError, match=f"{where}, {refused}"):
+            control_dir()
+        where.chmod(0o755 if where == base else 0o700)
+    assert control_dir() == sockets  # as it was made
+    shutil.rmtree(base)
+    (tmp_path / "theirs").mkdir(mode=0o700)
+    base.symlink_to(tmp_path / "theirs")
+    with pytest.raises(ConfigError, match=f"{base}, {refused}"):
+        control_dir()
+    base.unlink()
+    real_uid = os.getuid()  # another user's dirs: the same dirs seen as another uid
+    control_dir()
+    monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
+    (tmp_path / f"xtrain-ssh-{real_uid + 1}").mkdir(mode=0o755)
+    with pytest.raises(ConfigError, match=f"xtrain-ssh-{real_uid + 1}, {refused}"):
+        control_dir()
 
 
 def test_sync_is_incremental_and_mirrors_deletions(remote, tmp_path):
@@ -349,6 +387,30 @@ def test_a_new_start_stops_what_an_earlier_run_of_the_job_left(remote, tmp_path)
     assert len((Path(job.dir) / "starts").read_text().splitlines()) == 2
 
 
+def test_a_job_whose_start_wrote_empty_files_has_a_state_with_neither_attempt_nor_command(
+        tmp_path):
+    """A start on a full disk leaves the job's attempt and command files empty: its state (read
+    here by the same script, run locally) says it has neither, where a missing field had failed
+    every later launch and stop of the job with a ValueError."""
+    job = tmp_path / "job"
+    job.mkdir()
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    (job / "pid").write_text(f"{ended.pid}\n")
+    for name in ("attempt", "command"):
+        (job / name).write_text("")
+
+    def state() -> JobState:
+        r = subprocess.run(["bash", "-c", STATE_SH + f"job_state {shlex.quote(str(job))}"],
+                           capture_output=True, text=True, check=True)
+        return JobState.parse(r.stdout)
+
+    assert state() == JobState("lost", None, False, None, 0, None)
+    for name, value in (("attempt", "a2"), ("command", "c0ffee"), ("exit", "143")):
+        (job / name).write_text(value + "\n")
+    assert state() == JobState("exited", 143, False, "a2", 0, "c0ffee")
+
+
 def test_a_pid_recorded_before_a_restart_is_neither_running_nor_signalled(remote, tmp_path):
     """After a VM restart the job dir's pid may be an unrelated live process group: the dir's boot
     id (the kernel's, at the start) tells them apart. Here the job itself plays that group, its
@@ -571,7 +633,9 @@ def test_a_stop_given_while_a_launch_takes_a_pods_locks_stops_every_worker(remot
                                                                            compose_config):
     """A launch holds worker 0's lock and is about to take worker 1's: the stop waits for worker
     0's lock before it looks at any worker, so it cannot find worker 1 idle just before the
-    launch starts the job there; once the locks are free it stops the job on both."""
+    launch starts the job there; once the locks are free it stops the job on both. The stop is
+    given from a directory that is no git checkout: it syncs nothing, so no checkout's state can
+    keep it from stopping a job."""
     from xtrain.launcher.launch import job_name, launch_job
 
     jobs = []
@@ -580,7 +644,7 @@ def test_a_stop_given_while_a_launch_takes_a_pods_locks_stops_every_worker(remot
         jobs.append(RemoteJob(worker, job_name("pod-race")))
         start(jobs[-1], ["sleep", "60"])
     cfg = OmegaConf.structured(LauncherConfig(**remote.launcher_fields(
-        hosts=list(HOSTS[:2]), kind="pod", stop=True, stop_grace_s=5,
+        hosts=list(HOSTS[:2]), kind="pod", stop=True, stop_grace_s=5, source=str(tmp_path),
         remote_dir=str(tmp_path / "hosts") + "/{host}")))
     pod = compose_config(["hardware=cpu", "hardware.hosts=2"]).hardware
     said = []
