@@ -71,6 +71,11 @@ def test_the_manifest_records_every_file_and_catches_truncation_and_bit_flips(tm
     data.write_bytes(original[:-100])
     (ckpt / manifest.MANIFEST).write_text(json.dumps({"files": {k: v for k, v in recorded.items() if k != rel}}))
     assert manifest.problems(str(ckpt)) == [f"{rel} is not in {manifest.MANIFEST} (unverifiable)"]
+    # an entry whose checksum's key is damaged (its size still right): unreadable, not a crash
+    damaged = {**recorded, rel: {"size": len(original) - 100, "crc32C": recorded[rel]["crc32c"]}}
+    (ckpt / manifest.MANIFEST).write_text(json.dumps({"files": damaged}))
+    assert manifest.problems(str(ckpt)) == [
+        f"{manifest.MANIFEST} unreadable (TypeError: an entry without a size or a crc32c)"]
     (ckpt / manifest.MANIFEST).write_text(json.dumps({"files": recorded}))
     data.unlink()
     with pytest.raises(CheckpointError, match=f"checkpoint.resume={ckpt} is corrupt: {rel} missing"):
@@ -353,33 +358,41 @@ def test_on_gcs_the_servers_crc32c_is_recorded_and_checked(tmp_path, gcs_bucket)
         f"{rel} has {recorded[rel]['size'] - 8:,} bytes, {recorded[rel]['size']:,} when saved"]
 
 
-def _host(rank: int, world: int, init: str, path: str) -> None:
-    """One host of test_each_host_records_its_own_files: a collective save of its own tensor."""
+def _host(rank: int, world: int, init: str, path: str, second_host_has_tensors: bool) -> None:
+    """One host of test_each_host_records_its_own_files: a collective save of its own tensor, or
+    of none (the second host, when it has none of its own)."""
     import torch.distributed as dist
 
     from xtrain.checkpoint import io as ckpt_io
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    tensors = ckpt_io.snapshot({f"host{rank}/w": torch.full((256,), float(rank))}, sharded=False)
+    own = {f"host{rank}/w": torch.full((256,), float(rank))}
+    tensors = ckpt_io.snapshot(own if rank == 0 or second_host_has_tensors else {}, sharded=False)
     ckpt_io.write(path, tensors, b"state", {"step": 1}, rank=rank, process_group=dist.group.WORLD)
     dist.destroy_process_group()
 
 
-def test_each_host_records_its_own_files(tmp_path):
+@pytest.mark.parametrize("second_host_has_tensors", [True, False], ids=["own", "none"])
+def test_each_host_records_its_own_files(tmp_path, second_host_has_tensors):
     """A multi-host save (two gloo processes): each host describes the DCP file it wrote, the
-    first gathers them into the one manifest."""
+    first gathers them into the one manifest. A host with nothing to save (on several TPU hosts,
+    the replicated tensors are saved by the first alone) still gets a file from DCP, empty: it is
+    described too, or every checkpoint of such a run would read as damaged."""
     import torch.multiprocessing as mp
 
     ckpt = tmp_path / "step_000001"
-    mp.spawn(_host, args=(2, f"file://{tmp_path}/rendezvous", str(ckpt)), nprocs=2)
+    mp.spawn(_host, args=(2, f"file://{tmp_path}/rendezvous", str(ckpt), second_host_has_tensors),
+             nprocs=2)
     recorded = json.loads((ckpt / manifest.MANIFEST).read_text())["files"]
     written = sorted(p.name for p in (ckpt / "tensors").glob("*.distcp"))
     assert len(written) == 2 and sorted(f for f in recorded if f.endswith(".distcp")) == [
         f"tensors/{name}" for name in written]
+    assert (recorded[f"tensors/{written[1]}"]["size"] == 0) is not second_host_has_tensors
     assert manifest.problems(str(ckpt)) == []
-    _flip_a_bit(ckpt / "tensors" / written[1], 100)  # the second host's file
+    with open(ckpt / "tensors" / written[1], "ab") as second:  # the second host's file
+        second.write(b"!")
     (problem,) = manifest.problems(str(ckpt))
-    assert problem.startswith(f"tensors/{written[1]} changed since it was saved")
+    assert problem.startswith(f"tensors/{written[1]} has ")
 
 
 def _host_whose_storage_fails_once(rank: int, world: int, init: str, root: str) -> None:

@@ -44,14 +44,24 @@ def fsspec_writer(path: str, written: list | None = None):
 
     ``written`` receives the paths (relative to ``path``) of the files this process wrote: the
     results of ``StorageWriter.write_data`` name them in ``storage_data.relative_path``
-    (``_StorageInfo``, a private class)."""
+    (``_StorageInfo``, a private class), and the directory holds them under the process's prefix
+    (``plan.storage_data``, a private ``_StoragePrefix``): DCP also creates a file, empty, for a
+    plan with nothing in it (a host whose tensors are replicated and saved by another), which no
+    result names."""
+    from fsspec.core import url_to_fs
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     class RecordingWriter(FsspecWriter):
         def write_data(self, plan, planner):
             future = super().write_data(plan, planner)
             if written is not None:
-                written.extend(sorted({r.storage_data.relative_path for r in future.wait()}))
+                names = {r.storage_data.relative_path for r in future.wait()}
+                fs, root = url_to_fs(path)
+                fs.invalidate_cache(root)  # gcsfs keeps listings
+                prefix = plan.storage_data.prefix
+                names.update(n for n in (p.rstrip("/").rsplit("/", 1)[-1]
+                                         for p in fs.ls(root, detail=False)) if n.startswith(prefix))
+                written.extend(sorted(names))
             return future
 
     return RecordingWriter(path, per_thread_copy_ahead=0)
