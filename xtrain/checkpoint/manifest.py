@@ -85,8 +85,9 @@ def problems(path: str) -> list[str]:
         return [f"{MANIFEST} missing"]
     try:
         recorded = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))["files"]
-        if not all(isinstance(w, dict) and isinstance(w.get("size"), int) for w in recorded.values()):
-            raise TypeError("an entry without a size")
+        if not all(isinstance(w, dict) and isinstance(w.get("size"), int)
+                   and isinstance(w.get("crc32c"), str) for w in recorded.values()):
+            raise TypeError("an entry without a size or a crc32c")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return [f"{MANIFEST} unreadable ({type(e).__name__}: {e})"]
     check_inside(path, recorded)
