@@ -28,7 +28,7 @@ from xtrain.evals import EvalConfig, evaluate
 from xtrain.evals import sandbox as sandbox_module
 from xtrain.evals.problems import Problem
 from xtrain.evals import uids as uids_module
-from xtrain.evals.sandbox import Cancelled, Sandbox
+from xtrain.evals.sandbox import Cancelled, Sandbox, limits_for
 from xtrain.evals.uids import uid_range
 
 RUN_TIMEOUT = 2.0
@@ -378,6 +378,45 @@ def test_without_root_and_bubblewrap_auto_refuses_and_rlimits_says_what_it_risks
     err = capfd.readouterr().err
     assert "a daemon it starts may outlive it, running as this user" in err
     assert "the program may read this process's environment (secrets)" in err  # unshare or not
+
+
+def test_without_root_the_process_limit_leaves_room_for_the_users_threads():
+    """Without root a program shares this user's process limit, which the kernel counts in
+    threads, so the limit set is the user's threads plus eval's processes: counted in processes,
+    64 threads of xtrain's own left bubblewrap unable to start. Tests run as root: a forked child
+    switched to an unused uid is the non-root xtrain (no exec: the interpreter lives in root's
+    home), with 64 threads besides its main one, running a program in a bubblewrap session."""
+    if os.geteuid() != 0:
+        pytest.skip("standing in for another uid needs root (as the uid slots do)")
+    uid = uid_range()[0] - 9
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child only switches uid, starts threads and makes the sandbox
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            held = threading.Event()
+            for _ in range(64):
+                threading.Thread(target=held.wait, daemon=True).start()
+            cfg = EvalConfig(sandbox="bwrap")
+            sandbox = Sandbox(cfg, 1)
+            with sandbox.session() as session:  # under the process limit, unlike the probe
+                ran = session.run(["/usr/bin/true"], limits_for(cfg, compile=False))
+            sandbox.close()
+            assert ran.returncode == 0, ran.stderr
+            code = 0
+        except BaseException as e:  # noqa: BLE001  (said to the test through the pipe)
+            os.write(write, f"{type(e).__name__}: {e}".encode()[-3000:])
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as said:
+        error = said.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, error
 
 
 def test_a_session_dir_its_program_locked_is_deleted_without_root():

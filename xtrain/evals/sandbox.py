@@ -276,7 +276,8 @@ class Session:
 
     def _process_limit(self, limits: Limits) -> int:
         # A private uid counts only this session's processes. Without root the uid is shared
-        # with everything else the account runs, so the limit is on top of those.
+        # with everything else the account runs (every thread counts), so the limit is on top
+        # of those.
         return limits.processes if self.uid is not None else limits.processes + uids.count_own()
 
 

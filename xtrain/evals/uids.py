@@ -120,8 +120,19 @@ def _is_zombie(pid: str) -> bool:
 
 
 def count_own() -> int:
-    """Live processes of this process's uid."""
-    return len(_processes_of(os.getuid()))
+    """What this process's uid has against its process limit: the kernel counts every task
+    (each thread of each process, zombies until reaped), and a training process alone runs
+    dozens of threads."""
+    return tasks_of(os.getuid())
+
+
+def tasks_of(uid: int) -> int:
+    """Tasks (threads) of ``uid``'s processes, zombies included."""
+    total = 0
+    for pid in _processes_of(uid, zombies=True):
+        with contextlib.suppress(OSError):  # exited meanwhile
+            total += len(os.listdir(f"/proc/{pid}/task"))
+    return total
 
 
 NOT_SANDBOX_UIDS = (65534, 65535)  # nobody, and (uint16)-1
