@@ -490,12 +490,13 @@ def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, c
     assert len(logs) == 2 and json.loads((tmp_path / "build" / "manifest.json").read_text())["files"] == 4
 
 
-def test_a_build_with_no_training_chunk_or_too_small_a_vocabulary_is_refused_writing_nothing(
+def test_a_build_with_a_split_left_empty_or_too_small_a_vocabulary_is_refused_writing_nothing(
         tmp_path, capsys):
     """Two identical files leave validation's copy only (chunks are de-duplicated across the
-    splits); three tiny files cannot give 4096 tokens. Either is refused at the build, naming
-    what to change, before anything is written: a run would fail on it later, less clearly. The
-    corpus CLI names its own arguments, not a training's config fields."""
+    splits), and a blank file held out leaves validation nothing; three tiny files cannot give
+    4096 tokens. Each is refused at the build, naming what to change, before anything is written:
+    a run would fail on it later, less clearly. The corpus CLI names its own arguments, not a
+    training's config fields."""
     from xtrain.data.__main__ import main
     from xtrain.data.corpus import BuildSpec, ensure_built
 
@@ -505,6 +506,11 @@ def test_a_build_with_no_training_chunk_or_too_small_a_vocabulary_is_refused_wri
         (twins / name).write_text(CPP)
     with pytest.raises(DataError, match=r"no training chunk left \(2 files, 1 held out for "
                                         r"validation, \d+ duplicate chunks dropped\)"):
+        ensure_built(BuildSpec([str(twins)], str(tmp_path / "out-twins"), 300, 256))
+    # the same seed holds out the first of two files: here a blank one, which gives no chunk
+    (twins / "a.hpp").write_text("\n")
+    with pytest.raises(DataError, match=r"no validation chunk left \(2 files, 1 held out for "
+                                        r"validation, 0 duplicate chunks dropped\)"):
         ensure_built(BuildSpec([str(twins)], str(tmp_path / "out-twins"), 300, 256))
     small = _sources(tmp_path)
     with pytest.raises(DataError, match=r"these sources give a vocabulary of \d+ tokens, fewer "

@@ -164,14 +164,16 @@ def check_output(sources: list[str], out_dir: str) -> None:
             "data.build_dir), or move that away")
 
 
-def _check_usable(spec, vocab_size: int, train_chunks: int, counts: str) -> None:
+def _check_usable(spec, vocab_size: int, chunks: dict[str, int], counts: str) -> None:
     """Refuse, before anything is written, a build that a run would fail on later and less
-    clearly: no training chunk left (``counts`` says what became of the files), or a vocabulary
+    clearly: no training or no validation chunk left (``chunks`` per split; ``counts`` says what
+    became of the files: a held-out file may be blank or repeat earlier files), or a vocabulary
     smaller than ``data.vocab_size`` (too little text to learn that many tokens from)."""
     named = spec.names.setting
-    if not train_chunks:
-        raise DataError(f"{named('sources', spec.sources)}: no training chunk left ({counts}): "
-                        "name more, or other, sources")
+    for split, name in (("train", "training"), ("val", "validation")):
+        if not chunks[split]:
+            raise DataError(f"{named('sources', spec.sources)}: no {name} chunk left ({counts}): "
+                            "name more, or other, sources")
     if vocab_size < spec.vocab_size:
         raise DataError(f"{named('sources', spec.sources)}: these sources give a vocabulary of "
                         f"{vocab_size} tokens, fewer than {named('vocab_size', spec.vocab_size)}: "
@@ -296,7 +298,7 @@ def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
             seen.add(digest)
             splits["val" if url in val_files else "train"].append(chunk)
     rng.shuffle(splits["train"])
-    _check_usable(spec, tok.get_vocab_size(), len(splits["train"]),
+    _check_usable(spec, tok.get_vocab_size(), {k: len(v) for k, v in splits.items()},
                   f"{len(urls)} files, {n_val} held out for validation, {duplicates} duplicate "
                   "chunks dropped")
 
