@@ -30,12 +30,13 @@ from xtrain.launcher import fleet
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.fleet import Job
 from xtrain.launcher.vm import DOWN, PENDING, UP, Vm, VmLost, vm_health
+from xtrain.launcher import gcloud as gcloud_module
 from xtrain.launcher.gcloud import NoCapacity, QuotaExceeded, create_failure
 from xtrain.launcher.job import JobState
 from xtrain.launcher.jobdir import record_attempt
 from xtrain.launcher.launch import launch_job
 from xtrain.launcher.pool import JobQueue, locate, run_pool, summary
-from xtrain.launcher.runner import LaunchError, VmUnavailable
+from xtrain.launcher.runner import LaunchError, Runner, VmUnavailable
 from xtrain.launcher.targets import node_targets
 from xtrain.observe import preemptions
 
@@ -242,6 +243,43 @@ def test_a_recreation_goes_on_through_a_describe_gcloud_fails(gcloud, tmp_path, 
     assert any("no answer from gcloud" in m and "auth tokens" in m for m in messages), messages
     assert any("vm-a is READY again" in m for m in messages)
 
+
+
+def test_a_recreation_whose_login_wait_gets_no_answer_from_gcloud_ends_with_the_vm_ready(
+        gcloud, tmp_path, v6e4):
+    """gcloud fails the describe that gives the new VM's workers for the login wait: the wait is
+    left out (the launch describes the VM again) instead of the recreation failing with the new
+    VM left running unused."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="PREEMPTED"))
+    gcloud.scenario("vm-a", states=["READY", "READY", "ANSWERLESS", "READY"])  # (addresses: 2nd)
+    messages = []
+    Vm("vm-a", fleet_cfg(tmp_path, login_grace_s=60), v6e4, log=messages.append).restore()
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create"]
+    assert any("no answer from gcloud, no wait for its login" in m and "auth tokens" in m
+               for m in messages), messages
+    assert any("vm-a is READY again" in m for m in messages)
+
+
+def test_a_launch_asks_gcloud_again_for_its_tpu_when_a_describe_gets_no_answer(
+        gcloud, tmp_path, monkeypatch):
+    """A launch's describe of its TPU that gcloud cannot answer (its auth-token refresh failing)
+    is asked again after a wait: answered then, the launch goes on (after a fleet's recreation,
+    the re-run of the job with it); never answered, it is refused with gcloud's error after the
+    waits; a name gcloud does not know is refused at once."""
+    monkeypatch.setattr(gcloud_module, "DESCRIBE_RETRY_WAITS_S", (0.05, 0.1))
+    gcloud.add({**tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])]),
+                "x-states": ["ANSWERLESS", "READY"]})
+    gcloud.add({**tpu_node("vm-c", ZONE, "v6e-4", [("10.0.0.7", HOSTS[0])]),
+                "x-states": ["ANSWERLESS"]})
+    cloud = gcloud_module.Gcloud(Runner())
+    assert cloud.describe("vm-a", ZONE)["state"] == "READY"
+    with pytest.raises(ConfigError, match=r"gcloud could not describe TPU 'vm-c' in .*: ERROR: "
+                                          r".*problem refreshing your current auth tokens"):
+        cloud.describe("vm-c", ZONE)
+    with pytest.raises(ConfigError, match=r"gcloud could not describe TPU 'vm-x' .*NOT_FOUND"):
+        cloud.describe("vm-x", ZONE)
+    describes = [c[4] for c in gcloud.calls() if c[3] == "describe"]
+    assert [describes.count(name) for name in ("vm-a", "vm-c", "vm-x")] == [2, 3, 1]
 
 def by_topology(name: str, kind: str | None, topology: str | None) -> dict:
     """A node created with ``--type``/``--topology``: no acceleratorType, perhaps an

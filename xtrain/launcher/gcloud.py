@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+import time
 
 from xtrain.errors import ConfigError
 from xtrain.launcher.runner import LaunchError, Result
@@ -30,6 +31,10 @@ QUOTA = re.compile(r"quota limit|quota_exceeded|\bquota\b.*\b(exceeded|exhausted
 # lifts it, so it is retried like a stockout.
 RATE_QUOTA = re.compile(r"\bper (second|minute)\b", re.IGNORECASE)
 QUOTA_NAME = re.compile(r"\bquota(?: limit)? '([^']+)'", re.IGNORECASE)
+
+
+# Waits before a launch's describe of its TPU asks gcloud again, when it did not answer.
+DESCRIBE_RETRY_WAITS_S = (2.0, 8.0)
 
 
 class NoCapacity(LaunchError):
@@ -60,25 +65,33 @@ class Gcloud:
         return argv + ([f"--project={project}"] if project else [])
 
     def describe(self, name: str, zone: str, project: str | None = None) -> dict:
-        """The TPU node resource (``networkEndpoints``, ``state``, ``acceleratorType``, ...)."""
-        return self.find(name, zone, project, refuse=True)
-
-    def find(self, name: str, zone: str, project: str | None = None, queued: bool = False,
-             refuse: bool = False) -> dict | None:
-        """The node (or queued resource), None when gcloud does not know it. Any other failure
-        raises: ConfigError with ``refuse`` (a launch's target), else LaunchError."""
-        r = self.runner.run(self._argv("describe", name, zone, project, queued) + ["--format=json"],
-                            timeout=120, label="gcloud describe")
+        """The TPU node resource (``networkEndpoints``, ``state``, ``acceleratorType``, ...) of a
+        launch's target; ConfigError when gcloud does not know it, or still cannot answer after
+        the waits of :data:`DESCRIBE_RETRY_WAITS_S` (an auth-token refresh or a network blip
+        must not refuse a launch, nor end a fleet's re-run on the VM it has just recreated)."""
+        for wait in (*DESCRIBE_RETRY_WAITS_S, None):
+            r = self._describe(name, zone, project)
+            if r.ok or "NOT_FOUND" in r.stderr or wait is None:
+                break
+            time.sleep(wait)
         if not r.ok:
-            if refuse:
-                raise ConfigError(f"gcloud could not describe TPU {name!r} in {zone}: {_message(r)}")
+            raise ConfigError(f"gcloud could not describe TPU {name!r} in {zone}: {_message(r)}")
+        return _resource(r, name)
+
+    def find(self, name: str, zone: str, project: str | None = None,
+             queued: bool = False) -> dict | None:
+        """The node (or queued resource), None when gcloud does not know it; LaunchError when
+        gcloud cannot answer (its callers ask again)."""
+        r = self._describe(name, zone, project, queued)
+        if not r.ok:
             if "NOT_FOUND" in r.stderr:
                 return None
             raise LaunchError(f"gcloud could not describe TPU {name!r} in {zone}: {_message(r)}")
-        try:
-            return json.loads(r.stdout)
-        except json.JSONDecodeError as e:
-            raise LaunchError(f"gcloud describe {name}: unreadable output ({e})") from e
+        return _resource(r, name)
+
+    def _describe(self, name: str, zone: str, project: str | None, queued: bool = False) -> Result:
+        return self.runner.run(self._argv("describe", name, zone, project, queued) +
+                               ["--format=json"], timeout=120, label="gcloud describe")
 
     def create(self, name: str, zone: str, hardware, project: str | None = None,
                spot: bool = True, queued: bool = False, ssh_key: str | None = None) -> None:
@@ -116,6 +129,13 @@ class Gcloud:
                             timeout=1800, label="gcloud delete")
         if not r.ok and "NOT_FOUND" not in r.stderr:  # already gone is what was asked
             raise LaunchError(f"gcloud could not delete TPU {name!r} in {zone}: {_message(r)}")
+
+
+def _resource(r: Result, name: str) -> dict:
+    try:
+        return json.loads(r.stdout)
+    except json.JSONDecodeError as e:
+        raise LaunchError(f"gcloud describe {name}: unreadable output ({e})") from e
 
 
 def _message(r: Result) -> str:

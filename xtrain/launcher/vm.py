@@ -241,7 +241,13 @@ class Vm:
         if self.cfg.login_grace_s <= 0:
             return
         deadline = time.monotonic() + self.cfg.login_grace_s
-        node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)  # the node itself
+        try:
+            node = self.gcloud.find(self.name, self.cfg.zone, self.cfg.project)  # the node itself
+        except LaunchError as e:  # the launch describes it again (and asks again) to reach it
+            self.log(f"fleet: {self}: no answer from gcloud, no wait for its login: {e}")
+            return
+        if node is None:  # gone again already: the launch says so
+            return
         for host in [t.host for t in node_targets(node, self.cfg.address, self.hardware)]:
             while ssh.try_login(host) in ("refused", "unreachable") and time.monotonic() < deadline:
                 time.sleep(LOGIN_POLL_S)
