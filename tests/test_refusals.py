@@ -535,16 +535,33 @@ def test_a_secret_variable_read_into_a_field_not_named_secret_is_refused(tmp_pat
                                              "env": {"WANDB_API_KEY": "${oc.env:WANDB_API_KEY}"}}))
 
 
-def test_the_config_hydra_prints_resolved_shows_secrets_masked(tmp_path):
-    """``--cfg job --resolve`` prints what ``${oc.env:HF_TOKEN}`` reads: masked."""
+@pytest.mark.parametrize("printing", [["--cfg", "job", "--resolve", "-p", "hardware.env"],
+                                      ["--help", "--resolve"], ["-h", "--resolve"]],
+                         ids=["cfg", "help", "h"])
+def test_the_config_hydra_prints_resolved_shows_secrets_masked(tmp_path, printing):
+    """``--cfg job --resolve`` prints what ``${oc.env:HF_TOKEN}`` reads: masked; so does the help
+    page, which shows the config."""
     secret = "hf_" + os.urandom(16).hex()
     r = subprocess.run([sys.executable, "-m", "xtrain", "hardware=v6e4",
-                        "+hardware.env.HF_TOKEN=${oc.env:HF_TOKEN}", "--cfg", "job", "--resolve",
-                        "-p", "hardware.env"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "HF_TOKEN": secret})
+                        "+hardware.env.HF_TOKEN=${oc.env:HF_TOKEN}", *printing], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "HF_TOKEN": secret})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "HF_TOKEN: '***'" in r.stdout or "HF_TOKEN: ***" in r.stdout, r.stdout
     assert "PJRT_DEVICE: TPU" in r.stdout and secret not in r.stdout + r.stderr
+
+
+def test_the_completion_of_a_field_set_from_a_secret_shows_it_masked(tmp_path):
+    """Shell completion offers a field's value, resolved: one read from ``${oc.env:HF_TOKEN}`` is
+    offered masked."""
+    secret = "hf_" + os.urandom(16).hex()
+    line = "xtrain +hardware.env.HF_TOKEN=${oc.env:HF_TOKEN} hardware.env.HF_TOKEN="
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-sc", "query=bash"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "HF_TOKEN": secret, "COMP_LINE": line,
+                            "COMP_POINT": str(len(line))})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "hardware.env.HF_TOKEN=" in r.stdout and secret not in r.stdout + r.stderr, r.stdout
 
 
 def test_a_refusal_or_warning_quoting_a_secret_shows_it_masked(tmp_path, monkeypatch, capsys):

@@ -199,23 +199,27 @@ def completion_query(args: list[str]) -> bool:
 
 
 def prints_config(args: list[str]) -> bool:
-    """Whether Hydra is to print the config or its info (``--cfg``, ``--info``)."""
-    return bool({a.split("=", 1)[0] for a in args} & {"-c", "--cfg", "-i", "--info"})
+    """Whether Hydra is to print the config or its info (``--cfg``, ``--info``, and ``--help``,
+    whose page shows the config)."""
+    printing = {"-c", "--cfg", "-i", "--info", "-h", "--help"}
+    return bool({a.split("=", 1)[0] for a in args} & printing)
 
 
 def print_config_masked() -> None:
-    """Hydra's ``--cfg``/``--info`` output with secrets masked (xtrain/observe/bundle.py): with
-    ``--resolve`` it holds the values of ``${oc.env:...}`` interpolations, such as
-    ``hardware.env.HF_TOKEN``'s."""
+    """Hydra's ``--cfg``/``--info``/``--help`` output with secrets masked
+    (xtrain/observe/bundle.py): with ``--resolve`` it holds the values of ``${oc.env:...}``
+    interpolations, such as ``hardware.env.HF_TOKEN``'s."""
     import contextlib
     import io
 
     from xtrain.observe.bundle import mask_secrets
 
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        _main()
-    print(mask_secrets(printed.getvalue()), end="")
+    try:
+        with contextlib.redirect_stdout(printed):
+            _main()
+    finally:  # (Hydra's help ends in sys.exit)
+        print(mask_secrets(printed.getvalue()), end="")
 
 
 def complete_without_bases() -> None:
@@ -225,10 +229,13 @@ def complete_without_bases() -> None:
     import contextlib
     import io
 
+    from xtrain.observe.bundle import mask_secrets
+
     answer = io.StringIO()
     with contextlib.redirect_stdout(answer):
         _main()
     # bash: one line of words; fish: a word per line; an enum's value as written on a command
     # line (mode=train, not Hydra's mode=Mode.train)
     words = re.sub(r"(?<!\S)[+~]*[\w/.]+=_\S*\s?", "", answer.getvalue())
-    print(re.sub(r"=" + enum_member(config_enums()).pattern, r"=\g<value>", words), end="")
+    words = re.sub(r"=" + enum_member(config_enums()).pattern, r"=\g<value>", words)
+    print(mask_secrets(words), end="")  # a field's completion is its value, resolved
