@@ -107,13 +107,15 @@ def test_loggers_hold_the_metrics_keep_the_wandb_run_across_preemption_and_never
     assert (run_dir / "wandb-run-id").read_text() != first_id
 
 
-def test_tensorboard_shows_the_steps_a_killed_run_redid_once(tmp_path):
-    """A run killed after step 10's checkpoint redoes the steps after it when resumed; TensorBoard
-    showed both attempts of them (the charts ran back over them), now the resumed ones alone."""
+@pytest.mark.parametrize("killed_at", [12, 5], ids=["resumed", "started-over"])
+def test_tensorboard_shows_the_steps_a_killed_run_redid_once(tmp_path, killed_at):
+    """A run killed after step 10's checkpoint redoes the steps after it when resumed, and one
+    killed before it all of them; TensorBoard showed both attempts of them (the charts ran back
+    over them), now the last ones alone."""
     run_dir = tmp_path / "run"
     args = ["logger=[jsonl,tensorboard]", "trainer.max_steps=16", "checkpoint.every=10"]
     proc = xtrain(run_dir, *args)
-    wait_for_step(run_dir, 12, proc)
+    wait_for_step(run_dir, killed_at, proc)
     proc.kill()
     proc.wait()
     code, _, err = finish(xtrain(run_dir, *args))

@@ -53,9 +53,10 @@ def build_run_log(logger_cfg, run_dir: str, run_name: str, config: dict, max_ste
             git_root=str(git_root) if git_root else None,
             git_remote_url=git_remote_url(git_root) if git_root else None)))
     if logger_cfg.tensorboard is not None:
-        # a resume redoes the steps after its checkpoint: TensorBoard hides their earlier values
-        redone = {"purge_step": start_step + 1} if start_step else {}
-        tensorboard = instantiate(logger_cfg.tensorboard, save_dir=f"{local}/{TENSORBOARD_DIR}", **redone)
+        # a resume redoes the steps after its checkpoint, and a start over (killed before its
+        # first checkpoint) every step: TensorBoard hides their earlier values
+        tensorboard = instantiate(logger_cfg.tensorboard, save_dir=f"{local}/{TENSORBOARD_DIR}",
+                                  purge_step=start_step + 1)
         tensorboard.log_hyperparams(masked)
         sinks.append(LightningSink(tensorboard))
     sinks.append(ProgressDisplay(max_steps, start_step))
