@@ -42,12 +42,10 @@ def fsspec_writer(path: str, written: list | None = None):
     torchax is imported (torch_xla's mark_sharding imports it when flax is installed): torchax
     registers a "jax" device module without current_stream(), which that loader calls.
 
-    ``written`` receives the paths (relative to ``path``) of the files this process wrote: the
-    results of ``StorageWriter.write_data`` name them in ``storage_data.relative_path``
-    (``_StorageInfo``, a private class), and the directory holds them under the process's prefix
-    (``plan.storage_data``, a private ``_StoragePrefix``): DCP also creates a file, empty, for a
-    plan with nothing in it (a host whose tensors are replicated and saved by another), which no
-    result names."""
+    ``written`` receives the names of the files this process wrote, listed once written: those of
+    its plan's prefix (``plan.storage_data``, a private ``_StoragePrefix``). DCP's write results
+    name all but one: the empty file it makes for a plan with nothing in it (a host whose
+    replicated tensors another host saves)."""
     from fsspec.core import url_to_fs
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -55,13 +53,11 @@ def fsspec_writer(path: str, written: list | None = None):
         def write_data(self, plan, planner):
             future = super().write_data(plan, planner)
             if written is not None:
-                names = {r.storage_data.relative_path for r in future.wait()}
+                future.wait()
                 fs, root = url_to_fs(path)
                 fs.invalidate_cache(root)  # gcsfs keeps listings
-                prefix = plan.storage_data.prefix
-                names.update(n for n in (p.rstrip("/").rsplit("/", 1)[-1]
-                                         for p in fs.ls(root, detail=False)) if n.startswith(prefix))
-                written.extend(sorted(names))
+                names = (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+                written.extend(sorted(n for n in names if n.startswith(plan.storage_data.prefix)))
             return future
 
     return RecordingWriter(path, per_thread_copy_ahead=0)
@@ -171,32 +167,6 @@ def sharded_cpu_state_dict(tensors: dict) -> dict:
             out[name] = dataclasses.replace(value, shards=list(distinct.values()))
     return out
 
-
-def full_cpu_tensors(tensors: dict) -> dict:
-    """[torch_xla] SPMD tensors as whole CPU tensors, assembled on the host from this host's shards
-    (:func:`sharded_cpu_state_dict`): ``.cpu()`` on a sharded tensor compiles a gather graph per
-    tensor instead. Raises when this host does not hold every part of a tensor (a pod)."""
-    import torch
-
-    out = {}
-    for name, value in sharded_cpu_state_dict(tensors).items():
-        if isinstance(value, torch.Tensor):  # replicated: already whole
-            out[name] = value
-            continue
-        whole = torch.empty(value.global_shape, dtype=value.shards[0].data.dtype)
-        covered = torch.zeros(value.global_shape, dtype=torch.bool)
-        for shard in value.shards:  # indices: a list of slices, or Ellipsis when replicated
-            if shard.indices is Ellipsis:
-                where, data = ..., shard.data
-            else:  # a shard of an uneven split is padded at its end
-                where = tuple(shard.indices)
-                data = shard.data[tuple(slice(0, s.stop - s.start) for s in shard.indices)]
-            whole[where] = data
-            covered[where] = True
-        if not bool(covered.all()):
-            raise RuntimeError(f"{name}: this host holds only part of it (multi-host)")
-        out[name] = whole
-    return out
 
 
 GOOGLE_PCI_VENDOR = "0x1ae0"  # Google's PCI vendor id: TPU chips are among its devices

@@ -9,10 +9,10 @@ import logging
 import lightning as L
 import torch
 
-from xtrain import compat
 from xtrain.config import sample_prompts
 from xtrain.model.generate import check_prompts_fit, generate
 from xtrain.model.gpt import GPT
+from xtrain.xla.spmd import full_cpu_tensors
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def host_copy(model):
     and compile a graph per sequence length; on the CPU the model is used as it is."""
     if next(model.parameters()).device.type != "xla":
         return model
-    return GPT.from_weights(model.config, compat.full_cpu_tensors(model.state_dict()))
+    return GPT.from_weights(model.config, full_cpu_tensors(model.state_dict()))
 
 
 def host_copy_or_none(model, skipped: str):

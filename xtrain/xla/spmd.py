@@ -120,3 +120,30 @@ def micro_batch_fence(tensors) -> None:
     import torch_xla.core.xla_model as xm
 
     xm.optimization_barrier_(tensors)
+
+
+def full_cpu_tensors(tensors: dict) -> dict:
+    """SPMD tensors as whole CPU tensors, assembled on the host from this host's shards
+    (compat.sharded_cpu_state_dict): ``.cpu()`` on a sharded tensor compiles a gather graph per
+    tensor instead. Raises when this host does not hold every part of a tensor (a pod)."""
+    import torch
+
+    out = {}
+    for name, value in compat.sharded_cpu_state_dict(tensors).items():
+        if isinstance(value, torch.Tensor):  # replicated: already whole
+            out[name] = value
+            continue
+        whole = torch.empty(value.global_shape, dtype=value.shards[0].data.dtype)
+        covered = torch.zeros(value.global_shape, dtype=torch.bool)
+        for shard in value.shards:  # indices: a list of slices, or Ellipsis when replicated
+            if shard.indices is Ellipsis:
+                where, data = ..., shard.data
+            else:  # a shard of an uneven split is padded at its end
+                where = tuple(shard.indices)
+                data = shard.data[tuple(slice(0, s.stop - s.start) for s in shard.indices)]
+            whole[where] = data
+            covered[where] = True
+        if not bool(covered.all()):
+            raise RuntimeError(f"{name}: this host holds only part of it (multi-host)")
+        out[name] = whole
+    return out
