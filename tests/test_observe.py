@@ -310,6 +310,40 @@ def test_wandb_records_the_codes_git_remote_without_a_token_in_it(tmp_path, monk
     assert git_remote_url(scp_like) == "git@github.com:alice/xtrain.git"
 
 
+def test_wandb_saves_no_code_of_its_own_even_when_its_environment_asks(tmp_path, monkeypatch,
+                                                                       compose_config):
+    """W&B's code saving (WANDB_SAVE_CODE, or the account's setting online) writes the checkout's
+    `git diff` into the run's files unmasked, and uploads it: it stays off (the run's repro/
+    keeps the code, masked). The checkout here has an uncommitted line holding a token."""
+    import wandb
+
+    from xtrain.observe import loggers
+
+    token = "hf_" + "Zx8Cv7Bn6M" * 3  # (in pieces: a launcher refuses to sync a file holding one)
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "train.sh").write_text("python -m xtrain\n")
+    subprocess.run(["git", "-C", str(repo), "add", "."], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                    "commit", "-qm", "x"], check=True)
+    (repo / "train.sh").write_text(f"HF_TOKEN={token} python -m xtrain\n")
+    monkeypatch.setattr(loggers, "source_git_root", lambda: repo)
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SAVE_CODE", "true")
+    monkeypatch.delenv("XTRAIN_WANDB_RUN_ID", raising=False)
+    wandb.teardown()  # W&B reads its environment once a process
+    try:
+        run_dir = tmp_path / "run"
+        cfg = compose_config(TINY + ["logger=[jsonl,wandb]"])
+        loggers.build_run_log(cfg.logger, str(run_dir), "d2-run", {}, max_steps=1).close()
+    finally:
+        wandb.teardown()
+    [files] = (run_dir / "wandb").glob("offline-run-*/files")
+    assert not [p.name for p in files.rglob("*") if p.suffix == ".patch" or p.name == "code"]
+    assert _no_file_holds(run_dir, token) == []
+
+
 @contextlib.contextmanager
 def wandb_server_at(port: int, monkeypatch):
     """W&B's server for this test at a local port, with a dummy key and a short init timeout."""

@@ -138,7 +138,10 @@ def _start(chosen: str, mode: WandbMode | str, stored: str, git: dict, **init):
     import wandb
 
     def start(chosen: str):
-        settings = wandb.Settings(mode=chosen, console="off", silent=True, **git)
+        # no code saving, whatever WANDB_SAVE_CODE or the account says: W&B would keep and
+        # upload the checkout's diff unmasked (the run's repro/ keeps the code, masked)
+        settings = wandb.Settings(mode=chosen, console="off", silent=True, save_code=False,
+                                  disable_code=True, **git)
         return wandb.init(id=attempt_id(chosen, stored), settings=settings, **init)
 
     try:
