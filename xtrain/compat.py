@@ -168,7 +168,6 @@ def sharded_cpu_state_dict(tensors: dict) -> dict:
     return out
 
 
-
 GOOGLE_PCI_VENDOR = "0x1ae0"  # Google's PCI vendor id: TPU chips are among its devices
 # TPU chips' PCI device ids as torch_xla 2.9 lists them (jax 0.7: v2/v3 v4 v5e v6e 7x plc v5p)
 TPU_PCI_DEVICES = ("0x0027", "0x005e", "0x0063", "0x006f", "0x0076", "0x0056", "0x0062")
