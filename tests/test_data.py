@@ -485,7 +485,9 @@ def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, c
     assert manifest["files"] == 3 and manifest["duplicates_dropped"] == 1  # the copied header
     prepare(cfg.data, log=logs.append)
     assert len(logs) == 1  # reused
-    (src / "c.cc").write_text("int h() { return 3; }\n")
+    # (a.cpp's neighbour: the seed holds out b.hpp of the four, not its copy, which would leave
+    # validation nothing: refused)
+    (src / "a2.cc").write_text("int h() { return 3; }\n")
     prepare(cfg.data, log=logs.append)
     assert len(logs) == 2 and json.loads((tmp_path / "build" / "manifest.json").read_text())["files"] == 4
 
