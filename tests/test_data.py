@@ -485,8 +485,8 @@ def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, c
     assert manifest["files"] == 3 and manifest["duplicates_dropped"] == 1  # the copied header
     prepare(cfg.data, log=logs.append)
     assert len(logs) == 1  # reused
-    # (a.cpp's neighbour: the seed holds out b.hpp of the four, not its copy, which would leave
-    # validation nothing: refused)
+    # named to sort second: of four files the seed holds out the third, b.hpp here (a c.cc made
+    # it b.hpp's copy, which leaves validation no chunk: a build refused)
     (src / "a2.cc").write_text("int h() { return 3; }\n")
     prepare(cfg.data, log=logs.append)
     assert len(logs) == 2 and json.loads((tmp_path / "build" / "manifest.json").read_text())["files"] == 4

@@ -244,7 +244,6 @@ def test_a_recreation_goes_on_through_a_describe_gcloud_fails(gcloud, tmp_path, 
     assert any("vm-a is READY again" in m for m in messages)
 
 
-
 def test_a_recreation_whose_login_wait_gets_no_answer_from_gcloud_ends_with_the_vm_ready(
         gcloud, tmp_path, v6e4):
     """gcloud fails the describe that gives the new VM's workers for the login wait: the wait is
@@ -280,6 +279,7 @@ def test_a_launch_asks_gcloud_again_for_its_tpu_when_a_describe_gets_no_answer(
         cloud.describe("vm-x", ZONE)
     describes = [c[4] for c in gcloud.calls() if c[3] == "describe"]
     assert [describes.count(name) for name in ("vm-a", "vm-c", "vm-x")] == [2, 3, 1]
+
 
 def by_topology(name: str, kind: str | None, topology: str | None) -> dict:
     """A node created with ``--type``/``--topology``: no acceleratorType, perhaps an

@@ -123,13 +123,8 @@ def count_own() -> int:
     """What this process's uid has against its process limit: the kernel counts every task
     (each thread of each process, zombies until reaped), and a training process alone runs
     dozens of threads."""
-    return tasks_of(os.getuid())
-
-
-def tasks_of(uid: int) -> int:
-    """Tasks (threads) of ``uid``'s processes, zombies included."""
     total = 0
-    for pid in _processes_of(uid, zombies=True):
+    for pid in _processes_of(os.getuid(), zombies=True):
         with contextlib.suppress(OSError):  # exited meanwhile
             total += len(os.listdir(f"/proc/{pid}/task"))
     return total
