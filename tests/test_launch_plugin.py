@@ -361,6 +361,13 @@ KEY = "0f1e2d3c" + "4b5a69788796a5b4c3d2e1f0a1b2c3d4"  # (in pieces: this file i
      "wandb login given a literal"),
     ("cmd: [wandb, login, {key}]", "wandb login given a literal"),
     ("args: [python, train.py, --api-key, {key}, --seed, 1]", "--api-key given a literal"),
+    # a header, a netrc line, a URL's query, a registry login's short option
+    ("curl -H 'Authorization: Bearer {key}' https://api.example.com", "Bearer followed by a literal"),
+    ("echo 'machine api.example.com login me password {key}' >> ~/.netrc",
+     "password followed by a literal"),
+    ("curl 'https://api.example.com/v1?page=2&access_token={key}'",
+     "the URL query's access_token set to a literal"),
+    ("docker login -u me -p {key} ghcr.io", "docker login -p given a literal"),
 ])
 def test_a_secret_set_in_a_makefile_or_given_to_a_command_is_refused_and_masked(tmp_path, line, why):
     """Found with no such variable in the environment: not synced, masked in code.diff."""
@@ -469,6 +476,10 @@ def test_code_that_names_secrets_is_synced():
                  "['wandb', 'login', '--relogin', wandb_api_key_from_vault]\n",
                  '["python", "train.py", "--api-key", "${WANDB_API_KEY}"]\n',
                  'subprocess.run(["git", "log", "0f1e2d3c4b5a69788796a5b4c3d2"])\n',
+                 # a header, a query, a login given a variable or a name
+                 'headers = {"Authorization": f"Bearer {token}"}\n', "Bearer token_from_the_vault\n",
+                 "https://example.com/list?page_token=next_page&per_page=100\n",
+                 'docker login -u me -p "$REGISTRY_PASSWORD" ghcr.io\n', "password reset_link_2024\n",
                  # options read one way only (two ways each would take 2**40 tries here)
                  '["wandb", "login"' + ', "--host", "h"' * 40 + "]\n"):
         assert secret_in_text(text) is None, text

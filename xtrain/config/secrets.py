@@ -135,7 +135,8 @@ def forbidden_values(environ=os.environ) -> set[str]:
 # ``export WANDB_API_KEY=1a2b...``, ``WANDB_API_KEY ?= 1a2b...``, ``api_key: 1a2b...``,
 # ``"token": "1a2b..."``, ``wandb.login(key="1a2b...")``, ``os.environ["HF_TOKEN"] = "..."``,
 # or given to a command: ``wandb login [--relogin] 1a2b...``, ``--api-key=1a2b...``, also as a
-# list's items (Python's, JSON's, YAML's): ``["wandb", "login", "1a2b..."]``, ``[--api-key, 1a2b...]``.
+# list's items (Python's, JSON's, YAML's): ``["wandb", "login", "1a2b..."]``, ``[--api-key, 1a2b...]``;
+# or after a word saying a secret follows (KEYWORD_LITERAL), or in a URL's query (QUERY_LITERAL).
 PRIVATE_KEY = re.compile(r"-----BEGIN ([A-Z]+ )*PRIVATE KEY-----")
 # A private key's block as a text or a diff holds it: its body up to the footer or, with none
 # (a diff's hunk that ends inside the key, a JSON string cut short), the rest of the header's line
@@ -159,6 +160,16 @@ OPTION = rf"""{ARG_SEP}--[\w-]+(?:(?:=['"]?|{ARG_SEP})[^\s,'"-][^\s,'"]*)?"""
 COMMAND_LITERAL = re.compile(
     rf"""(?:\b(wandb{ARG_SEP}login)(?:{OPTION})*{ARG_SEP}|(?<![\w-])(--[A-Za-z][\w-]*)(?:=\s*|{ARG_SEP}))"""
     + LITERAL + r"""\3(?=[\s,;)\]}'"]|$)""")
+# A literal after a word that says what follows is a secret, a space between: an HTTP header's
+# ``Authorization: Bearer 1a2b...`` (or ``Basic``), a netrc file's ``password 1a2b...``; and one a
+# registry login is given by its short option (``docker login -u me -p 1a2b...``; its long
+# ``--password`` is COMMAND_LITERAL's).
+KEYWORD_LITERAL = re.compile(
+    r"""(?:\b(Bearer|Basic|password|passwd)[ \t]+"""
+    r"""|\b((?:docker|podman|nerdctl|helm[ \t]+registry)[ \t]+login)\b[^\n;|&]*?[ \t]-p(?:=|[ \t]+))"""
+    + LITERAL + r"""\3(?=[\s,;)\]}'"]|$)""")
+# A URL query's parameter (``?access_token=1a2b...&``): judged by its name, as a variable is
+QUERY_LITERAL = re.compile(r"[?&]([A-Za-z_][\w-]*)=([A-Za-z0-9_+/.%~-]{16,})(?=[&#\s'\"]|$)")
 DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # rfc4357.Gost28147_89_EncryptedKey
 
 
@@ -186,6 +197,12 @@ def _assigned_secrets(text: str):
         name, value = "wandb login" if m[1] else m[2], m[4]
         if (m[1] or is_secret_name(name)) and may_be_secret(value, name) and _looks_random(value):
             yield f"{name} given", m.start(4), m.end(4)
+    for m in KEYWORD_LITERAL.finditer(text):
+        if may_be_secret(m[4]) and _looks_random(m[4]):
+            yield (f"{m[1]} followed by" if m[1] else f"{m[2]} -p given"), m.start(4), m.end(4)
+    for m in QUERY_LITERAL.finditer(text):
+        if is_secret_name(m[1]) and _looks_random(m[2]):
+            yield f"the URL query's {m[1]} set to", m.start(2), m.end(2)
 
 
 def mask_assigned(text: str, mask: str) -> str:
