@@ -98,6 +98,16 @@ def test_an_unreachable_host_is_a_clear_error_after_the_retries(remote, tmp_path
     assert time.perf_counter() - t0 >= 0.3 + 0.6  # backoff 0.3 s, then doubled
 
 
+def test_a_remote_command_that_outlasts_its_timeout_is_not_retried(remote, tmp_path):
+    """A command that ran past its time (a stop whose process group will not die) reached the
+    host: it is an error at once, not an unreachable host to try again with backoff."""
+    worker, runner, _ = make_worker(remote, tmp_path, retries=2, backoff_s=0.3)
+    with pytest.raises(LaunchError, match=r"^127\.0\.0\.2: the remote command did not end: timed "
+                                          r"out after 1 s \(not retried: it ran\)$"):
+        worker.run("sleep 30\n", "slow", timeout=1)
+    assert runner.labels().count("slow") == 1
+
+
 def test_a_host_name_the_resolver_does_not_know_is_refused_at_once(tmp_path):
     """ssh's answer for a name DNS says does not exist, recorded (a real lookup of a made-up
     name may instead time out where no resolver answers, which is retried): refused on the first
@@ -264,6 +274,27 @@ def test_a_missing_system_tool_is_installed_from_apt_or_named(tmp_path, monkeypa
     assert (warning in ran.stderr) if warning else "warning" not in ran.stderr, ran.stderr
 
 
+def test_a_venv_another_python_made_is_made_afresh(remote, tmp_path):
+    """base_python (or hardware.python) changed: the venv is made again by the new one, not
+    reused with packages built for the old. The other Python is this one by another path (the
+    only one sure to be here), which the venv records as its home all the same."""
+    worker, runner, _ = make_worker(remote, tmp_path, venv=str(tmp_path / "venv"))
+    sync_xtrain(worker, runner)  # the check runs the synced xtrain.launcher.envcheck
+    assert ensure_env(worker, EnvSpec(str(BASE_PYTHON), ("six==1.16.0",)), None) == "installed"
+    other = tmp_path / "other-bin" / BASE_PYTHON.name
+    other.parent.mkdir()
+    other.symlink_to(BASE_PYTHON)
+    (tmp_path / "venv" / "left-by-the-old").write_text("")
+    state = ensure_env(worker, EnvSpec(str(other), ("six==1.16.0",)), None)
+    assert state == (f"installed; xtrain: warning: {tmp_path / 'venv'} was made by another "
+                     f"Python: made afresh with {other}"), state
+    assert f"home = {other.parent}\n" in (tmp_path / "venv" / "pyvenv.cfg").read_text()
+    assert not (tmp_path / "venv" / "left-by-the-old").exists()
+    (tmp_path / "venv" / "left-by-the-same").write_text("")  # a new pin, the same Python: kept
+    assert ensure_env(worker, EnvSpec(str(other), ("six==1.17.0",)), None) == "installed"
+    assert (tmp_path / "venv" / "left-by-the-same").exists()
+
+
 def test_a_missing_base_python_is_named_before_any_venv_is_made(remote, tmp_path):
     """A base Python the VM lacks. A bare ``python3.X`` would be installed from apt with
     passwordless sudo (TPU VMs; not tried here: this machine's packages are not the test's to
@@ -363,6 +394,38 @@ def test_stopping_a_pods_others_names_the_killed_and_the_unreachable(remote, tmp
     assert said[0] == f"launch: {worker} did not stop within 0.4 s of SIGTERM: killed"
     assert said[1].startswith(f"launch: {gone} could not be stopped (") and "unreachable" in said[1]
     assert job.state().state == "lost"
+
+
+def test_a_failed_start_is_reported_whatever_stopping_the_started_workers_says(remote, tmp_path):
+    """A pod's start fails on one worker (its job dir cannot be made); the worker that started is
+    stopped, but its network went after the start: it is named, and the launch reports the
+    start's failure, not the cleanup's."""
+    from types import SimpleNamespace
+
+    from xtrain.launcher.launch import start_fresh
+
+    cfg = OmegaConf.structured(LauncherConfig(**remote.launcher_fields(retries=0)))
+    ssh = Ssh(cfg, Runner(), print)
+    gone = Worker(Target(0, "127.0.0.4", "127.0.0.4"), ssh, cfg.remote_dir, cfg.venv)
+
+    class LosesItsNetwork(RemoteJob):
+        def start(self, *args):
+            pid = super().start(*args)
+            self.worker = gone  # (its dir stays: the stop looks for it on a host not answering)
+            return pid
+
+    workers = [Worker(Target(i, HOSTS[0], HOSTS[0]), ssh, str(tmp_path / f"w{i}"), cfg.venv)
+               for i in range(2)]
+    for w in workers:
+        w.probe("unit")
+    (tmp_path / "w1" / "jobs").rmdir()
+    (tmp_path / "w1" / "jobs").write_text("a file where the job dirs go\n")
+    said = []
+    with pytest.raises(LaunchError, match=r"^worker 1 \(127\.0\.0\.2\): could not start the job"):
+        start_fresh(cfg, SimpleNamespace(accelerator_type=None),
+                    [LosesItsNetwork(workers[0], "unit"), RemoteJob(workers[1], "unit")], [],
+                    "run", {}, said.append, {})
+    assert said[-1].startswith("launch: worker 0 (127.0.0.4) could not be stopped ("), said
 
 
 def test_a_job_that_exits_on_sigterm_keeps_its_own_exit_code(remote, tmp_path):

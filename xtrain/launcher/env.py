@@ -28,6 +28,9 @@ STAMP = ".xtrain-stamp"
 # evaluation's sandbox (xtrain/evals/sandbox.py), which refuses to run without it unless root.
 SYSTEM_TOOLS = {"bwrap": "bubblewrap"}
 APT_GET = "apt-get"  # the package manager the install script calls
+# The ``home`` a venv made by this Python records in its pyvenv.cfg (the venv module's own
+# rule, the same in Python 3.10 to 3.13): what tells which Python made a venv
+VENV_HOME_PY = "import os, sys; print(os.path.dirname(os.path.abspath(sys._base_executable)))"
 
 
 def requirements(root: Path, pins: dict) -> list[str]:
@@ -77,13 +80,20 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None, lacks=()) -> str:
         pip = " ".join(q(a) for a in ["-m", "pip", "install", "--disable-pip-version-check",
                                       "--no-input", "--quiet", *spec.pip_args, *spec.requirements])
         # none yet, or a venv whose creation stopped short (no pip: ensurepip missing on the
-        # VM) is made again, keeping what it holds; a directory that is not a venv is left to
-        # fail in pip
-        script = (f"set -e\nv={q(venv)}\n"
-                  'if ! "$v/bin/python" -m pip --version >/dev/null 2>&1 && '
+        # VM) is made again, keeping what it holds; one another Python made (base_python or
+        # hardware.python changed: its packages are built for that one) is made afresh; a
+        # directory that is not a venv is left to fail in pip
+        base = q(spec.base_python)
+        remade = q(f"xtrain: warning: {venv} was made by another Python: made afresh with "
+                   f"{spec.base_python}")
+        script = (f"set -e\nv={q(venv)}\n{base_python_script(spec.base_python)}"
+                  f"home=$({base} -c {q(VENV_HOME_PY)})\n"
+                  'if [ -f "$v/pyvenv.cfg" ] && ! grep -qxF "home = $home" "$v/pyvenv.cfg"; then\n'
+                  f"  echo {remade} >&2\n"
+                  f'  {base} -m venv --clear "$v"\n'
+                  'elif ! "$v/bin/python" -m pip --version >/dev/null 2>&1 && '
                   '{ [ ! -e "$v/bin/python" ] || [ -f "$v/pyvenv.cfg" ]; }; then\n'
-                  f"{base_python_script(spec.base_python)}"
-                  f'  {q(spec.base_python)} -m venv "$v"\nfi\n'
+                  f'  {base} -m venv "$v"\nfi\n'
                   f"{system_tools_script()}"
                   f'"$v/bin/python" {pip}\n')
         r = worker.run(script, "install", timeout=None)

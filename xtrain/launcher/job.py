@@ -205,12 +205,16 @@ def _clear_lock_sh(lockfile: str) -> str:
             'fi')
 
 
-def stop_others(jobs, grace_s: float, log) -> None:
-    """Stop a pod's other workers after one failed (a pod's workers wait on each other); one that
-    cannot be reached is named, its error kept from replacing the failure being reported."""
+def stop_others(jobs, grace_s: float, log, acknowledge: bool = False) -> None:
+    """Stop a pod's other workers after one failed (a pod's workers wait on each other), and with
+    ``acknowledge`` mark their ends seen; one that cannot be reached is named, its error kept from
+    replacing the failure being reported."""
     def stop(job):
         try:
-            return job.stop(grace_s)
+            killed = job.stop(grace_s)
+            if acknowledge:
+                job.acknowledge()
+            return killed
         except LaunchError as e:
             return e
 

@@ -195,7 +195,7 @@ def start_fresh(cfg, hardware, jobs, overrides, run_name: str, secret_values, lo
     errors = [e for e in outcomes if isinstance(e, Exception)]
     if errors:
         started = [j for j, o in zip(jobs, outcomes) if not isinstance(o, Exception)]
-        parallel(lambda j: (j.stop(cfg.stop_grace_s), j.acknowledge()), started)
+        stop_others(started, cfg.stop_grace_s, log, acknowledge=True)
         raise errors[0]
     return attempt
 

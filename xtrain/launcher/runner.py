@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from xtrain.errors import LaunchError, VmUnavailable  # noqa: F401  (raised by the launcher modules)
 
 
+TIMED_OUT = -1  # the return code of a command stopped at its timeout
+
+
 @dataclass
 class Call:
     argv: list[str]
@@ -52,7 +55,8 @@ class Runner:
                                stdin=None if input is not None else subprocess.DEVNULL)
             result = Result(p.returncode, p.stdout, p.stderr)
         except subprocess.TimeoutExpired as e:
-            result = Result(-1, _text(e.stdout), _text(e.stderr) + f"\ntimed out after {timeout} s")
+            result = Result(TIMED_OUT, _text(e.stdout),
+                            _text(e.stderr) + f"\ntimed out after {timeout} s")
         except FileNotFoundError:
             result = Result(127, "", f"{argv[0]}: command not found")
         self._record(Call(list(argv), time.perf_counter() - t0, result.returncode, input is not None,

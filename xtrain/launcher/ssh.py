@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from xtrain.errors import ConfigError
-from xtrain.launcher.runner import LaunchError, Result
+from xtrain.launcher.runner import TIMED_OUT, LaunchError, Result
 
 # ssh's own messages (stderr) for a connection that could not be made or was cut: worth a retry.
 CONNECTION_FAILURES = ("connection refused", "timed out", "no route to host", "network is unreachable",
@@ -45,7 +45,7 @@ def login_refused(result: Result) -> bool:
 def unreachable(result: Result) -> bool:
     """ssh (or rsync over it) did not reach the host: refused, timed out, reset, unresolved."""
     lowered = result.stderr.lower()
-    return result.returncode in (255, 12, -1) and any(s in lowered for s in CONNECTION_FAILURES)
+    return result.returncode in (255, 12, TIMED_OUT) and any(s in lowered for s in CONNECTION_FAILURES)
 
 
 def check_identity(cfg) -> None:
@@ -192,6 +192,9 @@ class Ssh:
         if result.returncode == 255 and UNKNOWN_NAME in err.lower():
             raise ConfigError(f"{host}: no such host ({err.strip().splitlines()[-1]}); check "
                               "hydra.launcher.hosts")
+        if result.returncode == TIMED_OUT:  # the remote side ran: retrying would run it again
+            raise LaunchError(f"{host}: the remote command did not end: "
+                              f"{err.strip().splitlines()[-1]} (not retried: it ran)")
         if unreachable(result):
             return err.strip().splitlines()[-1] if err.strip() else f"exit {result.returncode}"
         if result.returncode == 255:
