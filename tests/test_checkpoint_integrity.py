@@ -450,6 +450,54 @@ def test_a_storage_error_on_one_host_fails_that_save_on_all_and_spares_the_next(
     assert manifest.problems(str(tmp_path / "step_000002")) == []
 
 
+def _host_that_finds_its_peer_gone(rank: int, world: int, init: str, root: str) -> None:
+    """One host of test_a_failed_save_is_given_up_by_every_process_once_one_finds_a_peer_gone."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from xtrain.checkpoint import io as ckpt_io
+
+    def failing_describe(*args):  # every attempt fails on both hosts (shared by the collective)
+        raise OSError("503 from the bucket")
+
+    manifest.describe = failing_describe
+    said = []
+    ckpt_io.warn = said.append
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=20))
+    # which process a peer seems gone to is the heartbeat's answer (xtrain/engines/processes.py),
+    # which a short network blip can give on one host alone; here the second host's function
+    # says so, as it would then
+    io = FsspecCheckpointIO(retries=3, backoff_s=0.1, rank=rank, process_group=dist.group.WORLD,
+                            peer_lost=lambda: "rank 0 of 2: no heartbeat for 3 s" if rank else None)
+    t0 = time.monotonic()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(256)}, "global_step": 1}, f"{root}/step_000001")
+    outcome = io.wait()
+    elapsed = time.monotonic() - t0
+    dist.destroy_process_group()
+    Path(root, f"{rank}.json").write_text(json.dumps([outcome, elapsed, said]))
+
+
+def test_a_failed_save_is_given_up_by_every_process_once_one_finds_a_peer_gone(tmp_path):
+    """Two gloo processes whose save fails; the second finds the first gone (a blip of its own)
+    and gives up. The first gives up too, told so in the same vote, instead of retrying alone and
+    waiting in the retry's first collective for a process that moved on (20 s here, for good)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_host_that_finds_its_peer_gone, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path)),
+             nprocs=2)
+    for rank in range(2):
+        outcome, elapsed, said = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert outcome is None and elapsed < 15, (rank, elapsed, said)
+        assert not any("retrying" in line for line in said), said
+        assert said[-1] == (f"giving up on checkpoint {tmp_path}/step_000001: rank 1: a process "
+                            "vanished (rank 0 of 2: no heartbeat for 3 s); the previous checkpoint "
+                            "stays the newest"), said
+    assert not (tmp_path / "step_000001" / COMMIT_MARKER).exists()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "bit_flipped"])
 def test_a_corrupt_newest_checkpoint_is_passed_over_and_the_same_command_resumes(tmp_path, damage):
     run_dir, command = tmp_path / "run", ["trainer.max_steps=20", "checkpoint.every=10"]

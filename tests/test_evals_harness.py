@@ -84,6 +84,20 @@ def test_a_broken_toolchain_is_one_clear_error(changes, message):
         evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(**changes))
 
 
+@pytest.mark.parametrize("changes, said", [
+    ({"run_memory_mb": 1}, "failed to map segment"),  # the sandbox's own loader, out of memory
+    ({"max_processes": 1}, "Resource temporarily unavailable"),  # bwrap's namespaces need two
+])
+def test_limits_the_sandbox_cannot_start_under_are_named_not_the_compiler(changes, said):
+    """Limits too tight for the sandbox itself: the error says so, not that the compiler, its
+    flags or standard are wrong (it did, the compile being the first thing run)."""
+    with pytest.raises(ConfigError) as e:
+        evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(**changes))
+    assert str(e.value).startswith("eval.sandbox=auto: /usr/bin/true does not start in the "
+                                   "sandbox (bwrap) under the eval's limits"), str(e.value)
+    assert said in str(e.value) and "eval.gxx" not in str(e.value)
+
+
 def test_prepare_checks_config_file_and_toolchain_up_front(tmp_path):
     assert len(prepare(EvalConfig())) >= 40
     with pytest.raises(ProblemFileError, match="does not exist"):

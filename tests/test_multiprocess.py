@@ -330,6 +330,37 @@ def test_a_ranks_own_error_is_named_in_the_runs_log(tmp_path):
     assert "injected on rank 1 at step 5" in (run / "console.log").read_text()
 
 
+RANK_0_FAILS_AT_ITS_END = """
+import os, sys, time
+from xtrain.observe.sinks import RunLog
+close = RunLog.close
+def failing(self, status="success"):  # after the last collective: rank 0's own work
+    close(self, status)
+    if os.environ["RANK"] == "0":
+        time.sleep(5)  # (a slow upload: rank 1 has ended meanwhile, its heartbeat stopped)
+        raise OSError("503 uploading metrics.jsonl")
+RunLog.close = failing
+sys.argv[0] = "xtrain"
+from xtrain.cli import main
+main()
+"""
+
+
+def test_an_error_of_rank_0s_own_after_the_last_collective_is_not_a_lost_peer(tmp_path):
+    """Rank 0's end (the run log's upload, W&B's finish) fails after rank 1 finished and left:
+    the error is rank 0's own, said as itself, not a lost rank 1 (exit 3, which a launcher reads
+    as a host to replace)."""
+    run = tmp_path / "run"
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-c", RANK_0_FAILS_AT_ITS_END, *COMMON, *TWO, "trainer.max_steps=4",
+           f"hydra.run.dir={run}"]
+    procs = [start(cmd, {**launch, "RANK": str(rank)}) for rank in (0, 1)]
+    (code0, _, err0), (code1, _, err1) = finish_all(procs, timeout=240)
+    assert code1 == 0, err1[-2000:]
+    assert code0 not in (0, 3) and "503 uploading metrics.jsonl" in err0, err0[-2000:]
+    assert "lost rank 1" not in err0, err0[-2000:]
+
+
 def test_a_process_whose_peer_never_joins_says_so_within_the_timeout(tmp_path):
     """Rank 0 started without rank 1, and rank 1 without rank 0 (each as if the other's host
     refused its command at start): each ends as a lost peer (exit 3), saying what it waited for."""

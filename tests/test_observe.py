@@ -111,15 +111,18 @@ def test_loggers_hold_the_metrics_keep_the_wandb_run_across_preemption_and_never
 def test_tensorboard_shows_the_steps_a_killed_run_redid_once(tmp_path, killed_at):
     """A run killed after step 10's checkpoint redoes the steps after it when resumed, and one
     killed before it all of them; TensorBoard showed both attempts of them (the charts ran back
-    over them), now the last ones alone."""
+    over them), now the last ones alone. W&B continues its run on a resume; a start over is a
+    new W&B run of the group, or W&B would draw its steps twice too."""
     run_dir = tmp_path / "run"
-    args = ["logger=[jsonl,tensorboard]", "trainer.max_steps=16", "checkpoint.every=10"]
-    proc = xtrain(run_dir, *args)
+    args = ["logger=[jsonl,tensorboard,wandb]", "trainer.max_steps=16", "checkpoint.every=10"]
+    proc = xtrain(run_dir, *args, env={"WANDB_MODE": "offline"})
     wait_for_step(run_dir, killed_at, proc)
     proc.kill()
     proc.wait()
-    code, _, err = finish(xtrain(run_dir, *args))
+    first_id = (run_dir / "wandb-run-id").read_text()
+    code, _, err = finish(xtrain(run_dir, *args, env={"WANDB_MODE": "offline"}))
     assert code == 0, err[-3000:]
+    assert ((run_dir / "wandb-run-id").read_text() == first_id) is (killed_at > 10)
     loss = tensorboard_scalars(run_dir / "tensorboard")["loss"]
     assert [s for s, _ in loss] == list(range(1, 17))
     resumed = {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"}

@@ -76,7 +76,8 @@ class FsspecCheckpointIO(CheckpointIO):
     of the weights and optimizer state). ``wait()`` blocks until the save committed (the final
     and the preemption saves use it). ``sharded``, ``rank``, ``process_group``: see
     :mod:`xtrain.checkpoint.io`. ``peer_lost``: on several processes, a function naming a process
-    that vanished (or None); a save is collective, so it is not retried once a peer is gone.
+    that vanished (or None); a save is collective, so no process retries it once any finds a peer
+    gone.
     ``fence``: see ``ckpt_io.write`` (the checkpoint dir's lease, on the first host): once it
     says the lease was lost, the next save ends the training on every process (LeaseLost).
     """
@@ -126,9 +127,9 @@ class FsspecCheckpointIO(CheckpointIO):
                     ckpt_io.warn(f"giving up on checkpoint {path} after {attempt + 1} attempts ({why}); "
                                  "the previous checkpoint stays the newest")
                     return None
-                lost = self.peer_lost() if self.process_group is not None and self.peer_lost else None
+                lost = self._lost_together()
                 if lost:
-                    ckpt_io.warn(f"giving up on checkpoint {path}: a process vanished ({lost}); "
+                    ckpt_io.warn(f"giving up on checkpoint {path}: {lost}; "
                                  "the previous checkpoint stays the newest")
                     return None
                 ckpt_io.warn(f"checkpoint upload to {path} failed ({why}); "
@@ -146,6 +147,24 @@ class FsspecCheckpointIO(CheckpointIO):
                 ckpt_io.warn(f"checkpoint {path} committed, but the work after its commit failed "
                              f"({type(e).__name__}: {e}); retention tries again after the next commit")
         return result
+
+    def _lost_together(self) -> str | None:
+        """Why every process gives up a failed save instead of retrying it, or None: one verdict
+        for all (a save is collective, so a lone retry would wait in its first collective for
+        processes that gave up). A process that finds a peer vanished, or cannot reach the others
+        to agree, gives up; so do the others once told."""
+        if self.process_group is None:
+            return None
+        import torch.distributed as dist
+
+        mine = f"a process vanished ({lost})" if self.peer_lost and (lost := self.peer_lost()) \
+            else None
+        verdicts = [None] * dist.get_world_size(self.process_group)
+        try:
+            dist.all_gather_object(verdicts, mine, group=self.process_group)
+        except Exception as e:  # noqa: BLE001  (gloo's errors: a reset, a timeout...)
+            return mine or f"the processes could not agree to retry ({type(e).__name__}: {e})"
+        return next((f"rank {rank}: {v}" for rank, v in enumerate(verdicts) if v), None)
 
     def wait(self):
         """Block until the in-flight upload (if any) has committed or given up (None)."""

@@ -202,9 +202,18 @@ def _compile(session: Session, gxx: str, cfg: EvalConfig) -> Result:
 
 
 def _check_toolchain(sandbox: Sandbox, gxx: str, cfg: EvalConfig) -> None:
-    """Compile and run an empty program once, so a bad compiler, flag or standard is one clear
-    error instead of every sample scored as a compile error."""
+    """Start a bare program in the sandbox, then compile and run an empty one, so that a sandbox
+    that cannot start programs under the eval's limits, or a bad compiler, flag or standard, is
+    one clear error naming its cause instead of every sample scored as a compile error."""
     with sandbox.session() as session:
+        bare = session.run(["/usr/bin/true"], limits_for(cfg, compile=False))
+        if bare.returncode != 0:
+            said = (bare.stderr.strip().splitlines() or [f"exit {bare.returncode}"])[-1]
+            raise ConfigError(
+                f"eval.sandbox={getattr(cfg.sandbox, 'value', cfg.sandbox)}: /usr/bin/true does "
+                f"not start in the sandbox ({sandbox.mode}) under the eval's limits "
+                f"(run_memory_mb={cfg.run_memory_mb}, max_processes={cfg.max_processes}, "
+                f"max_open_files={cfg.max_open_files}): {said}")
         session.write("main.cpp", "int main() { return 0; }\n")
         built = _compile(session, gxx, cfg)
         ran = session.run(["./prog"], limits_for(cfg, compile=False)) if built.returncode == 0 \

@@ -51,7 +51,8 @@ def build_run_log(logger_cfg, run_dir: str, run_name: str, config: dict, max_ste
         sinks.append(LightningSink(wandb_logger(
             run_dir=run_dir, local_dir=local, run_name=run_name, run_config=masked,
             git_root=str(git_root) if git_root else None,
-            git_remote_url=git_remote_url(git_root) if git_root else None)))
+            git_remote_url=git_remote_url(git_root) if git_root else None,
+            start_step=start_step)))
     if logger_cfg.tensorboard is not None:
         # a resume redoes the steps after its checkpoint, and a start over (killed before its
         # first checkpoint) every step: TensorBoard hides their earlier values

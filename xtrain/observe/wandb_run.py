@@ -104,14 +104,16 @@ def _sync_later(files: str, group: str) -> str:
 def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
                  project: str = "xtrain", entity: str | None = None, group: str | None = None,
                  tags=(), mode: WandbMode | str = WandbMode.auto, git_root: str | None = None,
-                 git_remote_url: str | None = None):
+                 git_remote_url: str | None = None, start_step: int = 0):
     """Start (or continue) the run's W&B run and wrap it in Lightning's WandbLogger.
     ``run_config``: the resolved config with secrets masked (the W&B run's config). The run id is
     kept in ``run_dir`` (any fsspec URL); W&B writes its files under ``<local_dir>/wandb`` (W&B
     needs a local directory). Without ``group``, the run's starts are grouped under its name
     (offline starts are separate W&B runs: :func:`attempt_id`). ``git_root``: the code's git tree
     (None: no git facts); ``git_remote_url``: its remote, given so that W&B does not read one
-    with a token in it."""
+    with a token in it. ``start_step``: the step training resumes from; 0, a start or a start
+    over (killed before its first checkpoint), gets a new W&B run of the group, which W&B would
+    otherwise continue with every step drawn twice."""
     from lightning.pytorch.loggers import WandbLogger
 
     chosen, group = choose_mode(mode), group or run_name
@@ -120,9 +122,10 @@ def wandb_logger(run_dir: str, local_dir: str, run_name: str, run_config: dict,
     # finish_previous: a run left open in this process (a sweep's earlier job that failed) is
     # finished, not continued (W&B's default outside notebooks returns it)
     git = {"git_root": git_root, "git_remote_url": git_remote_url, "disable_git": git_root is None}
-    run = _start(chosen, mode, run_id(run_dir), git, project=project, entity=entity,
-                 name=run_name, resume="allow", group=group, tags=list(tags) or None,
-                 dir=local_dir, config=run_config, reinit="finish_previous")
+    run = _start(chosen, mode, run_id(run_dir, renew=start_step == 0), git, project=project,
+                 entity=entity, name=run_name, resume="allow", group=group,
+                 tags=list(tags) or None, dir=local_dir, config=run_config,
+                 reinit="finish_previous")
     # the x axis of every chart is the training step (WandbLogger logs it as trainer/global_step)
     run.define_metric("trainer/global_step")
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)

@@ -272,14 +272,17 @@ def train(cfg, plan: RunPlan, run_dir: str, record: str | None = None) -> dict:
 @contextlib.contextmanager
 def naming_lost_peers(engine: Engine):
     """While the processes work together (set-up, training), an error is re-raised as PeerLost
-    naming the process that vanished, when one did: gloo's own error does not say which. After
-    training, a process that has finished and left is no loss."""
+    naming the process that vanished, when one did: gloo's own error does not say which. Yields
+    a function to call once their last collective is behind them: from then on a process that
+    finished and left is no loss, and an error of this one's own (process 0's end of W&B, an
+    upload of the run's log) is raised as itself."""
     from xtrain.errors import InputError, PeerLost
 
+    apart = []
     try:
-        yield
+        yield lambda: apart.append(True)
     except Exception as e:
-        if engine.world == 1 or isinstance(e, (InputError, PeerLost)):  # own refusals: no wait
+        if engine.world == 1 or apart or isinstance(e, (InputError, PeerLost)):  # (no wait)
             raise
         engine.processes.say_failed(e)  # (named by the others if this process is the one gone)
         lost = engine.processes.vanished()
@@ -313,7 +316,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
 
     trainer_cfg = cfg.trainer
     ckpt_dir = checkpoint_dir(cfg, run_dir)  # checked writable by xtrain.inputs
-    with naming_lost_peers(engine), contextlib.ExitStack() as held:
+    with naming_lost_peers(engine) as collectives_done, contextlib.ExitStack() as held:
         engine.processes.check_same("config", to_plain(cfg))
         engine.processes.check_same("code", code_fingerprint())
         check_shared(ckpt_dir, engine.processes)
@@ -348,6 +351,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                        cfg, start_step, plan.max_steps)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
             status = end_status(callbacks, run_log, trainer.global_step, engine.processes)
+            collectives_done()  # (the end's records and uploads are process 0's own)
         except Terminated:  # SIGTERM before training or after it (xtrain/train/preemption.py)
             status = "preempted"
             raise
