@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,7 +36,7 @@ from xtrain.launcher.gcloud import NoCapacity, QuotaExceeded, create_failure
 from xtrain.launcher.job import JobState
 from xtrain.launcher.jobdir import record_attempt
 from xtrain.launcher.launch import launch_job
-from xtrain.launcher.pool import JobQueue, locate, run_pool, summary
+from xtrain.launcher.pool import JobQueue, Outcome, locate, run_pool, serve, summary
 from xtrain.launcher.runner import LaunchError, Runner, VmUnavailable
 from xtrain.launcher.targets import node_targets
 from xtrain.observe import preemptions
@@ -453,6 +454,38 @@ def test_each_preempted_attempts_log_is_kept_under_a_name_of_its_own(tmp_path):
             for n in (1, 2, 3)] == ["step", "first", "second"]
 
 
+def test_every_workers_log_of_a_preempted_attempt_is_kept(tmp_path):
+    """A pod's preempted attempt: each worker's log is kept aside (the re-run starts every log
+    afresh, and the VM with the workers' own copies is gone)."""
+    job = fleet.Job(None, None, [], "run", str(tmp_path))
+    for i in range(4):
+        (tmp_path / f"worker-{i}.log").write_text(f"worker {i}\nstep    7/60 | loss 3.1 |\n")
+    fleet.Preemptions().record(VmLost("vm-a", "PREEMPTED"), job)
+    assert [(tmp_path / f"worker-{i}.preempted-1.log").read_text().split()[:2]
+            for i in range(4)] == [["worker", str(i)] for i in range(4)]
+    assert not list(tmp_path.glob("worker-?.log"))
+
+
+@pytest.mark.parametrize("case", ["preempted", "gcloud silent"])
+def test_a_vm_that_changed_since_the_fleet_looked_is_no_refused_input(gcloud, remote, tmp_path,
+                                                                      tpu_profile, case):
+    """The fleet found the VM READY, then the launch's own describe finds it PREEMPTED, or gets no
+    answer from gcloud (its auth-token refresh failing, after the launch's waits): a preemption,
+    or a failed launch, not a refused config (which ended a pool's sweep with exit 2)."""
+    states = ["PREEMPTED"] if case == "preempted" else ["ANSWERLESS"]
+    gcloud.add({**tpu_node("vm-b", ZONE, "v6e-4", [(HOSTS[1], HOSTS[1])]), "x-states": states})
+    cfg = loopback_cfg(remote, tmp_path, hosts=[], pool=["vm-b"])
+    job = Job(cfg, tpu_profile, [], "job-0", str(tmp_path / "job-0"))
+    with pytest.raises(LaunchError) as e:  # (raised before anything reaches the worker)
+        fleet.attempt(Vm("vm-b", cfg, tpu_profile), job, fleet.Preemptions(), log=print)
+    if case == "preempted":
+        assert isinstance(e.value, VmLost) and e.value.state == "PREEMPTED"
+    else:
+        assert not isinstance(e.value, VmLost), e.value
+        assert "gcloud could not describe TPU 'vm-b'" in str(e.value)
+        assert str(e.value).endswith("(asked again: NO_ANSWER)")
+
+
 def probes(*states, attempt=None):
     """What launch_job's probes say of the job on each worker (jobs/<job>/ state, attempt and
     command digest; a job never started there has none of them)."""
@@ -757,6 +790,33 @@ def test_a_pool_job_is_not_failed_for_a_describe_gcloud_fails(gcloud, remote, tm
     assert [(o.vm, o.state) for o in outcomes] == [("vm-b", "finished"), ("vm-b", "failed")]
     assert outcomes[0].result["loss"] == 2.0
     assert "exit code 1" in str(outcomes[1].error) and outcomes[1].history.count == 0
+
+
+@pytest.mark.parametrize("case", ["refused", "under maintenance"])
+def test_a_job_placed_on_a_vm_that_leaves_up_fails_naming_it_not_run_elsewhere(
+        gcloud, remote, tmp_path, tpu_profile, monkeypatch, case):
+    """Job 0 is placed on vm-a (its checkpoints on vm-a's disk, or still running there). vm-a
+    refuses it before starting it (busy, its TPU held), or is found under maintenance (it comes
+    back with its disk): vm-a leaves the pool up, and job 0 fails naming it; on vm-b it would
+    train from step 0 again, or run twice. Launches are stood in for (where jobs go, not
+    training, is tested here)."""
+    node = tpu_node("vm-a", ZONE, "v6e-4", [(HOSTS[0], HOSTS[0])])
+    if case == "under maintenance":
+        node["health"] = "UNHEALTHY_MAINTENANCE"
+    gcloud.add(node)
+
+    def refused(cfg, hardware, overrides, run_name, *args, **kwargs):
+        raise VmUnavailable(f"another xtrain job is running there: worker 0 ({HOSTS[0]})")
+
+    monkeypatch.setattr(fleet, "launch_job", refused)
+    cfg = loopback_cfg(remote, tmp_path, hosts=[], pool=["vm-a", "vm-b"], recreate=False)
+    jobs = [Job(cfg, tpu_profile, [], f"job-{i}", str(tmp_path / f"job-{i}")) for i in range(2)]
+    queue, outcomes = JobQueue(2, placed={0: "vm-a"}, vms=2), [Outcome() for _ in jobs]
+    serve(Vm("vm-a", cfg, tpu_profile, log=print), jobs, queue, outcomes)  # returns as it leaves
+    assert str(outcomes[0].error).startswith("job job-0: not run: it runs on TPU vm-a, or its "
+                                             "checkpoints are on that VM's disk, and TPU vm-a "
+                                             "left the pool ("), outcomes[0].error
+    assert queue.take("vm-b") == 1 and queue.pending == deque()
 
 
 def test_a_pool_stop_stops_the_job_where_it_runs_past_a_vm_that_is_down(gcloud, remote, tmp_path,

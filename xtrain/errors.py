@@ -35,6 +35,11 @@ class ConfigError(InputError):
     kind = "config"
 
 
+class TargetUnready(ConfigError):
+    """A launch's TPU is not READY, or gcloud cannot describe it: a refusal for a launch of its
+    own; a fleet asks gcloud about the VM again (it may have gone down since the fleet looked)."""
+
+
 class DataError(InputError):
     """Bad or missing data; the message names the path."""
 

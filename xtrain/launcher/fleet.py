@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from xtrain.config.choices import check_known_keys
 from xtrain.config.secrets import check_no_secret_values, declare_secret_names
-from xtrain.errors import ConfigError, EnvironmentMismatch, InputError
+from xtrain.errors import ConfigError, EnvironmentMismatch, InputError, TargetUnready
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.launch import launch_job, say
 from xtrain.launcher.logs import kept_aside, last_logged_step, log_path
@@ -89,7 +89,10 @@ class Preemptions:
         path = log_path(job.job_dir, 0)
         if os.path.exists(path):
             self.steps_seen = last_logged_step(path) or self.steps_seen
-            os.replace(path, kept_aside(job.job_dir, 0))
+        index = 0  # every worker's: the re-run starts each log afresh
+        while os.path.exists(path := log_path(job.job_dir, index)):
+            os.replace(path, kept_aside(job.job_dir, index))
+            index += 1
 
     def relaunching(self) -> dict[str, str]:
         """The re-run's environment; the time since the preemption was seen counts as lost."""
@@ -130,6 +133,11 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
         result = launch_job(cfg, job.hardware, job.overrides, job.run_name, job.job_dir,
                             Runner(), log, vm_check=vm.check, record=job.record,
                             checkpoint_dir=job.checkpoint_dir)
+    except TargetUnready as e:  # the VM (or gcloud) changed since the fleet looked: ask again
+        state = vm.answer()
+        if state != NO_ANSWER and vm_health(state, vm.cfg.queued) != UP:
+            raise VmLost(vm.name, state) from e
+        raise LaunchError(f"{e} (asked again: {state})") from e  # not a refused input
     except (VmLost, InputError):  # a refused input is never a preemption, whatever the VM's state
         raise
     except LaunchError as e:

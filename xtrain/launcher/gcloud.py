@@ -13,7 +13,7 @@ import re
 import tempfile
 import time
 
-from xtrain.errors import ConfigError
+from xtrain.errors import TargetUnready
 from xtrain.launcher.runner import LaunchError, Result
 
 # gcloud's words for "no capacity for this request right now": waiting and retrying can help. The
@@ -66,7 +66,7 @@ class Gcloud:
 
     def describe(self, name: str, zone: str, project: str | None = None) -> dict:
         """The TPU node resource (``networkEndpoints``, ``state``, ``acceleratorType``, ...) of a
-        launch's target; ConfigError when gcloud does not know it, or still cannot answer after
+        launch's target; TargetUnready when gcloud does not know it, or still cannot answer after
         the waits of :data:`DESCRIBE_RETRY_WAITS_S` (an auth-token refresh or a network blip
         must not refuse a launch, nor end a fleet's re-run on the VM it has just recreated)."""
         for wait in (*DESCRIBE_RETRY_WAITS_S, None):
@@ -75,7 +75,7 @@ class Gcloud:
                 break
             time.sleep(wait)
         if not r.ok:
-            raise ConfigError(f"gcloud could not describe TPU {name!r} in {zone}: {_message(r)}")
+            raise TargetUnready(f"gcloud could not describe TPU {name!r} in {zone}: {_message(r)}")
         return _resource(r, name)
 
     def find(self, name: str, zone: str, project: str | None = None,

@@ -29,7 +29,7 @@ from xtrain.launcher.jobdir import earlier_attempt
 from xtrain.launcher.launch import job_name, say
 from xtrain.launcher.runner import LaunchError, VmUnavailable, parallel
 from xtrain.launcher.ssh import Ssh
-from xtrain.launcher.vm import NO_ANSWER, UP, Vm, VmLost, clock, vm_health
+from xtrain.launcher.vm import NO_ANSWER, PENDING, UP, Vm, VmLost, clock, vm_health
 from xtrain.launcher.targets import node_targets
 from xtrain.launcher.worker import Worker
 
@@ -70,7 +70,6 @@ class JobQueue:
                 if ready:
                     i = ready[0]
                     self.pending.remove(i)
-                    self.placed.pop(i, None)
                     self.in_flight += 1
                     return i
                 if self.drained():
@@ -82,9 +81,16 @@ class JobQueue:
         with self.cond:
             return not self.pending and not self.in_flight
 
-    def finish(self, i: int, requeue: bool = False) -> None:
+    def finish(self, i: int, requeue: bool = False, stay_on: str | None = None) -> None:
+        """Job ``i`` is done with its VM, or back in the queue with ``requeue``; ``stay_on``: the
+        VM it stays placed on (which still holds its run or checkpoints), else any VM may take
+        it."""
         with self.cond:
             self.in_flight -= 1
+            if stay_on:
+                self.placed[i] = stay_on
+            else:
+                self.placed.pop(i, None)
             if requeue:
                 self.pending.appendleft(i)
             self.cond.notify_all()
@@ -133,28 +139,34 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
     while (i := queue.take(vm.name)) is not None:
         job, out = jobs[i], outcomes[i]
         ran_on, out.vm = out.vm, vm.name
+        placed_here = queue.placed.get(i) == vm.name  # its run, or checkpoints, are on this VM
         noticed = False  # the job stopped for a GCE notice on this VM, which stayed up
         try:
-            state = vm.answer()  # no answer: the job's launch asks the worker itself
+            state = vm.answer()  # no answer: launched; a launch gcloud fails asks again (attempt)
             if state == NO_ANSWER or vm_health(state, vm.cfg.queued) == UP:
                 out.result, out.error = attempt(vm, job, out.history, vm.log), None
                 queue.finish(i)
                 continue
-            queue.finish(i, requeue=True)  # down while idle: the job lost nothing, it waits
+            # down while idle: the job lost nothing, it waits (for this VM, if it keeps its disk)
+            keeps_disk = vm_health(state, vm.cfg.queued) == PENDING
+            queue.finish(i, requeue=True, stay_on=vm.name if placed_here and keeps_disk else None)
             why = f"it is {state}"
         except VmLost as lost:  # a NoticeStop too: the job goes back to the queue
             why, noticed = f"it {lost.why}", isinstance(lost, NoticeStop)
+            keeps_disk = noticed or vm_health(lost.state, vm.cfg.queued) == PENDING
             # (checkpoints on the VM mean no recreate: fleet.check_recreate wants gs://)
             if noticed and job.checkpoints_on_vm:  # elsewhere it would train from step 0 again
                 out.result = lost.result
                 vm.log(f"fleet: {lost}: job {job.run_name} stopped for its notice, and its "
                        "checkpoints are on this VM's disk: run the same command to resume it here")
                 queue.finish(i)
-            else:
-                queue.finish(i, requeue=_survives(vm, job, out, lost))
+            else:  # (its checkpoints on a VM that keeps its disk: it waits for that one)
+                tied = keeps_disk and job.checkpoints_on_vm
+                queue.finish(i, requeue=_survives(vm, job, out, lost),
+                             stay_on=vm.name if tied else None)
         except VmUnavailable as e:  # not the job's failure: recreating would not help either
             out.vm = ran_on  # it never ran here
-            queue.finish(i, requeue=True)
+            queue.finish(i, requeue=True, stay_on=vm.name if placed_here else None)
             _leave(vm, jobs, queue, outcomes, f"it refused job {job.run_name} before starting "
                                               f"it: {e}", up=True)
             return
@@ -168,7 +180,8 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
             why = _restore(vm, out.history)
             if why is None:
                 continue
-        _leave(vm, jobs, queue, outcomes, why, up=noticed and not vm.cfg.recreate)
+        # (a VM that comes back by itself, under maintenance say, keeps its disk: left up)
+        _leave(vm, jobs, queue, outcomes, why, up=keeps_disk and not vm.cfg.recreate)
         return
 
 

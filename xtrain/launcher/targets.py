@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xtrain.errors import ConfigError
+from xtrain.errors import ConfigError, TargetUnready
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,10 @@ def node_targets(node: dict, address: str, hardware) -> list[Target]:
     name = node.get("name", "?").rsplit("/", 1)[-1]
     state = node_state(node)
     if state == MAINTENANCE:
-        raise ConfigError(f"TPU {name} is READY but under maintenance (health {MAINTENANCE}): it "
+        raise TargetUnready(f"TPU {name} is READY but under maintenance (health {MAINTENANCE}): it "
                           "resumes once rescheduled; launch again then")
     if state != "READY":
-        raise ConfigError(f"TPU {name} is {state}, not READY (a preempted spot VM must be deleted "
+        raise TargetUnready(f"TPU {name} is {state}, not READY (a preempted spot VM must be deleted "
                           "and recreated)")
     check_type(node, hardware, f"TPU {name}")
     if address not in ("external", "internal"):
