@@ -318,6 +318,7 @@ def test_a_killed_compile_is_not_cached_and_the_next_run_compiles(tmp_path):
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 2, err[-2000:]
     assert "the compiler process was killed (SIGKILL)" in out and "not cached" in out
+    assert "no verdict: a TPU compile did not finish" in err and "does not compile" not in err
     assert not list((tmp_path / "preflight").glob("*.json"))
     again = _compile_mode(tmp_path)
     out, err = again.communicate(timeout=900)

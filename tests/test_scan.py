@@ -122,6 +122,45 @@ def test_a_window_pattern_is_scanned_a_period_at_a_time():
     assert scan_period((8, None)) == (2, 1)  # nothing repeats: no scan
 
 
+TAIL_FORWARDS = """
+import sys
+import torch, torch_xla
+from xtrain.model.config import GPTConfig
+from xtrain.model.gpt import GPT
+from xtrain.xla.layers import install_layer_loop
+remat = sys.argv[1] == "true"
+config = GPTConfig(n_layer=5, n_head=2, n_kv_head=2, n_embd=64, vocab_size=64, sequence_len=16,
+                   windows=(8, None, 8, None, None), attention="sdpa", attention_block=16,
+                   softcap=15.0, scan=True, remat=remat)  # SL over 5 layers: 2 periods + 1
+model = GPT(config).to(torch_xla.device())
+install_layer_loop(model, None, None)
+tail, forwards = model.blocks[4], []
+tail.register_forward_pre_hook(lambda module, args: forwards.append(1))  # (reentrant: its first
+# forward runs without grad, the one in backward with it)
+ids = torch.randint(0, 64, (2, 16)).to(torch_xla.device())
+model(ids, ids).backward()
+torch_xla.sync()
+print(len(forwards))
+"""
+
+
+@pytest.mark.parametrize("remat", ["false", "true"])
+def test_the_layers_after_the_scanned_periods_are_checkpointed_with_remat(remat):
+    """A window pattern whose period leaves layers after the scan (SL over 5 layers: 1; SSSL over
+    26: 2): with remat those are checkpointed too (their forward runs again in backward), as the
+    planner counts them; they kept every activation. A child process: XLA on CPU."""
+    pytest.importorskip("torch_xla")
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TAIL_FORWARDS, remat], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
+                          env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) == (2 if remat == "true" else 1), done.stdout
+
+
 def test_scan_refuses_layers_sharded_differently(compose_config):
     pytest.importorskip("torch_xla")
     import torch

@@ -291,6 +291,45 @@ def test_the_compilers_out_of_memory_numbers_are_read():
     assert hbm_from_error("INVALID_ARGUMENT: something else") is None
 
 
+def _report(step_ok=True, step_answered=True, kernel_answered=True) -> dict:
+    """A preflight report as run_preflight makes it (figures made up), a step that fits."""
+    gib = 2**30
+    step = {"ok": step_ok, "answered": step_answered, "seconds": 9.0, "host_peak_bytes": 3 * gib,
+            "argument_bytes": gib, "temp_bytes": 2 * gib, "output_bytes": gib, "alias_bytes": gib,
+            "flops": 1e12, "collectives": {},
+            "error": "" if step_ok else "the compiler process was killed (SIGKILL)"}
+    kernel = {"kernel": "flash", "shape": [8, 8, 2048, 128], "window": None, "seconds": 600.0,
+              "ok": kernel_answered, "answered": kernel_answered,
+              "error": "" if kernel_answered else "the TPU compiler took longer than 600 s"}
+    return {"hardware": "v6e4", "hbm_bytes_per_chip": 32 * gib, "planner_bytes": 3 * gib,
+            "versions": {"libtpu": "0.0.21"}, "hlo_ops": 100, "step": step, "kernels": [kernel]}
+
+
+@pytest.mark.parametrize("case", ["step killed", "kernel timed out"])
+def test_a_compile_that_did_not_finish_gives_no_verdict_on_the_config(case):
+    """A compile killed (the OOM killer) or past its time limit: not the compiler's answer, so
+    neither the step nor the kernel "does not compile"; the report says so, whichever it was."""
+    from xtrain.preflight.report import describe, verdict
+
+    report = _report(step_ok=case != "step killed", step_answered=case != "step killed",
+                     kernel_answered=case != "kernel timed out")
+    assert verdict(report).startswith("no verdict: a TPU compile did not finish (killed"), verdict(report)
+    assert describe(report).endswith("this result is not cached, the next run compiles again)")
+    assert verdict(_report()) is None and "not cached" not in describe(_report())
+
+
+def test_a_cached_report_shows_the_planners_figure_of_now(compose_config, tmp_path, monkeypatch):
+    """The cache key leaves the planner out (its estimate changes no compile): a report stored
+    before the planner changed shows the planner's figure of now, not the stored one."""
+    from xtrain.preflight.cache import cached_report, store_report
+
+    monkeypatch.setenv("XTRAIN_CACHE", str(tmp_path))
+    cfg = compose_config(["hardware=v6e4", *TINY_TPU, "mode=compile"])
+    plan = resolve(cfg, 4)
+    store_report(cfg, plan, {**_report(), "planner_bytes": 12345})
+    assert cached_report(cfg, plan)["planner_bytes"] == int(plan.memory.total) != 12345
+
+
 def test_cache_key_follows_step_shaping_code_only(compose_config, tmp_path):
     """Editing metrics or evaluation code keeps a cached compile; editing the model, the step,
     the optimizer or an engine invalidates it."""
@@ -307,7 +346,9 @@ def test_cache_key_follows_step_shaping_code_only(compose_config, tmp_path):
     for unrelated in ("observe/metrics.py", "train/run.py", "cli.py"):
         (copy / unrelated).write_text((copy / unrelated).read_text() + "\n# edited\n")
     assert cache_key(cfg, plan, copy) == before
-    for shaping in ("model/gpt.py", "engines/step.py", "optim.py", "xla/spmd.py"):
+    # (the preflight's own: what it asks the compiler for, and how it reads the answers it stores)
+    for shaping in ("model/gpt.py", "engines/step.py", "optim.py", "xla/spmd.py",
+                    "preflight/targets.py", "preflight/runner.py", "preflight/report.py"):
         edited = copy / shaping
         original = edited.read_text()
         edited.write_text(original + "\n# edited\n")

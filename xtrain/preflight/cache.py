@@ -4,7 +4,8 @@ The key covers what shapes the compiled step and nothing else, so editing metric
 evaluation code keeps 3-12 minute compiles: the step-shaping config groups and the batch, the
 compiler stack's versions and flags (LIBTPU_INIT_ARGS), and the source of the modules that shape the compiled graph (the
 model, the step, the optimizer, both engines, the sharding rules, the private-API shims and the
-preflight's own trace and compile children).
+preflight's own code: its trace and compile children, what it asks them to compile and how it
+reads their answers).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from xtrain.paths import cache_root, write_whole
 STACK = ("torch", "torch_xla", "jax", "jaxlib", "libtpu", "flax")
 # relative to the xtrain package; directories stand for every .py file below them
 STEP_SHAPING = ("model", "engines", "xla", "optim.py", "parallelism.py", "compat.py",
-                "preflight/trace.py", "preflight/tpu_compile.py")
+                "preflight/trace.py", "preflight/tpu_compile.py", "preflight/targets.py",
+                "preflight/runner.py", "preflight/report.py")
 PACKAGE = Path(__file__).resolve().parents[1]
 
 
@@ -60,8 +62,12 @@ def cache_path(cfg, plan) -> Path:
 
 
 def cached_report(cfg, plan) -> dict | None:
+    """The stored report of this step, its planner figure the planner's of now (the key does
+    not cover the planner: its estimate changes no compile)."""
     path = cache_path(cfg, plan)
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    return {**json.loads(path.read_text()), "planner_bytes": int(plan.memory.total)}
 
 
 def store_report(cfg, plan, report: dict) -> None:

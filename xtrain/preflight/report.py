@@ -103,13 +103,13 @@ def describe(report: dict) -> str:
         lines.append("compiler's report:\n  " + "\n  ".join(step["error"].splitlines()[:40]))
     else:
         lines.append(f"TPU compile ({report['hardware']}): FAILED\n  {step['error']}")
-        if not answered(report):
-            lines.append("  (not the compiler's answer: this result is not cached, the next "
-                         "run compiles again)")
     for k in report["kernels"]:
         what = f"{k['kernel']} kernel {'x'.join(map(str, k['shape']))}" + (
             f" window {k['window']}" if k["window"] else "")
         lines.append(f"{what}: " + (f"ok in {k['seconds']:.1f} s" if k["ok"] else f"FAILED: {k['error']}"))
+    if not answered(report):
+        lines.append("(a compile above was killed or timed out, which is not the compiler's "
+                     "answer: this result is not cached, the next run compiles again)")
     return "\n".join(lines)
 
 
@@ -121,8 +121,12 @@ def answered(report: dict) -> bool:
 
 
 def verdict(report: dict) -> str | None:
-    """Why the run would fail on the TPU, or None."""
+    """Why the run would fail on the TPU (or why that is not known), or None."""
     step = report["step"]
+    if not answered(report):
+        return ("no verdict: a TPU compile did not finish (killed, by the out-of-memory killer or "
+                "a signal, or past its time limit): this machine's limits, not the config's; "
+                "run the same command again, with more host RAM or time")
     if not step["ok"]:
         hbm = hbm_from_error(step["error"])
         if hbm:

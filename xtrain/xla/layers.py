@@ -137,9 +137,19 @@ class ScannedBlocks:
         partition = compat.remat_partition if self.remat else min_cut_rematerialization_partition
         x, _ = scan(self._body, x, (self._stacked_params(), *rope), partition_fn=partition,
                     is_fn_pure=True)
-        for block in list(blocks)[self.period * self.repeats:]:
-            x = block(x, cos, sin)
-        return x
+        # the layers after the last whole period (SSSL over 26 layers: 2), one by one
+        return run_unrolled(list(blocks)[self.period * self.repeats:], x, cos, sin, self.remat)
+
+
+def run_unrolled(blocks, x, cos, sin, remat: bool):
+    """``blocks`` one after the other; with ``remat`` (and grad) each checkpointed: only its
+    input kept, its activations recomputed in backward."""
+    from torch_xla.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        x = checkpoint(block, x, cos, sin) if remat and torch.is_grad_enabled() else \
+            block(x, cos, sin)
+    return x
 
 
 class CheckpointedBlocks:
@@ -149,11 +159,7 @@ class CheckpointedBlocks:
         self.model = model
 
     def __call__(self, x, cos, sin):
-        from torch_xla.utils.checkpoint import checkpoint
-
-        for block in self.model.blocks:
-            x = checkpoint(block, x, cos, sin) if torch.is_grad_enabled() else block(x, cos, sin)
-        return x
+        return run_unrolled(self.model.blocks, x, cos, sin, remat=True)
 
 
 def install_layer_loop(model: GPT, param_specs: dict | None, mesh) -> None:
