@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -290,6 +291,14 @@ def test_a_sweep_whose_jobs_share_a_run_name_is_refused(tmp_path):
     assert r.returncode == EXIT_REFUSED, r.stderr
     assert ("sweep job 2 of 2 (model=d2 trainer.max_steps=1 optim.matrix_lr=0.02 run.name=lr_sweep): "
             "sweep job 1 is run lr_sweep too (its checkpoints in multirun/") in r.stderr
+    assert not (tmp_path / "multirun").exists()
+    # jobs named apart but put in one dir: that dir is what they share, not a name
+    r = subprocess.run([*sweep, "hydra.sweep.subdir=x"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert re.search(r"sweep job 1 \(run d2-\S+matrix_lr_0\.01\) has this job's run dir too \(its "
+                     r"checkpoints in multirun/\S+/x/checkpoints\): .* give each job a dir of its "
+                     r"own with hydra.sweep.subdir", r.stderr), r.stderr
     assert not (tmp_path / "multirun").exists()
     # jobs in dirs of their own pass: one named per job, or a launcher's number per job (which
     # the check cannot resolve, and once refused)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from xtrain.cli import config_dir
-from xtrain.errors import ConfigError
+from xtrain.errors import EXIT_REFUSED, ConfigError
 from xtrain.hardware import check_profile
 from xtrain.plan import check_fits, resolve
 from xtrain.preflight.targets import topology_kwargs
@@ -144,6 +144,28 @@ def test_a_cpu_plan_says_whether_it_fits_this_machine(tmp_path):
     total = re.search(r"memory/chip: ([\d.]+) GiB", plans["big"])[1]
     assert re.search(rf"plan: may not fit this machine: {total} GiB estimated for 1 process\(es\) here "
                      r"\(an upper bound: the activations'\), [\d.]+ GiB available", plans["big"]), plans["big"]
+
+
+def test_xla_on_cpu_counts_each_virtual_devices_share_against_this_machine(tmp_path,
+                                                                           compose_config):
+    """XLA on CPU runs every virtual device in one process, each holding its own share of the
+    state (here replicated: the whole of it). A device count whose copies of the weights,
+    gradients and optimizer state exceed this machine's memory is refused, though one copy fits
+    (it planned as fitting)."""
+    from xtrain.hardware import available_bytes
+
+    overrides = ["hardware.engine=xla", "model=d12", "trainer.device_batch_size=1"]
+    memory = resolve(compose_config(overrides), 1).memory  # (replicated: the same per device)
+    state = memory.weights + memory.grads + memory.optimizer
+    devices = int(available_bytes() // state) + 2  # one copy fits, these do not
+    assert state * 2 < available_bytes()
+    r = subprocess.run([sys.executable, "-m", "xtrain", "mode=plan", *overrides,
+                        f"trainer.total_batch_size={devices * 2048}", f"hydra.run.dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "CPU_NUM_DEVICES": str(devices)})
+    assert r.returncode == EXIT_REFUSED, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"x {devices} virtual XLA device(s) here: the weights, gradients and optimizer state " \
+        "alone take" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("overrides, message", [

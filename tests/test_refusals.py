@@ -371,16 +371,24 @@ def test_a_refused_command_leaves_the_runs_record_and_an_accepted_one_replaces_i
     (["model=d20", "hardware.hbm_gib_per_chip=1"], EXIT_REFUSED),  # does not fit
     (["trainer.max_steps=${oc.env:XTRAIN_TEST_UNSET}"], EXIT_REFUSED),
     (["hydra.run.dir=gs://b/runs/x"], EXIT_REFUSED), (["-m", "hydra.sweep.dir=gs://b/sweeps"], EXIT_REFUSED),
-    (["mode=plan"], 0), (["mode=plan", "checkpoint.dir=/tmp/ckpt/${run.name}"], 0)],
+    (["hydra.run.dir=file:///tmp/xtrain-test-file-url/x"], EXIT_REFUSED),
+    (["RANK=1", "checkpoint.keep_last=0"], EXIT_REFUSED),  # (a process other than the first)
+    (["mode=plan"], 0), (["mode=plan", "checkpoint.dir=/tmp/ckpt/${run.name}"], 0),
+    # what the training would refuse, mode=plan does too
+    (["mode=plan", "trainer.sample_tokens=64"], EXIT_REFUSED),
+    (["mode=plan", "eval.cpp_every=10", "eval.n=2"], EXIT_REFUSED)],
     ids=["range", "base", "unknown-key", "sampling", "fit", "unresolvable", "url-run-dir", "url-sweep-dir",
-         "plan", "plan-interpolated"])
+         "file-url-run-dir", "rank-1", "plan", "plan-interpolated", "plan-sampling", "plan-eval"])
 def test_a_command_that_keeps_nothing_leaves_no_run_dir(tmp_path, overrides, code):
     """Hydra makes outputs/<run> and writes the command's record there before xtrain sees the
     config: a command refused by its config checks, or mode=plan, takes both away again, and
-    outputs/ if it made that too."""
+    outputs/ if it made that too (a process other than the first writes no record: the dirs)."""
+    env = dict(o.split("=") for o in overrides if o.startswith("RANK="))
+    overrides = [o for o in overrides if not o.startswith("RANK=")]
     flags = [o for o in overrides if o.startswith("-")]  # before the overrides, as Hydra parses them
     r = subprocess.run([sys.executable, "-m", "xtrain", *flags, *TINY, *(o for o in overrides if o not in flags)],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **env})
     assert r.returncode == code, r.stderr[-3000:]
     assert len(r.stderr.splitlines()) == (1 if code else 0), r.stderr  # the refusal's line alone
     assert list(tmp_path.iterdir()) == []
@@ -635,6 +643,38 @@ def test_hydras_rerun_which_unpickles_a_file_is_refused(tmp_path):
         assert r.stderr.startswith(f"xtrain: config error: {args[0].split('=')[0]}: Hydra's re-run "
                                    "unpickles a file, which can run code")
         assert not marker.exists()
+
+
+@pytest.mark.parametrize("args, full", [
+    (["--cf", "job", "--resolve", "-p", "hardware.env"], "--cfg"),  # (printed unmasked)
+    (["--cfg", "job", "--multi", "model=d2,d4"], "--multirun"),  # (Hydra's traceback)
+    (["--conf", "x"], "--config-dir or --config-name or --config-path"),
+])
+def test_an_abbreviated_hydra_option_is_refused_with_its_name_in_full(tmp_path, args, full):
+    """Hydra's argparse takes any unique prefix of its options, which xtrain's own checks read as
+    written: ``--cf job --resolve`` printed a secret unmasked, ``--cfg job --multi`` ended in a
+    traceback. Refused, naming the option in full."""
+    secret = "hf_" + os.urandom(16).hex()
+    r = subprocess.run([sys.executable, "-m", "xtrain", "hardware=v6e4",
+                        "+hardware.env.HF_TOKEN=${oc.env:HF_TOKEN}", *args], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "HF_TOKEN": secret})
+    assert r.returncode == EXIT_REFUSED, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr == (f"xtrain: config error: {args[-2] if full == '--multirun' else args[0]}: "
+                        f"write Hydra's option in full ({full}); xtrain reads options as written\n")
+    assert secret not in r.stdout + r.stderr and os.listdir(tmp_path) == []
+
+
+def test_hydras_long_options_are_the_ones_xtrain_knows():
+    """The list the abbreviation check reads is Hydra's (its parser's options, through a private
+    attribute: a new Hydra that adds one fails here)."""
+    from hydra._internal.utils import get_args_parser
+
+    from xtrain.cli import HYDRA_LONG_OPTIONS
+
+    parser = get_args_parser()
+    assert sorted(HYDRA_LONG_OPTIONS) == sorted(
+        o for action in parser._actions for o in action.option_strings if o.startswith("--"))
 
 
 def test_a_secret_in_a_config_file_is_refused_and_leaves_nothing(tmp_path):

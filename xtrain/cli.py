@@ -80,17 +80,29 @@ def secondary_process_overrides(env=os.environ) -> list[str]:
 
 
 RERUN_OPTION = "--experimental-rerun"
+# Hydra's long options (hydra-core 1.3's argument parser, hydra/_internal/utils.py). Its argparse
+# also takes any unique prefix of one (--cf for --cfg), which the checks here, reading options as
+# written, would miss (--cfg's masking of secrets, one mode per command)
+HYDRA_LONG_OPTIONS = ("--cfg", "--config-dir", "--config-name", "--config-path", RERUN_OPTION,
+                      "--help", "--hydra-help", "--info", "--multirun", "--package", "--resolve",
+                      "--run", "--shell-completion", "--version")
 
 
-def check_no_rerun(args: list[str]) -> None:
-    """Hydra's ``--experimental-rerun FILE`` unpickles FILE (a run dir's config.pickle), so any
-    code a crafted file holds would run: refused, like an abbreviation argparse would accept."""
+def check_hydra_options(args: list[str]) -> None:
+    """Refuse a Hydra option abbreviated (its name in full said), and Hydra's
+    ``--experimental-rerun FILE``, which unpickles FILE (a run dir's config.pickle): any code a
+    crafted file holds would run."""
     for arg in args:
         option = arg.split("=", 1)[0]
-        if len(option) > 2 and RERUN_OPTION.startswith(option):
+        meant = [o for o in HYDRA_LONG_OPTIONS if o.startswith(option)] \
+            if option.startswith("--") and len(option) > 2 else []
+        if meant == [RERUN_OPTION]:
             raise ConfigError(f"{option}: Hydra's re-run unpickles a file, which can run code; not "
                               "supported (run the command again: its overrides are in the run "
                               "dir's .hydra/overrides.yaml)")
+        if meant and option not in meant:
+            raise ConfigError(f"{option}: write Hydra's option in full ({' or '.join(meant)}); "
+                              "xtrain reads options as written")
 
 
 # Hydra's modes, one per command (two end in Hydra's ValueError and its traceback)
@@ -139,9 +151,9 @@ def check_plain_enum_values(args: list[str]) -> None:
 def main() -> None:
     mask_stderr()  # (an exception leaving main, Hydra's report of the job's, a library's thread)
     try:
+        check_hydra_options(sys.argv[1:])
         check_one_hydra_mode(sys.argv[1:])
         check_plain_enum_values(sys.argv[1:])
-        check_no_rerun(sys.argv[1:])
         check_group_overrides(sys.argv[1:])
         check_no_secret_overrides(sys.argv[1:])
     except ConfigError as ex:

@@ -154,24 +154,26 @@ def processes_here(env=os.environ) -> int:
     return _env_int(env, "LOCAL_WORLD_SIZE", minimum=1) if "LOCAL_WORLD_SIZE" in env else 1
 
 
-def check_fits_host(memory) -> str | None:
-    """``memory`` (xtrain/plan.py MemoryPlan), the CPU engine's estimate per process, times the
-    run's processes here against what this machine has. Refused when the weights, gradients and
+def check_fits_host(memory, devices_per_process: int = 1) -> str | None:
+    """``memory`` (xtrain/plan.py MemoryPlan), the estimate per device, times the run's devices
+    here (its processes, times each one's devices: XLA on CPU's virtual devices each hold their
+    own share) against what this machine has. Refused when the weights, gradients and
     optimizer state alone do not fit (a run the OOM killer would end minutes into its start);
     the activations are an upper bound (the fused loss holds no logits), so a total past what is
     available is only said, as the returned line (None: it fits). (A TPU run's estimate is per
     chip, of its HBM: checked by xtrain/plan.py check_fits.)"""
     if memory.hbm:
         return None
-    n, have = processes_here(), available_bytes()
+    n, have = processes_here() * devices_per_process, available_bytes()
+    here = f"{n} process(es)" if devices_per_process == 1 else f"{n} virtual XLA device(s)"
     state = (memory.weights + memory.grads + memory.optimizer) * n
     if state > have:
         raise ConfigError(
-            f"does not fit this machine: {memory.describe()} x {n} process(es) here: the weights, "
+            f"does not fit this machine: {memory.describe()} x {here} here: the weights, "
             f"gradients and optimizer state alone take {state / GIB:.2f} GiB, {have / GIB:.1f} GiB "
             "are available (RAM + free swap); a smaller model, or a machine with more memory")
     if memory.total * n > have:
-        return (f"may not fit this machine: {memory.total * n / GIB:.2f} GiB estimated for {n} "
-                f"process(es) here (an upper bound: the activations'), {have / GIB:.1f} GiB "
+        return (f"may not fit this machine: {memory.total * n / GIB:.2f} GiB estimated for "
+                f"{here} here (an upper bound: the activations'), {have / GIB:.1f} GiB "
                 "available (RAM + free swap)")
     return None

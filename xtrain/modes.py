@@ -36,9 +36,14 @@ def check_config(cfg) -> None:
     else:
         plan = resolve(cfg, run_devices(cfg.hardware))
         if cfg.mode == Mode.train:
-            check_fits(plan, cfg)
+            check_fits(plan, cfg)  # (mode=plan says whether it fits, then exits accordingly)
+        if cfg.mode in TRAINING_PLANNED:
             check_built_where_read(cfg.data)
     check_sampling(cfg)
+
+
+# the modes whose checks are a training's: mode=plan answers whether that training would run
+TRAINING_PLANNED = (Mode.train, Mode.plan)
 
 
 def check_sampling(cfg) -> None:
@@ -49,10 +54,10 @@ def check_sampling(cfg) -> None:
         raise ConfigError("sample.prompts=[]: nothing to sample; give prompts (sample.prompts=[...] "
                           "or sample.prompt=...)")
     tokens, context = cfg.trainer.sample_tokens, cfg.model.sequence_len
-    if cfg.mode == Mode.train and sample_prompts(cfg.sample) and tokens >= context:  # BOS at least
+    if cfg.mode in TRAINING_PLANNED and sample_prompts(cfg.sample) and tokens >= context:  # BOS
         raise ConfigError(f"trainer.sample_tokens={tokens} leaves no room for a prompt in "
                           f"model.sequence_len={context}: lower it (0: no samples in training)")
-    if cfg.mode == Mode.eval or (cfg.mode == Mode.train and cfg.eval.cpp_every):
+    if cfg.mode == Mode.eval or (cfg.mode in TRAINING_PLANNED and cfg.eval.cpp_every):
         from xtrain.evals.config import check
 
         check(cfg.eval)
@@ -75,10 +80,16 @@ def run(cfg, run_dir: str) -> dict | None:
 
 
 def check_host_memory(cfg) -> None:
-    """A training on the CPU engine refused when its state cannot fit this machine's memory
-    (xtrain/hardware.py check_fits_host); a local sweep checks it for every job first."""
-    if cfg.mode == Mode.train and cfg.hardware.engine == Engine.cpu:
-        check_fits_host(resolve(cfg, run_devices(cfg.hardware)).memory)
+    """A training on this machine's memory (the CPU engine, or XLA on CPU) refused when its state
+    cannot fit there (xtrain/hardware.py check_fits_host); a local sweep checks it for every job
+    first."""
+    if cfg.mode == Mode.train:
+        fits_host(resolve(cfg, run_devices(cfg.hardware)))
+
+
+def fits_host(plan: RunPlan) -> str | None:
+    """check_fits_host of ``plan``: per device, times the devices of each process here."""
+    return check_fits_host(plan.memory, plan.devices // plan.hosts)
 
 
 def check_environment(cfg) -> None:
@@ -117,7 +128,7 @@ def run_checked(cfg, run_dir: str, record: str | None) -> dict | None:
             return compile_for_tpu(cfg, plan)
         if cfg.mode == Mode.plan:
             return show_plan(cfg, plan)
-        doubt = check_fits_host(plan.memory)  # (what check_environment did not refuse)
+        doubt = fits_host(plan)  # (what check_environment did not refuse)
         if doubt:
             warn(doubt)
         check_inputs(cfg, plan.gpt, run_dir)  # before data preparation, the model build or a compile
@@ -142,7 +153,7 @@ def show_plan(cfg, plan: RunPlan) -> None:
         log.info(describe(report) if report else "TPU compiler: not run yet for this config (mode=compile)")
     check_fits(plan, cfg)
     hbm = cfg.hardware.hbm_gib_per_chip
-    here = None if hbm else check_fits_host(plan.memory) or "fits in this machine's memory"
+    here = None if hbm else fits_host(plan) or "fits in this machine's memory"
     log.info("plan: " + (f"fits in {hbm:g} GiB HBM per chip" if hbm else here))
 
 

@@ -30,7 +30,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     from xtrain.launcher.hydra_jobs import check_workers_compose_it
     from xtrain.modes import check_config, check_host_memory
 
-    checkpoint_dirs: dict[str, int] = {}  # a training's checkpoint dir -> the job training there
+    checkpoint_dirs: dict[str, tuple[int, str]] = {}  # a checkpoint dir -> (its job, run name)
     try:
         for number, overrides in enumerate(batch, start=1):
             loaded = config_loader.load_sweep_config(master_config=sweep_config,
@@ -85,11 +85,13 @@ def job_dir_in_sweep_dir(hydra_cfg) -> str:
     return run_dir
 
 
-def check_own_checkpoint_dir(job, run_dir: str | None, number: int, taken: dict[str, int]) -> None:
+def check_own_checkpoint_dir(job, run_dir: str | None, number: int,
+                             taken: dict[str, tuple[int, str]]) -> None:
     """Trainings given one checkpoint dir take each other's checkpoints (each would resume from,
     or prune, the other's), so each job trains in its own: an explicit ``checkpoint.dir``, or its
-    run dir's (which jobs given one ``run.name`` share; ``run_dir`` None: not known here).
-    ``taken`` maps the dirs of the jobs before (which it records this one's in)."""
+    run dir's (which jobs given one ``run.name`` share, or one ``hydra.sweep.subdir``; ``run_dir``
+    None: not known here). ``taken`` maps the dirs of the jobs before to their number and run
+    name (this one's recorded in it)."""
     from xtrain.config import Mode
     from xtrain.errors import ConfigError
     from xtrain.inputs import checkpoint_dir
@@ -100,13 +102,19 @@ def check_own_checkpoint_dir(job, run_dir: str | None, number: int, taken: dict[
     if run_dir is None and not job.checkpoint.dir:
         return
     directory = checkpoint_dir(job, run_dir).rstrip("/")
-    first = taken.setdefault(location(directory), number)  # ckpt, ./ckpt, file://...: one dir
+    # (ckpt, ./ckpt, file://...: one dir)
+    first, first_name = taken.setdefault(location(directory), (number, job.run.name))
     if first == number:
         return
     if job.checkpoint.dir:
         raise ConfigError(f"checkpoint.dir={directory} is sweep job {first}'s too: two trainings in "
                           "one checkpoint dir take each other's checkpoints; give each job its own, "
                           f"e.g. 'checkpoint.dir={directory}/${{run.name}}'")
+    if first_name != job.run.name:  # named apart, but given one dir
+        raise ConfigError(f"sweep job {first} (run {first_name}) has this job's run dir too (its "
+                          f"checkpoints in {directory}): two trainings in one run dir take each "
+                          "other's checkpoints; give each job a dir of its own with "
+                          "hydra.sweep.subdir (by default the job's run name)")
     raise ConfigError(f"sweep job {first} is run {job.run.name} too (its checkpoints in "
                       f"{directory}): two trainings in one run dir take each other's checkpoints; "
                       "give each job its own name, e.g. without run.name (a sweep's jobs are named "

@@ -93,7 +93,8 @@ def check_composed(cfg, hydra_cfg) -> None:
 
 
 def check_local_dir(hydra_cfg) -> None:
-    """Refuse a URL as the job's dir (``hydra.run.dir=gs://b/x``, or a sweep's ``hydra.sweep.dir``):
+    """Refuse a URL as the job's dir (``hydra.run.dir=gs://b/x`` or ``file:///x``, or a sweep's
+    ``hydra.sweep.dir``):
     Hydra makes it on this machine, so the job would train into a local ``./gs:/b/x`` (its
     made dirs are removed again on refusal: xtrain/config/hydra_record.py, xtrain/sweeps.py)."""
     from hydra.types import RunMode
@@ -103,7 +104,7 @@ def check_local_dir(hydra_cfg) -> None:
 
     key = "sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "run.dir"
     where = str(OmegaConf.select(hydra_cfg, key))
-    if not is_local(where):
+    if not is_local(where) or "://" in where:  # (file:///x too: Hydra makes ./file:/x)
         raise ConfigError(f"hydra.{key}={where}: Hydra makes this dir on this machine (here: "
                           f"{os.path.abspath(where)}); give a local dir, and put checkpoints in a "
                           "bucket with checkpoint.dir=gs://...")

@@ -151,30 +151,43 @@ def discard(run_dir: str, cwd_before: set[str] | None = None) -> None:
     as conf/train.yaml's ``outputs/``); a single run's dir that was there before the command
     (:class:`RunDirWatch`) stays, and so do its parents. Only Hydra's files go, only from a record of xtrain's naming (not a
     ``hydra.output_subdir`` set by hand), still where Hydra wrote it and naming this command's
-    overrides as written: one held (:func:`hold`), or written meanwhile by another command, stays."""
+    overrides as written: one held (:func:`hold`), or written meanwhile by another command, stays.
+    A process other than the first writes no record: the dirs alone go, when empty."""
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
 
-    if not writes_record() or not HydraConfig.initialized():
+    if not HydraConfig.initialized():
         return
-    hc = HydraConfig.get()
-    name = hc.output_subdir
-    if name != PENDING and not (isinstance(name, str) and name.startswith(RECORD + "-") and "/" not in name):
-        return
-    record = Path(run_dir) / name
-    try:
-        written = OmegaConf.to_container(OmegaConf.load(record / "overrides.yaml"))
-    except Exception:  # noqa: BLE001  (none, or unreadable: not a record to remove)
-        return
-    if written != OmegaConf.to_container(hc.overrides.task):  # unresolved, as Hydra wrote them
-        return
-    for file in HYDRA_FILES:
-        with contextlib.suppress(FileNotFoundError):
-            (record / file).unlink()
+    records = ()
+    if writes_record():
+        record = _own_record(run_dir, HydraConfig.get())
+        if record is None:
+            return
+        for file in HYDRA_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                (record / file).unlink()
+        records = (record,)
     cwd = Path.cwd()
     parents = [p for p in Path(run_dir).absolute().parents if cwd_before is not None
                and p.is_relative_to(cwd) and p != cwd and p.relative_to(cwd).parts[0] not in cwd_before]
     found = os.path.abspath(run_dir) in _RUN_DIR_FOUND  # not Hydra's: it stays, and its parents
-    for directory in (record,) if found else (record, Path(run_dir), *parents):
+    for directory in records if found else (*records, Path(run_dir), *parents):
         with contextlib.suppress(OSError):
             directory.rmdir()
+
+
+def _own_record(run_dir: str, hc) -> Path | None:
+    """The record Hydra wrote in ``run_dir`` for this command, if it is xtrain's (named so, not a
+    ``hydra.output_subdir`` set by hand) and names this command's overrides as written."""
+    from omegaconf import OmegaConf
+
+    name = hc.output_subdir
+    if name != PENDING and not (isinstance(name, str) and name.startswith(RECORD + "-") and "/" not in name):
+        return None
+    record = Path(run_dir) / name
+    try:
+        written = OmegaConf.to_container(OmegaConf.load(record / "overrides.yaml"))
+    except Exception:  # noqa: BLE001  (none, or unreadable: not a record to remove)
+        return None
+    if written != OmegaConf.to_container(hc.overrides.task):  # unresolved, as Hydra wrote them
+        return None
+    return record
