@@ -270,7 +270,8 @@ def test_each_offline_start_is_a_wandb_run_of_its_own_in_the_runs_group(tmp_path
 
     monkeypatch.delenv("XTRAIN_WANDB_RUN_ID", raising=False)
     for step in (1, 2):  # a start, then its resume
-        sink = LightningSink(wandb_logger(str(tmp_path), str(tmp_path), "d2-run", {}, mode="offline"))
+        sink = LightningSink(wandb_logger(str(tmp_path), str(tmp_path), "d2-run", {}, mode="offline",
+                                          start_step=step - 1))
         sink.write({"step": step, "loss": 1.0 / step})
         sink.close()
         # W&B's service may still be writing the run's file after run.finish(): closing waits

@@ -19,6 +19,7 @@ from xtrain.config import to_plain
 from xtrain.config.hydra_record import ACCEPTED, accept
 from xtrain.engines.base import Engine
 from xtrain.errors import Terminated
+from xtrain.inputs import checkpoint_dir
 from xtrain.observe.bundle import code_fingerprint
 from xtrain.plan import RunPlan
 from xtrain.train.finish import end_status, finish_end, stopped
@@ -308,7 +309,6 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
     import lightning as L
 
     from xtrain.checkpoint.layout import check_shared, latest_checkpoint
-    from xtrain.inputs import checkpoint_dir
     from xtrain.train.catch_up import CatchUp
     from xtrain.train.loader_state import LoaderState
     from xtrain.train.module import GPTModule
