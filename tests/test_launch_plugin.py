@@ -383,6 +383,17 @@ def test_a_secret_set_in_a_makefile_or_given_to_a_command_is_refused_and_masked(
     assert mask_secrets(diff, {}) == f"+\t{line.format(key='***')}\n"
 
 
+def test_a_dotted_token_after_bearer_is_a_secret():
+    """A JWT, or Google's ``ya29.`` access token, is dotted like a name (which a literal after a
+    variable's name may be): after ``Bearer`` it is a token all the same, found and masked whole."""
+    from xtrain.config.secrets import mask_assigned, secret_in_text
+
+    for token in ("ya29" + ".a0AfB_" + KEY, "eyJhbGciOi" + ".eyJzdWIiOi" + KEY + ".SflKxw"):
+        line = f"curl -H 'Authorization: Bearer {token}' https://api.example.com\n"
+        assert secret_in_text(line) == "Bearer followed by a literal", token
+        assert mask_assigned(line, "***") == "curl -H 'Authorization: Bearer ***' https://api.example.com\n"
+
+
 def test_a_private_key_in_an_uncommitted_change_is_refused_at_sync_and_left_out_of_code_diff(tmp_path):
     """A key pasted into a tracked file (no key file by its name): not synced, and code.diff (``git
     diff HEAD``) leaves that file out, naming it in code.json; so does a change in the middle of a

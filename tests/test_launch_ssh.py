@@ -106,6 +106,10 @@ def test_a_remote_command_that_outlasts_its_timeout_is_not_retried(remote, tmp_p
                                           r"out after 1 s \(not retried: it ran\)$"):
         worker.run("sleep 30\n", "slow", timeout=1)
     assert runner.labels().count("slow") == 1
+    # an rsync past its time is run again (it goes on where it stopped)
+    timed_out = Result(-1, "", "\ntimed out after 1800 s")
+    assert worker.ssh.connection_failure(HOSTS[0], timed_out, rerunnable=True) == \
+        "timed out after 1800 s"
 
 
 def test_a_host_name_the_resolver_does_not_know_is_refused_at_once(tmp_path):
@@ -293,6 +297,13 @@ def test_a_venv_another_python_made_is_made_afresh(remote, tmp_path):
     (tmp_path / "venv" / "left-by-the-same").write_text("")  # a new pin, the same Python: kept
     assert ensure_env(worker, EnvSpec(str(other), ("six==1.17.0",)), None) == "installed"
     assert (tmp_path / "venv" / "left-by-the-same").exists()
+    # another minor version in the same directory (python3.10 and python3.11 in /usr/bin), as
+    # the venv's pyvenv.cfg of a 3.10 says: made afresh too
+    cfg = tmp_path / "venv" / "pyvenv.cfg"
+    cfg.write_text(re.sub(r"(?m)^version = .*$", "version = 3.10.13", cfg.read_text()))
+    assert ensure_env(worker, EnvSpec(str(other), ("six==1.16.0",)), None).startswith(
+        "installed; xtrain: warning: ")
+    assert not (tmp_path / "venv" / "left-by-the-same").exists()
 
 
 def test_a_missing_base_python_is_named_before_any_venv_is_made(remote, tmp_path):
@@ -378,8 +389,8 @@ def test_stop_sends_sigterm_then_sigkill_after_the_grace(remote, tmp_path):
 
 def test_stopping_a_pods_others_names_the_killed_and_the_unreachable(remote, tmp_path):
     """After a worker failed the others are stopped: one that outlasts the grace is named as
-    killed, one that does not answer (nothing listens on 127.0.0.4) is named too, its error not
-    raised in place of the failure the launch reports."""
+    killed, one that does not answer (nothing listens on 127.0.0.4) or refuses the login is named
+    too, its error not raised in place of the failure the launch reports."""
     from xtrain.launcher.job import stop_others
 
     worker, _, _ = make_worker(remote, tmp_path)
@@ -389,10 +400,17 @@ def test_stopping_a_pods_others_names_the_killed_and_the_unreachable(remote, tmp
         hosts=["127.0.0.4"], retries=0, remote_dir=str(tmp_path / "hosts") + "/{host}")))
     gone = Worker(Target(1, "127.0.0.4", "127.0.0.4"), Ssh(cfg, Runner(), print), cfg.remote_dir,
                   cfg.venv)
+    refused_cfg = OmegaConf.structured(LauncherConfig(**remote.launcher_fields(
+        identity_file=str(keygen(tmp_path / "unknown_key")), retries=0,
+        remote_dir=str(tmp_path / "hosts") + "/{host}")))
+    refused = Worker(Target(2, HOSTS[0], HOSTS[0]), Ssh(refused_cfg, Runner(), print),
+                     refused_cfg.remote_dir, refused_cfg.venv)
     said = []
-    stop_others([job, RemoteJob(gone, "unit")], 0.4, said.append)
+    stop_others([job, RemoteJob(gone, "unit"), RemoteJob(refused, "unit")], 0.4, said.append)
     assert said[0] == f"launch: {worker} did not stop within 0.4 s of SIGTERM: killed"
     assert said[1].startswith(f"launch: {gone} could not be stopped (") and "unreachable" in said[1]
+    assert said[2].startswith(f"launch: {refused} could not be stopped (") and \
+        "login refused" in said[2], said[2]
     assert job.state().state == "lost"
 
 

@@ -316,6 +316,11 @@ def test_a_compile_that_did_not_finish_gives_no_verdict_on_the_config(case):
     assert verdict(report).startswith("no verdict: a TPU compile did not finish (killed"), verdict(report)
     assert describe(report).endswith("this result is not cached, the next run compiles again)")
     assert verdict(_report()) is None and "not cached" not in describe(_report())
+    # the step's own answer stands, whatever became of a kernel's compile
+    too_big = _report(kernel_answered=False)
+    too_big["step"].update(ok=False, error="RESOURCE_EXHAUSTED: Ran out of memory in memory space "
+                                           "hbm. Used 40.00G of 31.25G hbm.")
+    assert verdict(too_big).startswith("does not fit: the TPU compiler needs at least 40.00 GiB")
 
 
 def test_a_cached_report_shows_the_planners_figure_of_now(compose_config, tmp_path, monkeypatch):

@@ -173,11 +173,11 @@ QUERY_LITERAL = re.compile(r"[?&]([A-Za-z_][\w-]*)=([A-Za-z0-9_+/.%~-]{16,})(?=[
 DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # rfc4357.Gost28147_89_EncryptedKey
 
 
-def _looks_random(value: str) -> bool:
+def _looks_random(value: str, dotted: bool = False) -> bool:
     """A run of 8 or more letters and digits mixed, between the ``_ . -`` that join words: a key
     or a token (``0f1e2d3c...``), not a name (``checkpoint_step_00001000``, ``some_identifier_2024``,
-    a dotted one)."""
-    return not DOTTED_NAME.fullmatch(value) and any(
+    a dotted one, unless ``dotted``: after ``Bearer`` a JWT or Google's ``ya29.`` token is dotted)."""
+    return (dotted or not DOTTED_NAME.fullmatch(value)) and any(
         len(part) >= 8 and re.search(r"[A-Za-z]", part) and re.search(r"\d", part)
         for part in re.split(r"[_.-]+", value))
 
@@ -198,7 +198,7 @@ def _assigned_secrets(text: str):
         if (m[1] or is_secret_name(name)) and may_be_secret(value, name) and _looks_random(value):
             yield f"{name} given", m.start(4), m.end(4)
     for m in KEYWORD_LITERAL.finditer(text):
-        if may_be_secret(m[4]) and _looks_random(m[4]):
+        if may_be_secret(m[4]) and _looks_random(m[4], dotted=True):
             yield (f"{m[1]} followed by" if m[1] else f"{m[2]} -p given"), m.start(4), m.end(4)
     for m in QUERY_LITERAL.finditer(text):
         if is_secret_name(m[1]) and _looks_random(m[2]):

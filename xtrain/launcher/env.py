@@ -28,9 +28,15 @@ STAMP = ".xtrain-stamp"
 # evaluation's sandbox (xtrain/evals/sandbox.py), which refuses to run without it unless root.
 SYSTEM_TOOLS = {"bwrap": "bubblewrap"}
 APT_GET = "apt-get"  # the package manager the install script calls
-# The ``home`` a venv made by this Python records in its pyvenv.cfg (the venv module's own
-# rule, the same in Python 3.10 to 3.13): what tells which Python made a venv
-VENV_HOME_PY = "import os, sys; print(os.path.dirname(os.path.abspath(sys._base_executable)))"
+# Exits 0 when this Python made the venv whose pyvenv.cfg is argv[1]: the ``home`` it records
+# (the venv module's own rule, the same in Python 3.10 to 3.13) and its version's major.minor
+# (python3.10 and python3.11 may share /usr/bin; a patch release keeps the venv's packages)
+SAME_PYTHON_PY = (
+    "import os, sys\n"
+    "cfg = dict(l.split(' = ', 1) for l in open(sys.argv[1]).read().splitlines() if ' = ' in l)\n"
+    "home = os.path.dirname(os.path.abspath(sys._base_executable))\n"
+    "minor = '%d.%d' % sys.version_info[:2]\n"
+    "sys.exit(cfg.get('home') != home or cfg.get('version', '').rsplit('.', 1)[0] != minor)\n")
 
 
 def requirements(root: Path, pins: dict) -> list[str]:
@@ -87,8 +93,8 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None, lacks=()) -> str:
         remade = q(f"xtrain: warning: {venv} was made by another Python: made afresh with "
                    f"{spec.base_python}")
         script = (f"set -e\nv={q(venv)}\n{base_python_script(spec.base_python)}"
-                  f"home=$({base} -c {q(VENV_HOME_PY)})\n"
-                  'if [ -f "$v/pyvenv.cfg" ] && ! grep -qxF "home = $home" "$v/pyvenv.cfg"; then\n'
+                  f'if [ -f "$v/pyvenv.cfg" ] && ! {base} -c {q(SAME_PYTHON_PY)} "$v/pyvenv.cfg"; '
+                  "then\n"
                   f"  echo {remade} >&2\n"
                   f'  {base} -m venv --clear "$v"\n'
                   'elif ! "$v/bin/python" -m pip --version >/dev/null 2>&1 && '

@@ -33,7 +33,7 @@ from xtrain.config.secrets import check_no_secret_values, declare_secret_names
 from xtrain.errors import ConfigError, EnvironmentMismatch, InputError, TargetUnready
 from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.launch import launch_job, say
-from xtrain.launcher.logs import kept_aside, last_logged_step, log_path
+from xtrain.launcher.logs import kept_aside, last_logged_step, log_path, worker_logs
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh, check_identity
 from xtrain.launcher.targets import TARGET_REQUIRED, check_type
@@ -89,10 +89,8 @@ class Preemptions:
         path = log_path(job.job_dir, 0)
         if os.path.exists(path):
             self.steps_seen = last_logged_step(path) or self.steps_seen
-        index = 0  # every worker's: the re-run starts each log afresh
-        while os.path.exists(path := log_path(job.job_dir, index)):
-            os.replace(path, kept_aside(job.job_dir, index))
-            index += 1
+        for index in worker_logs(job.job_dir):  # every worker's: the re-run starts each afresh
+            os.replace(log_path(job.job_dir, index), kept_aside(job.job_dir, index))
 
     def relaunching(self) -> dict[str, str]:
         """The re-run's environment; the time since the preemption was seen counts as lost."""
@@ -122,11 +120,13 @@ def derive(cfg, **changes):
 VM_DOWN_WAIT_S = 180.0
 
 
-def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
+def attempt(vm: Vm, job: Job, history: Preemptions, log=say, looked: bool = True) -> dict:
     """Run ``job`` on ``vm`` once. Raises VmLost when the VM went down under it (or was found
     down while launching, or went down after the job stopped for a signal or a notice),
     NoticeStop when the job stopped for a GCE notice and the VM stayed up, VmUnavailable when the
-    READY VM refused the job before it started, and anything else as the job's own failure."""
+    READY VM refused the job before it started, and anything else as the job's own failure.
+    ``looked``: the fleet found the VM up before (else the launch's look at it is the first, and
+    a VM it finds not READY, or unknown, is a refused target)."""
     env = {**job.cfg.env, **history.relaunching()}
     cfg = derive(job.cfg, tpu=vm.name, pool=[], hosts=[], env=env)
     try:
@@ -134,6 +134,8 @@ def attempt(vm: Vm, job: Job, history: Preemptions, log=say) -> dict:
                             Runner(), log, vm_check=vm.check, record=job.record,
                             checkpoint_dir=job.checkpoint_dir)
     except TargetUnready as e:  # the VM (or gcloud) changed since the fleet looked: ask again
+        if not looked:
+            raise
         state = vm.answer()
         if state != NO_ANSWER and vm_health(state, vm.cfg.queued) != UP:
             raise VmLost(vm.name, state) from e
@@ -206,7 +208,7 @@ def run_on_vm(job: Job, log=say) -> dict:
             vm.restore()
     while True:
         try:
-            return attempt(vm, job, history, log)
+            return attempt(vm, job, history, log, looked=bool(job.cfg.recreate))  # (check_known)
         except VmLost as lost:
             if isinstance(lost, NoticeStop) and not job.cfg.recreate:
                 log(f"fleet: {lost}: the job stopped for its notice; run the same command to "

@@ -215,11 +215,11 @@ def stop_others(jobs, grace_s: float, log, acknowledge: bool = False) -> None:
             if acknowledge:
                 job.acknowledge()
             return killed
-        except LaunchError as e:
+        except Exception as e:  # noqa: BLE001  (unreachable, a refused login: named, not raised)
             return e
 
     for job, outcome in zip(jobs, parallel(stop, jobs)):
-        if isinstance(outcome, LaunchError):
+        if isinstance(outcome, Exception):
             log(f"launch: {job.worker} could not be stopped ({outcome}); once it answers, "
                 "hydra.launcher.stop=true stops it")
         elif outcome:

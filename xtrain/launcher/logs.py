@@ -27,6 +27,12 @@ def last_logged_step(path: str) -> int | None:
     return steps[-1] if steps else None
 
 
+def worker_logs(job_dir: str) -> list[int]:
+    """The workers whose log of the latest attempt is in ``job_dir``."""
+    names = (os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(job_dir), "worker-*.log")))
+    return sorted(int(m[1]) for name in names if (m := re.fullmatch(r"worker-(\d+)\.log", name)))
+
+
 def kept_aside(job_dir: str, index: int) -> str:
     """Where worker ``index``'s log of a preempted attempt is kept: the first free
     ``worker-<i>.preempted-<n>.log`` (a later launch of the same command numbers on)."""

@@ -29,7 +29,7 @@ from xtrain.launcher.jobdir import earlier_attempt
 from xtrain.launcher.launch import job_name, say
 from xtrain.launcher.runner import LaunchError, VmUnavailable, parallel
 from xtrain.launcher.ssh import Ssh
-from xtrain.launcher.vm import NO_ANSWER, PENDING, UP, Vm, VmLost, clock, vm_health
+from xtrain.launcher.vm import DISK_KEPT, NO_ANSWER, UP, Vm, VmLost, clock, vm_health
 from xtrain.launcher.targets import node_targets
 from xtrain.launcher.worker import Worker
 
@@ -148,12 +148,12 @@ def serve(vm: Vm, jobs: list[Job], queue: JobQueue, outcomes: list[Outcome]) -> 
                 queue.finish(i)
                 continue
             # down while idle: the job lost nothing, it waits (for this VM, if it keeps its disk)
-            keeps_disk = vm_health(state, vm.cfg.queued) == PENDING
+            keeps_disk = state in DISK_KEPT
             queue.finish(i, requeue=True, stay_on=vm.name if placed_here and keeps_disk else None)
             why = f"it is {state}"
         except VmLost as lost:  # a NoticeStop too: the job goes back to the queue
             why, noticed = f"it {lost.why}", isinstance(lost, NoticeStop)
-            keeps_disk = noticed or vm_health(lost.state, vm.cfg.queued) == PENDING
+            keeps_disk = noticed or lost.state in DISK_KEPT
             # (checkpoints on the VM mean no recreate: fleet.check_recreate wants gs://)
             if noticed and job.checkpoints_on_vm:  # elsewhere it would train from step 0 again
                 out.result = lost.result

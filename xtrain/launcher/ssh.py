@@ -162,15 +162,16 @@ class Ssh:
         return self.runner.stream(["ssh", *self.options(), self.destination(host), command], label,
                                   stdin=subprocess.PIPE)
 
-    def retrying(self, host: str, attempt) -> Result:
-        """Call ``attempt()`` (an ssh or rsync invocation) until it reaches the host."""
+    def retrying(self, host: str, attempt, rerunnable: bool = False) -> Result:
+        """Call ``attempt()`` (an ssh or rsync invocation) until it reaches the host; one that
+        outlasted its time limit too when ``rerunnable`` (rsync goes on where it stopped)."""
         tries = self.cfg.retries + 1
         for i in range(tries):
             result = attempt()
-            reason = self.connection_failure(host, result)
+            reason = self.connection_failure(host, result, rerunnable)
             if reason == "rekeyed":  # the old key is gone: the same call records the new one
                 result = attempt()
-                reason = self.connection_failure(host, result)
+                reason = self.connection_failure(host, result, rerunnable)
             if reason is None:
                 return result
             if i + 1 < tries:
@@ -179,9 +180,10 @@ class Ssh:
                 time.sleep(wait)
         raise LaunchError(f"{host}:{self.cfg.port} unreachable after {tries} attempts: {reason}")
 
-    def connection_failure(self, host: str, result: Result) -> str | None:
+    def connection_failure(self, host: str, result: Result, rerunnable: bool = False) -> str | None:
         """None when the remote side ran (any exit code); otherwise why the connection failed.
-        A changed host key or a refused login raise: retrying cannot fix them."""
+        A changed host key or a refused login raise: retrying cannot fix them; so does a command
+        past its time limit, unless ``rerunnable``."""
         err = result.stderr
         if HOST_KEY_CHANGED in err or "Host key verification failed" in err:
             return self._host_key_changed(host)
@@ -192,7 +194,7 @@ class Ssh:
         if result.returncode == 255 and UNKNOWN_NAME in err.lower():
             raise ConfigError(f"{host}: no such host ({err.strip().splitlines()[-1]}); check "
                               "hydra.launcher.hosts")
-        if result.returncode == TIMED_OUT:  # the remote side ran: retrying would run it again
+        if result.returncode == TIMED_OUT and not rerunnable:  # (it ran: not run again)
             raise LaunchError(f"{host}: the remote command did not end: "
                               f"{err.strip().splitlines()[-1]} (not retried: it ran)")
         if unreachable(result):

@@ -184,7 +184,8 @@ def sync(ssh, host: str, root: Path, files: list[str], dest: str) -> list[str]:
         argv = ["rsync", "-rlpt", "--delete", "--delete-excluded", "--itemize-changes",
                 f"--filter=merge {rules.name}", "-e", ssh.rsh(), f"{root}/",
                 f"{ssh.destination(host)}:{dest}/"]
-        result = ssh.retrying(host, lambda: ssh.runner.run(argv, timeout=1800, label="sync"))
+        result = ssh.retrying(host, lambda: ssh.runner.run(argv, timeout=1800, label="sync"),
+                              rerunnable=True)
     if not result.ok:
         raise LaunchError(f"{host}: rsync failed (exit {result.returncode}): "
                           f"{result.stderr.strip()[-500:]}")

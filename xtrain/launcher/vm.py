@@ -31,6 +31,9 @@ NODE_STATES = {"READY": UP, "CREATING": PENDING, "STARTING": PENDING, "RESTARTIN
 # (Vm.restore waits for them).
 QUEUED_STATES = {"ACTIVE": UP, "CREATING": PENDING, "ACCEPTED": PENDING, "PROVISIONING": PENDING,
                  "WAITING_FOR_RESOURCES": PENDING, MAINTENANCE: PENDING}  # (its node's health)
+# The states of a VM coming back with the disk it had (a node being created, reimaged or
+# provisioned has none of it)
+DISK_KEPT = {MAINTENANCE, "STARTING", "RESTARTING"}
 
 
 def vm_health(state: str, queued: bool = False) -> str:

@@ -123,19 +123,19 @@ def answered(report: dict) -> bool:
 def verdict(report: dict) -> str | None:
     """Why the run would fail on the TPU (or why that is not known), or None."""
     step = report["step"]
-    if not answered(report):
-        return ("no verdict: a TPU compile did not finish (killed, by the out-of-memory killer or "
-                "a signal, or past its time limit): this machine's limits, not the config's; "
-                "run the same command again, with more host RAM or time")
-    if not step["ok"]:
+    if step.get("answered", True) and not step["ok"]:  # (the compiler's answer stands)
         hbm = hbm_from_error(step["error"])
         if hbm:
             return (f"does not fit: the TPU compiler needs at least {hbm[0] / GIB:.2f} GiB per chip, "
                     f"{hbm[1] / GIB:.2f} GiB are usable")
         return "the step does not compile for the TPU (the compiler's reason is above)"
-    if hbm_bytes(step) > report["hbm_bytes_per_chip"]:
+    if step["ok"] and hbm_bytes(step) > report["hbm_bytes_per_chip"]:
         return (f"does not fit: the compiled step needs {hbm_bytes(step) / GIB:.2f} GiB per chip, "
                 f"the chip has {report['hbm_bytes_per_chip'] / GIB:.0f} GiB")
+    if not answered(report):
+        return ("no verdict: a TPU compile did not finish (killed, by the out-of-memory killer or "
+                "a signal, or past its time limit): this machine's limits, not the config's; "
+                "run the same command again, with more host RAM or time")
     failed = [k["kernel"] for k in report["kernels"] if not k["ok"]]
     if failed:
         return f"the {'/'.join(failed)} attention kernel does not compile for the TPU"
