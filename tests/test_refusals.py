@@ -839,3 +839,32 @@ def test_a_sweep_refuses_a_job_composed_wrong_before_running_any(tmp_path, overr
     assert expected in r.stderr.splitlines()[-1]
     assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]  # no job's directory
     assert (sweep / "multirun.yaml").read_text() == "# an earlier sweep's\n"
+
+
+def test_a_refusal_ends_in_its_one_line_while_a_timed_out_check_runs_in_native_code(tmp_path):
+    """An input check past its deadline goes on in a daemon thread (xtrain/inputs.py within). At
+    the interpreter's exit such a thread is stopped where it stands, and one inside torch's C++
+    (or a storage client's native code) took the refused process down with SIGABRT after its
+    line. Here the check loops through torch's autograd engine, which calls back into Python."""
+    script = tmp_path / "refuse.py"
+    script.write_text(
+        "import time, torch\n"
+        "from xtrain.errors import refuse\n"
+        "from xtrain.inputs import within\n"
+        "class Slow(torch.autograd.Function):\n"
+        "    forward = staticmethod(lambda ctx, x: x * 2)\n"
+        "    backward = staticmethod(lambda ctx, g: (time.sleep(0.001), g * 2)[1])\n"
+        "def hangs_in_native_code():\n"
+        "    while True:\n"
+        "        Slow.apply(torch.ones(3, requires_grad=True)).sum().backward()\n"
+        "try:\n"
+        "    within(0.3, 'gs://bucket', hangs_in_native_code)\n"
+        "except Exception as ex:\n"
+        "    refuse(ex)\n")
+    for _ in range(3):  # (without the fix, each of them aborted)
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == EXIT_REFUSED, r.stderr[-2000:]
+        assert lines == ["xtrain: storage error: gs://bucket: no answer within 0.3 s (network, or "
+                         "credentials: gcloud auth application-default login); data.remote_timeout_s "
+                         "sets the wait"], r.stderr[-2000:]

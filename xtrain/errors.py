@@ -4,8 +4,10 @@ the CLI and the launchers report it, and a run that lost one of its processes.""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 EXIT_REFUSED = 2  # every refused input: config, data, checkpoint, environment
@@ -160,12 +162,28 @@ def printed_masked(mask) -> None:
     _mask = mask
 
 
+# Threads left running past their deadline (xtrain/inputs.py within). The interpreter's exit
+# stops a daemon thread where it stands, and one standing in native code that catches every C++
+# exception (torch's, a storage client's) turns that stop into SIGABRT after the refusal's line.
+_LEFT_RUNNING: list[threading.Thread] = []
+
+
+def left_running(thread: threading.Thread) -> None:
+    """Note a daemon thread given up on: a refusal then ends the process without finalizing."""
+    _LEFT_RUNNING.append(thread)
+
+
 def refuse(ex: BaseException) -> None:
     """End the process with the one line and the exit code of ``ex``."""
     print(_mask(one_line(ex)), file=sys.stderr, flush=True)
     codes = {LaunchError: EXIT_LAUNCH_FAILED, PeerLost: EXIT_PEER_LOST,
              CheckpointNotWritten: EXIT_NOT_SAVED}
-    sys.exit(next((code for kind, code in codes.items() if isinstance(ex, kind)), EXIT_REFUSED))
+    code = next((code for kind, code in codes.items() if isinstance(ex, kind)), EXIT_REFUSED)
+    if any(thread.is_alive() for thread in _LEFT_RUNNING):
+        logging.shutdown()  # (what exiting would have flushed)
+        sys.stdout.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def unpickling_reason(error: BaseException) -> str:

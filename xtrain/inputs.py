@@ -18,7 +18,7 @@ from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_c
                                       saved_config, step_of)
 from xtrain.config.hydra_record import RECORD
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
-                           StorageError, warn)
+                           StorageError, left_running, warn)
 from xtrain.hardware import compile_cache_enabled, run_processes
 from xtrain.model.config import GPTConfig
 from xtrain.paths import is_local, location, url_to_fs
@@ -256,6 +256,7 @@ def within(seconds: float, what: str, check) -> None:
     worker.start()
     worker.join(seconds)
     if worker.is_alive():
+        left_running(worker)
         raise StorageError(f"{what}: no answer within {seconds:g} s (network, or credentials: "
                         "gcloud auth application-default login); data.remote_timeout_s sets the wait")
     error = outcome.get("error")
