@@ -719,6 +719,24 @@ def test_stale_and_partial_builds_of_xtrains_own_are_still_replaced(tmp_path, co
         mem.rm(root, recursive=True)
 
 
+def test_a_build_dir_given_as_a_file_url_or_a_symlink_is_built_where_it_points(tmp_path):
+    """``file:///x`` is the local path /x (not ./file:/x), and a build dir that is a symlink to a
+    bigger disk is built on that disk, the link left in place (it was renamed aside, and its
+    removal then failed with a traceback)."""
+    from xtrain.data.corpus import BuildSpec, ensure_built
+
+    src = _sources(tmp_path)
+    url_dir = tmp_path / "by_url"
+    ensure_built(BuildSpec([str(src)], f"file://{url_dir}", 300, 256))
+    assert (url_dir / "manifest.json").exists() and not Path("file:").exists()
+    disk, link = tmp_path / "big_disk" / "corpus", tmp_path / "corpus"
+    disk.mkdir(parents=True)
+    link.symlink_to(disk)
+    ensure_built(BuildSpec([str(src)], str(link), 300, 256))
+    assert link.is_symlink() and (disk / "manifest.json").exists()
+    assert sorted(p.name for p in disk.parent.iterdir()) == ["corpus", "corpus.lock"]
+
+
 def test_a_character_of_more_tokens_than_the_budget_stays_whole():
     """'日' as 3 byte tokens under a budget of 2: its own chunk, not an endless split."""
     assert chunk_source("a日b", [0, 1, 1, 1, 2], 2) == ["a", "日", "b"]

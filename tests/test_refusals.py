@@ -144,6 +144,12 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("holdout-one-shard", ["data.build_sources=[]", "data.train_files={one_shard}",
                            "data.tokenizer={tokenizer}", "data.holdout_last_shard=true", "data.val_files=null"],
      {}, "holdout_last_shard needs at least 2 shards, found 1"),
+    # validation on shards train_files also matches (a directory, a glob spanning both)
+    ("val-trained-on", ["data.build_sources=[]", "data.train_files={corpus}/train",
+                        "data.tokenizer={tokenizer}", "data.holdout_last_shard=false",
+                        "data.val_files={first_shard}"], {},
+     "data.val_files={first_shard}: 1 shard(s) also in data.train_files={corpus}/train "
+     "(first {first_shard}): validation would score text the run trains on"),
     ("no-tokenizer", ["data.build_sources=[]", "data.tokenizer={missing}"], {},
      "data.tokenizer={missing}: no such directory"),
     ("half-tokenizer", ["data.build_sources=[]", "data.tokenizer={half_tokenizer}"], {},
@@ -154,6 +160,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("one-source", ["data.build_sources=[{one_source}]"], {},
      "data.build_sources=['{one_source}']: only one C/C++ source file ({one_source}/only.cpp); "
      "the build holds out whole files for validation, so it needs at least 2"),
+    ("built-nowhere", ["data=base_data_v3", "data.build_sources=[{two_sources}]"], {},
+     "data.build_sources=['{two_sources}']: the corpus is built into data.build_dir, which is null"),
     ("built-corpus-elsewhere", ["data.train_files=/nonexistent/x"], {},  # data=cpp_local builds
      "but data.train_files=/nonexistent/x reads elsewhere: to read shards of your own, also set "
      "data.build_sources=[]"),
@@ -255,11 +263,15 @@ def world(tmp_path_factory, xtrain_cache):
     (base / "empty").mkdir()
     (base / "one_source").mkdir()
     (base / "one_source" / "only.cpp").write_text("int main() { return 0; }\n")
+    (base / "two_sources").mkdir()
+    for name in ("a.cpp", "b.cpp"):
+        (base / "two_sources" / name).write_text(f"int {name[0]}() {{ return 0; }}\n")
     (base / "a_file").write_text("")
     paths = dict(missing=base / "missing", empty=base / "empty", a_file=base / "a_file",
                  checkpoints=checkpoints, committed=committed, uncommitted=uncommitted,
                  tokenizer=corpus / "tokenizer", one_shard=one_shard, half_tokenizer=half_tokenizer,
-                 one_source=base / "one_source")
+                 one_source=base / "one_source", two_sources=base / "two_sources",
+                 first_shard=sorted((corpus / "train").glob("*.parquet"))[0])
     return {"base": base, "corpus": corpus, **{k: str(v) for k, v in paths.items()}}
 
 

@@ -211,6 +211,9 @@ def check_tokenizer(directory: str) -> None:
 def check_built_where_read(data) -> None:
     """A corpus built on first use (``data.build_sources``) is read from where it is built: the
     config alone says so, checked before the run dir is taken."""
+    if data.build_sources and not data.build_dir:
+        raise ConfigError(f"data.build_sources={list(data.build_sources)}: the corpus is built into "
+                          "data.build_dir, which is null; set it (a local dir or gs://...)")
     elsewhere = [f"data.{k}={data[k]}" for k in ("train_files", "val_files", "tokenizer")
                  if data.build_sources and data[k] and data.build_dir
                  and not str(data[k]).startswith(str(data.build_dir).rstrip("/") + "/")]
@@ -238,7 +241,11 @@ def check_data(data) -> None:
         raise DataError(f"data.train_files={data.train_files}: holdout_last_shard needs at least "
                         f"2 shards, found {len(shards)}")
     if data.val_files:
-        list_shards(data.val_files)
+        shared = sorted(set(shards) & set(list_shards(data.val_files)))
+        if shared:  # (a glob or directory matching both; holdout_last_shard splits one list)
+            raise DataError(f"data.val_files={data.val_files}: {len(shared)} shard(s) also in "
+                            f"data.train_files={data.train_files} (first {shared[0]}): validation "
+                            "would score text the run trains on; point them at separate shards")
 
 
 def within(seconds: float, what: str, check) -> None:

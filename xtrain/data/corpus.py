@@ -209,7 +209,8 @@ def ensure_built(spec: BuildSpec, log=print) -> dict:
     if not is_local(spec.out_dir):  # object stores: written in place, the manifest last
         log(f"building C++ corpus from {len(files)} files under {spec.sources} -> {spec.out_dir}")
         return build(spec, [url for url, _ in files], key, spec.out_dir)
-    out = Path(os.path.expanduser(spec.out_dir))
+    # a file:// URL as its path; a symlinked dir as the place it points to (renamed there)
+    out = Path(os.path.realpath(os.path.expanduser(spec.out_dir.removeprefix("file://"))))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         lock = open(f"{out}.lock", "w")
