@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import pty
@@ -653,3 +654,49 @@ def test_xla_every_logger_adds_no_compile_and_no_host_sync_and_sampling_keeps_th
     samples = [r for r in res["sample"]["records"] if r["kind"] == "sample"]
     assert [r["step"] for r in samples] == [10, 20] and all(s["text"] for s in samples[-1]["samples"])
     assert tensorboard_scalars(Path(tmp_path / "all" / "tensorboard"))["loss"][-1][0] == 20
+
+
+def test_a_sink_that_fails_is_said_and_neither_stops_training_nor_the_other_sinks(tmp_path, capfd):
+    """metrics.jsonl on gs:// whose 30-second upload gives up (here: a memory:// store whose
+    write raises, as gcsfs does once its retries are spent) went up through the training step,
+    and at the run's end replaced its outcome; the sinks after it missed the record."""
+    import fsspec
+
+    from xtrain.observe.sinks import JsonlSink, RunLog, Sink
+
+    class Kept(Sink):
+        def __init__(self):
+            self.records, self.closed = [], None
+
+        def write(self, record):
+            self.records.append(record["step"])
+
+        def close(self, status="success"):
+            self.closed = status
+
+    memory, root = fsspec.filesystem("memory"), f"/sink-{os.getpid()}"
+    jsonl, kept = JsonlSink(f"memory://{root}"), Kept()
+    jsonl.file.remote_flush_s = 0.0  # (every record uploads)
+    run_log = RunLog([jsonl, kept])
+    pipe, broken = memory.pipe_file, OSError("upload gave up after retries")
+
+    def failing(*args, **kwargs):
+        raise broken
+
+    memory.pipe_file = failing
+    try:
+        for step in (1, 2):
+            run_log.record("train", step, {"loss": 1.0})
+        memory.pipe_file = pipe  # the store answers again: the next upload carries every line
+        run_log.record("train", 3, {"loss": 1.0})
+        memory.pipe_file = failing
+        run_log.record("train", 4, {"loss": 1.0})
+        run_log.close("preempted")
+        said = [line for line in capfd.readouterr().err.splitlines() if "upload gave up" in line]
+        assert kept.records == [1, 2, 3, 4] and kept.closed == "preempted"
+        assert [r["step"] for r in map(json.loads, memory.cat(f"{root}/metrics.jsonl").splitlines())] \
+            == [1, 2, 3]
+        assert len(said) == 2 and all(f"memory://{root}/metrics.jsonl" in line for line in said), said
+    finally:
+        memory.pipe_file = pipe
+        memory.rm(root, recursive=True)

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 
-from xtrain.errors import EXIT_STOPPED
+from xtrain.errors import EXIT_STOPPED, warn
 from xtrain.paths import is_local, url_to_fs
 
 KINDS = ("train", "val", "eval", "checkpoint", "sample", "preemption", "stop")
@@ -27,6 +27,9 @@ class Sink:
     def close(self, status: str = "success") -> None:
         """``status``: success, preempted or failed."""
 
+    def __str__(self) -> str:  # (how a failure names the sink)
+        return type(self).__name__
+
 
 class RunLog:
     """Every sink of a run behind one call. ``record(kind, step, values)`` is the one path for
@@ -36,6 +39,7 @@ class RunLog:
     def __init__(self, sinks: list[Sink]):
         self.sinks = sinks
         self._lock = threading.Lock()
+        self._failing: set[int] = set()  # (ids of the sinks whose last call failed)
 
     def record(self, kind: str, step: int, values: dict) -> dict:
         if kind not in KINDS:
@@ -43,13 +47,27 @@ class RunLog:
         record = {"step": int(step), "kind": kind, **values, "time": round(time.time(), 3)}
         with self._lock:
             for sink in self.sinks:
-                sink.write(record)
+                self._call(sink, "write", record)
         return record
 
     def close(self, status: str = "success") -> None:
         with self._lock:
             for sink in self.sinks:
-                sink.close(status)
+                self._call(sink, "close", status)
+
+    def _call(self, sink: Sink, method: str, arg) -> None:
+        """One sink's failure (an upload that gave up, a full disk, a logger's service gone) is
+        said once until the sink works again; the other sinks, the training and the run's
+        outcome go on (an upload is retried with the next record: AppendFile keeps the lines)."""
+        try:
+            getattr(sink, method)(arg)
+        except Exception as e:  # noqa: BLE001  (any library's error: named, then passed over)
+            if id(sink) not in self._failing:
+                self._failing.add(id(sink))
+                warn(f"{sink}: {method} failed ({type(e).__name__}: {e}); the run goes on, its "
+                     "other records too")
+            return
+        self._failing.discard(id(sink))
 
 
 class AppendFile:
@@ -95,6 +113,9 @@ class JsonlSink(Sink):
         self.file = AppendFile(f"{run_dir.rstrip('/')}/{filename}")
         self.path = self.file.path
 
+    def __str__(self) -> str:
+        return self.path
+
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
 
@@ -109,6 +130,9 @@ class LightningSink(Sink):
 
     def __init__(self, logger):
         self.logger = logger
+
+    def __str__(self) -> str:
+        return type(self.logger).__name__
 
     def write(self, record: dict) -> None:
         step = record["step"]
