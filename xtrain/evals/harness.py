@@ -40,7 +40,7 @@ from xtrain.errors import ConfigError
 from xtrain.evals import stop
 from xtrain.evals.config import EvalConfig, check
 from xtrain.evals.problems import DIFFICULTIES, Problem, load_problems
-from xtrain.evals.sandbox import Result, Sandbox, Session, limits_for
+from xtrain.evals.sandbox import BARE_PROGRAM, Result, Sandbox, Session, limits_for
 
 OUTCOMES = ("compile_error", "timeout", "runtime_error", "wrong_answer", "passed")
 Generate = Callable[[list[str], int], list[list[str]]]
@@ -206,11 +206,11 @@ def _check_toolchain(sandbox: Sandbox, gxx: str, cfg: EvalConfig) -> None:
     that cannot start programs under the eval's limits, or a bad compiler, flag or standard, is
     one clear error naming its cause instead of every sample scored as a compile error."""
     with sandbox.session() as session:
-        bare = session.run(["/usr/bin/true"], limits_for(cfg, compile=False))
+        bare = session.run([BARE_PROGRAM], limits_for(cfg, compile=False))
         if bare.returncode != 0:
             said = (bare.stderr.strip().splitlines() or [f"exit {bare.returncode}"])[-1]
             raise ConfigError(
-                f"eval.sandbox={getattr(cfg.sandbox, 'value', cfg.sandbox)}: /usr/bin/true does "
+                f"eval.sandbox={getattr(cfg.sandbox, 'value', cfg.sandbox)}: {BARE_PROGRAM} does "
                 f"not start in the sandbox ({sandbox.mode}) under the eval's limits "
                 f"(run_memory_mb={cfg.run_memory_mb}, max_processes={cfg.max_processes}, "
                 f"max_open_files={cfg.max_open_files}): {said}")

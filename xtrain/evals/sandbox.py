@@ -63,6 +63,9 @@ from xtrain.evals.config import EvalConfig
 INSTALL = "sudo apt-get install bubblewrap"
 # no user namespace of its own for the program (a nested one would open more of the kernel to it)
 NO_USERNS = ("--unshare-user", "--disable-userns")
+# a program every sandbox can start, to probe it: /bin/true on a merged /usr (where /bin links to
+# usr/bin) and on a split one (Debian 11), which has no /usr/bin/true
+BARE_PROGRAM = "/bin/true"
 _warned: list[list[str]] = []
 
 
@@ -144,7 +147,7 @@ class Sandbox:
                     "work here, or accept that with eval.sandbox=rlimits")
             self.missing.append(problem)
         self._unshare = ["unshare", "--user", "--net", "--"]
-        if self._probe(self._unshare + ["/usr/bin/true"]) is not None:
+        if self._probe(self._unshare + [BARE_PROGRAM]) is not None:
             self._unshare = []
             self.missing.append("no network isolation (unshare --user --net not permitted)")
         if not root:  # same uid, same PID namespace: /proc/<this pid>/environ is readable
@@ -158,7 +161,7 @@ class Sandbox:
         with tempfile.TemporaryDirectory(prefix="xtrain-cpp-probe-") as root:
             os.chmod(root, 0o711)
             _make_writable_dirs(Path(root), next((u for u in self._free if u is not None), None))
-            return self._probe(self._inside(Path(root)) + ["/usr/bin/true"])
+            return self._probe(self._inside(Path(root)) + [BARE_PROGRAM])
 
     def _probe(self, argv: list[str]) -> str | None:
         """None when ``argv`` runs as a sandboxed command would, else its error."""
