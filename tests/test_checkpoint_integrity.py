@@ -82,6 +82,33 @@ def test_the_manifest_records_every_file_and_catches_truncation_and_bit_flips(tm
         resume_checkpoint(str(ckpt), str(tmp_path), gpt=None, early=True)  # refused before the model is compared
 
 
+def test_on_local_disk_every_file_is_durable_before_the_commit_and_the_commit_before_retention(
+        tmp_path, monkeypatch):
+    """A power loss or kernel panic just after a commit must not leave COMMITTED over files still
+    in the page cache (retention has by then deleted the previous checkpoint). The loss cannot
+    be made here: os.fsync is watched instead, noting each synced path and whether the marker
+    existed yet."""
+    import os
+
+    synced, fsync = [], os.fsync
+    ckpt = tmp_path / "checkpoints" / "step_000003"
+
+    def watched(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        synced.append((path.relative_to(tmp_path).as_posix(), (ckpt / COMMIT_MARKER).exists()))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", watched)
+    _save(str(ckpt), {"w": torch.randn(4, 4)})
+    before = {path for path, committed in synced if not committed}
+    after = {path for path, committed in synced if committed}
+    step = "checkpoints/step_000003"
+    assert {f"{step}/{name}" for name in ("state.pt", "meta.json", manifest.MANIFEST, "tensors",
+                                          "tensors/.metadata", _tensor_file(ckpt).relative_to(ckpt))} \
+        | {step} <= before, sorted(before)
+    assert {f"{step}/{COMMIT_MARKER}", step, "checkpoints"} <= after, sorted(after)
+
+
 def test_a_checkpoint_without_its_manifest_is_not_intact(tmp_path):
     """Every commit writes the manifest first; without it nothing can be verified (and whoever
     deleted it may have changed the rest)."""

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from xtrain import compat
 from xtrain.checkpoint import manifest
-from xtrain.checkpoint.layout import COMMIT_MARKER, check_dcp_files, is_committed, remove, set_aside
+from xtrain.checkpoint.layout import (check_committed, check_dcp_files, commit, is_committed, remove,
+                                      set_aside)
 from xtrain.checkpoint.lease import LeaseLost
 from xtrain.errors import CheckpointError, unpickling_reason, warn
 from xtrain.paths import url_to_fs
@@ -194,13 +195,13 @@ def _prepare(path: str, fs, root: str) -> None:
 
 def _commit(fs, root: str, rest: bytes, meta: dict, entries: dict) -> None:
     """The first host's end of a save, once every host's tensors are written: the skeleton, the
-    metadata, the manifest, then the commit marker."""
+    metadata, the manifest, then the commit marker, once they are durable."""
     fs.pipe_file(f"{root}/state.pt", rest)
     _fault_injection_pause()
     fs.pipe_file(f"{root}/meta.json", json.dumps(meta, indent=2).encode())
     own = ["tensors/.metadata", "state.pt", "meta.json"]  # .metadata: DCP's, by this host
     manifest.write(fs, root, {**entries, **manifest.describe(fs, root, own)})
-    fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
+    commit(fs, root, [*own, manifest.MANIFEST, "tensors"])
 
 
 def read(path: str, targets: dict | None = None, *, sharded: bool = False, process_group=None):
@@ -208,8 +209,7 @@ def read(path: str, targets: dict | None = None, *, sharded: bool = False, proce
     load into in place, e.g. the sharded device tensors of the model and optimizer; every other
     tensor is read into new CPU tensors."""
     fs, root = url_to_fs(str(path))
-    if not fs.exists(f"{root}/{COMMIT_MARKER}"):
-        raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
+    check_committed(fs, root, path)
     skeleton = read_plain_state(path)
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
         tensors = _read_tensors(fs, path, staging, targets, sharded, process_group,
@@ -347,8 +347,7 @@ def read_tensors(path: str, prefix: str) -> dict:
     """Only the stored tensors whose key starts with ``prefix`` (e.g. the model's weights without
     the optimizer state, for sampling), as new CPU tensors: {key: tensor}."""
     fs, root = url_to_fs(str(path))
-    if not fs.exists(f"{root}/{COMMIT_MARKER}"):
-        raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
+    check_committed(fs, root, path)
     with tempfile.TemporaryDirectory(prefix="xtrain-ckpt-") as staging:
         return _read_tensors(fs, path, staging, None, False, None, prefix)
 

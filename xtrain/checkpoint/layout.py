@@ -13,7 +13,7 @@ import time
 import uuid
 
 from xtrain.errors import CheckpointError, ConfigError
-from xtrain.paths import as_url, is_local, url_to_fs
+from xtrain.paths import as_url, is_local, protocol, url_to_fs
 
 COMMIT_MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"step_(\d+)")  # the whole name: a set-aside (step_000020.corrupt-...) or
@@ -58,6 +58,33 @@ def committed_checkpoints(directory: str) -> list[tuple[int, str]]:
 def latest_checkpoint(directory: str) -> str | None:
     found = committed_checkpoints(directory)
     return found[-1][1] if found else None
+
+
+def commit(fs, root: str, written: list[str]) -> None:
+    """Write the commit marker of the checkpoint at ``root`` once ``written`` (its files and
+    dirs, relative) are durable, then make the marker durable, before retention deletes an older
+    checkpoint. On a local disk a closed file may be only in the page cache, and a power loss
+    could leave COMMITTED over empty files; an object store's finished write is durable."""
+    local = protocol(fs) in ("file", "local")
+    if local:
+        _fsync([f"{root}/{name}" for name in written] + [root])
+    fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
+    if local:  # the marker, its entry, and the step dir's entry in the checkpoints dir
+        _fsync([f"{root}/{COMMIT_MARKER}", root, os.path.dirname(root.rstrip("/"))])
+
+
+def _fsync(paths: list[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)  # (a directory too: its entries)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def check_committed(fs, root: str, path: str) -> None:
+    if not fs.exists(f"{root}/{COMMIT_MARKER}"):
+        raise FileNotFoundError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER})")
 
 
 def is_committed(path: str) -> bool:
