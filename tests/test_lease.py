@@ -295,3 +295,36 @@ def test_a_training_whose_lease_is_taken_over_ends_at_its_next_save(tmp_path):
     assert read_lease(str(ckpt))["holder"] == "f" * 32  # neither renewed over nor released
     # (a save already past its check before the commit may still commit: one step of 2 at most)
     assert committed_checkpoints(str(ckpt))[-1][0] <= before + 2
+
+
+def test_a_lease_taken_over_during_the_last_save_is_the_lease_refusal_not_a_failed_save(directory):
+    """Taken over between a save's start and its commit: the final save (or a stop's) ended as
+    "could not be written" (exit 1; a stop's 143, which a launcher re-runs into the lease's
+    refusal). It is the lease's refusal, naming the new holder, as a periodic save's is at the
+    next save. (The trainer is the one method of Lightning's a save calls.)"""
+    from xtrain.checkpoint.async_io import FsspecCheckpointIO
+    from xtrain.train.checkpointing import PeriodicCheckpoint
+
+    lease, checks = Lease(directory, "slow", lease_s=60).acquire(), []
+    checkpoint_io = FsspecCheckpointIO(retries=0)
+
+    def fence():  # the save's start, its write's start, then before its commit marker
+        checks.append(len(checks))
+        if len(checks) == 3:
+            write_lease(directory)  # another start took it over while the tensors were written
+        lease.check()
+
+    class Trainer:
+        global_step = 40
+
+        def save_checkpoint(self, path):
+            checkpoint_io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 40}, path)
+
+    checkpoint_io.fence = fence
+    saver = PeriodicCheckpoint(directory, 0, checkpoint_io, keep_last=1)
+    try:
+        with pytest.raises(LeaseLost, match="is now held by run other on another-vm"):
+            saver.save(Trainer(), wait=True)
+        assert len(checks) == 3 and not committed_checkpoints(directory)
+    finally:
+        lease.release()

@@ -47,12 +47,16 @@ class PeriodicCheckpoint(L.Callback):
         checkpoint_io.on_commit = self._committed
 
     def save(self, trainer, wait: bool = False) -> bool:
-        """Save this step (once); with ``wait``, True when it committed."""
+        """Save this step (once); with ``wait``, True when it committed. A save the dir's lease
+        was lost during raises LeaseLost (the run's refusal) rather than report a failed save."""
         with self.timer.measure("checkpoint") if self.timer else nullcontext():
             if trainer.global_step != self.last_saved_step:
                 trainer.save_checkpoint(step_dir(self.directory, trainer.global_step))
                 self.last_saved_step = trainer.global_step
-            return wait and self.io.wait() is not None  # None: the upload gave up (it warned)
+            committed = wait and self.io.wait() is not None  # None: the upload gave up (it warned)
+            if wait and self.io.lost is not None:
+                raise self.io.lost
+            return committed
 
     def _committed(self, result: dict) -> None:
         """Upload thread: the checkpoint at ``result['step']`` is committed. Retention counts
