@@ -441,6 +441,36 @@ def test_an_earlier_checkpoint_dir_that_does_not_answer_is_said_and_passed_over(
     gcsfs.GCSFileSystem.clear_instance_cache()
 
 
+@pytest.mark.parametrize("slow", ["local checkpoint", "remote data"])
+def test_only_remote_inputs_are_checked_against_the_remote_deadline(tmp_path, monkeypatch, compose_config,
+                                                                    slow):
+    """Data on gs:// and checkpoints on a local disk: verifying the checkpoint to resume reads
+    every byte of it (a d16's 2.4 GB from a cold boot disk takes 10-15 s), and was timed against
+    data.remote_timeout_s, refused as "gs://...: no answer". Here the slow part sleeps instead
+    (the checkpoint's search, or the data's listing); only the remote one is refused."""
+    import xtrain.inputs as inputs
+    from xtrain.errors import StorageError
+
+    checked = []
+
+    def check(part):
+        def run(*args, **kwargs):
+            checked.append(part)
+            if part == slow:
+                time.sleep(1.5)
+        return run
+
+    monkeypatch.setattr(inputs, "resume_checkpoint", check("local checkpoint"))
+    monkeypatch.setattr(inputs, "check_data", check("remote data"))
+    cfg = compose_config(["data=cpp16k", "data.remote_timeout_s=0.5"])
+    if slow == "remote data":
+        with pytest.raises(StorageError, match="gs://nanochat-training-data-2026: no answer within 0.5 s"):
+            inputs.check_inputs(cfg, None, str(tmp_path / "run"))
+    else:
+        inputs.check_inputs(cfg, None, str(tmp_path / "run"))
+        assert checked == ["local checkpoint", "remote data"]
+
+
 def test_a_failed_save_is_said_in_one_line_naming_a_disk_too_full_for_it(tmp_path):
     """DCP's CheckpointException prints every process's traceback (twice a save: the retry, then
     the giving up); a full disk fails torch's zip writer with only "unexpected pos" (seen on a

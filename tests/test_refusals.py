@@ -160,6 +160,8 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("one-source", ["data.build_sources=[{one_source}]"], {},
      "data.build_sources=['{one_source}']: only one C/C++ source file ({one_source}/only.cpp); "
      "the build holds out whole files for validation, so it needs at least 2"),
+    ("rewind-to-nothing", ["checkpoint.rewind=true"], {},
+     "checkpoint.rewind=true goes back to checkpoint.resume's step, which is not set"),
     ("built-nowhere", ["data=base_data_v3", "data.build_sources=[{two_sources}]"], {},
      "data.build_sources=['{two_sources}']: the corpus is built into data.build_dir, which is null"),
     ("built-corpus-elsewhere", ["data.train_files=/nonexistent/x"], {},  # data=cpp_local builds
@@ -862,7 +864,7 @@ def test_a_refusal_ends_in_its_one_line_while_a_timed_out_check_runs_in_native_c
     script.write_text(
         "import time, torch\n"
         "from xtrain.errors import refuse\n"
-        "from xtrain.inputs import within\n"
+        "from xtrain.paths import within\n"
         "class Slow(torch.autograd.Function):\n"
         "    forward = staticmethod(lambda ctx, x: x * 2)\n"
         "    backward = staticmethod(lambda ctx, g: (time.sleep(0.001), g * 2)[1])\n"

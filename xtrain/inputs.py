@@ -9,7 +9,6 @@ about a second of the start.
 from __future__ import annotations
 
 import os
-import threading
 
 from xtrain import compat
 from xtrain.checkpoint import manifest
@@ -17,11 +16,11 @@ from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_c
                                       latest_checkpoint, newer_commits, read_meta, run_of,
                                       saved_config, step_of)
 from xtrain.config.hydra_record import RECORD
-from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, InputError,
-                           StorageError, left_running, warn)
+from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, StorageError,
+                           warn)
 from xtrain.hardware import compile_cache_enabled, run_processes
 from xtrain.model.config import GPTConfig
-from xtrain.paths import is_local, location, url_to_fs
+from xtrain.paths import answered, is_local, location, url_to_fs, within
 
 
 def checkpoint_dir(cfg, run_dir: str) -> str:
@@ -248,31 +247,6 @@ def check_data(data) -> None:
                             "would score text the run trains on; point them at separate shards")
 
 
-def within(seconds: float, what: str, check) -> None:
-    """Run ``check`` and refuse when it does not answer in time (a remote store that hangs or
-    retries for minutes); its own refusals pass through."""
-    outcome: dict = {}
-
-    def target():
-        try:
-            check()
-        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread)
-            outcome["error"] = e
-
-    worker = threading.Thread(target=target, daemon=True, name="xtrain-input-check")
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        left_running(worker)
-        raise StorageError(f"{what}: no answer within {seconds:g} s (network, or credentials: "
-                        "gcloud auth application-default login); data.remote_timeout_s sets the wait")
-    error = outcome.get("error")
-    if isinstance(error, InputError):
-        raise error
-    if error is not None:
-        raise StorageError(f"{what}: {type(error).__name__}: {error}") from error
-
-
 def check_evaluation_steps(cfg) -> None:
     """On more than one process the C++ evaluation reads the weights of its step's checkpoint
     (xtrain/train/cpp_eval.py): every evaluated step must be a checkpointed one."""
@@ -286,18 +260,17 @@ def check_evaluation_steps(cfg) -> None:
 
 
 def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
-    """Everything a training run reads and writes, in the order a run needs it."""
+    """Everything a training run reads and writes, in the order a run needs it: the checkpoints,
+    then the data. Each part that reaches remote storage answers within data.remote_timeout_s;
+    a local part has no deadline (verifying a checkpoint reads every byte of it)."""
     check_evaluation_steps(cfg)
     check_host(cfg.hardware)
     data, ckpt_dir = cfg.data, checkpoint_dir(cfg, run_dir)
+    found = answered(data.remote_timeout_s, [ckpt_dir, cfg.checkpoint.resume],
+                      lambda: _check_checkpoints(cfg, gpt, ckpt_dir, run_dir))
     built = [data.build_dir, *data.build_sources] if data.build_sources else []
-    remote = [u for u in (data.train_files, data.tokenizer, ckpt_dir, cfg.checkpoint.resume,
-                          cfg.compile_cache.dir, *built) if u and not is_local(u)]
-    what = ", ".join(sorted({"/".join(u.split("/")[:3]) for u in remote})) or "local paths"
-    if remote:
-        within(data.remote_timeout_s, what, lambda: _check_paths(cfg, gpt, ckpt_dir, run_dir))
-    else:
-        _check_paths(cfg, gpt, ckpt_dir, run_dir)
+    answered(data.remote_timeout_s, [data.train_files, data.tokenizer, cfg.compile_cache.dir, found, *built],
+              lambda: _check_data_paths(cfg, found))
 
 
 def saved_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: float, step: int = -1):
@@ -346,14 +319,19 @@ def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: floa
             "start anew, choose another run.name")
 
 
-def _check_paths(cfg, gpt: GPTConfig, ckpt_dir: str, run_dir: str) -> None:
-    from xtrain.data.tokenizer import file_fingerprint
-
+def _check_checkpoints(cfg, gpt: GPTConfig, ckpt_dir: str, run_dir: str) -> str | None:
+    """The checkpoint this run would resume from (None: none), once checked."""
     found = resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, cfg.run.name, early=True,
                               rewind=cfg.checkpoint.rewind)
     if not cfg.checkpoint.resume:
         check_checkpoints_not_elsewhere(run_dir, ckpt_dir, cfg.data.remote_timeout_s, found)
     check_writable(ckpt_dir)
+    return found
+
+
+def _check_data_paths(cfg, found: str | None) -> None:
+    from xtrain.data.tokenizer import file_fingerprint
+
     cache = cfg.compile_cache  # its mirror is pushed to after the first step's compile
     if cfg.hardware.engine == "xla" and compile_cache_enabled(cache, cfg.hardware) and cache.dir \
             and not is_local(cache.dir):

@@ -39,6 +39,9 @@ def check_config(cfg) -> None:
             check_fits(plan, cfg)  # (mode=plan says whether it fits, then exits accordingly)
         if cfg.mode in TRAINING_PLANNED:
             check_built_where_read(cfg.data)
+            if cfg.checkpoint.rewind and not cfg.checkpoint.resume:  # (it would be passed over)
+                raise ConfigError("checkpoint.rewind=true goes back to checkpoint.resume's step, "
+                                  "which is not set: add checkpoint.resume=PATH")
     check_sampling(cfg)
 
 
