@@ -385,6 +385,18 @@ def test_on_gcs_the_servers_crc32c_is_recorded_and_checked(tmp_path, gcs_bucket)
         f"{rel} has {recorded[rel]['size'] - 8:,} bytes, {recorded[rel]['size']:,} when saved"]
 
 
+def test_a_save_to_gcs_flushes_no_local_disk(gcs_bucket, monkeypatch):
+    """DCP fsyncs each file it writes; a Cloud Storage file has no descriptor, and DCP then
+    called os.sync(), which writes every dirty page of the machine to disk, twice a save."""
+    import os
+
+    bucket, _ = gcs_bucket
+    synced = []
+    monkeypatch.setattr(os, "sync", lambda: synced.append("os.sync"))
+    _save(f"{bucket}/ckpt/step_000003", {"w": torch.arange(1000.0)})
+    assert synced == []
+
+
 def _host(rank: int, world: int, init: str, path: str, second_host_has_tensors: bool) -> None:
     """One host of test_each_host_records_its_own_files: a collective save of its own tensor, or
     of none (the second host, when it has none of its own)."""

@@ -60,7 +60,10 @@ def fsspec_writer(path: str, written: list | None = None):
                 written.extend(sorted(n for n in names if n.startswith(plan.storage_data.prefix)))
             return future
 
-    return RecordingWriter(path, per_thread_copy_ahead=0)
+    # sync_files only on a local disk: elsewhere a file has no descriptor, and DCP then calls
+    # os.sync(), which writes every dirty page of the machine to disk
+    local = "://" not in path or path.startswith("file://")
+    return RecordingWriter(path, per_thread_copy_ahead=0, sync_files=local)
 
 
 # What DCP's metadata is made of (torch 2.9): its dataclasses, the file writer's storage info,
