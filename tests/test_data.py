@@ -333,6 +333,8 @@ def test_tokenizer_has_bos_and_byte_lengths(corpus):
     (torch.ones(399, dtype=torch.int32), "expected 400 byte lengths .*found 399"),
     (torch.ones(1, 400, dtype=torch.int32), r"expected 400 .*found an array of shape \(1, 400\)"),
     ({"sizes": torch.ones(400)}, "holds a dict, not a tensor of byte lengths"),
+    (torch.ones(400, dtype=torch.bfloat16), "holds torch.bfloat16 values, not whole byte lengths"),
+    (torch.ones(400, requires_grad=True), "holds torch.float32 values, not whole byte lengths"),
 ])
 def test_token_bytes_of_another_vocabulary_are_refused_at_load(corpus, tmp_path, token_bytes, found):
     """Validation indexes token_bytes by every target id: a short one failed there, at the end of

@@ -258,6 +258,9 @@ def _read_token_bytes(data: bytes, where: str) -> np.ndarray:
     if not isinstance(loaded, torch.Tensor):
         raise DataError(f"{where}: holds a {type(loaded).__name__}, not a tensor of byte lengths "
                         "(one per token)")
+    if loaded.is_floating_point() or loaded.is_complex() or loaded.dtype == torch.bool:
+        raise DataError(f"{where}: holds {loaded.dtype} values, not whole byte lengths (one per "
+                        "token, an integer tensor)")
     return loaded.numpy()
 
 
