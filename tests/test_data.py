@@ -721,6 +721,32 @@ def test_stale_and_partial_builds_of_xtrains_own_are_still_replaced(tmp_path, co
         mem.rm(root, recursive=True)
 
 
+def test_builders_of_the_same_inputs_on_an_object_store_never_delete_each_others_files(monkeypatch):
+    """A build on an object store is written in place (no rename there). Two sweep jobs building
+    one gs:// corpus: the second to finish learning its tokenizer cleared the directory while the
+    first wrote it, or after the first had started training on it. Here the first (A) is caught
+    just before its manifest, its last write; the second (B) then builds."""
+    import fsspec
+
+    from xtrain.data.corpus import BuildSpec, ensure_built
+
+    mem, root = fsspec.filesystem("memory"), f"/xtrain-race-{os.getpid()}"
+    mem.pipe(f"{root}/src/a.cpp", CPP.encode())
+    mem.pipe(f"{root}/src/b.hpp", b"namespace b { inline int g() { return 2; } }\n")
+    spec = BuildSpec([f"memory://{root}/src"], f"memory://{root}/out", 300, 256)
+    try:
+        ensure_built(spec)
+        built = {path: mem.cat(path) for path in mem.find(f"{root}/out")}
+        mem.rm(f"{root}/out/manifest.json")  # A, writing its last file
+        removed, rm = [], mem.rm
+        monkeypatch.setattr(mem, "rm", lambda path, *a, **k: (removed.append(path), rm(path, *a, **k)))
+        ensure_built(spec)  # B
+        assert removed == []
+        assert {path: mem.cat(path) for path in mem.find(f"{root}/out")} == built  # the same bytes
+    finally:
+        mem.rm(root, recursive=True)
+
+
 def test_a_build_dir_given_as_a_file_url_or_a_symlink_is_built_where_it_points(tmp_path):
     """``file:///x`` is the local path /x (not ./file:/x), and a build dir that is a symlink to a
     bigger disk is built on that disk, the link left in place (it was renamed aside, and its

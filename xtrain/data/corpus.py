@@ -248,20 +248,30 @@ def ensure_built(spec: BuildSpec, log=print) -> dict:
         return manifest
 
 
-def _claim(sources: list[str], out_dir: str):
-    """Empty ``out_dir`` for a build, once check_output finds it the build's to replace (a stale
+def _claim(sources: list[str], out_dir: str, key: str, writes: set[str]) -> dict | None:
+    """Make ``out_dir`` the build's once check_output finds it the build's to replace (a stale
     build in place, or a partial one: a build on an object store is written in place, manifest
-    last). The marker goes in first, so a build killed while clearing it is still xtrain's."""
+    last), or return the manifest of a build of the same inputs completed meanwhile. The marker
+    goes in first, so a build killed while clearing is still xtrain's. Only files the build will
+    not write go (the manifest among them): another builder of the same inputs writes the same
+    bytes under the same names, so two never delete each other's files."""
     check_output(sources, out_dir)
+    done = read_manifest(out_dir)
+    if done and done.get("build_key") == key:
+        return done
     fs, root = url_to_fs(out_dir)
     fs.makedirs(root, exist_ok=True)
     with fs.open(f"{root}/{BUILD_MARKER}", "w") as f:
         json.dump({"builder": "xtrain.data.corpus", "builder_version": BUILDER_VERSION}, f)
-    for path in fs.ls(root, detail=False):
-        path = path.rstrip("/")
-        if path != root.rstrip("/") and path.rsplit("/", 1)[-1] != BUILD_MARKER:
-            fs.rm(path, recursive=True)
-    return fs, root
+    base = root.rstrip("/") + "/"
+    for path in fs.find(root):
+        if path.removeprefix(base) not in writes | {BUILD_MARKER}:
+            fs.rm(path)
+    return None
+
+
+def _shard_name(split: str, index: int) -> str:
+    return f"{split}/shard_{index:05d}.parquet"
 
 
 def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
@@ -303,16 +313,22 @@ def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
                   f"{len(urls)} files, {n_val} held out for validation, {duplicates} duplicate "
                   "chunks dropped")
 
-    fs, root = _claim(spec.sources, out_dir)
+    shards = {(split, i // ROWS_PER_SHARD): rows[i:i + ROWS_PER_SHARD]
+              for split, rows in splits.items() for i in range(0, max(1, len(rows)), ROWS_PER_SHARD)}
+    writes = {_shard_name(*shard) for shard in shards} | {"tokenizer/tokenizer.json",
+                                                         "tokenizer/token_bytes.pt"}
+    done = _claim(spec.sources, out_dir, key, writes)
+    if done:
+        return done
+    fs, root = url_to_fs(out_dir)
     save_hf(tok, token_bytes, f"{out_dir}/tokenizer")
-    counts = {}
-    for split, rows in splits.items():
+    for split in splits:
         fs.makedirs(f"{root}/{split}", exist_ok=True)
-        for i in range(0, max(1, len(rows)), ROWS_PER_SHARD):
-            table = pa.table({"text": rows[i:i + ROWS_PER_SHARD]})
-            with fs.open(f"{root}/{split}/shard_{i // ROWS_PER_SHARD:05d}.parquet", "wb") as f:
-                pq.write_table(table, f, row_group_size=ROWS_PER_ROW_GROUP)
-        counts[split] = {"chunks": len(rows), "bytes": sum(len(r.encode()) for r in rows)}
+    for shard, rows in shards.items():
+        with fs.open(f"{root}/{_shard_name(*shard)}", "wb") as f:
+            pq.write_table(pa.table({"text": rows}), f, row_group_size=ROWS_PER_ROW_GROUP)
+    counts = {split: {"chunks": len(rows), "bytes": sum(len(r.encode()) for r in rows)}
+              for split, rows in splits.items()}
     manifest = {
         "build_key": key, "builder_version": BUILDER_VERSION, "sources": spec.sources,
         "files": len(urls), "val_files": n_val, "source_sha256": source_hash.hexdigest(),
