@@ -851,3 +851,15 @@ def test_concurrent_builds_of_one_corpus_build_it_once_and_never_read_it_half_ma
     assert [p.returncode for p in procs] == [0, 0]  # the waiting one loaded a complete tokenizer
     assert sum(o.count("BUILT") for o in outputs) == 1
     assert not list(tmp_path.glob("corpus.building-*")) and (tmp_path / "corpus" / "manifest.json").exists()
+
+
+def test_a_text_field_nested_in_a_struct_is_not_the_text_column(tmp_path):
+    """Parquet's schema lists leaf names: a struct ``meta`` with a field ``text`` answered "has a
+    text column", then the read failed with pyarrow's KeyError; and beside a real ``text`` its
+    nulls were blamed on the real one."""
+    nested = pa.array([{"text": "a"}, {"text": None}], pa.struct([("text", pa.string())]))
+    pq.write_table(pa.table({"meta": nested}), tmp_path / "only_nested.parquet")
+    pq.write_table(pa.table({"meta": nested, "text": ["int a;", "int b;"]}), tmp_path / "both.parquet")
+    with pytest.raises(DataError, match=r"only_nested\.parquet: no 'text' column \(columns: \['meta'\]\)"):
+        index_units([str(tmp_path / "only_nested.parquet")])
+    assert index_units([str(tmp_path / "both.parquet")])[0][2] == 2  # one row group of 2 rows

@@ -63,12 +63,13 @@ def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int, int
                 meta, size = pq.ParquetFile(f).metadata, f.size
         except Exception as e:  # pyarrow raises several types for a damaged file
             raise DataError(f"{url}: not a readable parquet file ({e})") from e
-        if "text" not in meta.schema.names:
-            raise DataError(f"{url}: no 'text' column (columns: {meta.schema.names})")
-        kind = meta.schema.to_arrow_schema().field("text").type
+        columns = meta.schema.to_arrow_schema()  # (parquet's own schema names leaves: meta.text)
+        if "text" not in columns.names:
+            raise DataError(f"{url}: no 'text' column (columns: {columns.names})")
+        kind = columns.field("text").type
         if not is_text(kind):
             raise DataError(f"{url}: the 'text' column holds {kind}, not strings")
-        column = meta.schema.names.index("text")
+        column = [meta.schema.column(i).path for i in range(meta.num_columns)].index("text")
         for rg in range(meta.num_row_groups):  # where the writer kept statistics (most do)
             stats = meta.row_group(rg).column(column).statistics
             if stats is not None and stats.has_null_count and stats.null_count:
