@@ -98,6 +98,39 @@ def test_limits_the_sandbox_cannot_start_under_are_named_not_the_compiler(change
     assert said in str(e.value) and "eval.gxx" not in str(e.value)
 
 
+def test_a_compiler_installed_in_a_dir_holding_homes_or_runs_is_refused(tmp_path, monkeypatch):
+    """The sandbox shows the generated programs the compiler's install prefix (its bin/'s parent),
+    read-only. g++ in ~/bin made that the home directory (~/.netrc holds the W&B key, and a
+    program's output is kept in the records); one prefix of its own (/opt/gcc-13) is fine."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    def wrapper(prefix):
+        (prefix / "bin").mkdir(parents=True)
+        (prefix / "bin" / "g++").write_text('#!/bin/sh\nexec g++ "$@"\n')
+        (prefix / "bin" / "g++").chmod(0o755)
+        return str(prefix / "bin" / "g++")
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(ConfigError, match=rf"eval.gxx=.*: installed under {tmp_path}/home, which "
+                                          "holds the home directory"):
+        evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(gxx=wrapper(tmp_path / "home")))
+    monkeypatch.chdir(tmp_path / "home")
+    monkeypatch.setenv("HOME", "/nonexistent-home")
+    with pytest.raises(ConfigError, match=f"installed under {tmp_path}, which holds the working dir"):
+        evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(gxx=wrapper(tmp_path)))
+    # (a sandbox uid reads it, so not in tmp_path; and the sandbox has a /tmp of its own)
+    opt = Path(tempfile.mkdtemp(prefix="xtrain-opt-", dir="/var/tmp"))
+    try:
+        opt.chmod(0o755)
+        _, records = evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(gxx=wrapper(opt / "gcc")))
+    finally:
+        shutil.rmtree(opt)
+    assert [r["outcome"] for r in records] == ["passed"] and os.getcwd() == str(tmp_path / "home")
+
+
 def test_prepare_checks_config_file_and_toolchain_up_front(tmp_path):
     assert len(prepare(EvalConfig())) >= 40
     with pytest.raises(ProblemFileError, match="does not exist"):

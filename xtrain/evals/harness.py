@@ -30,6 +30,7 @@ import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +41,8 @@ from xtrain.errors import ConfigError
 from xtrain.evals import stop
 from xtrain.evals.config import EvalConfig, check
 from xtrain.evals.problems import DIFFICULTIES, Problem, load_problems
-from xtrain.evals.sandbox import BARE_PROGRAM, Result, Sandbox, Session, limits_for
+from xtrain.evals.sandbox import (BARE_PROGRAM, Result, Sandbox, Session, limits_for,
+                                  toolchain_prefix)
 
 OUTCOMES = ("compile_error", "timeout", "runtime_error", "wrong_answer", "passed")
 Generate = Callable[[list[str], int], list[list[str]]]
@@ -101,9 +103,10 @@ def prepare(cfg: EvalConfig) -> list[Problem]:
     if cfg.cpp_file:  # (the shipped references are judged by tests/test_evals_problems.py)
         _check_references(problems, cfg)  # (the toolchain first)
         return problems
+    gxx = find_gxx(cfg)
     sandbox = Sandbox(cfg, 1)
     try:
-        _check_toolchain(sandbox, find_gxx(cfg), cfg)
+        _check_toolchain(sandbox, gxx, cfg)
     finally:
         sandbox.close()
     return problems
@@ -188,10 +191,21 @@ def judge_all(problems: Sequence[Problem], completions: Mapping[str, Sequence[st
 
 
 def find_gxx(cfg: EvalConfig) -> str:
-    """The compiler's path; refused (a config error) when it is not on PATH."""
+    """The compiler's path; refused (a config error) when it is not on PATH, or installed in a
+    directory the sandbox must not show the programs: one holding home directories (keys in
+    ~/.netrc, ~/.config/gcloud) or the working dir (code, runs)."""
     gxx = shutil.which(cfg.gxx)
     if gxx is None:
         raise ConfigError(f"eval.gxx={cfg.gxx!r}: compiler not found on PATH")
+    prefix = toolchain_prefix(gxx)
+    private = {"the home directory": Path.home(), "/root": Path("/root"), "/home": Path("/home"),
+               "the working dir": Path.cwd()}
+    for what, path in private.items():
+        if prefix and (path == prefix or prefix in path.parents):
+            raise ConfigError(
+                f"eval.gxx={gxx}: installed under {prefix}, which holds {what} ({path}); the "
+                "sandbox shows a compiler's install prefix to the generated programs (read-only): "
+                "install it under a prefix of its own (such as /opt/gcc-13) or in /usr")
     return gxx
 
 

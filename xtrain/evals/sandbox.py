@@ -191,8 +191,8 @@ class Sandbox:
         for path in ("/etc/ld.so.cache", "/etc/alternatives"):
             argv += ["--ro-bind-try", path, path]
         gxx = shutil.which(self.cfg.gxx)
-        prefix = Path(os.path.realpath(gxx)).parent.parent if gxx else None
-        if prefix and not str(prefix).startswith("/usr"):  # a toolchain installed elsewhere
+        prefix = toolchain_prefix(gxx) if gxx else None
+        if prefix:  # a toolchain installed elsewhere (xtrain/evals/harness.py find_gxx checks it)
             argv += ["--ro-bind", str(prefix), str(prefix)]
         return argv + ["--proc", "/proc", "--dev", "/dev"]
 
@@ -286,6 +286,13 @@ class Session:
 
 # A session dir's dirs the program may write, and where bubblewrap shows them (the fallback
 # runs in box/ and leaves the other two unused).
+def toolchain_prefix(gxx: str) -> Path | None:
+    """The install prefix of the compiler at ``gxx`` (its bin/'s parent) when outside /usr: the
+    bubblewrap sandbox shows it to the programs, read-only."""
+    prefix = Path(os.path.realpath(gxx)).parent.parent
+    return None if str(prefix).startswith("/usr") else prefix
+
+
 WRITABLE = {"box": "/box", "tmp": "/tmp", "shm": "/dev/shm"}
 
 
