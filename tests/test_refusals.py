@@ -864,7 +864,7 @@ def test_a_refusal_ends_in_its_one_line_while_a_timed_out_check_runs_in_native_c
     script.write_text(
         "import time, torch\n"
         "from xtrain.errors import refuse\n"
-        "from xtrain.paths import within\n"
+        "from xtrain.deadline import within\n"
         "class Slow(torch.autograd.Function):\n"
         "    forward = staticmethod(lambda ctx, x: x * 2)\n"
         "    backward = staticmethod(lambda ctx, g: (time.sleep(0.001), g * 2)[1])\n"

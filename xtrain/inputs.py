@@ -20,7 +20,8 @@ from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentM
                            warn)
 from xtrain.hardware import compile_cache_enabled, run_processes
 from xtrain.model.config import GPTConfig
-from xtrain.paths import answered, is_local, location, url_to_fs, within
+from xtrain.deadline import answered, within
+from xtrain.paths import is_local, location, url_to_fs
 
 
 def checkpoint_dir(cfg, run_dir: str) -> str:

@@ -275,10 +275,7 @@ def _shard_name(split: str, index: int) -> str:
 
 
 def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from xtrain.data.tokenizer import save_hf, train_bpe
+    from xtrain.data.tokenizer import train_bpe
 
     texts = {}
     source_hash = hashlib.sha256()
@@ -320,13 +317,7 @@ def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
     done = _claim(spec.sources, out_dir, key, writes)
     if done:
         return done
-    fs, root = url_to_fs(out_dir)
-    save_hf(tok, token_bytes, f"{out_dir}/tokenizer")
-    for split in splits:
-        fs.makedirs(f"{root}/{split}", exist_ok=True)
-    for shard, rows in shards.items():
-        with fs.open(f"{root}/{_shard_name(*shard)}", "wb") as f:
-            pq.write_table(pa.table({"text": rows}), f, row_group_size=ROWS_PER_ROW_GROUP)
+    _write(out_dir, tok, token_bytes, shards)
     counts = {split: {"chunks": len(rows), "bytes": sum(len(r.encode()) for r in rows)}
               for split, rows in splits.items()}
     manifest = {
@@ -335,6 +326,23 @@ def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
         "vocab_size": tok.get_vocab_size(), "chunk_tokens": spec.chunk_tokens,
         "duplicates_dropped": duplicates, **counts,
     }
+    fs, root = url_to_fs(out_dir)
     with fs.open(f"{root}/manifest.json", "w") as f:  # written last: marks the build complete
         json.dump(manifest, f, indent=2)
     return manifest
+
+
+def _write(out_dir: str, tok, token_bytes, shards: dict) -> None:
+    """The tokenizer, then the shards ({(split, index): rows})."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from xtrain.data.tokenizer import save_hf
+
+    fs, root = url_to_fs(out_dir)
+    save_hf(tok, token_bytes, f"{out_dir}/tokenizer")
+    for split in {split for split, _ in shards}:
+        fs.makedirs(f"{root}/{split}", exist_ok=True)
+    for shard, rows in shards.items():
+        with fs.open(f"{root}/{_shard_name(*shard)}", "wb") as f:
+            pq.write_table(pa.table({"text": rows}), f, row_group_size=ROWS_PER_ROW_GROUP)
