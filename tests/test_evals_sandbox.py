@@ -545,3 +545,34 @@ def test_session_dir_is_private_to_its_uid():
         assert not path.exists()
     finally:
         box.close()
+
+
+def test_the_sandboxs_orphans_are_reaped_under_an_init_that_reaps_nothing(tmp_path):
+    """bubblewrap exits once its program has, before the init of its PID namespace does, and a
+    program past its time has bubblewrap killed first: that init was left to PID 1. A
+    container's PID 1 is often a process that never reaps (tail -f /dev/null, sleep infinity):
+    its zombies counted against the uid's process limit, and after a few programs the slot's
+    compiles could not fork (scored compile errors). Here PID 1 of a new PID namespace waits for
+    its own child only; the limit is 6 processes."""
+    if os.geteuid() != 0:
+        pytest.skip("uid slots, and a PID namespace of its own, need root")
+    child = tmp_path / "evaluate.py"
+    child.write_text(
+        "from xtrain.evals import EvalConfig\n"
+        "from xtrain.evals.harness import _compile, find_gxx\n"
+        "from xtrain.evals.sandbox import Sandbox, limits_for\n"
+        "cfg = EvalConfig(run_timeout_s=0.3, max_processes=6)\n"
+        "box = Sandbox(cfg, 1)\n"
+        "for program in ['exit 0'] * 3 + ['while :; do :; done'] * 3:\n"
+        "    with box.session() as session:\n"
+        "        ran = session.run(['/bin/sh', '-c', program], limits_for(cfg, compile=False))\n"
+        "        assert ran.timed_out == ('while' in program), ran\n"
+        "with box.session() as session:\n"
+        "    session.write('main.cpp', 'int main() { return 0; }\\n')\n"
+        "    built = _compile(session, find_gxx(cfg), cfg)\n"
+        "print('compile', built.returncode, built.stderr.strip()[-200:])\n"
+        "box.close()\n")
+    init = "import subprocess, sys; sys.exit(subprocess.run([sys.executable, sys.argv[1]]).returncode)"
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", init,
+                        str(child)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "compile 0 " in r.stdout, (r.stdout + r.stderr)[-3000:]

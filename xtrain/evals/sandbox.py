@@ -167,10 +167,14 @@ class Sandbox:
         """None when ``argv`` runs as a sandboxed command would, else its error."""
         uid = next((u for u in self._free if u is not None), None)
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=30,
-                                  **_as_user(uid))
+            with uids.adopting(uid):
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=30,
+                                      **_as_user(uid))
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"{argv[0]} failed: {e}"
+        finally:
+            if uid is not None:
+                uids.kill_all_of(uid)  # (and reaps what it adopted)
         if done.returncode != 0:
             return f"{argv[0]} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
         return None
@@ -257,7 +261,7 @@ class Session:
                 + argv)
         out_path, err_path = self.root / "stdout", self.root / "stderr"
         start = time.perf_counter()
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        with open(out_path, "wb") as out, open(err_path, "wb") as err, uids.adopting(self.uid):
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     cwd=self.box, env=_minimal_env(), start_new_session=True,
                                     **_as_user(self.uid))
@@ -284,8 +288,6 @@ class Session:
         return limits.processes if self.uid is not None else limits.processes + uids.count_own()
 
 
-# A session dir's dirs the program may write, and where bubblewrap shows them (the fallback
-# runs in box/ and leaves the other two unused).
 def toolchain_prefix(gxx: str) -> Path | None:
     """The install prefix of the compiler at ``gxx`` (its bin/'s parent) when outside /usr: the
     bubblewrap sandbox shows it to the programs, read-only."""
@@ -293,6 +295,8 @@ def toolchain_prefix(gxx: str) -> Path | None:
     return None if str(prefix).startswith("/usr") else prefix
 
 
+# A session dir's dirs the program may write, and where bubblewrap shows them (the fallback
+# runs in box/ and leaves the other two unused).
 WRITABLE = {"box": "/box", "tmp": "/tmp", "shm": "/dev/shm"}
 
 

@@ -5,10 +5,12 @@ killed, the zombies this process is the parent of collected."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,6 +82,42 @@ def kill_all_of(uid: int) -> None:
                        check=False, user=uid, group=uid, extra_groups=[])
         time.sleep(0.01)
     _reap_orphans(uid)
+
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+_adopters = [0]  # programs running that adopt orphans (a count: sessions run in threads)
+_adopters_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def adopting(uid: int | None):
+    """While a sandboxed program of ``uid`` runs (as root: uid slots), this process adopts its
+    descendants' orphans (Linux's child subreaper). bubblewrap exits once its program has, before
+    the init of its PID namespace does, and a timeout kills it first: that init was left to PID 1,
+    which in a container often never reaps (tail -f /dev/null, sleep infinity), and its zombie
+    counted against the uid's process limit until the slot's compiles could not fork. Adopted,
+    :func:`kill_all_of` reaps it. Only meanwhile: an orphan of anything else would stay this
+    process's zombie."""
+    if uid is None:
+        yield
+        return
+    with _adopters_lock:
+        if not _adopters[0]:
+            _set_subreaper(1)
+        _adopters[0] += 1
+    try:
+        yield
+    finally:
+        with _adopters_lock:
+            _adopters[0] -= 1
+            if not _adopters[0]:
+                _set_subreaper(0)
+
+
+def _set_subreaper(on: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, on, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
 def _reap_orphans(uid: int) -> None:
