@@ -162,7 +162,7 @@ def printed_masked(mask) -> None:
     _mask = mask
 
 
-# Threads left running past their deadline (xtrain/inputs.py within). The interpreter's exit
+# Threads left running past their deadline (xtrain/deadline.py within). The interpreter's exit
 # stops a daemon thread where it stands, and one standing in native code that catches every C++
 # exception (torch's, a storage client's) turns that stop into SIGABRT after the refusal's line.
 _LEFT_RUNNING: list[threading.Thread] = []

@@ -30,10 +30,10 @@ import shutil
 import signal
 import threading
 import time
-from pathlib import Path
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import fsspec
 
