@@ -16,11 +16,11 @@ from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_c
                                       latest_checkpoint, newer_commits, read_meta, run_of,
                                       saved_config, step_of)
 from xtrain.config.hydra_record import RECORD
+from xtrain.deadline import answered, within
 from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, StorageError,
                            warn)
 from xtrain.hardware import compile_cache_enabled, run_processes
 from xtrain.model.config import GPTConfig
-from xtrain.deadline import answered, within
 from xtrain.paths import is_local, location, url_to_fs
 
 
@@ -268,10 +268,10 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
     check_host(cfg.hardware)
     data, ckpt_dir = cfg.data, checkpoint_dir(cfg, run_dir)
     found = answered(data.remote_timeout_s, [ckpt_dir, cfg.checkpoint.resume],
-                      lambda: _check_checkpoints(cfg, gpt, ckpt_dir, run_dir))
+                     lambda: _check_checkpoints(cfg, gpt, ckpt_dir, run_dir))
     built = [data.build_dir, *data.build_sources] if data.build_sources else []
-    answered(data.remote_timeout_s, [data.train_files, data.tokenizer, cfg.compile_cache.dir, found, *built],
-              lambda: _check_data_paths(cfg, found))
+    read = [data.train_files, data.tokenizer, cfg.compile_cache.dir, found, *built]
+    answered(data.remote_timeout_s, read, lambda: _check_data_paths(cfg, found))
 
 
 def saved_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: float, step: int = -1):
