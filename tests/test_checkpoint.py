@@ -527,9 +527,9 @@ def test_a_run_resumed_at_its_last_step_runs_the_end_its_log_lacks(tmp_path):
 
 def test_incompatible_checkpoint_is_refused(tmp_path):
     """Another model's; or one at a data position this run cannot continue from (another seed
-    reads the shards in another order), refused from its state.pt, before its tensors are read
-    and before the run log or the trainer exist (Lightning restores the position only after
-    reading every tensor)."""
+    reads the shards in another order), refused from its meta.json before the data is prepared
+    (and, were that passed, from its state.pt before its tensors are read: Lightning restores the
+    position only after reading every tensor), before the run log or the trainer exist."""
     code, _, err = finish(xtrain(tmp_path / "a", "trainer.max_steps=2"))
     assert code == 0, err
     ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
@@ -540,9 +540,8 @@ def test_incompatible_checkpoint_is_refused(tmp_path):
                                    f"checkpoint.resume={ckpt}"))
     assert code == 2, err[-3000:]
     assert err.splitlines()[-1] == (
-        "xtrain: data error: the checkpoint's data position is for seed 42 on process 0 of 1, this "
-        "run's loader for seed 8 on process 0 of 1: resume with the trainer.seed and the number of "
-        "processes the run was saved with")
+        f"xtrain: checkpoint error: {ckpt} was trained with trainer.seed=42, this run's is 8: the "
+        "data position it holds is for that seed; resume with trainer.seed=42")
     assert "MFU peak" not in out and not (tmp_path / "c" / "metrics.jsonl").exists()
 
 

@@ -8,6 +8,7 @@ run with a committed checkpoint, a half-written checkpoint, ...) is hashed befor
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -204,6 +205,12 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("resume-empty", ["checkpoint.resume={empty}"], {}, "not a committed checkpoint"),
     ("resume-uncommitted", ["checkpoint.resume={uncommitted}"], {}, "not a committed checkpoint (no COMMITTED"),
     ("resume-run-dir", ["checkpoint.resume={checkpoints}"], {}, "it holds checkpoints: point at one"),
+    # the data position it holds is for its seed: refused before data preparation, not after
+    ("resume-other-seed", ["checkpoint.resume={committed}", "trainer.seed=7"], {},
+     "checkpoint error: {committed} was trained with trainer.seed=42, this run's is 7: the data "
+     "position it holds is for that seed; resume with trainer.seed=42"),
+    ("continue-other-seed", ["checkpoint.dir={checkpoints}", "run.name={run_name}", "trainer.seed=7"], {},
+     "checkpoint error: {committed} was trained with trainer.seed=42, this run's is 7"),
     ("resume-other-model", ["model=d4", "checkpoint.resume={committed}"], {},
      "checkpoint.resume={committed} holds a different model (n_layer 2 -> 4, n_embd 128 -> 256): "
      "give the model it was trained with, or a checkpoint of this model"),
@@ -274,7 +281,8 @@ def world(tmp_path_factory, xtrain_cache):
                  tokenizer=corpus / "tokenizer", one_shard=one_shard, half_tokenizer=half_tokenizer,
                  one_source=base / "one_source", two_sources=base / "two_sources",
                  first_shard=sorted((corpus / "train").glob("*.parquet"))[0])
-    return {"base": base, "corpus": corpus, **{k: str(v) for k, v in paths.items()}}
+    run_name = json.loads((committed / "meta.json").read_text())["config"]["run"]["name"]
+    return {"base": base, "corpus": corpus, "run_name": run_name, **{k: str(v) for k, v in paths.items()}}
 
 
 def import_torch_s() -> float:

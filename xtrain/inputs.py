@@ -71,7 +71,7 @@ def check_compatible(path: str, gpt: GPTConfig, meta: dict, named: bool = False)
 
 
 def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_name: str | None = None,
-                      early: bool = False, rewind: bool = False) -> str | None:
+                      early: bool = False, rewind: bool = False, seed: int | None = None) -> str | None:
     """The checkpoint a run starts from: ``checkpoint.resume`` (which must be one committed
     checkpoint whose files match its manifest and, unless ``rewind``, not older than a commit in
     ``ckpt_dir``; it gives way to commits a run started from it wrote there: the same command
@@ -81,7 +81,8 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
     ``early`` call (:func:`check_inputs`) for ``checkpoint.resume``, so a bad one is refused
     before any work (and one that cannot be loaded safely, which imports torch); by the run's
     call for the newest one (the early call checks that one's model unverified, and leaves one
-    whose meta.json is unreadable to the run's call)."""
+    whose meta.json is unreadable to the run's call). ``seed``: the run's ``trainer.seed``, which
+    the checkpoint's data position must have been saved with."""
     started_from = resume
     if resume and continued(resume, ckpt_dir):
         resume = None  # the same command run again (after a stop): its own newer work wins
@@ -99,6 +100,7 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
         if found:
             meta = saved_meta(found)
             check_compatible(found, gpt, meta, named=bool(resume))
+            check_same_seed(found, meta, seed)
             if not resume:
                 check_same_run(found, run_name, meta)
             elif not rewind:
@@ -116,7 +118,18 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
             check_same_run(found, run_name, meta)
     except CheckpointError:
         return None  # a damaged meta.json: the run's call passes this one over, with a warning
+    if found:
+        check_same_seed(found, meta, seed)
     return found
+
+
+def check_same_seed(path: str, meta: dict, seed: int | None) -> None:
+    """Refuse a checkpoint saved with another ``seed`` (None: unchecked) from its ``meta``, before
+    the data preparation after which xtrain/train/loader_state.py would refuse its position."""
+    saved = (meta.get("config") or {}).get("trainer", {}).get("seed")
+    if seed is not None and saved is not None and saved != seed:
+        raise CheckpointError(f"{path} was trained with trainer.seed={saved}, this run's is {seed}: the "
+                              f"data position it holds is for that seed; resume with trainer.seed={saved}")
 
 
 def check_same_run(path: str, run_name: str | None, meta: dict) -> None:
@@ -323,7 +336,7 @@ def check_checkpoints_not_elsewhere(run_dir: str, ckpt_dir: str, timeout_s: floa
 def _check_checkpoints(cfg, gpt: GPTConfig, ckpt_dir: str, run_dir: str) -> str | None:
     """The checkpoint this run would resume from (None: none), once checked."""
     found = resume_checkpoint(cfg.checkpoint.resume, ckpt_dir, gpt, cfg.run.name, early=True,
-                              rewind=cfg.checkpoint.rewind)
+                              rewind=cfg.checkpoint.rewind, seed=cfg.trainer.seed)
     if not cfg.checkpoint.resume:
         check_checkpoints_not_elsewhere(run_dir, ckpt_dir, cfg.data.remote_timeout_s, found)
     check_writable(ckpt_dir)
