@@ -49,6 +49,8 @@ def fsspec_writer(path: str, written: list | None = None):
     from fsspec.core import url_to_fs
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+    from xtrain.paths import is_local
+
     class RecordingWriter(FsspecWriter):
         def write_data(self, plan, planner):
             future = super().write_data(plan, planner)
@@ -62,8 +64,7 @@ def fsspec_writer(path: str, written: list | None = None):
 
     # sync_files only on a local disk: elsewhere a file has no descriptor, and DCP then calls
     # os.sync(), which writes every dirty page of the machine to disk
-    local = "://" not in path or path.startswith("file://")
-    return RecordingWriter(path, per_thread_copy_ahead=0, sync_files=local)
+    return RecordingWriter(path, per_thread_copy_ahead=0, sync_files=is_local(path))
 
 
 # What DCP's metadata is made of (torch 2.9): its dataclasses, the file writer's storage info,

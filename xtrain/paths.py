@@ -38,7 +38,11 @@ def protocol(fs) -> str:
 
 def as_url(fs, path: str) -> str:
     """A path that ``fs`` returned (listings drop the protocol) as a URL any fsspec call accepts."""
-    return path if protocol(fs) in ("file", "local") else f"{protocol(fs)}://{path}"
+    return path if is_local_fs(fs) else f"{protocol(fs)}://{path}"
+
+
+def is_local_fs(fs) -> bool:
+    return protocol(fs) in ("file", "local")
 
 
 def is_local(url: str) -> bool:

@@ -13,7 +13,7 @@ import time
 import uuid
 
 from xtrain.errors import CheckpointError, ConfigError
-from xtrain.paths import as_url, is_local, protocol, url_to_fs
+from xtrain.paths import as_url, is_local, is_local_fs, url_to_fs
 
 COMMIT_MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"step_(\d+)")  # the whole name: a set-aside (step_000020.corrupt-...) or
@@ -65,7 +65,7 @@ def commit(fs, root: str, written: list[str]) -> None:
     dirs, relative) are durable, then make the marker durable, before retention deletes an older
     checkpoint. On a local disk a closed file may be only in the page cache, and a power loss
     could leave COMMITTED over empty files; an object store's finished write is durable."""
-    local = protocol(fs) in ("file", "local")
+    local = is_local_fs(fs)
     if local:
         _fsync([f"{root}/{name}" for name in written] + [root])
     fs.pipe_file(f"{root}/{COMMIT_MARKER}", b"")
