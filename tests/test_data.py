@@ -551,6 +551,24 @@ def test_sources_count_symlinked_files_and_never_binary_ones(tmp_path):
         "a.cpp", "linked.hpp", "b.hpp"]
 
 
+def test_extensionless_files_count_as_cpp_only_when_they_open_like_a_header(tmp_path):
+    """Headers without a suffix (libstdc++'s, Qt's) are C++; a Makefile or README that mentions
+    ``#include`` and ``namespace`` in its text is not."""
+    from xtrain.data.cpp_source import find_sources
+
+    src = tmp_path / "src"
+    src.mkdir()
+    headers = {"vector": "// <vector> -*- C++ -*-\n#include <bits/stl_vector.h>\n",
+               "QString": '#include "qstring.h"\n',
+               "config": "\n/*\n * Copyright\n */\n#ifndef CONFIG\n#define CONFIG\n#endif\n"}
+    others = {"Makefile": "# Build with g++ // the default\nall:\n\tg++ -o x a.cpp\n# #include paths\n",
+              "README": "Write #include <x> and use namespace y; see /* comments */.\n",
+              "build": "#!/bin/sh\n# #pragma once is used by every header\n"}
+    for name, text in {**headers, **others}.items():
+        (src / name).write_text(text)
+    assert sorted(url.rsplit("/", 1)[-1] for url, _ in find_sources([str(src)])) == sorted(headers)
+
+
 def _sources(tmp_path):
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)

@@ -13,9 +13,16 @@ from xtrain.paths import as_url, url_to_fs
 CPP_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc", ".ipp", ".inl")
 
 
+# How an extensionless header (libstdc++'s ``<vector>``, Qt's ``QString``) opens: a C/C++
+# comment or a preprocessor directive. Only the opening counts: a Makefile or README that mentions
+# ``#include`` or ``namespace`` further down opens with ``# text`` or prose.
+_CPP_OPENING = re.compile(
+    rb"\s*(?://|/\*|#\s*(?:include|pragma|if|ifdef|ifndef|define|import)\b)")
+
+
 def looks_like_cpp(path: str, head: bytes) -> bool:
-    """C/C++ by suffix; extensionless headers (``<vector>``) by their first bytes; never a file
-    with a NUL byte in them (binary, whatever its name)."""
+    """C/C++ by suffix; extensionless headers by how they open (``_CPP_OPENING``); never a file
+    with a NUL byte in its first bytes (binary, whatever its name)."""
     if b"\0" in head:
         return False
     if path.endswith(CPP_SUFFIXES):
@@ -23,7 +30,7 @@ def looks_like_cpp(path: str, head: bytes) -> bool:
     name = path.rsplit("/", 1)[-1]
     if "." in name:
         return False
-    return any(tok in head for tok in (b"#include", b"#pragma", b"namespace", b"// ", b"/*"))
+    return _CPP_OPENING.match(head) is not None
 
 
 def find_sources(roots: list[str]) -> list[tuple[str, str]]:
