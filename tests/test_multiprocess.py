@@ -129,6 +129,47 @@ def test_an_evaluation_longer_than_the_collective_timeout_holds_no_process(tmp_p
     assert "C++ evaluation of step 10 skipped: step 5's still runs" in results[0][2]
 
 
+FAILING_FINAL_COMMIT = """
+import sys
+import xtrain.checkpoint.io as io
+commit = io._commit
+def failing(fs, root, *args):  # as storage that breaks during the last save
+    if root.rstrip("/").endswith("step_000010"):
+        raise OSError("injected: the bucket refused the write")
+    return commit(fs, root, *args)
+io._commit = failing
+sys.argv[0] = "xtrain"
+from xtrain.cli import main
+main()
+"""
+
+
+def test_an_evaluation_of_a_last_step_whose_save_gave_up_does_not_hold_the_end(tmp_path):
+    """On several processes the last step's evaluation reads that step's checkpoint once
+    committed. When its save gave up, nothing later commits, and the end waited an hour
+    (COMMIT_WAIT_S) before the run failed; now it is skipped at once and the run fails with the
+    final save's error. The commit fails by a fault injected into the real save (a bucket that
+    refuses writes cannot be made here)."""
+    run = tmp_path / "run"
+    overrides = [*cpp_eval_overrides(tmp_path), "eval.cpp_every=5", "checkpoint.every=5",
+                 "trainer.max_steps=10", "checkpoint.retries=0"]
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    cmd = [sys.executable, "-c", FAILING_FINAL_COMMIT, *COMMON, *TWO, *overrides,
+           f"hydra.run.dir={run}"]
+    procs = [start(cmd, {**launch, "RANK": str(rank)}) for rank in (0, 1)]
+    try:
+        results = finish_all(procs, timeout=240)
+    finally:
+        for p in procs:
+            p.kill()
+    assert [code for code, _, _ in results] == [1, 1], [err[-2000:] for _, _, err in results]
+    err = results[0][2]
+    assert "but its final checkpoint could not be written" in err
+    assert f"C++ evaluation of step 10 skipped: {run}/checkpoints/step_000010 was not committed" in err
+    evals = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals == [5], evals
+
+
 def test_two_processes_train_the_one_process_batch_with_one_writer(reference):
     one, two = losses(reference / "one"), losses(reference / "two")
     assert sorted(two) == list(range(1, STEPS + 1))

@@ -48,13 +48,15 @@ def cpu_snapshot(model):
     return GPT.from_weights(model.config, model.state_dict())
 
 
-def committed_weights(config, path: str, stopping: threading.Event):
+def committed_weights(config, path: str, stopping: threading.Event, given_up=lambda: False):
     """The CPU model of the checkpoint at ``path`` once it is committed, or None when it is not
-    within ``COMMIT_WAIT_S``, the run is stopping, or a later step committed without it (its
-    upload gave up, or retention removed it before it was read)."""
+    within ``COMMIT_WAIT_S``, the run is stopping, a later step committed without it (its
+    upload gave up, or retention removed it before it was read), or ``given_up()`` (the run's
+    last save gave up: nothing later will commit)."""
     deadline = time.monotonic() + COMMIT_WAIT_S
     while not is_committed(path):
-        if stopping.wait(2.0) or time.monotonic() > deadline or _passed_over(path):
+        if (stopping.wait(2.0) or time.monotonic() > deadline or given_up()
+                or _passed_over(path)):
             return None
     return GPT.from_weights(config, read_model_weights(path))
 
@@ -125,6 +127,7 @@ class CppEvalCallback(L.Callback):
         self.unfinished: list[int] = []
         self.backlog: list[int] = []
         self.called_off: list[int] = []  # by a stop, in this run
+        self.unsaved: set[int] = set()  # steps whose save gave up (:meth:`never_saved`)
         self.stopping = threading.Event()  # set when the run ends by an exception
 
     def evaluate(self, step: int, model, last: bool = False) -> None:
@@ -158,7 +161,8 @@ class CppEvalCallback(L.Callback):
         checkpoint, path = step_dir(self.checkpoints, step), records_path(self.run_dir, step)
 
         def from_checkpoint():
-            weights = committed_weights(self.gpt_config, checkpoint, self.stopping)
+            weights = committed_weights(self.gpt_config, checkpoint, self.stopping,
+                                        lambda: step in self.unsaved)
             if weights is None:
                 log.warning("C++ evaluation of step %d skipped: %s was not committed", step,
                             checkpoint)
@@ -167,6 +171,11 @@ class CppEvalCallback(L.Callback):
                                   self.stopping)
 
         self.pending = Pending(step, None, from_checkpoint)
+
+    def never_saved(self, step: int) -> None:
+        """``step``'s checkpoint will never be committed (the end's save gave up): its evaluation
+        from checkpoints, waiting for it or still to start, is skipped at once."""
+        self.unsaved.add(step)
 
     def state_dict(self) -> dict:
         """Saved in every checkpoint: the evaluations unfinished at its save (called off, running,
