@@ -129,14 +129,11 @@ def test_an_evaluation_longer_than_the_collective_timeout_holds_no_process(tmp_p
     assert "C++ evaluation of step 10 skipped: step 5's still runs" in results[0][2]
 
 
-FAILING_FINAL_COMMIT = """
+FAILING_COMMITS = """
 import sys
 import xtrain.checkpoint.io as io
-commit = io._commit
-def failing(fs, root, *args):  # as storage that breaks during the last save
-    if root.rstrip("/").endswith("step_000010"):
-        raise OSError("injected: the bucket refused the write")
-    return commit(fs, root, *args)
+def failing(*args):  # as storage that breaks for good (a full disk, a bucket turned read-only)
+    raise OSError("injected: the bucket refused the write")
 io._commit = failing
 sys.argv[0] = "xtrain"
 from xtrain.cli import main
@@ -144,18 +141,48 @@ main()
 """
 
 
-def test_an_evaluation_of_a_last_step_whose_save_gave_up_does_not_hold_the_end(tmp_path):
-    """On several processes the last step's evaluation reads that step's checkpoint once
-    committed. When its save gave up, nothing later commits, and the end waited an hour
-    (COMMIT_WAIT_S) before the run failed; now it is skipped at once and the run fails with the
-    final save's error. The commit fails by a fault injected into the real save (a bucket that
-    refuses writes cannot be made here)."""
+def test_evaluations_waiting_for_checkpoints_do_not_hold_an_end_whose_save_gave_up(tmp_path):
+    """On several processes an evaluation reads its step's checkpoint once committed. Here storage
+    breaks for good: step 5's save gives up while its evaluation waits for it, step 10's (the
+    last) is deferred behind it, and the end's save gives up too. Nothing commits any more, and
+    the end waited an hour (COMMIT_WAIT_S) before the run failed; now both are skipped at once
+    and the run fails with the final save's error. The commits fail by a fault injected into the
+    real save (storage that breaks mid-run cannot be made here)."""
     run = tmp_path / "run"
-    overrides = [*cpp_eval_overrides(tmp_path), "eval.cpp_every=5", "checkpoint.every=5",
-                 "trainer.max_steps=10", "checkpoint.retries=0"]
+    err = _both_fail_their_final_save(FAILING_COMMITS, run, *cpp_eval_overrides(tmp_path),
+                                      "eval.cpp_every=5")
+    for step in (5, 10):
+        assert (f"C++ evaluation of step {step} skipped: {run}/checkpoints/step_{step:06d} was not "
+                "committed") in err
+    assert not [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
+
+
+SLOW_SAMPLE = """
+import time
+import xtrain.train.sampling as sampling
+generate = sampling.generate
+def slow(*args, **kwargs):  # as a large model's sample on a host's CPU
+    time.sleep(8)
+    return generate(*args, **kwargs)
+sampling.generate = slow
+"""
+
+
+def test_a_final_save_that_gave_up_on_every_process_is_that_error_on_every_process(tmp_path):
+    """Every process finds the final save given up, and each fails with it (exit 1). Process 0
+    got there 8 s later, after the end's sample (its own work), and found process 1 gone by
+    then: it called that a lost peer (exit 3), and the run's log blamed process 1."""
+    err = _both_fail_their_final_save(SLOW_SAMPLE + FAILING_COMMITS, tmp_path / "run",
+                                      "trainer.sample_tokens=8")
+    assert "peer error" not in err
+
+
+def _both_fail_their_final_save(script: str, run, *overrides) -> str:
+    """Two processes of ``script`` (with FAILING_COMMITS' faults) that train 10 steps, saving
+    every 5: both must fail for the final save (exit 1). Process 0's stderr."""
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-c", FAILING_FINAL_COMMIT, *COMMON, *TWO, *overrides,
-           f"hydra.run.dir={run}"]
+    cmd = [sys.executable, "-c", script, *COMMON, *TWO, "checkpoint.every=5", "trainer.max_steps=10",
+           "checkpoint.retries=0", *overrides, f"hydra.run.dir={run}"]
     procs = [start(cmd, {**launch, "RANK": str(rank)}) for rank in (0, 1)]
     try:
         results = finish_all(procs, timeout=240)
@@ -164,10 +191,9 @@ def test_an_evaluation_of_a_last_step_whose_save_gave_up_does_not_hold_the_end(t
             p.kill()
     assert [code for code, _, _ in results] == [1, 1], [err[-2000:] for _, _, err in results]
     err = results[0][2]
-    assert "but its final checkpoint could not be written" in err
-    assert f"C++ evaluation of step 10 skipped: {run}/checkpoints/step_000010 was not committed" in err
-    evals = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
-    assert evals == [5], evals
+    assert ("xtrain: checkpoint error: training reached step 10, but its final checkpoint could "
+            "not be written") in err
+    return err
 
 
 def test_two_processes_train_the_one_process_batch_with_one_writer(reference):

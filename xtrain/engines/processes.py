@@ -106,16 +106,22 @@ class Processes:
             kind = next((c.__name__ for c in type(e).__mro__ if c.__module__ == "xtrain.errors"),
                         type(e).__name__)
             store.set(key, json.dumps([kind, mask_secrets(str(e))[:2000]]))
-            # the store lives in process 0 (or its host's launcher): the others read the
-            # failure before it ends (a few seconds at most: they look every beat)
-            deadline = time.monotonic() + 10 * Heartbeat.INTERVAL_S
-            readers = self.world - 1 if key == "outcome" else 1
-            with contextlib.suppress(Exception):  # (process 0 read it and ended, with its store)
-                while store.add(f"{key}-read", 0) < readers and time.monotonic() < deadline:
-                    time.sleep(0.1)
+            self._until_read(store, key)
             raise
         store.set(key, "")
+        self._until_read(store, key)
         return result
+
+    def _until_read(self, store, key: str) -> None:
+        """Wait until the processes that follow ``key`` have read it. The store lives in process
+        0 (or its host's launcher), which may end right after its work (its own error, or one
+        every process raises next): a follower that finds the store gone before it read the
+        outcome takes process 0 for lost. A few seconds at most: they look every beat."""
+        deadline = time.monotonic() + 10 * Heartbeat.INTERVAL_S
+        readers = self.world - 1 if key == "outcome" else 1
+        with contextlib.suppress(Exception):  # (process 0 read it and ended, with its store)
+            while store.add(f"{key}-read", 0) < readers and time.monotonic() < deadline:
+                time.sleep(0.1)
 
     def _follow(self, store, key: str, what: str, leader: int) -> None:
         """Wait for the outcome at ``key`` of process ``leader``'s work, while every process

@@ -51,8 +51,8 @@ def cpu_snapshot(model):
 def committed_weights(config, path: str, stopping: threading.Event, given_up=lambda: False):
     """The CPU model of the checkpoint at ``path`` once it is committed, or None when it is not
     within ``COMMIT_WAIT_S``, the run is stopping, a later step committed without it (its
-    upload gave up, or retention removed it before it was read), or ``given_up()`` (the run's
-    last save gave up: nothing later will commit)."""
+    upload gave up, or retention removed it before it was read), or ``given_up()`` (the end's
+    save gave up: nothing commits any more)."""
     deadline = time.monotonic() + COMMIT_WAIT_S
     while not is_committed(path):
         if (stopping.wait(2.0) or time.monotonic() > deadline or given_up()
@@ -127,7 +127,7 @@ class CppEvalCallback(L.Callback):
         self.unfinished: list[int] = []
         self.backlog: list[int] = []
         self.called_off: list[int] = []  # by a stop, in this run
-        self.unsaved: set[int] = set()  # steps whose save gave up (:meth:`never_saved`)
+        self.saves_over = threading.Event()  # nothing commits any more (:meth:`no_more_saves`)
         self.stopping = threading.Event()  # set when the run ends by an exception
 
     def evaluate(self, step: int, model, last: bool = False) -> None:
@@ -162,7 +162,7 @@ class CppEvalCallback(L.Callback):
 
         def from_checkpoint():
             weights = committed_weights(self.gpt_config, checkpoint, self.stopping,
-                                        lambda: step in self.unsaved)
+                                        self.saves_over.is_set)
             if weights is None:
                 log.warning("C++ evaluation of step %d skipped: %s was not committed", step,
                             checkpoint)
@@ -172,10 +172,11 @@ class CppEvalCallback(L.Callback):
 
         self.pending = Pending(step, None, from_checkpoint)
 
-    def never_saved(self, step: int) -> None:
-        """``step``'s checkpoint will never be committed (the end's save gave up): its evaluation
-        from checkpoints, waiting for it or still to start, is skipped at once."""
-        self.unsaved.add(step)
+    def no_more_saves(self) -> None:
+        """The end's save gave up, so no checkpoint not committed yet ever will be (a lasting
+        storage outage gives up earlier saves too): every evaluation from checkpoints waiting for
+        one, or still to start, is skipped at once."""
+        self.saves_over.set()
 
     def state_dict(self) -> dict:
         """Saved in every checkpoint: the evaluations unfinished at its save (called off, running,

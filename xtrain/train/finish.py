@@ -20,7 +20,8 @@ def finish_end(trainer, module, val_loader, callbacks, run_dir: str, ckpt_dir: s
     """After fit: what the end lacks (a run resumed at its last step: the records its log lacks
     there, xtrain/train/catch_up.py; a validation of a last step fit did not validate,
     :func:`validate_end`), then the wait for the C++ evaluations still running or due (none
-    after a stop, which called them off; not the last step's when its save gave up)."""
+    after a stop, which called them off; none waiting for a checkpoint once the end's save gave
+    up)."""
     stopped_early = callbacks.checkpointer.preempted
     if start_step == max_steps:
         run_missing(start_step, True, run_dir, ckpt_dir, callbacks, processes, module.model,
@@ -30,7 +31,7 @@ def finish_end(trainer, module, val_loader, callbacks, run_dir: str, ckpt_dir: s
         validate_end(trainer, module, val_loader, max_steps, cfg.trainer.eval_every or max_steps)
     if cfg.eval.cpp_every and not stopped_early:
         if callbacks.checkpointer.final_saved is False and callbacks.cpp_eval is not None:
-            callbacks.cpp_eval.never_saved(trainer.global_step)  # nothing later commits
+            callbacks.cpp_eval.no_more_saves()
         wait_for_evaluation(callbacks.cpp_eval, processes)
 
 

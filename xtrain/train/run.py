@@ -277,13 +277,14 @@ def naming_lost_peers(engine: Engine):
     a function to call once their last collective is behind them: from then on a process that
     finished and left is no loss, and an error of this one's own (process 0's end of W&B, an
     upload of the run's log) is raised as itself."""
-    from xtrain.errors import InputError, PeerLost
+    from xtrain.errors import CheckpointNotWritten, InputError, PeerLost
 
     apart = []
     try:
         yield lambda: apart.append(True)
     except Exception as e:
-        if engine.world == 1 or apart or isinstance(e, (InputError, PeerLost)):  # (no wait)
+        # (no wait for errors every process raises alike: the others may have left with theirs)
+        if engine.world == 1 or apart or isinstance(e, (InputError, PeerLost, CheckpointNotWritten)):
             raise
         engine.processes.say_failed(e)  # (named by the others if this process is the one gone)
         lost = engine.processes.vanished()
