@@ -31,8 +31,8 @@ from xtrain.launcher import env
 from xtrain.launcher import worker as worker_module
 from xtrain.launcher.env import EnvSpec, ensure_env, system_tools_script
 from xtrain.launcher.job import STATE_SH, JobState, RemoteJob
-from xtrain.launcher.runner import LaunchError, Result, Runner, VmUnavailable
-from xtrain.launcher.ssh import Ssh
+from xtrain.launcher.runner import LaunchError, Result, Runner, VmUnavailable, parallel
+from xtrain.launcher.ssh import HOST_KEY_CHANGED, Ssh
 from xtrain.launcher.sync import code_files, sync
 from xtrain.launcher.targets import Target
 from xtrain.launcher.worker import Worker, launch_lock
@@ -87,6 +87,23 @@ def test_a_changed_host_key_is_refused_and_rekeyed_only_on_request(remote, tmp_p
     server_key = Path(f"{remote.sshd.host_key}.pub").read_text().split()[1]
     assert server_key in known.read_text() and other[1] not in known.read_text()
     assert "rekey" in runner.labels() and any("old key removed" in m for m in messages)
+
+
+def test_the_hosts_of_a_pod_rekeyed_at_once_all_lose_their_old_keys(tmp_path):
+    """A recreated pod's workers are probed in parallel and all find their key changed. Each
+    removal by ssh-keygen rewrote known_hosts whole, so removals made at once lost one another
+    (and a worker was refused with the advice to set the rekey=true it had). Real ssh-keygen on
+    a known_hosts of 12 hosts; no connection is needed to remove a key."""
+    known = tmp_path / "known_hosts"
+    algorithm, body = Path(f"{keygen(tmp_path / 'old_key')}.pub").read_text().split()[:2]
+    hosts = [f"127.0.0.{i}" for i in range(10, 22)]
+    kept = f"[127.0.0.99]:2222 {algorithm} {body}\n"
+    known.write_text("".join(f"[{h}]:2222 {algorithm} {body}\n" for h in hosts) + kept)
+    cfg = OmegaConf.structured(LauncherConfig(known_hosts=str(known), port=2222, rekey=True))
+    ssh = Ssh(cfg, Runner())
+    changed = Result(255, "", f"@@@ WARNING: {HOST_KEY_CHANGED}! @@@\n")
+    assert parallel(lambda h: ssh.connection_failure(h, changed), hosts) == ["rekeyed"] * len(hosts)
+    assert known.read_text() == kept
 
 
 def test_an_unreachable_host_is_a_clear_error_after_the_retries(remote, tmp_path):

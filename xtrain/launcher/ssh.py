@@ -14,6 +14,7 @@ appears on a command line that ``ps`` shows, locally or remotely.
 
 from __future__ import annotations
 
+import fcntl
 import getpass
 import hashlib
 import os
@@ -21,6 +22,7 @@ import shlex
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 
 from xtrain.errors import ConfigError
@@ -35,6 +37,10 @@ CONNECTION_FAILURES = ("connection refused", "timed out", "no route to host", "n
 # "Temporary failure in name resolution" (EAI_AGAIN: the resolver did not answer) is retried.
 UNKNOWN_NAME = "name or service not known"
 HOST_KEY_CHANGED = "REMOTE HOST IDENTIFICATION HAS CHANGED"
+# ssh-keygen -R rewrites known_hosts whole (read, write a copy, rename): two at once lose one's
+# removal, so each removal holds this lock (the workers of a launch are threads) and a lock file
+# (other launches on this machine)
+_KNOWN_HOSTS_LOCK = threading.Lock()
 
 
 def login_refused(result: Result) -> bool:
@@ -214,17 +220,26 @@ class Ssh:
                 "recreated VM, or someone in between); refused. If the VM was recreated, accept "
                 "its new key with hydra.launcher.rekey=true")
         self._rekeyed.add(host)
-        self.runner.run(["ssh-keygen", "-R", entry, "-f", self.known_hosts], label="rekey")
+        self._remove_key(entry, "rekey")
         self.log(f"launch: {entry}: host key changed; old key removed (hydra.launcher.rekey=true)")
         return "rekeyed"
+
+    def _remove_key(self, entry: str, label: str) -> None:
+        """Remove ``entry``'s key from known_hosts (:data:`_KNOWN_HOSTS_LOCK`)."""
+        if not os.path.exists(self.known_hosts):
+            return
+        with _KNOWN_HOSTS_LOCK, open(f"{self.known_hosts}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            result = self.runner.run(["ssh-keygen", "-R", entry, "-f", self.known_hosts], label=label)
+        if result.returncode != 0:
+            raise LaunchError(f"{entry}: its old host key could not be removed from "
+                              f"{self.known_hosts}: {result.stderr.strip() or result.returncode}")
 
     def forget(self, host: str) -> None:
         """A VM xtrain itself deleted and recreated: drop the address's recorded key (the new VM
         has a new one, accepted on first contact) and close the connection kept open to the old
         VM, which would otherwise be reused without checking the new key."""
-        if os.path.exists(self.known_hosts):
-            self.runner.run(["ssh-keygen", "-R", self._entry(host), "-f", self.known_hosts],
-                            label="forget host key")
+        self._remove_key(self._entry(host), "forget host key")
         if self.cfg.multiplex:
             self.runner.run(["ssh", *self.options(), "-O", "exit", self.destination(host)],
                             timeout=30, label="close connection")
