@@ -533,6 +533,42 @@ def test_a_pid_recorded_before_a_restart_is_neither_running_nor_signalled(remote
         os.killpg(unrelated, signal.SIGKILL)
 
 
+def test_an_exited_jobs_pid_reused_by_another_group_is_neither_followed_nor_signalled(remote,
+                                                                                      tmp_path):
+    """The job exited (its exit code recorded), and its pid now leads another process group of
+    the same user, started this boot (pids are reused; 32768 of them by default). The next
+    start stopped that group, SIGKILL after the grace, and a follow waited for its end."""
+    worker, _, _ = make_worker(remote, tmp_path)
+    job = RemoteJob(worker, "unit")
+    start(job, ["true"])
+    wait_for(lambda: job.state().state == "exited")
+    unrelated = subprocess.Popen(["setsid", "sleep", "60"])
+    try:
+        wait_for(lambda: live_group(unrelated.pid) != [])
+        (Path(job.dir) / "pid").write_text(f"{unrelated.pid}\n")  # as if reused
+        reattached = job.follow(0)
+        reattached.communicate(timeout=30)
+        assert reattached.returncode == 0
+        assert job.stop(grace_s=0.4) is False
+        new = start(job, ["sleep", "60"], grace=0.4)
+        assert unrelated.poll() is None and job.state().state == "running"
+        assert job.stop(grace_s=5) is False and live_group(new) == []
+    finally:
+        unrelated.kill()
+
+
+def test_a_stop_still_ends_what_an_exited_jobs_group_left_running(remote, tmp_path):
+    """The job's wrapper wrote its exit code, but a process the job started in its group lives
+    on (here a background sleep): a stop or a new start still ends it."""
+    worker, _, _ = make_worker(remote, tmp_path)
+    job = RemoteJob(worker, "unit")
+    pid = start(job, ["bash", "-c", "sleep 60 & exit 0"])
+    wait_for(lambda: job.state().state == "exited")
+    assert live_group(pid) != []
+    job.stop(grace_s=5)
+    assert live_group(pid) == []
+
+
 # A job that cuts its own log stream (the remote end of it, a tail on the loopback host, which is
 # this machine) once its last line reached the local copy (argv[1]), five times; then it stops
 # the stream, prints its last words and exits 1, the stream killed a second later.

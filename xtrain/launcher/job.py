@@ -24,11 +24,17 @@ from xtrain.launcher.runner import LaunchError, VmUnavailable, parallel
 
 q = shlex.quote
 
-# Whether process group $1 has a live member. Not `kill -0`: that also counts zombies, which
-# stay forever where PID 1 does not reap them (some containers).
+# group_alive: whether process group $1 has a live member. Not `kill -0`: that also counts
+# zombies, which stay forever where PID 1 does not reap them (some containers).
+# job_group: whether process group $2 is job dir $1's: started this boot and alive, and not, once
+# the job has exited, led by a live process of another command than the job's wrapper (its pid
+# reused by a new group: its own orphans would have kept the pid from reuse).
 GROUP_ALIVE_SH = r"""
 group_alive() { ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {f=1} END {exit !f}'; }
 this_boot() { [ ! -f "$1/boot" ] || [ "$(cat "$1/boot")" = "$(cat /proc/sys/kernel/random/boot_id)" ]; }
+other_leader() { ps -o stat=,args= -p "$2" 2>/dev/null |
+  awk -v w="$1/run.sh" '$1 !~ /^Z/ && index($0, w) == 0 {f=1} END {exit !f}'; }
+job_group() { this_boot "$1" && group_alive "$2" && ! { [ -f "$1/exit" ] && other_leader "$1" "$2"; }; }
 """
 
 # Prints "<state> <exit code or -> <reported 0|1> <attempt or -> <log bytes> <command digest or ->"
@@ -54,7 +60,7 @@ job_state() {
 # SIGKILL after the grace period, then wait until the group is gone. Expects $dir (the job's),
 # $pid and $ticks (the grace in fifths of a second).
 STOP_SH = GROUP_ALIVE_SH + r"""
-if this_boot "$dir" && group_alive "$pid"; then
+if job_group "$dir" "$pid"; then
   kill -TERM -- "-$pid" 2>/dev/null
   while group_alive "$pid"; do
     if [ "$ticks" -eq 0 ]; then kill -KILL -- "-$pid" 2>/dev/null; echo killed; fi
@@ -148,12 +154,12 @@ class RemoteJob:
 
     def follow(self, offset: int):
         """Stream the log from byte ``offset`` until the job's wrapper exits (tail --pid); when
-        its pid is not this boot's (the VM restarted: the pid may be another process's now),
-        print the log to its end and return."""
+        its pid is not the job's group (the VM restarted, or the job exited and the pid was
+        reused: GROUP_ALIVE_SH's job_group), print the log to its end and return."""
         d, tail = q(self.dir), f"tail -c +{offset + 1}"
         return self.worker.ssh.stream(
             self.worker.host, GROUP_ALIVE_SH + f'pid=$(cat {d}/pid)\n'
-            f'if this_boot {d} && group_alive "$pid"; then exec {tail} -s 0.2 --pid="$pid" '
+            f'if job_group {d} "$pid"; then exec {tail} -s 0.2 --pid="$pid" '
             f'-F {d}/log; else exec {tail} {d}/log; fi', "follow")
 
     def stop(self, grace_s: float) -> bool:
