@@ -143,12 +143,14 @@ def test_a_stop_does_not_wait_for_a_running_evaluation(tmp_path, problem_file, t
         _check_records(run / "cpp_eval" / f"step_{step:06d}.jsonl", n=1)
 
 
-def test_a_stop_after_the_last_step_ends_as_a_stop_and_the_same_command_finishes_it(tmp_path,
-                                                                                   problem_file):
-    """SIGTERM while the end's evaluation (step 6 of 6, made long) runs, the last checkpoint
-    committed and validated: the run ended with exit 0 and no eval record, finished to anyone
-    watching (a launcher never ran it again). Now it ends as stopped (exit 143, a stop record);
-    the same command records the evaluation its end lacks."""
+@pytest.mark.parametrize("stop_by", ["signal", "notice"])
+def test_a_stop_after_the_last_step_ends_as_a_stop_and_the_same_command_finishes_it(
+        tmp_path, problem_file, request, stop_by):
+    """SIGTERM, or a GCE notice (from tests/test_notices.py's stand-in metadata server), while
+    the end's evaluation (step 6 of 6, made long) runs, the last checkpoint committed and
+    validated: the run ended with exit 0 and no eval record, finished to anyone watching (a
+    launcher never ran it again); a notice was not even watched after training. Now it ends as
+    stopped (exit 143, a stop record); the same command records the evaluation its end lacks."""
     import signal
     import time
 
@@ -157,6 +159,12 @@ def test_a_stop_after_the_last_step_ends_as_a_stop_and_the_same_command_finishes
     run = tmp_path / "run"
     args = ["trainer.max_steps=6", "model.sequence_len=512", "eval.cpp_every=6",
             f"eval.cpp_file={problem_file}", "eval.temperature=0.8", "eval.k=[1]"]
+    if stop_by == "notice":
+        from test_notices import MetadataServer
+
+        server = MetadataServer()
+        request.addfinalizer(server.close)
+        args.append(f"preemption.metadata_url={server.url}")
     proc = xtrain(run, *args, "eval.n=16", "eval.max_tokens=400")
     deadline = time.time() + 240
     while not any(r["kind"] == "val" and r["step"] == 6 for r in (
@@ -164,15 +172,23 @@ def test_a_stop_after_the_last_step_ends_as_a_stop_and_the_same_command_finishes
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
     time.sleep(0.5)  # in the end's wait for the evaluation
-    proc.send_signal(signal.SIGTERM)
+    if stop_by == "notice":
+        server.announce("preempted", "TRUE")
+        reason = "GCE notice instance/preempted=TRUE"
+    else:
+        proc.send_signal(signal.SIGTERM)
+        reason = "SIGTERM"
     code, out, err = finish(proc)
     assert code == 143, err[-3000:]
-    assert "SIGTERM: training reached its last step; stopping what the run's end still does" in err
+    if stop_by == "signal":
+        assert "SIGTERM: training reached its last step; stopping what the run's end still does" in err
     assert "C++ evaluation of step 6 abandoned: the run stopped before it finished" in err
-    assert "stopped (SIGTERM) at step 6: checkpoint committed" in out
+    assert f"stopped ({reason}) at step 6: checkpoint committed" in out
     records = read_jsonl(run / "metrics.jsonl")
-    assert [(r["step"], r["stopped_for"]) for r in records if r["kind"] == "stop"] == [(6, "signal")]
+    assert [(r["step"], r["stopped_for"]) for r in records if r["kind"] == "stop"] == [(6, stop_by)]
     assert not [r for r in records if r["kind"] == "eval"]
+    if stop_by == "notice":
+        server.announce("preempted", "FALSE")  # (the VM the run resumes on)
     code, out, err = finish(xtrain(run, *args, "eval.n=1", "eval.max_tokens=8"))
     assert code == 0, err[-3000:]
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"] == [6]

@@ -208,25 +208,27 @@ def resume_point(cfg, ckpt_dir: str, run_dir: str, tokenizer, steps, engine: Eng
     return resume_from, step
 
 
-def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, preemption) -> None:
+def fit(trainer, module, loaders: Loaders, resume_from, callbacks: Callbacks, preemption,
+        held: contextlib.ExitStack) -> None:
+    """Lightning's fit. GCE notices are watched from here until ``held`` (the run's) closes: a
+    notice during the end's validation or C++ evaluation is a stop too."""
     import torch
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from xtrain.train.notices import watch
 
+    watcher = watch(preemption, callbacks.stop)  # None off GCE: no thread, no request
+    if watcher:
+        held.callback(watcher.stop)
     step_loader = torch.utils.data.DataLoader(loaders.steps, batch_size=None)
     val_loader = torch.utils.data.DataLoader(loaders.val, batch_size=None) if loaders.val else None
     compat.keep_signal_handlers(trainer)
     callbacks.stop.install()
-    watcher = watch(preemption, callbacks.stop)  # None off GCE: no thread, no request
     try:
         trainer.fit(module, train_dataloaders=step_loader, val_dataloaders=val_loader,
                     ckpt_path=resume_from)
     except SIGTERMException:
         pass  # raised by the checkpoint callback after its save at the step boundary
-    finally:
-        if watcher:
-            watcher.stop()
     if not callbacks.checkpointer.preempted:  # (the stop stays installed until train_on's end)
         callbacks.stop.past_last_step.set()
 
@@ -347,7 +349,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
             if record:  # every check passed: .hydra/ says what trains here
                 accept(run_dir, record)
                 log.info(ACCEPTED)  # a launcher accepts its local record at this line
-            fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption)
+            fit(trainer, module, loaders, resume_from, callbacks, cfg.preemption, held)
             finish_end(trainer, module, loaders.val, callbacks, run_dir, ckpt_dir, engine.processes,
                        cfg, start_step, plan.max_steps)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
