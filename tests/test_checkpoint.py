@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from conftest import (ROOT, GCSEmulator, assert_same_tensors, checkpoint_tensors, finish,
+from conftest import (ROOT, RUN, GCSEmulator, assert_same_tensors, checkpoint_tensors, finish,
                       gcs_filesystem, losses, read_jsonl, use_gcs_emulator, xtrain)
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
 from xtrain.checkpoint.io import split_tensors
@@ -462,6 +462,41 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert code == 0, err[-2000:]
     assert "step_000010" in out  # resumed from the last good one, not the torn one
     assert [s for s, _ in committed_checkpoints(str(ckpts))] == [10, 20]
+
+
+SIGTERM_BEFORE_THE_END_SAMPLE = """
+import os, signal, sys, time
+from xtrain.train.sampling import SampleCallback
+end = SampleCallback.on_train_end
+def signalled(self, trainer, pl_module):  # a SIGTERM that arrives right before the end's sample
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    return end(self, trainer, pl_module)
+SampleCallback.on_train_end = signalled
+sys.argv[0] = "xtrain"
+from xtrain.cli import main
+main()
+"""
+
+
+def test_a_stop_after_the_last_step_calls_the_ends_sample_off(tmp_path):
+    """The end's sample (on a TPU host: every weight gathered, then generation on the CPU) was
+    made after a stop requested past the last step, which a preemption notice has no time for;
+    the run then said the sample was called off. Now it is (the signal comes at a set point: a
+    fault injected into the sample's hook); the same command makes it."""
+    run_dir, command = tmp_path / "run", ["trainer.max_steps=6", "trainer.sample_tokens=4"]
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_BEFORE_THE_END_SAMPLE, *RUN, *command,
+                             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    code, out, err = finish(proc)
+    assert code == 143, err[-3000:]
+    assert "the sample of step 6 called off: the run is stopping" in err
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [(r["step"], r["kind"]) for r in records if r["kind"] in ("sample", "stop")] == [
+        (6, "stop")]
+    code, out, err = finish(xtrain(run_dir, *command))
+    assert code == 0, err[-3000:]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "sample"] == [6]
 
 
 def test_a_run_resumed_at_its_last_step_runs_the_end_its_log_lacks(tmp_path):

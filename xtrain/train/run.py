@@ -141,7 +141,7 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
         meta=run_meta(cfg, tokenizer.fingerprint, plan.max_steps, plan.batch.total_batch_size),
         timer=timer)
     sampler = SampleCallback(tokenizer, cfg.sample, trainer_cfg.sample_tokens, trainer_cfg.sample_every,
-                             run_log, timer, plan.gpt.sequence_len)
+                             run_log, timer, plan.gpt.sequence_len, stop=stop)
     cpp_eval = None
     if cfg.eval.cpp_every and engine.rank == 0:
         from xtrain.train.cpp_eval import CppEvalCallback

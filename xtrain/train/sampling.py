@@ -38,12 +38,15 @@ def host_copy_or_none(model, skipped: str):
 
 class SampleCallback(L.Callback):
     """``tokens`` per sample; ``every`` steps between samples (0: only at the end); the same
-    seed every time, so samples of one run differ only by what the model learnt."""
+    seed every time, so samples of one run differ only by what the model learnt. ``stop``: the
+    run's StopRequest (xtrain/train/preemption.py); a stop requested after the last step calls
+    the end's sample off (the same command makes it, xtrain/train/catch_up.py): on a TPU host
+    it gathers every weight and generates on the CPU, which a preemption notice has no time for."""
 
     def __init__(self, tokenizer, sample_cfg, tokens: int, every: int, run_log, timer,
-                 sequence_len: int):
+                 sequence_len: int, stop=None):
         self.tokenizer, self.cfg, self.tokens, self.every = tokenizer, sample_cfg, tokens, every
-        self.run_log, self.timer = run_log, timer
+        self.run_log, self.timer, self.stop = run_log, timer, stop
         self.prompts = sample_prompts(sample_cfg)
         if tokens > 0:  # refused now rather than at the first sample, mid-run
             check_prompts_fit(tokenizer, self.prompts, tokens, sequence_len, "trainer.sample_tokens")
@@ -77,5 +80,10 @@ class SampleCallback(L.Callback):
             self.sample(step, pl_module.model)
 
     def on_train_end(self, trainer, pl_module):
-        if trainer.global_rank == 0 and self.tokens > 0:
-            self.sample(trainer.global_step, pl_module.model)
+        if trainer.global_rank != 0 or self.tokens <= 0:
+            return
+        if self.stop is not None and self.stop.requested:
+            log.warning("the sample of step %d called off: the run is stopping",
+                        trainer.global_step)
+            return
+        self.sample(trainer.global_step, pl_module.model)
