@@ -463,6 +463,41 @@ def test_a_failed_start_is_reported_whatever_stopping_the_started_workers_says(r
     assert said[-1].startswith("launch: worker 0 (127.0.0.4) could not be stopped ("), said
 
 
+def test_a_failure_is_reported_when_a_worker_stopped_after_it_stops_answering(remote, tmp_path):
+    """Worker 0's job fails, and worker 1's host goes with the job the launcher stops there (it
+    stands in 127.0.0.4, where nothing listens, once its job is stopped). The launch then
+    reported worker 1's host as unreachable, not worker 0's failure and the tail of its log;
+    now it says the one and reports the other."""
+    from xtrain.launcher.launch import follow
+
+    cfg = OmegaConf.structured(LauncherConfig(**remote.launcher_fields(retries=0, backoff_s=0.1)))
+    ssh, said = Ssh(cfg, Runner(), print), []
+    gone = Worker(Target(1, "127.0.0.4", "127.0.0.4"), ssh, cfg.remote_dir, cfg.venv)
+
+    class HostGoesWithTheJob(RemoteJob):
+        def stop(self, grace_s):
+            super().stop(grace_s)
+            self.worker = gone
+            return super().stop(grace_s)
+
+    workers = [Worker(Target(i, HOSTS[0], HOSTS[0]), ssh, str(tmp_path / f"w{i}"), cfg.venv)
+               for i in range(2)]
+    for w in workers:
+        w.probe("unit")
+    jobs = [RemoteJob(workers[0], "unit"), HostGoesWithTheJob(workers[1], "unit")]
+    start(jobs[0], ["bash", "-c", "sleep 1; echo its last words; exit 1"])
+    start(jobs[1], ["sleep", "60"])
+    (tmp_path / "job").mkdir()
+    try:
+        with pytest.raises(LaunchError, match=r"^worker 0 \(127\.0\.0\.2\) failed \(exit code 1\)"
+                           ) as failure:
+            follow(jobs, str(tmp_path / "job"), [0, 0], cfg, said.append)
+    finally:
+        RemoteJob(workers[1], "unit").stop(grace_s=1)
+    assert "its last words" in str(failure.value)
+    assert any(m.startswith("launch: 127.0.0.4") and "unreachable" in m for m in said), said
+
+
 def test_a_job_that_exits_on_sigterm_keeps_its_own_exit_code(remote, tmp_path):
     """The stop's SIGTERM reaches the wrapper too: its exit code must stay the job's (3 here), not
     128 + 15, which reads as a preemption. Several rounds: the job and the wrapper race."""

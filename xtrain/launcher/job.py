@@ -20,6 +20,7 @@ import json
 import shlex
 from dataclasses import dataclass
 
+from xtrain.errors import EXIT_STOPPED
 from xtrain.launcher.runner import LaunchError, VmUnavailable, parallel
 
 q = shlex.quote
@@ -113,6 +114,18 @@ class JobState:
     @property
     def unreported_end(self) -> bool:
         return self.state == "exited" and not self.reported
+
+    @property
+    def failed(self) -> bool:
+        """Ended otherwise than finished or stopped after a checkpoint (xtrain's exit 143)."""
+        return self.state == "lost" or self.exit_code not in (0, EXIT_STOPPED)
+
+    def describe(self) -> str:
+        if self.state == "lost":
+            return "ended without an exit code: killed, or the VM restarted"
+        if self.state == "none":
+            return "never started there"
+        return f"exit code {self.exit_code}"
 
 
 class RemoteJob:

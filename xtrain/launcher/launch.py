@@ -248,8 +248,10 @@ def job_env(cfg, worker, workers, attempt: str) -> dict[str, str]:
 
 def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> list[JobState]:
     """Stream every worker's log until every job ended (worker 0's lines also to ``on_line0``);
-    on the first failure stop the others. Returns the final states; raises LaunchError with the
-    first failure's log tail."""
+    on the first failure stop the others (one that no longer answers then is said, not waited
+    for). Returns the final states; raises LaunchError with the first failure's log tail.
+    Long: one loop over the workers' ends, whose cases share the streams, the count of cuts in
+    a row and the first failure."""
     ended: queue.Queue = queue.Queue()
     streams = {}
 
@@ -260,7 +262,7 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
 
     for job, offset in zip(jobs, offsets):
         open_stream(job.worker.index, offset)
-    final: dict[int, JobState] = {}
+    final: dict[int, JobState | None] = {}  # None: stopped answering after the first failure
     first_failure = None
     cuts, drained = dict.fromkeys(streams, 0), {}  # drained: the end seen before the last lines
     try:
@@ -270,7 +272,10 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                 continue
             if vm_check is not None and i not in drained:
                 vm_check()  # a preempted VM raises here, before a poll waits for it over ssh
-            state = drained.get(i) or _poll(jobs[i])
+            state = drained.get(i) or _poll(jobs[i], None if first_failure is None else log)
+            if state is None:
+                final[i] = None
+                continue
             if state.state == "running":  # the connection dropped, not the job
                 cuts[i] = 1 if streams[i].worked(STREAM_LIVED_S) else cuts[i] + 1  # in a row
                 if cuts[i] > cfg.retries + 3:
@@ -286,11 +291,11 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
                 open_stream(i, streams[i].offset)
                 continue
             final[i] = state
-            if failed(state) and first_failure is None:
+            if state.failed and first_failure is None:
                 first_failure = i
                 others = [j for j in jobs if j.worker.index not in final]
                 if others:
-                    log(f"launch: {jobs[i].worker} failed ({describe(state)}); stopping the others")
+                    log(f"launch: {jobs[i].worker} failed ({state.describe()}); stopping the others")
                     stop_others(others, cfg.stop_grace_s, log)
     except KeyboardInterrupt:
         log("launch: interrupted; the job continues on the workers (run the same command to "
@@ -299,33 +304,26 @@ def follow(jobs, job_dir, offsets, cfg, log, vm_check=None, on_line0=None) -> li
     finally:
         for s in streams.values():
             s.close()
-    parallel(lambda j: j.acknowledge(), jobs)
+    parallel(lambda j: j.acknowledge(), [j for j in jobs if final[j.worker.index]])
     if first_failure is not None:
         worker = jobs[first_failure].worker
-        raise LaunchError(f"{worker} failed ({describe(final[first_failure])}); the last lines of "
+        raise LaunchError(f"{worker} failed ({final[first_failure].describe()}); the last lines of "
                           f"its log ({log_path(job_dir, first_failure)}):\n"
                           + tail_lines(log_path(job_dir, first_failure)))
     return [final[j.worker.index] for j in jobs]
 
 
-def _poll(job) -> JobState:
+def _poll(job, log=None) -> JobState | None:
+    """The job's state. One that cannot be read raises, or with ``log`` (another worker failed
+    already, the failure the launch reports) is said, and None."""
     try:
         return job.state()
     except LaunchError as e:
-        raise LaunchError(f"{e}; the job may still be running there: run the same command to "
-                          "reattach") from e
-
-
-def failed(state: JobState) -> bool:
-    return state.state == "lost" or state.exit_code not in (0, PREEMPTED)
-
-
-def describe(state: JobState) -> str:
-    if state.state == "lost":
-        return "ended without an exit code: killed, or the VM restarted"
-    if state.state == "none":
-        return "never started there"
-    return f"exit code {state.exit_code}"
+        error = f"{e}; the job may still be running there: run the same command to reattach"
+        if log is None:
+            raise LaunchError(error) from e
+        log(f"launch: {error}")
+        return None
 
 
 def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dict:
