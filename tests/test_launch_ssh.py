@@ -106,6 +106,18 @@ def test_the_hosts_of_a_pod_rekeyed_at_once_all_lose_their_old_keys(tmp_path):
     assert known.read_text() == kept
 
 
+def test_shared_connections_work_under_a_temp_dir_too_long_for_their_sockets(remote, tmp_path,
+                                                                           monkeypatch):
+    """A long temp dir (macOS's per-user $TMPDIR is about 50 characters) left no room for ssh's
+    control socket: every call failed ("ControlPath too long"). The sockets then go under /tmp."""
+    long_tmp = tmp_path / ("t" * 60)
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    worker, _, _ = make_worker(remote, tmp_path)
+    assert worker.run("echo reached\n", "echo").stdout == "reached\n"
+    assert not list(long_tmp.iterdir())
+
+
 def test_an_unreachable_host_is_a_clear_error_after_the_retries(remote, tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(LaunchError) as e:  # nothing listens on 127.0.0.4

@@ -78,6 +78,21 @@ def private_dir(path: str) -> str:
     return path
 
 
+# A socket's path holds at most 103 bytes on macOS (107 on Linux); ssh binds a master's socket
+# at its ControlPath plus 17 characters (a temporary name), and %C is 40
+SOCKET_PATH_MAX = 103
+CONTROL_PATH_TAIL = len("/xtrain-ssh-/0123456789/") + 40 + 17
+
+
+def socket_base() -> str:
+    """Where the shared connections' sockets go: the temp dir, or /tmp when the temp dir's path
+    is too long for them (macOS's per-user $TMPDIR is about 50 characters)."""
+    base = tempfile.gettempdir()
+    if len(base) + len(str(os.getuid())) + CONTROL_PATH_TAIL > SOCKET_PATH_MAX:
+        return "/tmp"
+    return base
+
+
 class Ssh:
     def __init__(self, cfg, runner, log=print):
         self.cfg, self.runner, self.log = cfg, runner, log
@@ -126,11 +141,10 @@ class Ssh:
         }
         if cfg.multiplex:
             # %C hashes host, port and user; the directory adds the key and known_hosts, so a
-            # connection verified against one trust store is never reused for another. Short,
-            # because socket paths are limited to about 100 characters.
+            # connection verified against one trust store is never reused for another
             trust = hashlib.sha256(f"{self.identity}\0{self.known_hosts}".encode()).hexdigest()
             control_dir = private_dir(os.path.join(
-                tempfile.gettempdir(), f"xtrain-ssh-{os.getuid()}", trust[:10]))
+                socket_base(), f"xtrain-ssh-{os.getuid()}", trust[:10]))
             opts.update(ControlMaster="auto", ControlPath=os.path.join(control_dir, "%C"),
                         ControlPersist="120")
         return ["-i", self.identity, "-p", str(cfg.port)] + [f"-o{k}={v}" for k, v in opts.items()]
