@@ -265,6 +265,25 @@ def test_env_installs_pinned_packages_from_pypi_once(remote, tmp_path, monkeypat
     assert runner.labels().count("install") == 2 and runner.labels().count("system tools") == 1
 
 
+def test_installs_into_one_venv_take_turns(remote, tmp_path):
+    """A launch killed during its install leaves the remote install running (sshd does not
+    signal a session without a terminal), and the next launch's install ran at the same time
+    in the same venv. Two installs at once into a new venv: its making, a base Python that
+    logs its calls and takes 2 s, happens once, the second install finding the venv made."""
+    worker, runner, _ = make_worker(remote, tmp_path, venv=str(tmp_path / "venv"))
+    sync_xtrain(worker, runner)  # the check runs the synced xtrain.launcher.envcheck
+    calls, base = tmp_path / "calls", tmp_path / "bin" / "python3-logging"
+    base.parent.mkdir()
+    base.write_text(f'#!/bin/bash\nif [ "$1 $2" = "-m venv" ]; then echo "start $$" >> {calls}; '
+                    f'sleep 2; fi\n{BASE_PYTHON} "$@"; rc=$?\n'
+                    f'[ "$1 $2" != "-m venv" ] || echo "end $$" >> {calls}\nexit $rc\n')
+    base.chmod(0o755)
+    spec = EnvSpec(str(base), ("pip",), ("--no-index",))  # (already there: no download)
+    assert parallel(lambda _: ensure_env(worker, spec, None), [0, 1]) == ["installed"] * 2
+    made = calls.read_text().split()
+    assert made[::2] == ["start", "end"] and made[1] == made[3], made
+
+
 @pytest.mark.parametrize("case", ["present", "installed", "installed, no tool", "no sudo",
                                   "apt fails"])
 def test_a_missing_system_tool_is_installed_from_apt_or_named(tmp_path, monkeypatch, case):

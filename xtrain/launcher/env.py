@@ -92,7 +92,11 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None, lacks=()) -> str:
         base = q(spec.base_python)
         remade = q(f"xtrain: warning: {venv} was made by another Python: made afresh with "
                    f"{spec.base_python}")
-        script = (f"set -e\nv={q(venv)}\n{base_python_script(spec.base_python)}"
+        # one install into a venv at a time: one a killed launch left running there (sshd does
+        # not signal a session without a terminal) ends before another starts
+        script = (f"set -e\nv={q(venv)}\n"
+                  'mkdir -p "$(dirname "$v")"; exec 8>>"$v.install-lock"; flock 8\n'
+                  f"{base_python_script(spec.base_python)}"
                   f'if [ -f "$v/pyvenv.cfg" ] && ! {base} -c {q(SAME_PYTHON_PY)} "$v/pyvenv.cfg"; '
                   "then\n"
                   f"  echo {remade} >&2\n"
