@@ -537,7 +537,9 @@ def test_a_run_resumed_at_its_last_step_runs_the_end_its_log_lacks(tmp_path):
     assert set(ended) == {"val", "sample"}
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records
                                                    if r["step"] != 6 or r["kind"] not in ended))
-    code, out, err = finish(xtrain(run_dir, *command))
+    # as the fleet launcher re-runs it after a preemption: the record of that, at step 6 too
+    relaunched = {"XTRAIN_PREEMPTIONS": "1", "XTRAIN_TIME_LOST_S": "12.5"}
+    code, out, err = finish(xtrain(run_dir, *command, env=relaunched))
     assert code == 0, err[-3000:]
     assert "step_000006 is at this run's last step 6 (trainer.max_steps): nothing to train" in out
     assert ("step 6, the last, was trained before this command, but its val, sample were not "
@@ -548,8 +550,10 @@ def test_a_run_resumed_at_its_last_step_runs_the_end_its_log_lacks(tmp_path):
     assert again["sample"]["samples"] == ended["sample"]["samples"]
     code, out, err = finish(xtrain(run_dir, *command))  # and once more: nothing left to run
     assert code == 0 and "running now" not in out, err[-3000:]
-    kinds = [r["kind"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == 6]
-    assert sorted(kinds) == ["checkpoint", "sample", "train", "val"], kinds
+    at_6 = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == 6]
+    assert sorted(r["kind"] for r in at_6) == ["checkpoint", "preemption", "sample", "train", "val"]
+    (preemption,) = [r for r in at_6 if r["kind"] == "preemption"]
+    assert (preemption["preemptions"], preemption["time_lost_s"]) == (1, 12.5)
     uneven = [*ending, "trainer.eval_every=4", "trainer.sample_tokens=0"]
     code, out, err = finish(xtrain(tmp_path / "uneven", *uneven))
     assert code == 0, err[-3000:]

@@ -108,8 +108,14 @@ class MetricsLogger(L.Callback):
         # (xtrain/observe/plots.py read_records), whatever trainer.log_every is now
         self._first_step = trainer.global_step + 1
         self.timer.take()
-        resumed = preemptions.record(trainer.global_step)  # a re-run after a preemption
-        if resumed and trainer.global_rank == 0:
+        self.record_preemptions(trainer.global_step, trainer.global_rank)
+
+    def record_preemptions(self, step: int, rank: int) -> None:
+        """A re-run's ``preemption`` record (xtrain/observe/preemptions.py) at ``step``, where it
+        resumes: at the start of training, or (xtrain/train/finish.py) in the end's work of a run
+        resumed at its last step, whose fit calls no hook."""
+        resumed = preemptions.record(step)
+        if resumed and rank == 0:
             step = resumed.pop("step")
             self.run_log.record("preemption", step, resumed)
 
