@@ -18,10 +18,10 @@ log = logging.getLogger(__name__)
 def finish_end(trainer, module, val_loader, callbacks, run_dir: str, ckpt_dir: str, processes,
                cfg, start_step: int, max_steps: int) -> None:
     """After fit: what the end lacks (a run resumed at its last step: a re-run's preemption
-    record and the records its log lacks there, xtrain/train/catch_up.py; a validation of a last step fit did not validate,
-    :func:`validate_end`), then the wait for the C++ evaluations still running or due (none
-    after a stop, which called them off; none waiting for a checkpoint once the end's save gave
-    up)."""
+    record and the records its log lacks there, xtrain/train/catch_up.py; a validation of a
+    last step fit did not validate, :func:`validate_end`), then the wait for the C++
+    evaluations still running or due (none after a stop, which called them off; none waiting
+    for a checkpoint once the end's save gave up)."""
     stopped_early = callbacks.checkpointer.preempted
     if start_step == max_steps:
         callbacks.metrics.record_preemptions(start_step, processes.rank)
