@@ -102,6 +102,12 @@ def xtrain(run_dir, *overrides, env=None, **popen):
                             stderr=subprocess.PIPE, text=True, **popen)
 
 
+def with_fault(patch: str) -> str:
+    """A ``python -c`` script that runs xtrain's CLI after ``patch``: a fault injected into the
+    real code (storage that breaks, a signal at a set point, a slow step)."""
+    return patch + 'import sys\nsys.argv[0] = "xtrain"\nfrom xtrain.cli import main\nmain()\n'
+
+
 def finish(proc, timeout=300):
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err

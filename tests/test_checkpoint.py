@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from conftest import (ROOT, RUN, GCSEmulator, assert_same_tensors, checkpoint_tensors, finish,
-                      gcs_filesystem, losses, read_jsonl, use_gcs_emulator, xtrain)
+                      gcs_filesystem, losses, read_jsonl, use_gcs_emulator, with_fault, xtrain)
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
 from xtrain.checkpoint.io import split_tensors
 from xtrain.checkpoint.layout import COMMIT_MARKER, committed_checkpoints, stale_checkpoints
@@ -387,8 +387,8 @@ def test_ctrl_c_while_a_run_starts_ends_it_in_one_line(tmp_path):
 # ImportError (pybind11: "generic_type: type ... is already registered!"), and the run ended as a
 # failure (exit 1), seen once in CI. That race cannot be timed from outside, so the training
 # entry point stands in: it is interrupted by a real SIGTERM and turns it into an ImportError.
-MANGLED_STOP = """
-import os, signal, sys
+MANGLED_STOP = with_fault("""
+import os, signal
 import xtrain.train.run as run
 def train(*args, **kwargs):
     try:
@@ -397,10 +397,7 @@ def train(*args, **kwargs):
         raise ImportError("generic_type: type is already registered! (a secret "
                           + os.environ["HF_TOKEN"] + ",\\n on two lines)") from e
 run.train = train
-sys.argv[0] = "xtrain"
-from xtrain.cli import main
-main()
-"""
+""")
 
 
 def test_a_stop_that_the_interrupted_code_turns_into_its_own_error_still_exits_stopped(tmp_path):
@@ -464,8 +461,8 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert [s for s, _ in committed_checkpoints(str(ckpts))] == [10, 20]
 
 
-SIGTERM_BEFORE_THE_END_SAMPLE = """
-import os, signal, sys, time
+SIGTERM_BEFORE_THE_END_SAMPLE = with_fault("""
+import os, signal, time
 from xtrain.train.sampling import SampleCallback
 end = SampleCallback.on_train_end
 def signalled(self, trainer, pl_module):  # a SIGTERM that arrives right before the end's sample
@@ -473,10 +470,7 @@ def signalled(self, trainer, pl_module):  # a SIGTERM that arrives right before 
     time.sleep(0.5)
     return end(self, trainer, pl_module)
 SampleCallback.on_train_end = signalled
-sys.argv[0] = "xtrain"
-from xtrain.cli import main
-main()
-"""
+""")
 
 
 def test_a_stop_after_the_last_step_calls_the_ends_sample_off(tmp_path):

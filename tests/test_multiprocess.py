@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_jsonl
+from conftest import read_jsonl, with_fault
 from test_checkpoint import losses, wait_for_step
 from test_evals_model import PROBLEMS
 from xtrain.checkpoint.layout import committed_checkpoints
@@ -96,18 +96,15 @@ def reference(tmp_path_factory):
     return root
 
 
-SLOW_EVALUATION = """
-import sys, time
+SLOW_EVALUATION = with_fault("""
+import time
 import xtrain.train.cpp_eval as cpp_eval
 judge = cpp_eval.evaluate_model
 def slow(*args, **kwargs):  # as a large model generating on a host's CPU
     time.sleep(8)
     return judge(*args, **kwargs)
 cpp_eval.evaluate_model = slow
-sys.argv[0] = "xtrain"
-from xtrain.cli import main
-main()
-"""
+""")
 
 
 def test_an_evaluation_longer_than_the_collective_timeout_holds_no_process(tmp_path):
@@ -129,16 +126,12 @@ def test_an_evaluation_longer_than_the_collective_timeout_holds_no_process(tmp_p
     assert "C++ evaluation of step 10 skipped: step 5's still runs" in results[0][2]
 
 
-FAILING_COMMITS = """
-import sys
+FAILING_COMMITS = with_fault("""
 import xtrain.checkpoint.io as io
 def failing(*args):  # as storage that breaks for good (a full disk, a bucket turned read-only)
     raise OSError("injected: the bucket refused the write")
 io._commit = failing
-sys.argv[0] = "xtrain"
-from xtrain.cli import main
-main()
-"""
+""")
 
 
 def test_evaluations_waiting_for_checkpoints_do_not_hold_an_end_whose_save_gave_up(tmp_path):
@@ -196,8 +189,8 @@ def _both_fail_their_final_save(script: str, run, *overrides) -> str:
     return err
 
 
-SIGTERM_TO_RANK_1_AFTER_THE_LAST_STEP = """
-import os, signal, sys, time
+SIGTERM_TO_RANK_1_AFTER_THE_LAST_STEP = with_fault("""
+import os, signal, time
 import xtrain.train.run as run
 finish_end = run.finish_end
 def signalled(*args, **kwargs):  # the last step's checkpoint committed, its validation done
@@ -206,10 +199,7 @@ def signalled(*args, **kwargs):  # the last step's checkpoint committed, its val
         time.sleep(0.5)
     return finish_end(*args, **kwargs)
 run.finish_end = signalled
-sys.argv[0] = "xtrain"
-from xtrain.cli import main
-main()
-"""
+""")
 
 
 def test_a_stop_on_another_process_after_the_last_step_is_a_stop_of_the_run(tmp_path):
@@ -400,8 +390,8 @@ def test_sigkill_of_one_rank_is_named_and_the_newest_checkpoint_resumes(tmp_path
     assert max(losses(run)) == steps
 
 
-FAILING_RANK_1 = """
-import os, sys
+FAILING_RANK_1 = with_fault("""
+import os
 from xtrain.train.module import GPTModule
 step = GPTModule.training_step
 def failing(self, batch, batch_idx):  # a fault injected into rank 1's real step
@@ -409,10 +399,7 @@ def failing(self, batch, batch_idx):  # a fault injected into rank 1's real step
         raise RuntimeError("injected on rank 1 at step 5")
     return step(self, batch, batch_idx)
 GPTModule.training_step = failing
-sys.argv[0] = "xtrain"
-from xtrain.cli import main
-main()
-"""
+""")
 
 
 def test_a_ranks_own_error_is_named_in_the_runs_log(tmp_path):
@@ -430,8 +417,8 @@ def test_a_ranks_own_error_is_named_in_the_runs_log(tmp_path):
     assert "injected on rank 1 at step 5" in (run / "console.log").read_text()
 
 
-RANK_0_FAILS_AT_ITS_END = """
-import os, sys, time
+RANK_0_FAILS_AT_ITS_END = with_fault("""
+import os, time
 from xtrain.observe.sinks import RunLog
 close = RunLog.close
 def failing(self, status="success"):  # after the last collective: rank 0's own work
@@ -440,10 +427,7 @@ def failing(self, status="success"):  # after the last collective: rank 0's own 
         time.sleep(5)  # (a slow upload: rank 1 has ended meanwhile, its heartbeat stopped)
         raise OSError("503 uploading metrics.jsonl")
 RunLog.close = failing
-sys.argv[0] = "xtrain"
-from xtrain.cli import main
-main()
-"""
+""")
 
 
 def test_an_error_of_rank_0s_own_after_the_last_collective_is_not_a_lost_peer(tmp_path):
