@@ -57,18 +57,18 @@ def wait_for_evaluation(cpp_eval, processes) -> None:
 
 def end_status(callbacks, run_log, step: int, processes) -> str:
     """"preempted" when a stop ended training at a step boundary (the processes agreed on it), or
-    arrived at any process after the last one (at process 0, the end's C++ evaluation and sample,
-    its work, were called off): the same command again records what the end lacks
+    arrived at process 0 after the last one: the end's C++ evaluation and sample, process 0's
+    work, were called off, and the same command again records what the end lacks
     (xtrain/train/catch_up.py); the ``stop`` record says why, for the launcher
-    (xtrain/observe/preemptions.py). Else "success"."""
+    (xtrain/observe/preemptions.py). Else "success": a stop that reached only other processes
+    after the last step left nothing of the end undone (its work is process 0's)."""
     from xtrain.observe.preemptions import stop_record
-    from xtrain.train.preemption import CAUSES
 
     stop = callbacks.stop
     if callbacks.checkpointer.preempted:
         cause = stop.stopped_for
-    else:  # (every process calls this: a collective) a stop on any of them, a notice winning
-        cause = CAUSES[processes.vote(CAUSES.index(stop.cause))()]
+    else:  # (every process calls this: a collective)
+        cause = processes.broadcast(stop.cause if stop.requested else None)
         if cause is None:
             return "success"
     run_log.record("stop", step, stop_record(cause, stop.reason))
