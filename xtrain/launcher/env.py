@@ -24,6 +24,7 @@ from pathlib import Path
 from xtrain.launcher.runner import LaunchError
 
 STAMP = ".xtrain-stamp"
+INSTALL_LOCK_WAIT_S = 1800  # how long a launch waits for another install (pip's takes minutes)
 # Tools the jobs use from the system, and their Debian package: bubblewrap is the C++
 # evaluation's sandbox (xtrain/evals/sandbox.py), which refuses to run without it unless root.
 SYSTEM_TOOLS = {"bwrap": "bubblewrap"}
@@ -92,10 +93,15 @@ def ensure_env(worker, spec: EnvSpec, found_stamp: str | None, lacks=()) -> str:
         base = q(spec.base_python)
         remade = q(f"xtrain: warning: {venv} was made by another Python: made afresh with "
                    f"{spec.base_python}")
-        # one install into a venv at a time: one a killed launch left running there (sshd does
-        # not signal a session without a terminal) ends before another starts
+        # one install from the worker's root at a time: one a killed launch left running (sshd
+        # does not signal a session without a terminal) ends before another starts, or after
+        # INSTALL_LOCK_WAIT_S the launch says so
+        lock, busy = f"{worker.root}/install.lock", q(
+            f"another install from {worker.root} has run for {INSTALL_LOCK_WAIT_S} s (one a "
+            "killed launch left running?): stop it, or wait and launch again")
         script = (f"set -e\nv={q(venv)}\n"
-                  'mkdir -p "$(dirname "$v")"; exec 8>>"$v.install-lock"; flock 8\n'
+                  f"exec 8>>{q(lock)}\n"
+                  f"flock -w {INSTALL_LOCK_WAIT_S} 8 || {{ echo {busy} >&2; exit 1; }}\n"
                   f"{base_python_script(spec.base_python)}"
                   f'if [ -f "$v/pyvenv.cfg" ] && ! {base} -c {q(SAME_PYTHON_PY)} "$v/pyvenv.cfg"; '
                   "then\n"
