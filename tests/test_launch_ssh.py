@@ -158,12 +158,15 @@ def test_a_host_name_the_resolver_does_not_know_is_refused_at_once(tmp_path):
     assert len(calls) == 2  # the unanswered lookup retried once, the unknown name not at all
 
 
-def test_a_shared_connection_dir_that_is_not_this_users_alone_is_refused(tmp_path, monkeypatch):
+def test_a_shared_connection_dir_that_is_not_this_users_alone_is_refused(tmp_path, monkeypatch,
+                                                                         request):
     """ssh's shared connections (ControlMaster) listen under the temp dir at a path anyone can
     work out, and ssh hands a session's stdin (secrets included) to whatever socket it finds there:
     a socket dir or its parent that another user owns or may write to, or a symlink, is refused
     before any connection."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    short = Path(tempfile.mkdtemp(prefix="x", dir="/tmp"))  # (tmp_path: too long for a socket)
+    request.addfinalizer(lambda: shutil.rmtree(short))
+    monkeypatch.setattr(tempfile, "tempdir", str(short))
     cfg = OmegaConf.structured(LauncherConfig(hosts=["h"], known_hosts=str(tmp_path / "kh")))
     ssh = Ssh(cfg, Runner(), print)
 
@@ -171,7 +174,7 @@ def test_a_shared_connection_dir_that_is_not_this_users_alone_is_refused(tmp_pat
         options = dict(o[2:].split("=", 1) for o in ssh.options() if o.startswith("-o"))
         return Path(options["ControlPath"]).parent
 
-    base, sockets = tmp_path / f"xtrain-ssh-{os.getuid()}", control_dir()
+    base, sockets = short / f"xtrain-ssh-{os.getuid()}", control_dir()
     assert sockets.parent == base and sockets.stat().st_mode & 0o777 == 0o700
     refused = "the directory of ssh.s shared connections, is not this user.s alone .*multiplex=false"
     for where, mode in ((base, 0o777), (base, 0o775), (sockets, 0o750), (sockets, 0o701)):
