@@ -22,7 +22,6 @@ import shlex
 import stat
 import subprocess
 import tempfile
-import threading
 import time
 
 from xtrain.errors import ConfigError
@@ -37,10 +36,6 @@ CONNECTION_FAILURES = ("connection refused", "timed out", "no route to host", "n
 # "Temporary failure in name resolution" (EAI_AGAIN: the resolver did not answer) is retried.
 UNKNOWN_NAME = "name or service not known"
 HOST_KEY_CHANGED = "REMOTE HOST IDENTIFICATION HAS CHANGED"
-# ssh-keygen -R rewrites known_hosts whole (read, write a copy, rename): two at once lose one's
-# removal, so each removal holds this lock (the workers of a launch are threads) and a lock file
-# (other launches on this machine)
-_KNOWN_HOSTS_LOCK = threading.Lock()
 
 
 def login_refused(result: Result) -> bool:
@@ -239,10 +234,12 @@ class Ssh:
         return "rekeyed"
 
     def _remove_key(self, entry: str, label: str) -> None:
-        """Remove ``entry``'s key from known_hosts (:data:`_KNOWN_HOSTS_LOCK`)."""
+        """Remove ``entry``'s key from known_hosts. ssh-keygen -R rewrites the file whole (read,
+        write a copy, rename): two at once lose one's removal, so each holds a lock file (a
+        flock is per opening: it keeps out this launch's other workers' threads too)."""
         if not os.path.exists(self.known_hosts):
             return
-        with _KNOWN_HOSTS_LOCK, open(f"{self.known_hosts}.lock", "w") as lock:
+        with open(f"{self.known_hosts}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             result = self.runner.run(["ssh-keygen", "-R", entry, "-f", self.known_hosts], label=label)
         if result.returncode != 0:
