@@ -38,7 +38,6 @@ from xtrain.launcher.worker import Worker, launch_lock
 from xtrain.observe.plots import parse_records
 from xtrain.observe.preemptions import ATTEMPT, NOTICE
 
-PREEMPTED = EXIT_STOPPED  # xtrain's exit code after a SIGTERM checkpoint
 STREAM_LIVED_S = 60.0  # a log stream that lived this long (or brought lines) was working
 
 
@@ -337,7 +336,7 @@ def result(worker0, job_id: str, job_dir: str, states, log, attempt: str) -> dic
         if row.get("kind") != "stop" or row.get("attempt") == attempt:
             final.update(row)
     final["remote_run_dir"] = run_dir(worker0, job_id)
-    if any(s.exit_code == PREEMPTED for s in states):
+    if any(s.exit_code == EXIT_STOPPED for s in states):
         final["preempted"] = True
         why = "for a GCE notice" if final.get("stopped_for") == NOTICE else "at a signal"
         log(f"launch: the job stopped {why} (exit 143) after its checkpoint; run the same "
