@@ -559,11 +559,12 @@ def test_extensionless_files_count_as_cpp_only_when_they_open_like_a_header(tmp_
     src = tmp_path / "src"
     src.mkdir()
     headers = {"vector": "// <vector> -*- C++ -*-\n#include <bits/stl_vector.h>\n",
-               "QString": '#include "qstring.h"\n',
+               "QString": '\ufeff#include "qstring.h"\n',
                "config": "\n/*\n * Copyright\n */\n#ifndef CONFIG\n#define CONFIG\n#endif\n"}
     others = {"Makefile": "# Build with g++ // the default\nall:\n\tg++ -o x a.cpp\n# #include paths\n",
               "README": "Write #include <x> and use namespace y; see /* comments */.\n",
-              "build": "#!/bin/sh\n# #pragma once is used by every header\n"}
+              "build": "#!/bin/sh\n# #pragma once is used by every header\n",
+              "rules": "# include this file from the top Makefile; #define nothing here\n"}
     for name, text in {**headers, **others}.items():
         (src / name).write_text(text)
     assert sorted(url.rsplit("/", 1)[-1] for url, _ in find_sources([str(src)])) == sorted(headers)

@@ -13,11 +13,12 @@ from xtrain.paths import as_url, url_to_fs
 CPP_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc", ".ipp", ".inl")
 
 
-# How an extensionless header (libstdc++'s ``<vector>``, Qt's ``QString``) opens: a C/C++
-# comment or a preprocessor directive. Only the opening counts: a Makefile or README that mentions
-# ``#include`` or ``namespace`` further down opens with ``# text`` or prose.
-_CPP_OPENING = re.compile(
-    rb"\s*(?://|/\*|#\s*(?:include|pragma|if|ifdef|ifndef|define|import)\b)")
+# How an extensionless header (libstdc++'s ``<vector>``, Qt's ``QString``) opens, after a UTF-8
+# byte order mark if any: a C/C++ comment or a preprocessor directive, written without a space
+# after the ``#`` (``# include this file...`` opens a Makefile or shell comment). Only the opening
+# counts: a Makefile or README that mentions ``#include`` or ``namespace`` further down does not.
+_CPP_OPENING = re.compile(rb"(?:\xef\xbb\xbf)?\s*(?://|/\*|#(?:include\s*[<\"]"
+                          rb"|(?:pragma|if|ifdef|ifndef|define|import)\s))")
 
 
 def looks_like_cpp(path: str, head: bytes) -> bool:
