@@ -473,6 +473,18 @@ SampleCallback.on_train_end = signalled
 """)
 
 
+SIGTERM_BEFORE_THE_CATCH_UP = with_fault("""
+import os, signal, time
+import xtrain.train.finish as finish
+run_missing = finish.run_missing
+def signalled(*args, **kwargs):  # a SIGTERM that arrives right before the end's missing records
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    return run_missing(*args, **kwargs)
+finish.run_missing = signalled
+""")
+
+
 def test_a_stop_after_the_last_step_calls_the_ends_sample_off(tmp_path):
     """The end's sample (on a TPU host: every weight gathered, then generation on the CPU) was
     made after a stop requested past the last step, which a preemption notice has no time for;
@@ -488,6 +500,14 @@ def test_a_stop_after_the_last_step_calls_the_ends_sample_off(tmp_path):
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [(r["step"], r["kind"]) for r in records if r["kind"] in ("sample", "stop")] == [
         (6, "stop")]
+    # run again, it makes the end's sample its log lacks; a stop before it calls that off too
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_BEFORE_THE_CATCH_UP, *RUN, *command,
+                             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    code, out, err = finish(proc)
+    assert code == 143, err[-3000:]
+    assert "the sample of step 6 called off: the run is stopping" in err
+    assert not [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "sample"]
     code, out, err = finish(xtrain(run_dir, *command))
     assert code == 0, err[-3000:]
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "sample"] == [6]

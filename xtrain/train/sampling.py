@@ -80,10 +80,13 @@ class SampleCallback(L.Callback):
             self.sample(step, pl_module.model)
 
     def on_train_end(self, trainer, pl_module):
-        if trainer.global_rank != 0 or self.tokens <= 0:
-            return
+        if trainer.global_rank == 0 and self.tokens > 0:
+            self.sample_end(trainer.global_step, pl_module.model)
+
+    def sample_end(self, step: int, model) -> dict | None:
+        """The end's sample (here, or a run resumed at its last step: xtrain/train/catch_up.py),
+        unless a stop was requested."""
         if self.stop is not None and self.stop.requested:
-            log.warning("the sample of step %d called off: the run is stopping",
-                        trainer.global_step)
-            return
-        self.sample(trainer.global_step, pl_module.model)
+            log.warning("the sample of step %d called off: the run is stopping", step)
+            return None
+        return self.sample(step, model)
