@@ -77,7 +77,7 @@ def compose_config():
 
 
 TINY = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trainer.log_every=5",
-        "trainer.sample_tokens=0", "trainer.eval_batches=2"]
+        "trainer.sample_tokens=0", "trainer.eval_tokens=512"]
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def read_jsonl(path):
 ROOT = Path(__file__).resolve().parent.parent
 # a tiny run as a child process, every step logged
 RUN = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trainer.log_every=1",
-       "trainer.sample_tokens=0", "trainer.eval_batches=1", "optim.warmup_steps=3"]
+       "trainer.sample_tokens=0", "trainer.eval_tokens=256", "optim.warmup_steps=3"]
 
 
 def xtrain(run_dir, *overrides, env=None, **popen):

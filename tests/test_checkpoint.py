@@ -523,7 +523,7 @@ def test_a_run_resumed_at_its_last_step_runs_the_end_its_log_lacks(tmp_path):
     The same at a periodic step: a stop commits the step's checkpoint and ends before its
     validation and sample (here: the run cut back to step 4, after step 2's); resumed there,
     both are made before step 5, and the steps after train as before."""
-    ending = ["trainer.max_steps=6", "trainer.eval_batches=2"]
+    ending = ["trainer.max_steps=6", "trainer.eval_tokens=512"]
     command = [*ending, "trainer.sample_tokens=4", "trainer.eval_every=2", "trainer.sample_every=2",
                "checkpoint.every=2"]
     run_dir = tmp_path / "run"

@@ -193,7 +193,7 @@ def _xla_run(tmp_path, name, overrides, env=None):
 
 
 XLA_RUN = ["model=d2", "model.sequence_len=64", "trainer.max_steps=3", "trainer.sample_tokens=0",
-           "trainer.eval_batches=1", "hardware.engine=xla", "parallelism=fsdp",
+           "trainer.eval_tokens=128", "hardware.engine=xla", "parallelism=fsdp",
            "trainer.device_batch_size=2", "compile_cache.enabled=true"]
 
 

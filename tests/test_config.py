@@ -272,7 +272,7 @@ def test_a_sweep_whose_jobs_would_train_in_one_checkpoint_dir_is_refused(tmp_pat
     assert r.returncode == EXIT_REFUSED, r.stderr
     assert f"checkpoint.dir=file://{tmp_path}/ckpt is sweep job 1's too" in r.stderr
     tiny = ["model.sequence_len=64", "trainer.device_batch_size=4", "trainer.sample_tokens=0",
-            "trainer.eval_batches=1"]
+            "trainer.eval_tokens=256"]
     for allowed in [f"checkpoint.dir={tmp_path}/ckpt/${{run.name}}",  # (trains both)
                     f"checkpoint.dir={tmp_path}/plans mode=plan"]:  # (no checkpoint)
         r = subprocess.run([*sweep, *tiny, *allowed.split()], cwd=tmp_path, capture_output=True,
@@ -303,7 +303,7 @@ def test_a_sweep_whose_jobs_share_a_run_name_is_refused(tmp_path):
     # jobs in dirs of their own pass: one named per job, or a launcher's number per job (which
     # the check cannot resolve, and once refused)
     tiny = ["model.sequence_len=64", "trainer.device_batch_size=4", "trainer.sample_tokens=0",
-            "trainer.eval_batches=1"]
+            "trainer.eval_tokens=256"]
     r = subprocess.run([*sweep, *tiny, "run.name=lr_${optim.matrix_lr}", "hydra.sweep.subdir=${hydra.job.num}"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

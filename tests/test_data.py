@@ -808,12 +808,35 @@ def test_one_evaluation_reads_each_validation_document_once(corpus, compose_conf
     from xtrain.train.loaders import build_loaders
 
     root, docs, tok = corpus
-    cfg = compose_config(["model.sequence_len=48", "trainer.eval_batches=1000"])
+    cfg = compose_config(["model.sequence_len=48", "trainer.eval_tokens=96000"])
     cfg.data.train_files, cfg.data.holdout_last_shard = str(root / "train"), True
     loaders = build_loaders(cfg.data, cfg.trainer, 48, tok, rows=2, accum=1)
     batches = [b.numpy() for b in loaders.val]
     assert sum(int((b == tok.bos_id).sum()) for b in batches) == len(docs[400:600])
     assert (batches[-1] == PAD).any() and not any((b == PAD).any() for b in batches[:-1])
+
+
+def test_validation_scores_the_same_sequences_whatever_the_batch_and_process_count(corpus, compose_config):
+    """trainer.eval_tokens (here 5 sequences of 48, rounded up) picks the rows scored, not the
+    batch count: 2 rows per batch (the last batch's second row PAD), 3 rows, and 4 rows kept 2
+    per process by two processes all score the split's first 5 rows, each once."""
+    from xtrain.train.loaders import build_loaders
+
+    root, _, tok = corpus
+    cfg = compose_config(["model.sequence_len=48", "trainer.eval_tokens=230"])
+    cfg.data.train_files, cfg.data.holdout_last_shard = str(root / "train"), True
+
+    def scored(rows, host_rows=slice(None)):
+        val = build_loaders(cfg.data, cfg.trainer, 48, tok, rows=rows, accum=1, host_rows=host_rows).val
+        batches = [b.numpy() for b in val]
+        assert len(batches) == val.batches == -(-5 // rows)
+        return [row.tolist() for b in batches for row in b if (row != PAD).any()]
+
+    first = scored(2)
+    assert len(first) == 5 and all(row[0] == tok.bos_id for row in first)
+    assert scored(3) == first
+    by_process = [scored(4, slice(0, 2)), scored(4, slice(2, 4))]
+    assert by_process[0][:2] + by_process[1][:2] + by_process[0][2:] == first and len(by_process[1]) == 2
 
 
 def test_null_or_non_string_texts_are_refused_naming_the_shard(tmp_path, corpus):

@@ -44,7 +44,7 @@ ZONE = "asia-northeast1-b"
 STEPS = 60  # about 0.05 s a step here: room to act between a checkpoint and the end
 EVERY = 20
 TINY = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trainer.log_every=1",
-        "trainer.sample_tokens=0", "trainer.eval_batches=1", "optim.warmup_steps=3"]
+        "trainer.sample_tokens=0", "trainer.eval_tokens=256", "optim.warmup_steps=3"]
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,7 @@ torch.save({"facts": facts, "train": train, "first_global": first_global}, out_d
 def test_host_1_of_4_keeps_its_rows_feeds_them_per_host_and_writes_nothing_of_host_0s(tmp_path):
     overrides = ["model=d2", "model.sequence_len=64", "hardware.engine=xla", "parallelism=dp",
                  f"trainer.device_batch_size={ROWS}", "trainer.max_steps=3", "trainer.log_every=1",
-                 "trainer.sample_tokens=8", "trainer.eval_batches=1", "checkpoint.every=2"]
+                 "trainer.sample_tokens=8", "trainer.eval_tokens=1024", "checkpoint.every=2"]
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     r = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), json.dumps(overrides)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

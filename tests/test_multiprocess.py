@@ -30,7 +30,7 @@ from xtrain.errors import EXIT_STOPPED
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20
 COMMON = ["model=d2", "model.sequence_len=64", "trainer.log_every=1", "trainer.sample_tokens=0",
-          "trainer.eval_batches=1", "optim.warmup_steps=3", f"trainer.max_steps={STEPS}"]
+          "trainer.eval_tokens=512", "optim.warmup_steps=3", f"trainer.max_steps={STEPS}"]
 ONE = ["hardware=cpu", "trainer.device_batch_size=8"]  # the global batch: 8 rows of 64 tokens
 TWO = ["hardware=cpu2", "trainer.device_batch_size=4"]  # the same 8 rows, 4 per process
 # two processes on two cores: one thread each (torchrun sets the same)

@@ -23,7 +23,7 @@ from xtrain.errors import EXIT_REFUSED
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trainer.sample_tokens=0",
-        "trainer.eval_batches=1", "trainer.log_every=1"]
+        "trainer.eval_tokens=256", "trainer.log_every=1"]
 
 CASES = [  # (id, overrides, extra environment, what the one line must say)
     # Hydra composition: unknown options, keys, types, choices
@@ -93,7 +93,7 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("total-batch", ["trainer.total_batch_size=3000"], {}, "trainer.total_batch_size=3,000 is not a multiple"),
     ("log-every-0", ["trainer.log_every=0"], {}, "trainer.log_every=0: must be >= 1"),
     ("eval-every-neg", ["trainer.eval_every=-1"], {}, "trainer.eval_every=-1: must be >= 0"),
-    ("eval-batches-0", ["trainer.eval_batches=0"], {}, "trainer.eval_batches=0: must be >= 1"),
+    ("eval-tokens-0", ["trainer.eval_tokens=0"], {}, "trainer.eval_tokens=0: must be >= 1"),
     ("matrix-lr-neg", ["optim.matrix_lr=-1"], {}, "optim.matrix_lr=-1: must be >= 0"),
     ("embedding-lr-neg", ["optim.embedding_lr=-0.1"], {}, "optim.embedding_lr=-0.1: must be >= 0"),
     ("beta1", ["optim.adam_beta1=1.5"], {}, "optim.adam_beta1=1.5: must be < 1"),

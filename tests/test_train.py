@@ -65,7 +65,7 @@ def _xtrain(*args, timeout=300):
 
 
 SMALL = ["model=d2", "model.sequence_len=32", "trainer.device_batch_size=2", "trainer.sample_tokens=0",
-         "trainer.eval_batches=1", "trainer.log_every=1"]
+         "trainer.eval_tokens=64", "trainer.log_every=1"]
 
 
 def test_multirun_gives_one_dir_per_job_in_a_dir_per_sweep(tmp_path):
@@ -141,7 +141,7 @@ def test_accumulating_k_micro_batches_updates_like_one_k_times_bigger_batch(comp
     optimizer-state tensor (the moments hold the gradients) after 3 steps, and every loss."""
     b, seq, steps = 2, 64, 3
     common = ["model=d2", f"model.sequence_len={seq}", f"trainer.max_steps={steps}", "trainer.log_every=1",
-              "trainer.sample_tokens=0", "trainer.eval_batches=1", "optim.warmup_steps=1"]
+              "trainer.sample_tokens=0", "trainer.eval_tokens=128", "optim.warmup_steps=1"]
     runs = {"accumulated": [f"trainer.device_batch_size={b}", f"trainer.total_batch_size={k * b * seq}"],
             "one_batch": [f"trainer.device_batch_size={k * b}"]}
     records = {}

@@ -52,7 +52,7 @@ def drive(jobs, devices: int | None = None, timeout=900):
 
 def common(steps=STEPS):
     return ["model=d2", f"model.sequence_len={SEQ}", f"trainer.max_steps={steps}", "trainer.log_every=1",
-            "trainer.sample_tokens=0", "trainer.eval_batches=1", "optim.warmup_steps=3"]
+            "trainer.sample_tokens=0", "trainer.eval_tokens=512", "optim.warmup_steps=3"]
 
 
 def batch_parallel(parallelism, n):

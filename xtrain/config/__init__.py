@@ -217,7 +217,9 @@ class TrainerConfig:
     # steps between metrics records (the step's loss and norms leave the device only then)
     log_every: int = limits(10, ge=1)
     eval_every: int = limits(0, ge=0)  # steps between validations, and one at the end; 0: the end only
-    eval_batches: int = limits(8, ge=1)  # validation batches per evaluation (at most one pass)
+    # validation tokens per evaluation, in whole sequences (rounded up; at most one pass): the same
+    # rows whatever the batch size and the process count, so runs on other hardware compare
+    eval_tokens: int = limits(16384, ge=1)
     # tokens per training sample (every sample_every steps, and at the end); 0: none
     sample_tokens: int = limits(64, ge=0)
     # steps between samples during training (prompts: sample.*); 0: at the end only

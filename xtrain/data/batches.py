@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import torch
 
-from xtrain.data.loader import PackedLoader
+from xtrain.data.loader import PAD, PackedLoader
 
 
 class StepBatches(torch.utils.data.IterableDataset):
@@ -58,17 +58,25 @@ class StepBatches(torch.utils.data.IterableDataset):
 
 
 class EvalBatches(torch.utils.data.IterableDataset):
-    """The same first ``limit`` batches of a non-shuffled loader at every evaluation; ``rows`` as
-    in :class:`StepBatches`."""
+    """The first ``sequences`` rows of a non-shuffled loader, the same at every evaluation, in
+    batches of the loader's rows; the last batch's rows past them are PAD (not scored). The row
+    stream does not depend on the batch's rows, so neither do the rows scored: a run on another
+    device batch or process count validates on the same data. ``rows`` as in
+    :class:`StepBatches`."""
 
-    def __init__(self, loader: PackedLoader, limit: int, rows: slice = slice(None)):
+    def __init__(self, loader: PackedLoader, sequences: int, rows: slice = slice(None)):
         super().__init__()
-        self.loader, self.limit, self.rows = loader, limit, rows
+        self.loader, self.sequences, self.rows = loader, sequences, rows
+        self.batches = -(-sequences // loader.rows)  # at most: a small split ends sooner
         self.start = loader.state_dict()
 
     def __iter__(self):
         self.loader.load_state_dict(self.start)
         for i, batch in enumerate(self.loader):
-            if i == self.limit:
+            if i == self.batches:
                 return
+            scored = self.sequences - i * len(batch)
+            if scored < len(batch):
+                batch = batch.copy()
+                batch[scored:] = PAD
             yield torch.from_numpy(np.ascontiguousarray(batch[self.rows]))

@@ -36,6 +36,6 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
         # one pass, its last batch padded: a loop would count a small split's documents twice
         val_loader = PackedLoader(val_files, tokenizer, seq_len, rows, shuffle=False, loop=False,
                                   prefetch=2, threads=data.tokenizer_threads)
-        val = EvalBatches(val_loader, trainer_cfg.eval_batches, host_rows)
+        val = EvalBatches(val_loader, -(-trainer_cfg.eval_tokens // seq_len), host_rows)
     steps = StepBatches(train, accum, repeat=trainer_cfg.overfit_batches, rows=host_rows)
     return Loaders(steps, val)

@@ -82,8 +82,9 @@ def build_profiler(trainer_cfg, run_dir: str):
 
 
 def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan, trainer_cfg,
-                  has_val: bool, run_dir: str, catch_up):
-    """``catch_up`` (xtrain/train/catch_up.py) goes last: every other ``on_train_start`` first."""
+                  val_batches: int, run_dir: str, catch_up):
+    """``val_batches``: per evaluation (0: no validation split). ``catch_up``
+    (xtrain/train/catch_up.py) goes last: every other ``on_train_start`` first."""
     import lightning as L
 
     compat.quiet_lightning_tpu_probe()
@@ -93,8 +94,8 @@ def build_trainer(engine: Engine, checkpoint_io, callbacks: list, plan: RunPlan,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
         num_sanity_val_steps=0, callbacks=[*callbacks, *engine.callbacks(trainer_cfg, run_dir), catch_up],
         profiler=build_profiler(trainer_cfg, run_dir), default_root_dir=run_dir,
-        val_check_interval=eval_every if has_val else None,
-        check_val_every_n_epoch=None, limit_val_batches=trainer_cfg.eval_batches,
+        val_check_interval=eval_every if val_batches else None,
+        check_val_every_n_epoch=None, limit_val_batches=val_batches,
         inference_mode=False,  # trainer.validate (xtrain/train/finish.py) as fit's validation: no_grad
     )
 
@@ -345,7 +346,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                                loaders.val is not None, trainer_cfg.eval_every or plan.max_steps)
             trainer = build_trainer(engine, callbacks.checkpoint_io,
                                     callbacks.all(LoaderState(loaders.steps)), plan, trainer_cfg,
-                                    loaders.val is not None, run_dir, catch_up)
+                                    loaders.val.batches if loaders.val else 0, run_dir, catch_up)
             if record:  # every check passed: .hydra/ says what trains here
                 accept(run_dir, record)
                 log.info(ACCEPTED)  # a launcher accepts its local record at this line
