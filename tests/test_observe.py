@@ -700,3 +700,31 @@ def test_a_sink_that_fails_is_said_and_neither_stops_training_nor_the_other_sink
     finally:
         memory.pipe_file = pipe
         memory.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_line_cut_short_does_not_swallow_the_next_runs_first_record(tmp_path, where):
+    """A VM stopped mid-write leaves metrics.jsonl's last line cut short, without its newline.
+    The resumed run's first record (its preemption record) goes on a line of its own: only the
+    cut line is skipped. Also for a file in an object store (rewritten whole)."""
+    import fsspec
+
+    from xtrain.observe.plots import read_records
+    from xtrain.observe.sinks import JsonlSink
+
+    run_dir = str(tmp_path) if where == "local" else f"memory:///cut-{os.getpid()}"
+    fs, root = fsspec.core.url_to_fs(run_dir)
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe_file(f"{root}/metrics.jsonl", b'{"step": 10, "kind": "train", "loss": 2.0}\n'
+                                          b'{"step": 20, "kind": "train", "lo')
+    try:
+        sink = JsonlSink(run_dir)
+        sink.write({"step": 11, "kind": "preemption", "preemptions": 1})
+        sink.write({"step": 12, "kind": "train", "loss": 1.5})
+        sink.close("success")
+        records = read_records(run_dir)
+        assert [(r["step"], r["kind"]) for r in records] == [(10, "train"), (11, "preemption"),
+                                                             (12, "train")]
+    finally:
+        if where == "memory":
+            fs.rm(root, recursive=True)

@@ -10,7 +10,9 @@ the checkpoint upload thread, so writes are serialised by a lock.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 
@@ -83,14 +85,33 @@ class AppendFile:
         self._lines: list[str] = []
         self.remote_flush_s, self._flushed_at = remote_flush_s, 0.0
         self._lock = threading.Lock()
+        # a line cut short (a VM stopped, a disk filled mid-write) is ended before the next one,
+        # which it would otherwise swallow
+        self._check_end = True
         if not self._local and self._fs.exists(self._root):
             self._lines = self._fs.cat_file(self._root).decode().splitlines(keepends=True)
+            if self._lines and not self._lines[-1].endswith("\n"):
+                self._lines[-1] += "\n"
+
+    def _cut_short(self) -> bool:
+        with contextlib.suppress(FileNotFoundError), open(self._root, "rb") as f:
+            if f.seek(0, os.SEEK_END):
+                f.seek(-1, os.SEEK_END)
+                return f.read(1) != b"\n"
+        return False
 
     def write(self, text: str) -> None:
         with self._lock:
             if self._local:
-                with self._fs.open(self._root, "a") as f:
-                    f.write(text)
+                if self._check_end:
+                    text = "\n" + text if self._cut_short() else text
+                    self._check_end = False
+                try:
+                    with self._fs.open(self._root, "a") as f:
+                        f.write(text)
+                except BaseException:
+                    self._check_end = True  # part of it may be written
+                    raise
                 return
             self._lines.append(text)
             if time.monotonic() - self._flushed_at >= self.remote_flush_s:
