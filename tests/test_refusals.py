@@ -552,6 +552,15 @@ def test_a_secret_variable_read_into_a_field_not_named_secret_is_refused(tmp_pat
                                "command line") and "read WANDB_API_KEY only into a key whose name " \
                                                    "says secret" in r.stderr
     assert key_value not in r.stdout + r.stderr and list(tmp_path.iterdir()) == []
+    # read into a secret-named key, then from there into the run's name: refused by its value
+    r = subprocess.run([sys.executable, "-m", "xtrain", "mode=plan", "hardware=v6e1",
+                        "+hardware.env.WANDB_API_KEY=${oc.env:WANDB_API_KEY}",
+                        "run.name=${hardware.env.WANDB_API_KEY}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "WANDB_API_KEY": key_value})
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert r.stderr.startswith("xtrain: config error: run.name: resolves to a secret's value")
+    assert key_value not in r.stdout + r.stderr and list(tmp_path.iterdir()) == []
     monkeypatch.setenv(SECRET_NAMES_VAR, "HF_LOGIN")
     for arg in ("run.name=${oc.env:HF_LOGIN}", "+hardware.env.X=a-${oc.env:HF_TOKEN,none}",
                 "hydra.launcher.pip_args=[--extra-index-url, '${oc.env:PIP_TOKEN}']"):

@@ -81,14 +81,19 @@ def check_composed(cfg, hydra_cfg) -> None:
     """Every check of a composed job that needs nothing but its config and Hydra's (its
     ``hydra`` section: the choices, and what a config file set there): by the CLI, before each
     job of a sweep (xtrain/sweeps.py), and before a launch."""
-    from xtrain.config.secrets import check_no_secret_values
+    from omegaconf import OmegaConf
+
+    from xtrain.config.secrets import check_no_secret_in_names, check_no_secret_values
     from xtrain.naming import check_run_name
 
     check_choices(hydra_cfg.runtime.choices)
     check_known_keys(cfg)
     check_no_secret_values(cfg)
     check_no_secret_values(hydra_cfg, "hydra.")
-    check_run_name(cfg.run.name)  # resolved: it may interpolate
+    check_no_secret_in_names({"run.name": cfg.run.name,  # resolved: they may interpolate
+                              "hydra.runtime.output_dir": OmegaConf.select(
+                                  hydra_cfg, "runtime.output_dir", default=None) or ""})
+    check_run_name(cfg.run.name)
     check_local_dir(hydra_cfg)
 
 

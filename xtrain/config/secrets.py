@@ -352,6 +352,19 @@ def check_no_secret_values(cfg, prefix: str = "", resolved: bool = False) -> Non
                           f"launched job's run script): {_instead(*found[0][1:])}")
 
 
+def check_no_secret_in_names(names: dict[str, str]) -> None:
+    """Refuse a resolved name (``{key: value}``: the run's name, its dir) that holds a secret.
+    One read through another key (``run.name=${hardware.env.WANDB_API_KEY}``, that key reading
+    the environment) passes :func:`check_no_secret_values`, which sees the interpolation; names
+    are written out unmasked (the run's dir, W&B's run name, a launch's command lines)."""
+    known = forbidden_values()
+    for key, value in names.items():
+        if has_secret_value(value) or any(secret in value for secret in known):
+            raise ConfigError(f"{key}: resolves to a secret's value (read through an interpolation): "
+                              "a name is written out unmasked (the run's dir, W&B's run name, "
+                              "command lines); name the run without it")
+
+
 INTERPOLATION = re.compile(r"\$\{[^${}]*\}")
 ENV_READ = re.compile(r"\$\{oc\.env:\s*['\"]?([A-Za-z_]\w*)")  # (the variable an interpolation reads)
 # Hydra's records of the command line: ``key=value`` strings, each judged by its own key
