@@ -899,3 +899,13 @@ def test_a_refusal_ends_in_its_one_line_while_a_timed_out_check_runs_in_native_c
         assert lines == ["xtrain: storage error: gs://bucket: no answer within 0.3 s (network, or "
                          "credentials: gcloud auth application-default login); data.remote_timeout_s "
                          "sets the wait"], r.stderr[-2000:]
+
+
+def test_a_refused_command_leaves_nothing_also_with_hydra_full_error(tmp_path):
+    """HYDRA_FULL_ERROR=1 shows a refusal's traceback instead of its one line; the run dir Hydra
+    made, and its record of the command, are removed all the same."""
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "model.depth=0"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    assert r.returncode != 0 and "Traceback" in r.stderr and "model.depth=0" in r.stderr, r.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []

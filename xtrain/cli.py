@@ -58,10 +58,12 @@ def _main(cfg: DictConfig) -> None:
             said = " ".join(f"{type(ex).__name__}: {ex}".split())
             print(mask_secrets(f"xtrain: after the SIGTERM: {said}"), file=sys.stderr)
             raise Terminated() from ex
-        if not is_refusal(ex) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if not is_refusal(ex):
             raise
         if not isinstance(ex, RunDirInUse):  # a refused command leaves no trace of its own
             discard(hc.runtime.output_dir, CWD_BEFORE)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
         refuse(ex)
     if not remote and cfg.mode in (Mode.plan, Mode.compile):  # nothing kept in the run dir
         discard(hc.runtime.output_dir, CWD_BEFORE)
