@@ -700,6 +700,31 @@ def test_a_finished_build_in_a_place_not_writable_is_reused_and_a_new_one_refuse
         check_output([str(src)], str(tmp_path / "shared" / "other"))
 
 
+def test_a_build_into_a_bucket_not_writable_is_refused_before_a_source_is_read(tmp_path, monkeypatch):
+    """A remote data.build_dir is probed with a file written and removed: a bucket that refuses
+    writes is said at start, not after every source is read and the BPE trained. (The store's
+    write is made to fail as GCS's 403 does: neither the emulator nor memory:// has
+    permissions.)"""
+    import fsspec
+
+    from xtrain.data.corpus import check_output
+
+    memory, src = fsspec.filesystem("memory"), str(_sources(tmp_path))
+
+    def forbidden(path, *args, **kwargs):
+        raise PermissionError(f"403 Forbidden: {path}")
+
+    monkeypatch.setattr(memory, "pipe_file", forbidden)
+    with pytest.raises(DataError, match=r"corpus output directory memory://ro-bucket/corpus cannot be "
+                                        r"written: PermissionError: 403 Forbidden: /ro-bucket/corpus/"):
+        check_output([src], "memory://ro-bucket/corpus")
+    monkeypatch.undo()
+    check_output([src], "memory://rw-bucket/corpus")
+    assert memory.ls("/rw-bucket/corpus") == []  # (the probe removed)
+    memory.pipe("/rw-bucket/corpus/.write-probe-otherhost-7", b"")  # another build's, checking
+    check_output([src], "memory://rw-bucket/corpus")  # (not a file in the way)
+
+
 def test_stale_and_partial_builds_of_xtrains_own_are_still_replaced(tmp_path, compose_config):
     from xtrain.data.corpus import BUILD_MARKER, BuildSpec, ensure_built
 
@@ -760,7 +785,7 @@ def test_builders_of_the_same_inputs_on_an_object_store_never_delete_each_others
         removed, rm = [], mem.rm
         monkeypatch.setattr(mem, "rm", lambda path, *a, **k: (removed.append(path), rm(path, *a, **k)))
         ensure_built(spec)  # B
-        assert removed == []
+        assert [path for path in removed if ".write-probe-" not in path] == []  # (B's own probe)
         assert {path: mem.cat(path) for path in mem.find(f"{root}/out")} == built  # the same bytes
     finally:
         mem.rm(root, recursive=True)
@@ -799,6 +824,19 @@ def test_last_shard_held_out_for_validation(corpus, compose_config):
     train_shards = {u[0] for u in loaders.steps.loader.units}
     val_shards = {u[0] for u in loaders.val.loader.units}
     assert len(train_shards) == 2 and val_shards == {str(root / "train" / "shard_2.parquet")}
+
+
+def test_holding_out_the_last_shard_of_a_build_of_one_shard_is_refused(tmp_path, compose_config):
+    """A corpus built on first use is checked only once built: a small build writes one train
+    shard, and holdout_last_shard then left training none (an IndexError in the loader)."""
+    from xtrain.train.loaders import build_loaders
+
+    cfg = compose_config(["data.vocab_size=300", "data.holdout_last_shard=true", "data.val_files=null"])
+    cfg.data.build_sources, cfg.data.build_dir = [str(_sources(tmp_path))], str(tmp_path / "build")
+    tok = prepare(cfg.data)
+    with pytest.raises(DataError, match=r"data.train_files=.*/build/train: holdout_last_shard needs "
+                                        r"at least 2 shards, found 1"):
+        build_loaders(cfg.data, cfg.trainer, 48, tok, rows=2, accum=1)
 
 
 def test_one_evaluation_reads_each_validation_document_once(corpus, compose_config):

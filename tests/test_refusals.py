@@ -145,6 +145,10 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("holdout-one-shard", ["data.build_sources=[]", "data.train_files={one_shard}",
                            "data.tokenizer={tokenizer}", "data.holdout_last_shard=true", "data.val_files=null"],
      {}, "holdout_last_shard needs at least 2 shards, found 1"),
+    ("unreachable-val-bucket", ["data.build_sources=[]", "data.train_files={corpus}/train",
+                                "data.tokenizer={tokenizer}", "data.val_files=gs://xtrain-val/val",
+                                "data.remote_timeout_s=0.5"],
+     {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}, "storage error: gs://xtrain-val: no answer within 0.5 s"),
     # validation on shards train_files also matches (a directory, a glob spanning both)
     ("val-trained-on", ["data.build_sources=[]", "data.train_files={corpus}/train",
                         "data.tokenizer={tokenizer}", "data.holdout_last_shard=false",

@@ -241,7 +241,7 @@ def check_data(data) -> None:
     """The tokenizer and the shards, unless the corpus is built on first use (then its output
     directory, which must be the build's to replace, and its sources)."""
     from xtrain.data.corpus import check_output, checked_sources
-    from xtrain.data.loader import list_shards
+    from xtrain.data.loader import holdout_last, list_shards
 
     if data.build_sources:
         if data.build_dir:
@@ -249,10 +249,10 @@ def check_data(data) -> None:
         checked_sources(list(data.build_sources))
         return  # the tokenizer and shards are built (or reused) from them
     check_tokenizer(data.tokenizer)
+    if data.holdout_last_shard:  # (then no val_files: xtrain.plan.check_validation_split)
+        holdout_last(data.train_files)
+        return
     shards = list_shards(data.train_files)
-    if data.holdout_last_shard and len(shards) < 2:
-        raise DataError(f"data.train_files={data.train_files}: holdout_last_shard needs at least "
-                        f"2 shards, found {len(shards)}")
     if data.val_files:
         shared = sorted(set(shards) & set(list_shards(data.val_files)))
         if shared:  # (a glob or directory matching both; holdout_last_shard splits one list)
@@ -283,7 +283,7 @@ def check_inputs(cfg, gpt: GPTConfig, run_dir: str) -> None:
     found = answered(data.remote_timeout_s, [ckpt_dir, cfg.checkpoint.resume],
                      lambda: _check_checkpoints(cfg, gpt, ckpt_dir, run_dir))
     built = [data.build_dir, *data.build_sources] if data.build_sources else []
-    read = [data.train_files, data.tokenizer, cfg.compile_cache.dir, found, *built]
+    read = [data.train_files, data.val_files, data.tokenizer, cfg.compile_cache.dir, found, *built]
     answered(data.remote_timeout_s, read, lambda: _check_data_paths(cfg, found))
 
 

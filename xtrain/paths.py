@@ -4,6 +4,7 @@ and logs (local paths and ``gs://`` alike)."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 
@@ -73,3 +74,20 @@ def write_whole(url: str, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+WRITE_PROBE = ".write-probe-"  # a file's name prefix: written and removed at once, never data
+
+
+def write_refused(directory: str) -> str | None:
+    """Why a file cannot be written to ``directory`` (made if missing; a missing bucket, no
+    permission, a file in the way), from writing and removing a probe there; None when it can."""
+    fs, root = url_to_fs(directory)
+    probe = f"{root.rstrip('/')}/{WRITE_PROBE}{socket.gethostname()}-{os.getpid()}"
+    try:
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import time
 import uuid
 
 from xtrain.errors import CheckpointError, ConfigError
-from xtrain.paths import as_url, is_local, is_local_fs, url_to_fs
+from xtrain.paths import as_url, is_local, is_local_fs, url_to_fs, write_refused
 
 COMMIT_MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"step_(\d+)")  # the whole name: a set-aside (step_000020.corrupt-...) or
@@ -216,14 +215,9 @@ def check_writable(directory: str, key: str = "checkpoint.dir") -> None:
     if GLOB_CHARACTERS.search(directory):
         raise ConfigError(f"{key} {directory} holds one of *?[]: fsspec reads paths "
                           "with them as patterns (a removal by retention could match others)")
-    fs, root = url_to_fs(directory)
-    probe = f"{root.rstrip('/')}/.write-probe-{socket.gethostname()}-{os.getpid()}"
-    try:
-        fs.makedirs(root, exist_ok=True)
-        fs.pipe_file(probe, b"")
-        fs.rm(probe)
-    except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
-        raise ConfigError(f"{key} {directory} is not writable ({type(e).__name__}: {e})") from e
+    refused = write_refused(directory)
+    if refused:
+        raise ConfigError(f"{key} {directory} is not writable ({refused})")
 
 
 def check_shared(directory: str, processes) -> None:

@@ -26,7 +26,7 @@ import fsspec
 
 from xtrain.data.cpp_source import chunk_source, find_sources
 from xtrain.errors import DataError
-from xtrain.paths import is_local, protocol, url_to_fs
+from xtrain.paths import WRITE_PROBE, is_local, protocol, url_to_fs, write_refused
 
 BUILDER_VERSION = 2  # 2: row groups of 1024 rows (larger tokenizer batches)
 ROWS_PER_SHARD = 2048
@@ -117,6 +117,7 @@ def _in_the_way(out_dir: str) -> str | None:
         return "is a file"
     names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)
                     if p.rstrip("/") != root})
+    names = [name for name in names if not name.startswith(WRITE_PROBE)]  # (another build's)
     if not names or BUILD_MARKER in names or read_manifest(out_dir) is not None:
         return None
     more = f" and {len(names) - 8} more" if len(names) > 8 else ""
@@ -124,10 +125,12 @@ def _in_the_way(out_dir: str) -> str | None:
 
 
 def _unwritable(out_dir: str) -> str | None:
-    """Why a local build could not make ``out_dir`` and its lock beside it, as far as the closest
-    existing parent's kind and permissions tell; None when nothing there says so."""
+    """Why a build could not write ``out_dir``: remote, from a probe written there; local (where
+    nothing is made before the build), why it could not make the directory and its lock beside
+    it, as far as the closest existing parent's kind and permissions tell. None when nothing
+    says so."""
     if not is_local(out_dir):
-        return None
+        return write_refused(out_dir)
     place = Path(os.path.expanduser(url_to_fs(out_dir)[1])).absolute().parent
     while not place.exists():
         place = place.parent

@@ -52,6 +52,16 @@ def list_shards(files: str) -> list[str]:
     return sorted(as_url(fs, p) for p in paths)
 
 
+def holdout_last(files: str) -> tuple[list[str], list[str]]:
+    """The shards of ``files`` as (training, validation): the last one held out, nanochat's
+    convention (data.holdout_last_shard)."""
+    shards = list_shards(files)
+    if len(shards) < 2:
+        raise DataError(f"data.train_files={files}: holdout_last_shard needs at least 2 shards, "
+                        f"found {len(shards)}")
+    return shards[:-1], shards[-1:]
+
+
 def index_units(shards: list[str], threads: int = 8) -> list[tuple[str, int, int, int]]:
     """(shard, row group, its rows, the shard's bytes) units, reading each footer once; checks
     each shard up front."""

@@ -23,12 +23,11 @@ def build_loaders(data, trainer_cfg, seq_len: int, tokenizer, rows: int, accum: 
     """Loaders packing ``rows`` rows per micro-batch (the global batch, the same on every
     process), of which this process keeps ``host_rows``."""
     from xtrain.data.batches import EvalBatches, StepBatches
-    from xtrain.data.loader import PackedLoader, list_shards
+    from xtrain.data.loader import PackedLoader, holdout_last
 
     train_files, val_files = data.train_files, data.val_files
-    if data.holdout_last_shard:  # nanochat's convention: the last shard is the validation split
-        shards = list_shards(data.train_files)  # at least 2 (xtrain.inputs.check_data)
-        train_files, val_files = shards[:-1], shards[-1:]
+    if data.holdout_last_shard:  # (a corpus built on first use is checked only here)
+        train_files, val_files = holdout_last(data.train_files)
     train = PackedLoader(train_files, tokenizer, seq_len, rows, seed=trainer_cfg.seed,
                          prefetch=data.prefetch, threads=data.tokenizer_threads)
     val = None
