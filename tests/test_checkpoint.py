@@ -491,22 +491,20 @@ def test_a_stop_after_the_last_step_calls_the_ends_sample_off(tmp_path):
     the run then said the sample was called off. Now it is (the signal comes at a set point: a
     fault injected into the sample's hook); the same command makes it."""
     run_dir, command = tmp_path / "run", ["trainer.max_steps=6", "trainer.sample_tokens=4"]
-    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_BEFORE_THE_END_SAMPLE, *RUN, *command,
-                             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    code, out, err = finish(proc)
-    assert code == 143, err[-3000:]
-    assert "the sample of step 6 called off: the run is stopping" in err
+
+    def stopped_before_the_sample(fault: str) -> None:
+        proc = subprocess.Popen([sys.executable, "-c", fault, *RUN, *command, f"hydra.run.dir={run_dir}"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        code, _, err = finish(proc)
+        assert code == 143, err[-3000:]
+        assert "the sample of step 6 called off: the run is stopping" in err
+
+    stopped_before_the_sample(SIGTERM_BEFORE_THE_END_SAMPLE)
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [(r["step"], r["kind"]) for r in records if r["kind"] in ("sample", "stop")] == [
         (6, "stop")]
     # run again, it makes the end's sample its log lacks; a stop before it calls that off too
-    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_BEFORE_THE_CATCH_UP, *RUN, *command,
-                             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    code, out, err = finish(proc)
-    assert code == 143, err[-3000:]
-    assert "the sample of step 6 called off: the run is stopping" in err
+    stopped_before_the_sample(SIGTERM_BEFORE_THE_CATCH_UP)
     assert not [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "sample"]
     code, out, err = finish(xtrain(run_dir, *command))
     assert code == 0, err[-3000:]
