@@ -165,6 +165,13 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("one-source", ["data.build_sources=[{one_source}]"], {},
      "data.build_sources=['{one_source}']: only one C/C++ source file ({one_source}/only.cpp); "
      "the build holds out whole files for validation, so it needs at least 2"),
+    # a corpus built on first use that this run would build anew over the one its checkpoint
+    # trained on (the build deleted those shards, then the resume was refused)
+    ("rebuild-under-resume", ["checkpoint.dir={checkpoints}", "run.name={run_name}",
+                              "data.build_dir={corpus}", "data.chunk_tokens=128"], {},
+     "data error: {committed} was trained on the corpus in data.build_dir={corpus}, which this run "
+     "would build anew, replacing the shards the checkpoint trained on: data.chunk_tokens=128 "
+     "(built with 256)"),
     ("rewind-to-nothing", ["checkpoint.rewind=true"], {},
      "checkpoint.rewind=true goes back to checkpoint.resume's step, which is not set"),
     ("built-nowhere", ["data=base_data_v3", "data.build_sources=[{two_sources}]"], {},
@@ -367,6 +374,37 @@ def test_a_checkpoint_trained_with_another_tokenizer_is_not_resumed(world, tmp_p
     assert "its token ids mean other text" in r.stderr and "resuming from" not in r.stdout
     # refused with the other input checks, before the data and the model are prepared
     assert len(r.stderr.splitlines()) == 1, r.stderr[-3000:]
+    assert before_torch_could_import(seconds, torch_import_s), (seconds, torch_import_s)
+
+
+def test_a_run_is_not_resumed_over_changed_sources_whose_build_would_replace_its_corpus(tmp_path,
+                                                                                         torch_import_s):
+    """A run whose corpus is built on first use, and one of data.build_sources' files edited
+    since: its next command would build the corpus anew in place (deleting the shards the run
+    trained on) and only then refuse the resume, as the data differs. Refused before the build:
+    the corpus and the checkpoints stay as they were."""
+    [bits] = Path("/usr/include/c++").glob("*/bits")
+    shutil.copytree(bits, tmp_path / "sources")
+    run, corpus = tmp_path / "run", tmp_path / "corpus"
+    command = [sys.executable, "-m", "xtrain", *TINY, "trainer.max_steps=2", "data.vocab_size=512",
+               f"data.build_sources=[{tmp_path / 'sources'}]", f"data.build_dir={corpus}",
+               f"hydra.run.dir={run}"]
+    r = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(tmp_path / "sources" / "stl_pair.h", "a") as f:
+        f.write("// edited after the run trained\n")
+    before = tree_digest(corpus, run / "checkpoints")
+    t0 = time.perf_counter()
+    r = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)  # again
+    seconds = time.perf_counter() - t0
+    assert r.returncode == EXIT_REFUSED, r.stderr[-3000:]
+    assert r.stderr.splitlines() == [
+        f"xtrain: data error: {run}/checkpoints/step_000002 was trained on the corpus in "
+        f"data.build_dir={corpus}, which this run would build anew, replacing the shards the "
+        f"checkpoint trained on: the files under data.build_sources=['{tmp_path / 'sources'}'] "
+        f"changed since (its build read {len(list(bits.iterdir()))} files); to resume, put them back "
+        "as they were; to train on the new corpus, start a new run (another run.name)"]
+    assert tree_digest(corpus, run / "checkpoints") == before
     assert before_torch_could_import(seconds, torch_import_s), (seconds, torch_import_s)
 
 

@@ -17,8 +17,7 @@ from xtrain.checkpoint.layout import (COMMIT_MARKER, check_writable, committed_c
                                       saved_config, step_of)
 from xtrain.config.hydra_record import RECORD
 from xtrain.deadline import answered, within
-from xtrain.errors import (CheckpointError, ConfigError, DataError, EnvironmentMismatch, StorageError,
-                           warn)
+from xtrain.errors import CheckpointError, ConfigError, DataError, EnvironmentMismatch, StorageError, warn
 from xtrain.hardware import compile_cache_enabled, run_processes
 from xtrain.model.config import GPTConfig
 from xtrain.paths import is_local, location, url_to_fs
@@ -221,22 +220,6 @@ def check_tokenizer(directory: str) -> None:
                         f"token_bytes.pt, found {sorted(names) or 'nothing'}")
 
 
-def check_built_where_read(data) -> None:
-    """A corpus built on first use (``data.build_sources``) is read from where it is built: the
-    config alone says so, checked before the run dir is taken."""
-    if data.build_sources and not data.build_dir:
-        raise ConfigError(f"data.build_sources={list(data.build_sources)}: the corpus is built into "
-                          "data.build_dir, which is null; set it (a local dir or gs://...)")
-    elsewhere = [f"data.{k}={data[k]}" for k in ("train_files", "val_files", "tokenizer")
-                 if data.build_sources and data[k] and data.build_dir
-                 and not str(data[k]).startswith(str(data.build_dir).rstrip("/") + "/")]
-    if elsewhere:
-        raise ConfigError(
-            f"data.build_sources is set, so the corpus is built into data.build_dir="
-            f"{data.build_dir}, but {', '.join(elsewhere)} reads elsewhere: to read shards of "
-            "your own, also set data.build_sources=[]")
-
-
 def check_data(data) -> None:
     """The tokenizer and the shards, unless the corpus is built on first use (then its output
     directory, which must be the build's to replace, and its sources)."""
@@ -344,6 +327,7 @@ def _check_checkpoints(cfg, gpt: GPTConfig, ckpt_dir: str, run_dir: str) -> str 
 
 
 def _check_data_paths(cfg, found: str | None) -> None:
+    from xtrain.data import check_build_keeps
     from xtrain.data.tokenizer import file_fingerprint
 
     cache = cfg.compile_cache  # its mirror is pushed to after the first step's compile
@@ -351,7 +335,9 @@ def _check_data_paths(cfg, found: str | None) -> None:
             and not is_local(cache.dir):
         check_writable(cache.dir, "compile_cache.dir")
     check_data(cfg.data)
-    if found and not cfg.data.build_sources:  # a corpus built on first use: once built (train/run.py)
+    if found and cfg.data.build_sources:  # its tokenizer is checked once built (train/run.py)
+        check_build_keeps(cfg.data, found, saved_meta(found).get("tokenizer_sha256"))
+    elif found:
         check_same_tokenizer(found, saved_meta(found), file_fingerprint(cfg.data.tokenizer))
 
 

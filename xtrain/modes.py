@@ -10,9 +10,10 @@ import os
 
 from xtrain.config import Engine, Mode, sample_prompts
 from xtrain.config.hydra_record import hold, released_on_error, writes_record
+from xtrain.data import check_built_where_read
 from xtrain.errors import ConfigError, warn
 from xtrain.hardware import check_fits_host, cpu_processes, launch_environment, run_devices
-from xtrain.inputs import check_built_where_read, check_inputs
+from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
 from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
 from xtrain.train.preemption import sigterm_raises

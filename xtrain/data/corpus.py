@@ -199,6 +199,15 @@ def checked_sources(roots: list[str], names: Names = CONFIG_NAMES) -> list[tuple
     return files
 
 
+def replaced_build(spec: BuildSpec) -> dict | None:
+    """The manifest of the build in ``spec.out_dir`` that :func:`ensure_built` would replace (one
+    of other sources or settings), else None."""
+    manifest = read_manifest(spec.out_dir)
+    if manifest and manifest.get("build_key") != spec.key(checked_sources(spec.sources, spec.names)):
+        return manifest
+    return None
+
+
 def ensure_built(spec: BuildSpec, log=print) -> dict:
     """Build unless a complete build of the same inputs exists; returns the manifest. Refuses
     (check_output) before reading a source when the output directory is not the build's to
