@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from conftest import assert_same_tensors, checkpoint_tensors, finish, gcs_filesystem, losses, xtrain
 from xtrain.checkpoint import manifest
-from xtrain.checkpoint.layout import COMMIT_MARKER
+from xtrain.checkpoint.layout import COMMIT_MARKER, committed_checkpoints
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
 from xtrain.errors import CheckpointError
 from xtrain.inputs import newest_intact, resume_checkpoint
@@ -246,6 +246,81 @@ def test_retention_counts_only_the_commits_up_to_the_new_one(tmp_path):
     keeper = PeriodicCheckpoint(str(tmp_path), every=5, checkpoint_io=FsspecCheckpointIO(), keep_last=2)
     keeper._committed({"step": 15, "path": str(tmp_path / "step_000015")})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010", "step_000015", "step_000020"]
+
+
+@pytest.mark.parametrize("replacement", ["symlink", "fifo"])
+def test_a_checkpoint_file_that_is_not_a_plain_file_is_found_without_reading_it(tmp_path, replacement):
+    """state.pt replaced by a link to /dev/zero, or by a named pipe: verifying hashed it before
+    comparing sizes, and never ended (a resume, mode=sample or eval hung). Now it is named at once."""
+    import os
+    import threading
+
+    ckpt = tmp_path / "step_000003"
+    _save(str(ckpt), {"w": torch.ones(3)})
+    (ckpt / "state.pt").unlink()
+    if replacement == "symlink":
+        (ckpt / "state.pt").symlink_to("/dev/zero")
+    else:
+        os.mkfifo(ckpt / "state.pt")
+    found = []
+    check = threading.Thread(target=lambda: found.extend(manifest.problems(str(ckpt))), daemon=True)
+    check.start()
+    check.join(timeout=30)
+    assert not check.is_alive(), "verification is still reading"
+    assert found == ["state.pt is not a plain file (a symlink, a directory, a device or a pipe)"]
+
+
+def _marker_unreadable(monkeypatch, step_name: str) -> None:
+    """Reading ``step_name``'s commit marker fails with EIO (a flaky disk, a stale NFS handle)."""
+    import errno
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    info = LocalFileSystem.info
+
+    def flaky(self, path, **kwargs):
+        if str(path).endswith(f"{step_name}/{COMMIT_MARKER}"):
+            raise OSError(errno.EIO, "Input/output error")
+        return info(self, path, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "info", flaky)
+
+
+def test_a_commit_whose_marker_could_not_be_read_is_not_deleted_as_a_torn_save(tmp_path, monkeypatch):
+    """Reading step 1's COMMITTED fails with EIO (a flaky disk, a stale NFS handle): fsspec's
+    exists() says False on any error, so retention took the commit for a torn save older than
+    the new one and deleted it, though keep_last and keep_every keep it. Only a marker the
+    storage says is missing makes a torn save; a torn one is still removed."""
+    from xtrain.checkpoint.async_io import FsspecCheckpointIO
+    from xtrain.train.checkpointing import PeriodicCheckpoint
+
+    for step in (1, 2, 3):
+        _save(str(tmp_path / f"step_{step:06d}"), {"w": torch.full((3,), float(step))})
+    (tmp_path / "step_000002" / "COMMITTED").unlink()  # a torn save
+    _marker_unreadable(monkeypatch, "step_000001")
+    keeper = PeriodicCheckpoint(str(tmp_path), every=1, checkpoint_io=FsspecCheckpointIO(),
+                                keep_last=5, keep_every=1)
+    keeper._committed({"step": 3, "path": str(tmp_path / "step_000003")})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000003"]
+    assert [s for s, _ in committed_checkpoints(str(tmp_path))] == [1, 3]
+
+
+def test_a_save_at_a_step_whose_marker_could_not_be_read_fails_and_keeps_it(tmp_path, monkeypatch):
+    """A save at step 3, whose commit's marker cannot be read: the step dir looked like a torn
+    attempt, and the save removed it before writing. Now the save fails (a retry asks again)
+    and the commit stays."""
+    ckpt = tmp_path / "step_000003"
+    _save(str(ckpt), {"w": torch.ones(3)})
+    _marker_unreadable(monkeypatch, "step_000003")
+    io = FsspecCheckpointIO(retries=0)
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 3}, str(ckpt))
+    assert io.wait() is None  # given up, with a warning
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000003"]
+    from xtrain.checkpoint.io import read
+
+    assert read(str(ckpt))["state_dict"]["w"].tolist() == [1.0, 1.0, 1.0]
 
 
 def test_a_deletion_retention_could_not_make_warns_and_is_made_after_the_next_commit(

@@ -336,9 +336,62 @@ def test_resuming_behind_the_runs_own_commits_is_refused_unless_rewound(world, t
            "work since" in err
 
 
+def test_a_retried_save_whose_first_attempt_committed_keeps_that_commit(tmp_path, monkeypatch):
+    """The first attempt commits, then its storage call fails (a write that timed out after the
+    object was stored), and every later write fails too: the retry finds its own save's commit
+    and keeps it. Before, the retry moved it aside first and, failing, left the step with no
+    commit (a first checkpoint lost: the next start trained from step 0)."""
+    from xtrain.checkpoint import io as ckpt_io
+    from xtrain.checkpoint.layout import latest_checkpoint
+
+    real_commit, calls = ckpt_io.commit, []
+
+    def flaky_commit(fs, root, written):
+        calls.append(root)
+        if len(calls) == 1:
+            real_commit(fs, root, written)
+            raise TimeoutError("the marker was stored, its answer timed out")
+        raise OSError("the storage fails from now on")
+
+    monkeypatch.setattr(ckpt_io, "commit", flaky_commit)
+    ckpt = tmp_path / "step_000003"
+    io = FsspecCheckpointIO(retries=1, backoff_s=0)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "global_step": 3}, str(ckpt))
+    assert io.wait() is not None  # saved: its first attempt's commit stands
+    assert latest_checkpoint(str(tmp_path)) == str(ckpt) and len(calls) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000003"]  # nothing moved aside
+    assert read(str(ckpt))["state_dict"]["w"].tolist() == [1.0] * 4
+
+
+def _host_retrying_a_committed_save(rank: int, world: int, init: str, root: str) -> None:
+    """One process of test_every_process_of_a_retried_save_keeps_its_first_attempts_commit."""
+    import torch.distributed as dist
+
+    from xtrain.checkpoint import io as ckpt_io
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    meta = {"step": 2, "saved_at": 1234.5}  # one save's, its two attempts
+    for _ in range(2):  # the second: a retry after an attempt that committed, then failed
+        ckpt_io.write(f"{root}/step_000002", {f"host{rank}/w": torch.ones(4)}, b"", meta,
+                      rank=rank, process_group=dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+def test_every_process_of_a_retried_save_keeps_its_first_attempts_commit(tmp_path):
+    """Two gloo processes: the first host finds its save's commit, and both return (one verdict;
+    a lone return would leave the other at the save's next collective)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_host_retrying_a_committed_save, nprocs=2,
+             args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path / "ckpt")))
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_000002"]  # none moved aside
+    assert committed_checkpoints(str(tmp_path / "ckpt")) == [(2, str(tmp_path / "ckpt" / "step_000002"))]
+
+
 def test_a_save_over_a_committed_checkpoint_renames_it_aside(tmp_path, capfd):
-    """A save never deletes a commit at its step (a retried upload, a run racing another): the
-    old one is renamed aside, whole and out of discovery's sight. A torn attempt is removed."""
+    """A save never deletes a commit at its step (another save of that step, a run racing
+    another): the old one is renamed aside, whole and out of discovery's sight. A torn attempt
+    is removed."""
     ckpt = tmp_path / "step_000003"
     _save(str(ckpt), {"w": torch.ones(4)})
     _save(str(ckpt), {"w": torch.full((4,), 2.0)})

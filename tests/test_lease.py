@@ -16,6 +16,7 @@ import torch
 
 from conftest import finish, xtrain
 from xtrain.checkpoint import io as ckpt_io
+from xtrain.checkpoint.collective import check_fence
 from xtrain.checkpoint.layout import committed_checkpoints
 from xtrain.checkpoint.lease import LEASE_FILE, CheckpointDirInUse, Lease, LeaseLost, process_space
 from xtrain.errors import EXIT_REFUSED
@@ -245,7 +246,7 @@ def _host_whose_lease_is_lost(rank: int, world: int, init: str, root: str) -> No
     for attempt in ("check", "write", "check"):
         try:
             if attempt == "check":
-                ckpt_io.check_fence(fence if rank == 0 else None, rank, dist.group.WORLD)
+                check_fence(fence if rank == 0 else None, rank, dist.group.WORLD)
             else:
                 ckpt_io.write(f"{root}/step_000002", tensors, b"", {"step": 2}, rank=rank,
                               process_group=dist.group.WORLD, fence=fence if rank == 0 else None)

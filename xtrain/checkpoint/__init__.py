@@ -16,10 +16,12 @@ tensor data, DCP's pickled ``.metadata`` unpickled with only its own classes all
 reaches outside it: the data files DCP's metadata names must be plain DCP file names, the
 manifest's entries paths inside the checkpoint (:mod:`.layout`); anything else is refused
 (CheckpointError) before a file is read or downloaded. Only retention deletes a committed
-checkpoint: one in the way (corrupt, rewound past, or at the step being saved) is renamed aside.
+checkpoint: one in the way (corrupt, rewound past, or at the step being saved) is renamed aside,
+and a step dir is removed as a torn save only once the storage says its marker is missing.
 
 Modules: :mod:`.layout` (paths, discovery, retention), :mod:`.io` (one save or load of one
 checkpoint), :mod:`.manifest` (sizes and checksums: record, verify), :mod:`.async_io`
-(Lightning's CheckpointIO: background uploads with retries). When
+(Lightning's CheckpointIO: background uploads with retries), :mod:`.collective` (one verdict on
+a save for every process). When
 to save and what to do on a signal is training policy (xtrain/train/).
 """

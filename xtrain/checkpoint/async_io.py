@@ -18,6 +18,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch.distributed.checkpoint.api import CheckpointException
 
 from xtrain.checkpoint import io as ckpt_io
+from xtrain.checkpoint.collective import check_fence
 from xtrain.checkpoint.layout import remove
 from xtrain.checkpoint.lease import LeaseLost
 from xtrain.paths import is_local, url_to_fs
@@ -97,7 +98,7 @@ class FsspecCheckpointIO(CheckpointIO):
         self.wait()
         if self.lost is not None:
             raise self.lost
-        ckpt_io.check_fence(self.fence, self.rank, self.process_group)
+        check_fence(self.fence, self.rank, self.process_group)
         t0 = time.perf_counter()
         skeleton, tensors = ckpt_io.split_tensors(checkpoint)
         snapshot = ckpt_io.snapshot(tensors, self.sharded)

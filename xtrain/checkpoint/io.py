@@ -30,9 +30,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from xtrain import compat
 from xtrain.checkpoint import manifest
-from xtrain.checkpoint.layout import (check_committed, check_dcp_files, commit, is_committed, remove,
-                                      set_aside)
-from xtrain.checkpoint.lease import LeaseLost
+from xtrain.checkpoint.collective import agree
+from xtrain.checkpoint.layout import (check_committed, check_dcp_files, commit, is_committed, read_meta,
+                                      remove, set_aside, surely_uncommitted)
 from xtrain.errors import CheckpointError, unpickling_reason, warn
 from xtrain.paths import url_to_fs
 
@@ -94,40 +94,6 @@ def _dcp_kwargs(process_group) -> dict:
     return {"process_group": process_group, "no_dist": process_group is None}
 
 
-def _agree(error: Exception | None, process_group) -> None:
-    """Raise on every process when any one failed, so all of them retry a save together (a
-    lone retry would wait at the first barrier for processes that moved on), or, when the
-    directory's lease was lost (never retried), all give it up."""
-    failed = 0 if error is None else 2 if isinstance(error, LeaseLost) else 1
-    if process_group is not None:
-        import torch.distributed as dist
-
-        flag = torch.tensor([failed])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
-        failed = int(flag.item())
-    if failed == 2 and not isinstance(error, LeaseLost):
-        raise LeaseLost("the first process found the checkpoint dir's lease taken over")
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError("another process failed to commit this checkpoint")
-
-
-def check_fence(fence, rank: int, process_group) -> None:
-    """Before a save, on every process: raise LeaseLost when the first host's ``fence`` does
-    (see :func:`write`). A storage error reading the lease is left to the save, which reads it
-    again."""
-    error = None
-    if rank == 0 and fence is not None:
-        try:
-            fence()
-        except LeaseLost as e:
-            error = e
-        except Exception:  # noqa: BLE001,S110  (each filesystem raises its own types)
-            pass
-    _agree(error, process_group)
-
-
 def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = False,
           rank: int = 0, process_group=None, fence=None) -> None:
     """Write one checkpoint and commit it (raises on any storage error; nothing is committed
@@ -138,19 +104,23 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
     the others until the timeout, which closes the checkpoint group's connections for good).
     ``fence``: called by the first host before anything is written and again before the commit
     marker; raises when the save must not happen or be committed (the directory's lease lost:
-    xtrain/checkpoint/lease.py, LeaseLost, which is raised on every process)."""
+    xtrain/checkpoint/lease.py, LeaseLost, which is raised on every process). A retry that finds
+    the step committed by an earlier attempt of the same save (:func:`committed_by`) keeps it."""
     import torch.distributed.checkpoint as dcp
 
     fs, root = url_to_fs(path)
-    error = None
+    error, done = None, False
     if rank == 0:
         try:
             if fence is not None:
                 fence()
-            _prepare(path, fs, root)
+            done = committed_by(path, meta)
+            if not done:
+                _prepare(path, fs, root)
         except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
             error = e
-    _agree(error, process_group)
+    if agree(error, process_group, done):
+        return
     written: list[str] = []  # this host's DCP files
     # the URL, not the bare root: DCP resolves its own filesystem from the protocol
     dcp.save(tensors, storage_writer=compat.fsspec_writer(f"{path.rstrip('/')}/tensors", written),
@@ -173,7 +143,7 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
         except Exception as e:  # noqa: BLE001
             error = e
     try:
-        _agree(error, process_group)
+        agree(error, process_group)
     except Exception as e:  # noqa: BLE001
         if not committed:
             raise
@@ -183,12 +153,26 @@ def write(path: str, tensors: dict, rest: bytes, meta: dict, *, sharded: bool = 
              f"({type(e).__name__}: {e})")
 
 
+def committed_by(path: str, meta: dict) -> bool:
+    """Whether the checkpoint at ``path`` is committed, intact, by the save of ``meta``: an
+    earlier attempt of a retried save that committed and then failed (a storage call that timed
+    out after its object was stored). Writing it anew would first move that commit aside."""
+    if "saved_at" not in meta or not is_committed(path):
+        return False
+    try:
+        return read_meta(path).get("saved_at") == meta["saved_at"] and not manifest.problems(path)
+    except (OSError, ValueError, AttributeError):  # (an unreadable meta.json: not this save's)
+        return False
+
+
 def _prepare(path: str, fs, root: str) -> None:
     """The first host's start of a save: the step's directory, empty."""
     if is_committed(path):  # never deleted: a commit is kept, moved aside (and said so)
         warn(f"checkpoint {path} was already committed: moved aside to "
              f"{set_aside(path, 'replaced')} (kept, not deleted); writing this step anew")
     elif fs.exists(root):  # a torn attempt at this step (never committed)
+        if not surely_uncommitted(path):  # (the marker's check failed: maybe a commit)
+            raise OSError(f"{path}: could not tell whether it holds a commit")
         remove(path)
     fs.makedirs(root, exist_ok=True)
 

@@ -92,6 +92,20 @@ def is_committed(path: str) -> bool:
     return fs.exists(f"{root}/{COMMIT_MARKER}")
 
 
+def surely_uncommitted(path: str) -> bool:
+    """Whether the storage says the step dir at ``path`` has no commit marker (FileNotFoundError).
+    fsspec's ``exists`` is False on any error too (a transient EIO, a stale NFS handle): a commit
+    it misses must not be deleted as a torn save."""
+    fs, root = url_to_fs(path)
+    try:
+        fs.info(f"{root}/{COMMIT_MARKER}")
+    except FileNotFoundError:
+        return True
+    except Exception:  # noqa: BLE001  (each filesystem raises its own types: no answer)
+        return False
+    return False
+
+
 def newer_commits(directory: str, step: int) -> list[str]:
     """The committed checkpoints in ``directory`` past ``step``."""
     return [p for s, p in committed_checkpoints(directory) if s > step]

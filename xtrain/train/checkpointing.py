@@ -10,8 +10,8 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from xtrain.checkpoint.async_io import FsspecCheckpointIO
-from xtrain.checkpoint.layout import (latest_checkpoint, newer_commits, set_aside,
-                                     stale_checkpoints, step_dir, step_dirs)
+from xtrain.checkpoint.layout import (latest_checkpoint, newer_commits, set_aside, stale_checkpoints,
+                                     step_dir, step_dirs, surely_uncommitted)
 from xtrain.errors import CheckpointNotWritten, warn
 from xtrain.train.preemption import StopRequest
 
@@ -76,7 +76,7 @@ class PeriodicCheckpoint(L.Callback):
         committed = [s for s, _, done in dirs if done and s <= result["step"]]
         doomed = set(stale_checkpoints(committed, self.keep_last, self.keep_every))
         for step, path, done in dirs:
-            if step in doomed or (not done and step < result["step"]):
+            if step in doomed or (not done and step < result["step"] and surely_uncommitted(path)):
                 try:
                     self.io.remove_checkpoint(path)
                 except Exception as e:  # noqa: BLE001  (storage errors come in many types)
