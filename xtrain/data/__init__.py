@@ -43,8 +43,8 @@ def prepare(data, log=print) -> Tokenizer:
 
 def check_build_keeps(data, checkpoint: str, trained_with: str | None) -> None:
     """Refuse to resume ``checkpoint`` (trained with the tokenizer of sha256 ``trained_with``)
-    when its corpus, built on first use, would be built anew: data.build_sources' files changed
-    since. The build would replace the shards it trained on, and its data position would not
+    when its corpus, built on first use, would be built anew: data.build_sources' files or the
+    build's settings changed since. The build would replace the shards it trained on, and its data position would not
     continue in the new ones (xtrain/data/loader.py check_position): refused after the build,
     with those shards already gone."""
     from xtrain.data.corpus import replaced_build
