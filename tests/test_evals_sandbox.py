@@ -137,6 +137,11 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
         "escaping_daemon": ("  if (fork() == 0) {\n    setsid();\n"
                             "    if (fork() == 0) for (;;) pause();\n    _exit(0);\n  }\n"
                             "  return 42;\n}\n", "passed"),
+        # a daemon that changes its pid every millisecond (forks, and the parent leaves): a
+        # scan of /proc lists the one it then finds gone, never the child it left
+        "pid_hopping_daemon": ("  if (fork() == 0) {\n    setsid();\n    for (;;) {\n"
+                               "      usleep(1000);\n      if (fork() > 0) _exit(0);\n    }\n"
+                               "  }\n  return 42;\n}\n", "passed"),
         # a user namespace of its own would open more of the kernel to it (bubblewrap 0.8+, as
         # .ci/run installs it here, forbids one)
         "nested_user_namespace": ("  return unshare(CLONE_NEWUSER) == 0 ? 41 : 42;\n}\n", "passed"),
@@ -294,7 +299,8 @@ def test_fallback_without_bubblewrap_still_contains_programs(capfd, monkeypatch)
     root_only.chmod(0o755)  # root may write here, the sandbox uid may not
     programs = {k: v for k, v in hostile_programs(0, str(root_only / "escaped")).items()
                 if k in ("infinite_loop", "fork_bomb", "allocate_64_gib", "huge_output",
-                         "escaping_daemon", "daemon_behind_a_zombie_leader", "write_outside",
+                         "escaping_daemon", "pid_hopping_daemon",
+                         "daemon_behind_a_zombie_leader", "write_outside",
                          "reference")}
     try:
         result = judge(programs, sandbox="rlimits")

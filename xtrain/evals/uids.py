@@ -66,20 +66,28 @@ def lock_dir() -> Path:
 def kill_all_of(uid: int) -> None:
     """SIGKILL every process of ``uid`` (kill(-1) from that uid reaches exactly its own) and wait
     until they are gone: dying takes a while for dozens of busy processes on two cores, and the
-    slot's next program must not find its process count used up."""
+    slot's next program must not find its process count used up.
+
+    The kill comes first, even when a scan would find nothing: a scan of /proc is not atomic (a
+    process it lists may fork and exit before its state is read, and the child, started after
+    the listing, is missed), while kill(-1) reaches every process of the uid at once, a fork
+    under way included. After it no process of the uid can start another, so a later scan that
+    finds none alive is final."""
     # kill(-1) from root would kill every process on the machine: only ever as a sandbox uid
     # (subprocess exits before exec when the switch to `uid` fails).
     if not isinstance(uid, int) or uid <= 0:
         raise ValueError(f"refusing to kill all processes of uid {uid!r}")
     deadline = time.monotonic() + 10
-    while _processes_of(uid):  # usually none: bubblewrap's PID namespace died with the program
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"C++ sandbox: processes of uid {uid} survive SIGKILL for 10 s")
+    while True:
         # procps kill: `kill -9 -1` is its documented "kill all processes you can kill" (it
         # rejects `--` before -1). user= is spelled out here, not taken from sandbox.py's
         # _as_user: this call must never run as root.
         subprocess.run(["kill", "-9", "-1"], env=MINIMAL_ENV, capture_output=True,
                        check=False, user=uid, group=uid, extra_groups=[])
+        if not _processes_of(uid):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"C++ sandbox: processes of uid {uid} survive SIGKILL for 10 s")
         time.sleep(0.01)
     _reap_orphans(uid)
 
