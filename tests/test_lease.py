@@ -93,6 +93,21 @@ def test_a_pid_of_another_pid_namespace_is_not_judged_here(tmp_path, capsys):
     assert "no longer runs" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content", [
+    b"{not json", b"[1, 2]", b'{"holder": "h", "renewed": null, "lease_s": 60}',
+    b'{"holder": "h", "renewed": 1e12, "lease_s": "long"}', b'{"renewed": 1e12, "lease_s": 60}'])
+def test_a_lease_file_xtrain_did_not_write_is_replaced_with_a_warning(tmp_path, capsys, content):
+    directory = str(tmp_path / "ckpt")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / LEASE_FILE).write_bytes(content)
+    lease = Lease(directory, "next", lease_s=60).acquire()
+    try:
+        assert f"{directory}/{LEASE_FILE} is not a lease xtrain wrote: replaced" in capsys.readouterr().err
+        assert read_lease(directory)["holder"] == lease.mine["holder"]
+    finally:
+        lease.release()
+
+
 def test_a_start_that_fails_after_writing_its_lease_leaves_none_behind(tmp_path, monkeypatch):
     """Its lease would hold the dir for lease_s against the next start on another host."""
     directory, reads = str(tmp_path / "ckpt"), []

@@ -73,6 +73,14 @@ def gone(held: dict) -> str | None:
     return None
 
 
+def _well_formed(held) -> bool:
+    """Whether ``held`` has the fields :func:`gone` and the holder checks read, of their types."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (isinstance(held, dict) and isinstance(held.get("holder"), str)
+            and number(held.get("renewed")) and number(held.get("lease_s")))
+
+
 def _running(pid) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -103,10 +111,12 @@ class Lease:
             held = json.loads(self.fs.cat_file(self.path))
         except FileNotFoundError:
             return None
-        except (ValueError, UnicodeDecodeError):  # written by hand, or not by xtrain: nobody's
+        except (ValueError, UnicodeDecodeError):
+            held = None
+        if not _well_formed(held):  # written by hand, or not by xtrain: nobody's
             warn(f"{self.directory}/{LEASE_FILE} is not a lease xtrain wrote: replaced")
             return None
-        return held if isinstance(held, dict) else None
+        return held
 
     def _write(self) -> None:
         record = json.dumps({**self.mine, "renewed": time.time(), "lease_s": self.lease_s}).encode()
