@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 LOCK   := requirements.lock
 UV     := .venv-lock/bin/uv
 
-.PHONY: setup lock train test test-slow bench clean
+.PHONY: setup system-tools lock train test test-slow bench clean
 
 setup: $(STAMP)
 
@@ -41,10 +41,14 @@ train: $(STAMP)
 WORKERS ?= 2
 PYTEST  := $(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
-test: $(STAMP)
+# sshd, rsync and bubblewrap, installed with apt when missing: the tests use them for real
+system-tools:
+	bash .ci/system-tools
+
+test: $(STAMP) system-tools
 	$(PYTEST) -m "not slow" --durations=15 $(ARGS)
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) system-tools
 	$(PYTEST) -m slow $(ARGS)
 
 bench: $(STAMP)

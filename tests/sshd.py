@@ -72,7 +72,7 @@ class Sshd:
     def start(self) -> "Sshd":
         sshd = shutil.which("sshd") or "/usr/sbin/sshd"
         if not os.path.exists(sshd):
-            pytest.fail("sshd not found: apt-get install openssh-server rsync (see .ci/run)")
+            pytest.fail("sshd not found: `make test` installs it (.ci/system-tools)")
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
         (self.dir / "sshd_config").write_text(self.config())
         self.log = open(self.dir / "sshd.log", "w")

@@ -143,7 +143,7 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
                                "      usleep(1000);\n      if (fork() > 0) _exit(0);\n    }\n"
                                "  }\n  return 42;\n}\n", "passed"),
         # a user namespace of its own would open more of the kernel to it (bubblewrap 0.8+, as
-        # .ci/run installs it here, forbids one)
+        # .ci/system-tools installs it here, forbids one)
         "nested_user_namespace": ("  return unshare(CLONE_NEWUSER) == 0 ? 41 : 42;\n}\n", "passed"),
         # first in line for the OOM killer: a sample, not the training process beside it
         "oom_score_first": (

@@ -38,3 +38,18 @@ def test_wheel_contains_every_config_and_module(tmp_path):
         assert str(plugin.relative_to(ROOT / "launch")) in names, plugin
     assert "xtrain/evals/cpp_problems.jsonl" in names  # the C++ benchmark
     assert not any(n.startswith("hydra_plugins/__init__") for n in names)  # a namespace package
+
+
+def test_missing_system_tools_are_named_where_apt_cannot_install_them(tmp_path):
+    # an empty PATH: rsync, bwrap and apt-get are not found (sshd may be, at /usr/sbin/sshd)
+    r = subprocess.run(["/bin/bash", str(ROOT / ".ci" / "system-tools")], capture_output=True,
+                       text=True, env={"PATH": str(tmp_path)}, timeout=30)
+    assert r.returncode == 1, r.stderr
+    assert "apt-get is not here" in r.stderr and "rsync" in r.stderr and "bubblewrap" in r.stderr
+    assert "installing" not in r.stderr
+
+
+def test_present_system_tools_install_nothing():
+    r = subprocess.run(["/bin/bash", str(ROOT / ".ci" / "system-tools")], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout == r.stderr == "", r.stderr
