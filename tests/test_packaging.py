@@ -1,4 +1,5 @@
-"""`pip install .` ships the package and its configs."""
+"""`pip install .` ships the package and its configs; `make test` finds (or installs) the system
+packages the tests use."""
 
 from __future__ import annotations
 
