@@ -415,25 +415,40 @@ def test_a_stop_that_the_interrupted_code_turns_into_its_own_error_still_exits_s
     assert token not in r.stderr + r.stdout
 
 
+# a run's set-up that takes a while (a corpus build: minutes on a real run), from after the
+# checkpoint dir's lease is taken; the marker file says it began
+SLOW_SET_UP = with_fault("""
+import os, time
+import xtrain.train.run as run
+prepare = run.prepare_data
+def slow(*args, **kwargs):
+    open(os.environ["XTRAIN_TEST_SET_UP_BEGAN"], "w").close()
+    time.sleep(120)
+    return prepare(*args, **kwargs)
+run.prepare_data = slow
+""")
+
+
 def test_sigterm_while_a_run_starts_lets_go_of_its_lease_and_exits_stopped(tmp_path):
     """SIGTERM after the run took its checkpoint dir's lease, before training's own handling is
     installed (data, model, checkpoint checks): it ended the process where it was, the lease left
     for the next start on another VM to wait out. Now it leaves like a Ctrl-C there: one line,
-    exit 143 (stopped, the same command resumes), the lease released."""
-    for attempt in range(3):
-        run = tmp_path / f"run{attempt}"
-        lease = run / "checkpoints" / ".lease.json"
-        p = xtrain(run, "trainer.max_steps=5")
-        deadline = time.time() + 120
-        while not lease.exists():  # taken as training's set-up begins, seconds before a step
-            assert p.poll() is None and time.time() < deadline, p.communicate()
-            time.sleep(0.02)
-        p.send_signal(signal.SIGTERM)
-        code, out, err = finish(p)
-        # training's own handling was installed by then (the process was kept off the cores for
-        # a while): the race, not what is tested here
-        if "stopping at the next step boundary" not in err:
-            break
+    exit 143 (stopped, the same command resumes), the lease released. The signal comes during a
+    slow set-up (a fault injected into the data preparation): sent when the lease appeared, it
+    reached a run kept off the cores at its end instead, once in CI."""
+    run, began = tmp_path / "run", tmp_path / "set-up-began"
+    lease = run / "checkpoints" / ".lease.json"
+    p = subprocess.Popen([sys.executable, "-c", SLOW_SET_UP, *RUN, "trainer.max_steps=5",
+                          f"hydra.run.dir={run}"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "XTRAIN_TEST_SET_UP_BEGAN": str(began)})
+    deadline = time.time() + 120
+    while not began.exists():
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.02)
+    assert lease.exists()
+    p.send_signal(signal.SIGTERM)
+    code, out, err = finish(p)
     assert code == 143, err[-3000:]
     assert "Traceback" not in err and "step " not in out
     assert err.splitlines()[-1] == ("xtrain: stopped (SIGTERM) outside a training step; a run "
