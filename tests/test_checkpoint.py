@@ -526,6 +526,33 @@ def test_a_stop_after_the_last_step_calls_the_ends_sample_off(tmp_path):
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "sample"] == [6]
 
 
+SIGTERM_AFTER_THE_END = with_fault("""
+import os, signal, time
+import xtrain.train.run as run
+plots = run.write_plots
+def signalled(*args, **kwargs):  # a SIGTERM that arrives once the run's end is done
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    return plots(*args, **kwargs)
+run.write_plots = signalled
+""")
+
+
+def test_a_stop_after_the_runs_end_is_done_says_so_and_the_run_succeeds(tmp_path):
+    """A SIGTERM once the run's end was done (its records made, its outcome decided) was said as
+    "stopping what the run's end still does (the same command again finishes it)", and the run
+    then exited 0 with nothing stopped. Now it is said as what it is (the signal comes at a set
+    point: a fault injected before the run's charts, drawn last)."""
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_AFTER_THE_END, *RUN, "trainer.max_steps=3",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    code, out, err = finish(proc)
+    assert code == 0, err[-3000:]
+    assert "SIGTERM: the run's end was already done; it exits as it was about to" in err
+    assert "stopping" not in err and "stopped" not in out
+    assert "stop" not in [r["kind"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+
+
 def test_a_run_resumed_at_its_last_step_runs_the_end_its_log_lacks(tmp_path):
     """The last step's checkpoint is committed before the final validation, so that a failing
     validation loses no step. A run stopped in between (a spot VM reclaimed; here its records

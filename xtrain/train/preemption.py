@@ -76,6 +76,7 @@ class StopRequest:
         self._pending = None  # the vote started at the previous step boundary
         self._watch: SignalWatch | None = None
         self.past_last_step = threading.Event()  # training reached its last step: no boundary left
+        self.end_done = threading.Event()  # the run's end made its records: a stop changes nothing
 
     @property
     def requested(self) -> bool:
@@ -96,7 +97,7 @@ class StopRequest:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous = signal.signal(sig, self._handle)
             self._previous.setdefault(sig, previous)
-        self._watch = self._watch or SignalWatch(self.past_last_step)
+        self._watch = self._watch or SignalWatch(self.past_last_step, self.end_done)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
@@ -135,8 +136,10 @@ class SignalWatch:
     Python's C-level handler writes each handled signal's number to the wakeup fd
     (``signal.set_wakeup_fd``), which this class's thread reads as it arrives."""
 
-    def __init__(self, past_last_step: threading.Event | None = None):
+    def __init__(self, past_last_step: threading.Event | None = None,
+                 end_done: threading.Event | None = None):
         self.past_last_step = past_last_step or threading.Event()
+        self.end_done = end_done or threading.Event()
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
         self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
@@ -154,7 +157,9 @@ class SignalWatch:
             log.warning("SIGINT again: stopping now, without a checkpoint (the last committed one "
                         "resumes)")
             os._exit(EXIT_INTERRUPTED)
-        if not self._seen and self.past_last_step.is_set():
+        if not self._seen and self.end_done.is_set():
+            log.warning("%s: the run's end was already done; it exits as it was about to", sig.name)
+        elif not self._seen and self.past_last_step.is_set():
             log.warning("%s: training reached its last step; stopping what the run's end still "
                         "does (the same command again finishes it)", sig.name)
         elif not self._seen:
