@@ -69,8 +69,9 @@ def end_status(callbacks, run_log, step: int, processes) -> str:
         cause = stop.stopped_for
     else:  # (every process calls this: a collective)
         cause = processes.broadcast(stop.cause if stop.requested else None)
-        if cause is None:
-            return "success"
+    stop.end_done.set()  # decided: a stop from now on changes nothing
+    if cause is None:
+        return "success"
     run_log.record("stop", step, stop_record(cause, stop.reason))
     return "preempted"
 

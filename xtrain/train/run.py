@@ -355,7 +355,6 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
                        cfg, start_step, plan.max_steps)
             callbacks.checkpointer.check_final_saved(trainer.global_step)
             status = end_status(callbacks, run_log, trainer.global_step, engine.processes)
-            callbacks.stop.end_done.set()
             collectives_done()  # (the end's records and uploads are process 0's own)
         except Terminated:  # SIGTERM before training or after it (xtrain/train/preemption.py)
             status = "preempted"
