@@ -185,3 +185,33 @@ def test_lightning_tpu_probe_answers_from_the_pci_bus_without_network(monkeypatc
     # There is no TPU here: stand in for its PCI chips (the replacement reads nothing else).
     monkeypatch.setattr(compat, "tpu_chips_on_pci", lambda: 4)
     assert XLAAccelerator.is_available() is True
+
+
+IMPORTS_OF_LIGHTNING = """
+import sys
+{first}
+import lightning.pytorch
+import torchmetrics
+from lightning_utilities.core.imports import RequirementCache, package_available
+from torchmetrics.utilities.imports import _MATPLOTLIB_AVAILABLE, _SCIPY_AVAILABLE
+print(sorted(m for m in ("scipy.signal", "matplotlib.pyplot") if m in sys.modules))
+print(package_available("scipy"), bool(RequirementCache("matplotlib")), bool(_SCIPY_AVAILABLE),
+      bool(_MATPLOTLIB_AVAILABLE), torchmetrics.Metric.__name__)
+"""
+
+
+def _imports_of_lightning(first: str) -> list[str]:
+    r = subprocess.run([sys.executable, "-c", IMPORTS_OF_LIGHTNING.format(first=first)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.splitlines()
+
+
+def test_lightning_imported_after_xtrain_leaves_scipy_signal_and_pyplot_unimported():
+    """xtrain/import_hooks.py: Lightning's import of torchmetrics imported scipy.signal and
+    matplotlib.pyplot (about 1 s of every process's start); with xtrain imported first it does
+    not, and afterwards every availability check answers as without the hook."""
+    # without it (torchmetrics 1.9.0): the cost the hook is for; once torchmetrics stops importing
+    # them itself, this fails and the hook can go
+    assert _imports_of_lightning("")[0] == "['matplotlib.pyplot', 'scipy.signal']"
+    assert _imports_of_lightning("import xtrain") == ["[]", "True True True True Metric"]

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "xtrain"
 # Lowest first. A module may import from its own layer (without cycles) or from lower layers.
 LAYERS = [
     ["xtrain.config", "xtrain.errors", "xtrain.paths", "xtrain.deadline", "xtrain.compat", "xtrain.units",
-     "xtrain.naming", "xtrain.limits"],
+     "xtrain.naming", "xtrain.limits", "xtrain.import_hooks"],
     ["xtrain.model", "xtrain.data", "xtrain.checkpoint", "xtrain.optim"],
     ["xtrain.plan", "xtrain.hardware", "xtrain.parallelism", "xtrain.inputs"],
     ["xtrain.engines", "xtrain.xla", "xtrain.observe", "xtrain.evals"],

@@ -1,0 +1,3 @@
+from xtrain.import_hooks import TorchmetricsWithoutExtras
+
+TorchmetricsWithoutExtras.install()

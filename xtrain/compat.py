@@ -1,4 +1,5 @@
-"""Every use of a library's private API, and every monkeypatch, in one place.
+"""Every use of a library's private API, and every monkeypatch, in one place (but for the one
+that must be in place before the libraries are imported: xtrain/import_hooks.py).
 
 Each function below names what it relies on. They were checked against the versions in
 ``VERIFIED``; :func:`unverified` lists what differs in this environment, and on an upgrade
@@ -13,7 +14,7 @@ from pathlib import Path
 
 # package -> version every private use below was checked against
 VERIFIED = {"torch": "2.9.1", "torch_xla": "2.9.0", "lightning": "2.6.6", "jax": "0.7.0",
-            "hydra-core": "1.3.8"}
+            "hydra-core": "1.3.8", "torchmetrics": "1.9.0", "lightning-utilities": "0.15.3"}
 
 
 def installed_versions(packages) -> dict[str, str | None]:
