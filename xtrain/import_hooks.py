@@ -11,8 +11,9 @@ import sys
 class TorchmetricsWithoutExtras:
     """[torchmetrics, lightning-utilities] ``import torchmetrics``, which Lightning's own import
     makes, imports scipy.signal and matplotlib.pyplot whenever they are installed (torchmetrics
-    issue #3457, open in 1.9.0): about 1 s, a quarter of an xtrain process's start, for audio
-    metrics and plots xtrain never uses (its charts import matplotlib themselves). As a finder on
+    issue #3457, open in 1.9.0): 1.3-1.5 s of the 4.3-5.0 s xtrain's training imports took here,
+    for audio metrics and plots xtrain never uses (its charts import matplotlib themselves).
+    Other threads' checks during that import read them as absent too. As a finder on
     ``sys.meta_path``, it runs torchmetrics' top module with lightning_utilities' checks
     (``package_available``, ``RequirementCache``) reading those two packages as absent; before
     and after that, the checks answer as they would without it."""

@@ -76,7 +76,7 @@ class StopRequest:
         self._pending = None  # the vote started at the previous step boundary
         self._watch: SignalWatch | None = None
         self.past_last_step = threading.Event()  # training reached its last step: no boundary left
-        self.end_done = threading.Event()  # the run's end made its records: a stop changes nothing
+        self.end_done = threading.Event()  # the run's outcome is decided: a stop changes nothing
 
     @property
     def requested(self) -> bool:
