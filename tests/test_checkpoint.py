@@ -526,30 +526,35 @@ def test_a_stop_after_the_last_step_calls_the_ends_sample_off(tmp_path):
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "sample"] == [6]
 
 
-SIGTERM_AFTER_THE_END = with_fault("""
+def sigterm_before(name: str) -> str:
+    """A fault: a SIGTERM at a set point of the run's end, just before xtrain.train.run's ``name``."""
+    return with_fault(f"""
 import os, signal, time
 import xtrain.train.run as run
-plots = run.write_plots
-def signalled(*args, **kwargs):  # a SIGTERM that arrives once the run's end is done
+called = run.{name}
+def signalled(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.5)
-    return plots(*args, **kwargs)
-run.write_plots = signalled
+    return called(*args, **kwargs)
+run.{name} = signalled
 """)
 
 
-def test_a_stop_after_the_runs_end_is_done_says_so_and_the_run_succeeds(tmp_path):
+# the charts are drawn last in the run's end, while its stop handling is still installed; the
+# parameters' checksum is printed after that handling is gone
+@pytest.mark.parametrize("point", ["write_plots", "param_checksum"])
+def test_a_stop_after_the_runs_end_is_done_says_so_and_the_run_succeeds(tmp_path, point):
     """A SIGTERM once the run's end was done (its records made, its outcome decided) was said as
     "stopping what the run's end still does (the same command again finishes it)", and the run
-    then exited 0 with nothing stopped. Now it is said as what it is (the signal comes at a set
-    point: a fault injected before the run's charts, drawn last)."""
-    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_AFTER_THE_END, *RUN, "trainer.max_steps=3",
+    then exited 0 with nothing stopped; one after the end's stop handling was gone made the
+    finished run exit 143 as stopped. Now both are said as what they are, and the run succeeds."""
+    proc = subprocess.Popen([sys.executable, "-c", sigterm_before(point), *RUN, "trainer.max_steps=3",
                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     code, out, err = finish(proc)
     assert code == 0, err[-3000:]
     assert "SIGTERM: the run's end was already done; it exits as it was about to" in err
-    assert "stopping" not in err and "stopped" not in out
+    assert "stopping" not in err and "stopped" not in out + err
     assert "stop" not in [r["kind"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
 
 

@@ -29,9 +29,9 @@ SIGTERM_RAISED = threading.Event()
 @contextlib.contextmanager
 def sigterm_raises():
     """SIGTERM raises Terminated inside (from training's start to the end's records,
-    StopRequest's handler stands in for it): a stop during a run's start-up leaves by the
-    clean-up a Ctrl-C takes, instead of ending the process where it is, the checkpoint lease
-    left for the next start to wait out."""
+    StopRequest's handler stands in for it, and once the end is done :func:`say_end_done`): a stop
+    during a run's start-up leaves by the clean-up a Ctrl-C takes, instead of ending the process
+    where it is, the checkpoint lease left for the next start to wait out."""
     def handle(signum, frame):
         SIGTERM_RAISED.set()
         raise Terminated()
@@ -100,8 +100,13 @@ class StopRequest:
         self._watch = self._watch or SignalWatch(self.past_last_step, self.end_done)
 
     def uninstall(self) -> None:
+        """Restore the handlers :meth:`install` replaced; once the run's end is done, a SIGTERM from
+        then on is only said: raised as sigterm_raises would, it would turn the finished run into a
+        stopped one (exit 143), or be lost as an "Exception ignored" in a finalizer. (Ctrl-C still
+        interrupts what is left.)"""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            ended = sig == signal.SIGTERM and self.end_done.is_set()
+            signal.signal(sig, say_end_done if ended else handler)
         self._previous = {}
         if self._watch:
             self._watch.close()
@@ -127,6 +132,11 @@ class StopRequest:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending()
+
+
+def say_end_done(signum, frame=None) -> None:
+    log.warning("%s: the run's end was already done; it exits as it was about to",
+                signal.Signals(signum).name)
 
 
 class SignalWatch:
@@ -158,7 +168,7 @@ class SignalWatch:
                         "resumes)")
             os._exit(EXIT_INTERRUPTED)
         if not self._seen and self.end_done.is_set():
-            log.warning("%s: the run's end was already done; it exits as it was about to", sig.name)
+            say_end_done(sig)
         elif not self._seen and self.past_last_step.is_set():
             log.warning("%s: training reached its last step; stopping what the run's end still "
                         "does (the same command again finishes it)", sig.name)
