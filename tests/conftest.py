@@ -96,8 +96,10 @@ RUN = ["model=d2", "model.sequence_len=64", "trainer.device_batch_size=4", "trai
        "trainer.sample_tokens=0", "trainer.eval_tokens=256", "optim.warmup_steps=3"]
 
 
-def xtrain(run_dir, *overrides, env=None, **popen):
-    return subprocess.Popen([sys.executable, "-m", "xtrain", *RUN, *overrides, f"hydra.run.dir={run_dir}"],
+def xtrain(run_dir, *overrides, env=None, fault: str | None = None, **popen):
+    """The CLI on RUN and ``overrides`` in ``run_dir``; ``fault``: a :func:`with_fault` script."""
+    program = ["-c", fault] if fault else ["-m", "xtrain"]
+    return subprocess.Popen([sys.executable, *program, *RUN, *overrides, f"hydra.run.dir={run_dir}"],
                             cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)
 

