@@ -190,6 +190,54 @@ def test_a_crafted_checkpoint_is_refused_in_one_line_before_anything_is_built(wo
     assert seconds < 20, f"refused after {seconds:.1f} s"
 
 
+def _meta_with_step_text(ckpt: Path) -> None:
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "step": "4"}))
+
+
+def _state_without_optimizer(ckpt: Path) -> None:
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    del state["optimizer_states"]
+    torch.save(state, ckpt / "state.pt")
+
+
+# files of another program or another layout, each in a form every check before passed
+OTHER_LAYOUTS = {
+    "meta.json a list": (lambda ckpt: (ckpt / "meta.json").write_text("[]"),
+                         "unreadable meta.json (ValueError: meta.json holds a list, not a dict)"),
+    "meta.json step text": (_meta_with_step_text, "meta.json holds no 'step' of the type xtrain writes"),
+    "state.pt a list": (lambda ckpt: torch.save([4], ckpt / "state.pt"),
+                        "state.pt holds a list, not a dict: not a checkpoint xtrain saved"),
+    "state.pt no optimizer": (_state_without_optimizer, "state.pt holds no 'optimizer_states' of "
+                              "the type xtrain writes: not a training state xtrain saved"),
+}
+
+
+@pytest.mark.parametrize("how", ["found", "named"])
+@pytest.mark.parametrize("layout", list(OTHER_LAYOUTS))
+def test_a_checkpoint_of_another_layout_is_refused_in_one_line_naming_what_it_lacks(world, tmp_path,
+                                                                                     layout, how):
+    """A meta.json or state.pt that is not what xtrain writes, its manifest made to match, failed
+    with a traceback from wherever it was first read (a resume's step, the data position's check,
+    Lightning's restore). Refused in one line naming the file and what it lacks, before any
+    tensor is read: found as a run's newest checkpoint or named by checkpoint.resume."""
+    craft, said = OTHER_LAYOUTS[layout]
+    run = tmp_path / "run"
+    shutil.copytree(world["run"], run)
+    ckpt = run / "checkpoints" / "step_000004"
+    craft(ckpt)
+    _reseal(str(ckpt))
+    if how == "named":  # by a new run
+        code, out, err = finish(xtrain(tmp_path / "new", "trainer.max_steps=6",
+                                       f"checkpoint.resume={ckpt}"))
+    else:
+        code, out, err = finish(xtrain(run, "trainer.max_steps=6"))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == EXIT_REFUSED, err[-3000:]
+    assert len(lines) == 1 and str(ckpt) in lines[0] and said in lines[0], lines
+    assert "MFU peak" not in out
+
+
 @pytest.mark.parametrize("mode", ["train", "sample"])
 def test_an_interpolation_in_meta_json_is_text_never_resolved(world, tmp_path, mode):
     """meta.json's config decides the model and the tokenizer a checkpoint is read with: an

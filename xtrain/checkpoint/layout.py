@@ -111,11 +111,25 @@ def newer_commits(directory: str, step: int) -> list[str]:
     return [p for s, p in committed_checkpoints(directory) if s > step]
 
 
+def lacks(record, fields: dict[str, type]) -> str | None:
+    """What ``record`` (a checkpoint's file, untrusted) lacks of the ``fields`` (name -> type)
+    every one xtrain writes holds; None: nothing."""
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, not a dict"
+    wrong = [name for name, kind in fields.items()
+             if not isinstance(record.get(name), kind) or isinstance(record.get(name), bool)]
+    return f"no {', '.join(repr(n) for n in wrong)} of the type xtrain writes" if wrong else None
+
+
 def read_meta(path: str) -> dict:
-    """A checkpoint's meta.json (the run's resolved config, versions, step)."""
+    """A checkpoint's meta.json (the run's resolved config, versions, step); ValueError: not one
+    xtrain wrote (its step read by every resume)."""
     fs, root = url_to_fs(str(path))
     with fs.open(f"{root}/meta.json", "r") as f:
-        return json.load(f)
+        meta = json.load(f)
+    if why := lacks(meta, {"step": int}):
+        raise ValueError(f"meta.json holds {why}")
+    return meta
 
 
 def run_of(meta: dict, path: str) -> str | None:

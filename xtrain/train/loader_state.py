@@ -27,13 +27,24 @@ class LoaderState(L.Callback):
         self.steps.load_state_dict(self.state)
 
 
-def check_saved_position(checkpoint: str, steps: StepBatches) -> None:
-    """Refuse to resume from ``checkpoint`` when ``steps`` cannot continue from its data position
-    (other data, seed or processes), from its ``state.pt`` alone: Lightning restores the
-    position after reading every tensor (minutes, for a large model on gs://)."""
-    from xtrain.checkpoint.io import read_plain_state
+# what a training's state.pt holds besides xtrain/checkpoint/io.py STATE_FIELDS, all read by
+# Lightning's restore
+TRAINING_FIELDS = {"optimizer_states": list, "loops": dict, "callbacks": dict}
 
-    callbacks = read_plain_state(checkpoint).get("callbacks", {})
-    saved = callbacks.get(LoaderState.__qualname__)  # (Lightning's default key of its state)
+
+def check_saved_position(checkpoint: str, steps: StepBatches) -> None:
+    """Refuse to resume from ``checkpoint`` when its ``state.pt`` is not a training's, or when
+    ``steps`` cannot continue from its data position (other data, seed or processes), from that
+    file alone: Lightning restores the position after reading every tensor (minutes, for a large
+    model on gs://)."""
+    from xtrain.checkpoint.io import read_plain_state
+    from xtrain.checkpoint.layout import lacks
+    from xtrain.errors import CheckpointError
+
+    state = read_plain_state(checkpoint)
+    if why := lacks(state, TRAINING_FIELDS):
+        raise CheckpointError(f"checkpoint {checkpoint}: state.pt holds {why}: not a training "
+                              "state xtrain saved, it cannot be resumed from")
+    saved = state["callbacks"].get(LoaderState.__qualname__)  # (Lightning's default key)
     if saved is not None:
         steps.check_position(saved["loader"])
