@@ -201,15 +201,23 @@ def _state_without_optimizer(ckpt: Path) -> None:
     torch.save(state, ckpt / "state.pt")
 
 
+def _position_with_cursor_text(ckpt: Path) -> None:
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    state["callbacks"]["LoaderState"]["loader"]["cursor"] = "12"
+    torch.save(state, ckpt / "state.pt")
+
+
 # files of another program or another layout, each in a form every check before passed
 OTHER_LAYOUTS = {
     "meta.json a list": (lambda ckpt: (ckpt / "meta.json").write_text("[]"),
                          "unreadable meta.json (ValueError: meta.json holds a list, not a dict)"),
     "meta.json step text": (_meta_with_step_text, "meta.json holds no 'step' of the type xtrain writes"),
     "state.pt a list": (lambda ckpt: torch.save([4], ckpt / "state.pt"),
-                        "state.pt holds a list, not a dict: not a checkpoint xtrain saved"),
+                        "state.pt holds a list, not a dict: not a training state xtrain saved"),
     "state.pt no optimizer": (_state_without_optimizer, "state.pt holds no 'optimizer_states' of "
                               "the type xtrain writes: not a training state xtrain saved"),
+    "data position cursor text": (_position_with_cursor_text, "state.pt's data position holds no "
+                                  "'cursor' of the type xtrain writes: not a training state"),
 }
 
 

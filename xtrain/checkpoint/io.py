@@ -31,8 +31,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from xtrain import compat
 from xtrain.checkpoint import manifest
 from xtrain.checkpoint.collective import agree
-from xtrain.checkpoint.layout import (check_committed, check_dcp_files, commit, is_committed, lacks,
-                                      read_meta, remove, set_aside, surely_uncommitted)
+from xtrain.checkpoint.layout import (check_committed, check_dcp_files, commit, is_committed, read_meta,
+                                      remove, set_aside, surely_uncommitted)
 from xtrain.errors import CheckpointError, unpickling_reason, warn
 from xtrain.paths import url_to_fs
 
@@ -42,9 +42,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 warnings.filterwarnings("ignore", message="TypedStorage is deprecated",
                         module="torch.distributed.checkpoint.filesystem")
 
-# what every state.pt holds (a Lightning checkpoint dict, its tensors replaced by references);
-# a training's adds xtrain/train/loader_state.py TRAINING_FIELDS
-STATE_FIELDS = {"global_step": int, "state_dict": dict}
 TENSOR_REF = "xtrain-tensor:"  # a tensor's place in state.pt; its data is under tensors/
 
 
@@ -246,21 +243,16 @@ def _check_complete(path: str, missing: list[str]) -> None:
                               "incomplete and cannot be loaded")
 
 
-def read_plain_state(path: str) -> dict:
+def read_plain_state(path: str):
     """``state.pt`` alone (``weights_only=True``): plain data, its tensors only named; no code.
-    Refused unless it holds :data:`STATE_FIELDS` (a file of another program, or of another
-    layout, would fail deep inside whatever reads it first)."""
+    (What it must hold is its reader's to check: a training's, xtrain/train/loader_state.py.)"""
     fs, root = url_to_fs(str(path))
     data = fs.cat_file(f"{root}/state.pt")
     try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # untrusted input
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # untrusted input
     except Exception as e:  # noqa: BLE001  (a damaged pickle raises many types: IndexError, ...)
         raise CheckpointError(f"checkpoint {path}: state.pt refused ({unpickling_reason(e)}): only "
                               "plain data and tensors are loaded from a checkpoint") from e
-    if why := lacks(state, STATE_FIELDS):
-        raise CheckpointError(f"checkpoint {path}: state.pt holds {why}: not a checkpoint xtrain "
-                              "saved, it cannot be loaded")
-    return state
 
 
 @contextmanager

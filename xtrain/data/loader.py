@@ -34,6 +34,8 @@ from xtrain.errors import DataError
 from xtrain.paths import as_url, url_to_fs
 
 PAD = -1  # only in the last batch of a non-looping pass; an ignored target, never a real token
+# what a position (PackedLoader.state_dict) holds that resuming reads, and of which types
+POSITION_FIELDS = {"epoch": int, "cursor": int, "buffer": list, "seed": int, "rank": int, "world": int}
 
 
 def list_shards(files: str) -> list[str]:

@@ -27,9 +27,10 @@ class LoaderState(L.Callback):
         self.steps.load_state_dict(self.state)
 
 
-# what a training's state.pt holds besides xtrain/checkpoint/io.py STATE_FIELDS, all read by
-# Lightning's restore
-TRAINING_FIELDS = {"optimizer_states": list, "loops": dict, "callbacks": dict}
+# what a training's state.pt holds (Lightning's checkpoint dict, its tensors replaced by
+# references), all read by Lightning's restore
+TRAINING_FIELDS = {"global_step": int, "state_dict": dict, "optimizer_states": list, "loops": dict,
+                   "callbacks": dict}
 
 
 def check_saved_position(checkpoint: str, steps: StepBatches) -> None:
@@ -39,12 +40,19 @@ def check_saved_position(checkpoint: str, steps: StepBatches) -> None:
     model on gs://)."""
     from xtrain.checkpoint.io import read_plain_state
     from xtrain.checkpoint.layout import lacks
+    from xtrain.data.loader import POSITION_FIELDS
     from xtrain.errors import CheckpointError
+
+    def refuse(what: str, why: str):
+        raise CheckpointError(f"checkpoint {checkpoint}: {what} holds {why}: not a training state "
+                              "xtrain saved, it cannot be resumed from")
 
     state = read_plain_state(checkpoint)
     if why := lacks(state, TRAINING_FIELDS):
-        raise CheckpointError(f"checkpoint {checkpoint}: state.pt holds {why}: not a training "
-                              "state xtrain saved, it cannot be resumed from")
+        refuse("state.pt", why)
     saved = state["callbacks"].get(LoaderState.__qualname__)  # (Lightning's default key)
     if saved is not None:
-        steps.check_position(saved["loader"])
+        position = saved.get("loader") if isinstance(saved, dict) else saved
+        if why := lacks(position, POSITION_FIELDS):
+            refuse("state.pt's data position", why)
+        steps.check_position(position)
