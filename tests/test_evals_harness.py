@@ -131,6 +131,33 @@ def test_a_compiler_installed_in_a_dir_holding_homes_or_runs_is_refused(tmp_path
     assert [r["outcome"] for r in records] == ["passed"] and os.getcwd() == str(tmp_path / "home")
 
 
+def test_a_compile_that_fails_without_a_message_says_how_it_ended():
+    """A compile_error record with an empty compiler message said nothing of its cause (one came
+    up in a CI run). A compiler that exits 1 or is killed by SIGKILL without a word, for one
+    problem only (the toolchain check compiles an empty program first), is recorded with how it
+    ended."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    # (a sandbox uid runs it, so not in tmp_path: the same place as the test above)
+    opt = Path(tempfile.mkdtemp(prefix="xtrain-opt-", dir="/var/tmp"))
+    try:
+        opt.chmod(0o755)
+        (opt / "bin").mkdir()
+        (opt / "bin" / "g++").write_text('#!/bin/sh\ngrep -q "neg(4)" main.cpp && exit 1\n'
+                                         'grep -q "add(2, 3)" main.cpp && kill -9 $$\n'
+                                         'exec g++ "$@"\n')
+        (opt / "bin" / "g++").chmod(0o755)
+        _, records = evaluate([ADD, NEG], {"add": [ADD.reference], "neg": [NEG.reference]},
+                              EvalConfig(gxx=str(opt / "bin" / "g++")))
+    finally:
+        shutil.rmtree(opt)
+    said = {r["id"]: (r["outcome"], r["compiler_message"]) for r in records}
+    assert said == {"add": ("compile_error", "the compiler failed without a message (SIGKILL)"),
+                    "neg": ("compile_error", "the compiler failed without a message (exit 1)")}
+
+
 def test_prepare_checks_config_file_and_toolchain_up_front(tmp_path):
     assert len(prepare(EvalConfig())) >= 40
     with pytest.raises(ProblemFileError, match="does not exist"):

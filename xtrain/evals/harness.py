@@ -255,6 +255,8 @@ def _judge(sandbox: Sandbox, gxx: str, cfg: EvalConfig, marker: str, problem: Pr
         record["compile_s"] = round(built.seconds, 3)
         message = built.stderr + (f"\ncompile timed out after {cfg.compile_timeout_s:g} s"
                                   if built.timed_out else "")
+        if built.returncode != 0 and not message.strip():
+            message = silent_failure(built.returncode)
         record["compiler_message"] = message.strip()[:cfg.message_chars]
         if built.returncode != 0 or built.timed_out:
             return record
@@ -266,6 +268,16 @@ def _judge(sandbox: Sandbox, gxx: str, cfg: EvalConfig, marker: str, problem: Pr
     output = ran.stdout.replace(marker, "").strip() + "\n" + ran.stderr.strip()
     record["test_output"] = output.strip()[:cfg.message_chars]
     return record
+
+
+def silent_failure(code: int) -> str:
+    """A failed compile's message when the compiler said nothing: how it ended (a signal, as
+    Result gives it: 128 + its number). A compile_error with an empty message once came up here
+    among thousands, unexplained; this says what ended it next time."""
+    ended = f"exit {code}"
+    if code > 128 and code - 128 in signal.valid_signals():
+        ended = signal.Signals(code - 128).name
+    return f"the compiler failed without a message ({ended})"
 
 
 def outcome(ran: Result, marker: str) -> str:
