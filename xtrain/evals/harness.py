@@ -272,8 +272,8 @@ def _judge(sandbox: Sandbox, gxx: str, cfg: EvalConfig, marker: str, problem: Pr
 
 def silent_failure(code: int) -> str:
     """A failed compile's message when the compiler said nothing: how it ended (a signal, as
-    Result gives it: 128 + its number). A compile_error with an empty message once came up here
-    among thousands, unexplained; this says what ended it next time."""
+    Result gives it: 128 + its number), so that no compile_error is recorded without a cause (one
+    with an empty message came up once in the test suite, among thousands of compiles)."""
     ended = f"exit {code}"
     if code > 128 and code - 128 in signal.valid_signals():
         ended = signal.Signals(code - 128).name
