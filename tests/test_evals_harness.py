@@ -4,6 +4,10 @@ interface the training loop plugs into."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -98,61 +102,52 @@ def test_limits_the_sandbox_cannot_start_under_are_named_not_the_compiler(change
     assert said in str(e.value) and "eval.gxx" not in str(e.value)
 
 
-def test_a_compiler_installed_in_a_dir_holding_homes_or_runs_is_refused(tmp_path, monkeypatch):
+def installed_compiler(prefix: Path, script: str = 'exec g++ "$@"\n') -> str:
+    """A g++ at ``prefix``/bin: a shell script ending in ``script`` (by default: the real g++)."""
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "g++").write_text("#!/bin/sh\n" + script)
+    (prefix / "bin" / "g++").chmod(0o755)
+    return str(prefix / "bin" / "g++")
+
+
+@pytest.fixture
+def opt_dir():
+    """A prefix for a compiler that a sandbox uid can read: not in tmp_path (private to this
+    user), and not in /tmp (the sandbox has a /tmp of its own)."""
+    opt = Path(tempfile.mkdtemp(prefix="xtrain-opt-", dir="/var/tmp"))
+    opt.chmod(0o755)
+    yield opt
+    shutil.rmtree(opt)
+
+
+def test_a_compiler_installed_in_a_dir_holding_homes_or_runs_is_refused(tmp_path, monkeypatch, opt_dir):
     """The sandbox shows the generated programs the compiler's install prefix (its bin/'s parent),
     read-only. g++ in ~/bin made that the home directory (~/.netrc holds the W&B key, and a
     program's output is kept in the records); one prefix of its own (/opt/gcc-13) is fine."""
-    import os
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    def wrapper(prefix):
-        (prefix / "bin").mkdir(parents=True)
-        (prefix / "bin" / "g++").write_text('#!/bin/sh\nexec g++ "$@"\n')
-        (prefix / "bin" / "g++").chmod(0o755)
-        return str(prefix / "bin" / "g++")
-
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with pytest.raises(ConfigError, match=rf"eval.gxx=.*: installed under {tmp_path}/home, which "
                                           "holds the home directory"):
-        evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(gxx=wrapper(tmp_path / "home")))
+        evaluate([ADD], {"add": [ADD.reference]},
+                 EvalConfig(gxx=installed_compiler(tmp_path / "home")))
     monkeypatch.chdir(tmp_path / "home")
     monkeypatch.setenv("HOME", "/nonexistent-home")
     with pytest.raises(ConfigError, match=f"installed under {tmp_path}, which holds the working dir"):
-        evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(gxx=wrapper(tmp_path)))
-    # (a sandbox uid reads it, so not in tmp_path; and the sandbox has a /tmp of its own)
-    opt = Path(tempfile.mkdtemp(prefix="xtrain-opt-", dir="/var/tmp"))
-    try:
-        opt.chmod(0o755)
-        _, records = evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(gxx=wrapper(opt / "gcc")))
-    finally:
-        shutil.rmtree(opt)
+        evaluate([ADD], {"add": [ADD.reference]}, EvalConfig(gxx=installed_compiler(tmp_path)))
+    _, records = evaluate([ADD], {"add": [ADD.reference]},
+                          EvalConfig(gxx=installed_compiler(opt_dir / "gcc")))
     assert [r["outcome"] for r in records] == ["passed"] and os.getcwd() == str(tmp_path / "home")
 
 
-def test_a_compile_that_fails_without_a_message_says_how_it_ended():
+def test_a_compile_that_fails_without_a_message_says_how_it_ended(opt_dir):
     """A compile_error record with an empty compiler message said nothing of its cause (one came
     up in a CI run). A compiler that exits 1 or is killed by SIGKILL without a word, for one
     problem only (the toolchain check compiles an empty program first), is recorded with how it
     ended."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    # (a sandbox uid runs it, so not in tmp_path: the same place as the test above)
-    opt = Path(tempfile.mkdtemp(prefix="xtrain-opt-", dir="/var/tmp"))
-    try:
-        opt.chmod(0o755)
-        (opt / "bin").mkdir()
-        (opt / "bin" / "g++").write_text('#!/bin/sh\ngrep -q "neg(4)" main.cpp && exit 1\n'
-                                         'grep -q "add(2, 3)" main.cpp && kill -9 $$\n'
-                                         'exec g++ "$@"\n')
-        (opt / "bin" / "g++").chmod(0o755)
-        _, records = evaluate([ADD, NEG], {"add": [ADD.reference], "neg": [NEG.reference]},
-                              EvalConfig(gxx=str(opt / "bin" / "g++")))
-    finally:
-        shutil.rmtree(opt)
+    gxx = installed_compiler(opt_dir, 'grep -q "neg(4)" main.cpp && exit 1\n'
+                                      'grep -q "add(2, 3)" main.cpp && kill -9 $$\n'
+                                      'exec g++ "$@"\n')
+    _, records = evaluate([ADD, NEG], {"add": [ADD.reference], "neg": [NEG.reference]},
+                          EvalConfig(gxx=gxx))
     said = {r["id"]: (r["outcome"], r["compiler_message"]) for r in records}
     assert said == {"add": ("compile_error", "the compiler failed without a message (SIGKILL)"),
                     "neg": ("compile_error", "the compiler failed without a message (exit 1)")}
