@@ -14,6 +14,7 @@ refusal stay fast.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -81,44 +82,51 @@ def secondary_process_overrides(env=os.environ) -> list[str]:
     return ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
 
-RERUN_OPTION = "--experimental-rerun"
-# Hydra's long options (hydra-core 1.3's argument parser, hydra/_internal/utils.py). Its argparse
-# also takes any unique prefix of one (--cf for --cfg), which the checks here, reading options as
-# written, would miss (--cfg's masking of secrets, one mode per command)
-HYDRA_LONG_OPTIONS = ("--cfg", "--config-dir", "--config-name", "--config-path", RERUN_OPTION,
-                      "--help", "--hydra-help", "--info", "--multirun", "--package", "--resolve",
-                      "--run", "--shell-completion", "--version")
+def hydra_options(args: list[str]) -> tuple[argparse.Namespace, list[str]] | None:
+    """The command's options as Hydra reads them, and the arguments it would not read: with
+    [hydra-core] Hydra's own parser (a private function), so that every spelling its argparse
+    takes (``--cf job`` for ``--cfg job``, ``-cjob``, ``-rcjob`` for ``-r -c job``) is read here
+    as Hydra will read it: the masking of a printed config and the checks below depend on it.
+    None for ``--version``, which Hydra prints. A value the parser refuses is refused in one line
+    (argparse's own error is its usage, many lines)."""
+    import contextlib
+    import io
+
+    from hydra._internal.utils import get_args_parser
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
+        try:
+            return get_args_parser().parse_known_args(args)
+        except SystemExit as ex:
+            if not ex.code:
+                return None
+    raise ConfigError(said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1])
 
 
-def check_hydra_options(args: list[str]) -> None:
-    """Refuse a Hydra option abbreviated (its name in full said), and Hydra's
-    ``--experimental-rerun FILE``, which unpickles FILE (a run dir's config.pickle): any code a
-    crafted file holds would run."""
-    for arg in args:
-        option = arg.split("=", 1)[0]
-        meant = [o for o in HYDRA_LONG_OPTIONS if o.startswith(option)] \
-            if option.startswith("--") and len(option) > 2 else []
-        if meant == [RERUN_OPTION]:
-            raise ConfigError(f"{option}: Hydra's re-run unpickles a file, which can run code; not "
-                              "supported (run the command again: its overrides are in the run "
-                              "dir's .hydra/overrides.yaml)")
-        if meant and option not in meant:
-            raise ConfigError(f"{option}: write Hydra's option in full ({' or '.join(meant)}); "
-                              "xtrain reads options as written")
-
-
-# Hydra's modes, one per command (two end in Hydra's ValueError and its traceback)
-HYDRA_MODES = {"-r": "--run", "-m": "--multirun", "-c": "--cfg", "-i": "--info",
-               "-sc": "--shell-completion"}
-
-
-def check_one_hydra_mode(args: list[str]) -> None:
-    named = {a.split("=", 1)[0] for a in args}
-    modes = sorted({long for short, long in HYDRA_MODES.items() if {short, long} & named})
+def check_hydra_options(options: argparse.Namespace, unread: list[str]) -> None:
+    """Refuse Hydra's ``--experimental-rerun FILE``, which unpickles FILE (a run dir's
+    config.pickle): any code a crafted file holds would run; more than one of Hydra's modes (two
+    end in Hydra's ValueError and its traceback); and what Hydra's parser would not read."""
+    if options.experimental_rerun is not None:
+        raise ConfigError("--experimental-rerun: Hydra's re-run unpickles a file, which can run "
+                          "code; not supported (run the command again: its overrides are in the "
+                          "run dir's .hydra/overrides.yaml)")
+    modes = sorted(option for dest, option in HYDRA_MODES.items() if getattr(options, dest))
     if len(modes) > 1:
         raise ConfigError(f"{' with '.join(modes)}: Hydra takes one of "
                           f"{', '.join(HYDRA_MODES.values())} per command (a sweep job's config: "
                           "--cfg job with that job's overrides, without -m)")
+    if unread and unread[0].startswith("-"):
+        raise ConfigError(f"{unread[0]}: not an option of Hydra's (--hydra-help lists them)")
+    if unread:  # (argparse takes one run of positional arguments)
+        raise ConfigError(f"{unread[0]}: Hydra reads the overrides on one side of its options "
+                          "(-m, --cfg, ...), not on both: write them together")
+
+
+# Hydra's modes, one per command: its parser's destination and option
+HYDRA_MODES = {"run": "--run", "multirun": "--multirun", "cfg": "--cfg", "info": "--info",
+               "shell_completion": "--shell-completion"}
 
 
 def enum_member(enums: dict) -> re.Pattern:
@@ -153,8 +161,9 @@ def check_plain_enum_values(args: list[str]) -> None:
 def main() -> None:
     mask_stderr()  # (an exception leaving main, Hydra's report of the job's, a library's thread)
     try:
-        check_hydra_options(sys.argv[1:])
-        check_one_hydra_mode(sys.argv[1:])
+        read = hydra_options(sys.argv[1:])
+        if read is not None:
+            check_hydra_options(*read)
         check_plain_enum_values(sys.argv[1:])
         check_group_overrides(sys.argv[1:])
         check_no_secret_overrides(sys.argv[1:])
@@ -164,9 +173,9 @@ def main() -> None:
     find_plugins()
     CWD_BEFORE.update(os.listdir())
     try:
-        if completion_query(sys.argv[1:]):
+        if read is not None and completion_query(read[0]):
             complete_without_bases()
-        elif prints_config(sys.argv[1:]):
+        elif read is not None and prints_config(read[0]):
             print_config_masked()
         else:
             _main()
@@ -206,17 +215,16 @@ def find_plugins() -> None:
         sys.path.append(launch)
 
 
-def completion_query(args: list[str]) -> bool:
+def completion_query(options: argparse.Namespace) -> bool:
     """Whether the command is Hydra's shell-completion query (``-sc query=bash``), as the function
     ``xtrain -sc install=bash`` installs runs it."""
-    return any(a in ("-sc", "--shell-completion") and b.startswith("query=") for a, b in zip(args, args[1:]))
+    return options.shell_completion and any(o.startswith("query=") for o in options.overrides)
 
 
-def prints_config(args: list[str]) -> bool:
+def prints_config(options: argparse.Namespace) -> bool:
     """Whether Hydra is to print the config or its info (``--cfg``, ``--info``, and ``--help``,
     whose page shows the config)."""
-    printing = {"-c", "--cfg", "-i", "--info", "-h", "--help"}
-    return bool({a.split("=", 1)[0] for a in args} & printing)
+    return bool(options.cfg or options.info or options.help)
 
 
 def print_config_masked() -> None:
