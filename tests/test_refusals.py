@@ -81,6 +81,10 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "sample.prompts=[]: nothing to sample"),
     ("sample-tokens-fill-context", ["trainer.sample_tokens=64"], {},  # before data or the model
      "trainer.sample_tokens=64 leaves no room for a prompt in model.sequence_len=64"),
+    ("eval-tokens-fill-context", ["eval.cpp_every=5", "eval.max_tokens=64"], {},
+     "eval.max_tokens=64 leaves no room for a prompt in model.sequence_len=64"),
+    ("eval-std-in-flags", ["eval.cpp_every=5", "eval.flags=[-O1,'-std=c++11']"], {},
+     "eval.flags: -std=c++11 would replace eval.std=c++17; set the standard with eval.std"),
     ("unknown-engine", ["hardware.engine=gpu"], {}, "hardware.engine: Invalid value 'gpu'"),
     ("unknown-precision", ["hardware.precision=fp8"], {}, "hardware.precision: Invalid value 'fp8'"),
     ("unknown-experiment", ["+experiment=nope"], {}, "Available options in 'experiment': v5e8_d16_1024"),

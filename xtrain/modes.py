@@ -57,10 +57,16 @@ def check_sampling(cfg) -> None:
     if cfg.mode == Mode.sample and not sample_prompts(cfg.sample):
         raise ConfigError("sample.prompts=[]: nothing to sample; give prompts (sample.prompts=[...] "
                           "or sample.prompt=...)")
-    tokens, context = cfg.trainer.sample_tokens, cfg.model.sequence_len
-    if cfg.mode in TRAINING_PLANNED and sample_prompts(cfg.sample) and tokens >= context:  # BOS
-        raise ConfigError(f"trainer.sample_tokens={tokens} leaves no room for a prompt in "
-                          f"model.sequence_len={context}: lower it (0: no samples in training)")
+    context = cfg.model.sequence_len
+    generated = {  # tokens generated after a prompt in training, and how to have none
+        "trainer.sample_tokens": (sample_prompts(cfg.sample) and cfg.trainer.sample_tokens,
+                                  "0: no samples in training"),
+        "eval.max_tokens": (cfg.eval.cpp_every and cfg.eval.max_tokens,
+                            "null: the room each prompt leaves")}
+    for key, (tokens, instead) in generated.items():  # a prompt holds BOS at least
+        if cfg.mode in TRAINING_PLANNED and tokens and tokens >= context:
+            raise ConfigError(f"{key}={tokens} leaves no room for a prompt in "
+                              f"model.sequence_len={context}: lower it ({instead})")
     if cfg.mode == Mode.eval or (cfg.mode in TRAINING_PLANNED and cfg.eval.cpp_every):
         from xtrain.evals.config import check
 
