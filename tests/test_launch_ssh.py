@@ -405,16 +405,20 @@ def test_a_job_runs_detached_and_its_end_is_recorded(remote, tmp_path):
     job = RemoteJob(worker, "unit")
     secret = "p@ss w'rd $HOME \"x\""
     digest = hashlib.sha256(secret.encode()).hexdigest()
-    pid = start(job, [sys.executable, "-c", "import hashlib, os, time; time.sleep(1); "
+    pid = start(job, [sys.executable, "-c", "import hashlib, os, signal as s, time; time.sleep(1); "
                       "print(hashlib.sha256(os.environ['XT_SECRET'].encode()).hexdigest()); "
-                      "print('worker', os.environ['XTRAIN_WORKER']); raise SystemExit(3)"],
+                      "print('worker', os.environ['XTRAIN_WORKER']); "
+                      "print('signals', s.getsignal(s.SIGINT) is s.default_int_handler, "
+                      "s.getsignal(s.SIGQUIT) == s.getsignal(s.SIGTERM) == s.SIG_DFL); "
+                      "raise SystemExit(3)"],
                 secrets={"XT_SECRET": secret})
     assert job.state().state == "running"
     assert os.getpgid(pid) == pid  # a session of its own: an ssh session ending cannot reach it
     stream = job.follow(0)
     out = stream.stdout.read().decode()
     stream.wait()
-    assert out.splitlines() == [digest, "worker 0"]  # the secret arrived intact, never printed
+    assert out.splitlines()[:2] == [digest, "worker 0"]  # the secret arrived intact, never printed
+    assert out.splitlines()[2] == "signals True True"  # the default actions: Ctrl-C's, kill -INT's
     state = job.state()
     assert (state.state, state.exit_code, state.reported, state.attempt) == ("exited", 3, False, "a1")
     jobdir = Path(job.dir)

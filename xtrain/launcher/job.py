@@ -80,6 +80,8 @@ def grace_ticks(grace_s: float) -> int:
 # write the exit code. Signals go to the whole group: the wrapper survives them (handled by `true`
 # until the job is forked, so the job starts with the default actions; ignored from then on, so
 # that they cannot interrupt `wait`, which would return 128 + signal instead of the job's code).
+# Bash without job control starts a job in the background with SIGINT and SIGQUIT ignored: the
+# job's subshell puts their default actions back before it becomes the job.
 RUN_SH = """# xtrain job {job}, attempt {attempt} (written by xtrain/launcher/job.py)
 J={jobdir}
 cat /proc/sys/kernel/random/boot_id > "$J/boot"
@@ -88,7 +90,7 @@ if [ -f "$J/secrets" ]; then set -a; . "$J/secrets"; set +a; rm -f "$J/secrets";
 {exports}
 cd {cwd} || exit 97
 trap true TERM INT HUP
-{command} &
+( trap - INT QUIT; exec {command} ) &
 child=$!
 trap '' TERM INT HUP
 wait $child; rc=$?
@@ -153,7 +155,8 @@ class RemoteJob:
             f"echo {command_digest(command)} > {d}/command", f"echo {q(attempt)} > {d}/attempt", f'echo "{attempt} $(date +%s.%N)" >> {d}/starts',
             f"(umask 077; cat > {d}/secrets) <<'{_eof(secrets)}'", *_env_lines(secrets), _eof(secrets),
             f"cat > {d}/run.sh <<'XTRAIN_RUN_SH_END'", run_sh.rstrip("\n"), "XTRAIN_RUN_SH_END",
-            f"setsid bash {d}/run.sh > {d}/log 2>&1 < /dev/null &",
+            # (setsid forks: a job bash starts with & would ignore SIGINT, as the job below)
+            f"setsid -f bash {d}/run.sh > {d}/log 2>&1 < /dev/null",
             f"for i in $(seq 200); do [ -s {d}/pid ] && break; sleep 0.05; done",
             f"[ -s {d}/pid ] || {{ echo 'the job did not start' >&2; exit 4; }}",
             f"echo started $(cat {d}/pid)"])
