@@ -381,6 +381,20 @@ def test_env_managed_by_hand_is_verified_never_changed(remote, tmp_path):
     assert "install" not in runner.labels()
 
 
+def test_a_remote_path_is_read_in_the_home_directory_unless_absolute(tmp_path):
+    """A relative hydra.launcher.remote_dir is the home's, as for ssh and rsync: read in the dir
+    a script had moved to, the venv's stamp was never found and every job's python was missing."""
+    home = tmp_path / "a home"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for path, expected in (("runs/x y", f"{home}/runs/x y"), ("~/runs", f"{home}/runs"),
+                           ("~", str(home)), ("/opt/x y", "/opt/x y")):
+        said = subprocess.run(["bash", "-c", f"p={worker_module._shell_path(path)}; echo \"$p\""],
+                              cwd=elsewhere, env={**os.environ, "HOME": str(home)},
+                              capture_output=True, text=True, check=True).stdout
+        assert said == expected + "\n", path
+
+
 def start(job, command, secrets=None, lockfile=None, grace=5):
     return job.start(command, "/", {"XTRAIN_WORKER": "0"}, secrets or {}, "a1", grace, lockfile)
 

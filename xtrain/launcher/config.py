@@ -44,7 +44,8 @@ class LauncherConfig:
     multiplex: bool = True  # one ssh connection per host, reused by a launch's calls
 
     # Remote layout and Python environment
-    # per-worker root holding code/, venv/, jobs/, runs/; '{host}' becomes the worker's address
+    # per-worker root holding code/, venv/, jobs/, runs/ (relative: to the home directory);
+    # '{host}' becomes the worker's address
     remote_dir: str = "~/xtrain"
     venv: str | None = None  # the environment jobs run in; None: <remote_dir>/venv
     base_python: str | None = None  # creates the venv; None: python<hardware.python>

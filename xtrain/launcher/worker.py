@@ -179,9 +179,10 @@ def launch_lock(workers, log, wait_s: float):
 
 
 def _shell_path(path: str) -> str:
-    """A remote path for a shell script: ``~`` is the remote user's home, the rest is quoted."""
+    """A remote path for a shell script, quoted: ``~`` is the remote user's home, and so is the
+    start of a relative path (as for ssh and rsync: scripts here change directory)."""
     if path == "~":
         return '"$HOME"'
     if path.startswith("~/"):
         return '"$HOME"/' + q(path[2:])
-    return q(path)
+    return q(path) if path.startswith("/") else '"$HOME"/' + q(path)
