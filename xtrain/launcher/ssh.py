@@ -88,6 +88,15 @@ def socket_base() -> str:
     return base
 
 
+def ssh_option(key: str, value: str) -> str:
+    """``-oKey=value``, the value in double quotes when it holds whitespace: ssh splits an
+    option's value into words (``UserKnownHostsFile`` takes several files, so a path with a
+    space in it would silently become two)."""
+    if '"' in value:
+        raise ConfigError(f"ssh's {key} {value!r}: a path with a double quote cannot be given to ssh")
+    return f'-o{key}="{value}"' if any(c.isspace() for c in value) else f"-o{key}={value}"
+
+
 class Ssh:
     def __init__(self, cfg, runner, log=print):
         self.cfg, self.runner, self.log = cfg, runner, log
@@ -142,7 +151,7 @@ class Ssh:
                 socket_base(), f"xtrain-ssh-{os.getuid()}", trust[:10]))
             opts.update(ControlMaster="auto", ControlPath=os.path.join(control_dir, "%C"),
                         ControlPersist="120")
-        return ["-i", self.identity, "-p", str(cfg.port)] + [f"-o{k}={v}" for k, v in opts.items()]
+        return ["-i", self.identity, "-p", str(cfg.port)] + [ssh_option(k, v) for k, v in opts.items()]
 
     def destination(self, host: str) -> str:
         return f"{self.user}@{host}"
