@@ -12,8 +12,11 @@ It records every call (argv, one JSON line each in calls.jsonl) and replays reso
     queued/NAME.json      a queued resource (its node is nodes/NAME.json)
     scenarios/NAME.json   what happens to NAME next (all optional):
       creates      outcomes of the next creates, in order: "ok", "no-capacity" (the TPU API's
-                   stockout, code 8 RESOURCE_EXHAUSTED) or "quota" (a regional quota of 0 chips,
-                   RESOURCE_EXHAUSTED, HTTP 429); once used up, creates succeed
+                   stockout, code 8 RESOURCE_EXHAUSTED), "quota" (a regional quota of 0 chips,
+                   RESOURCE_EXHAUSTED, HTTP 429), "answerless" (gcloud's auth-token refresh
+                   failing, nothing created) or "invalid" (the request refused:
+                   INVALID_ARGUMENT); once used up, creates succeed
+      deletes      the same for deletes: "ok" or "answerless" (nothing deleted)
       states       states the created resource goes through, one per describe; the last stays
       endpoints    [[internal, external], ...] of the created node (default 127.0.0.2)
       wipe         directories a delete empties: the VM's disk goes with it
@@ -81,6 +84,10 @@ def create(args, flags, name, queued: bool) -> None:
         fail(args, NO_CAPACITY % flags["zone"])
     if outcome == "quota":
         fail(args, QUOTA % flags["zone"].rsplit("-", 1)[0])
+    if outcome == "answerless":
+        fail(args, TOKEN_REFRESH)
+    if outcome == "invalid":
+        fail(args, f"INVALID_ARGUMENT: Runtime version {flags.get('version')!r} is not supported")
     if scenario.get("host_key"):
         key = scenario["host_key"]
         for old in (key, key + ".pub"):
@@ -143,7 +150,13 @@ def describe(path: str, queued: bool) -> None:
 
 
 def delete(args, name: str, path: str, queued: bool) -> None:
-    scenario = load(os.path.join(STATE, "scenarios", name + ".json"), {})
+    scenario_path = os.path.join(STATE, "scenarios", name + ".json")
+    scenario = load(scenario_path, {})
+    outcomes = scenario.get("deletes", [])
+    outcome = outcomes.pop(0) if outcomes else "ok"
+    save(scenario_path, scenario)
+    if outcome == "answerless":
+        fail(args, TOKEN_REFRESH)
     for directory in scenario.get("wipe", []):
         shutil.rmtree(directory, ignore_errors=True)
     if queued:

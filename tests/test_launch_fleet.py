@@ -245,6 +245,32 @@ def test_a_recreation_goes_on_through_a_describe_gcloud_fails(gcloud, tmp_path, 
     assert any("vm-a is READY again" in m for m in messages)
 
 
+def test_a_recreation_asks_again_when_a_delete_or_create_gets_no_answer(gcloud, tmp_path, v6e4):
+    """gcloud fails a delete and then a create with no verdict on them (its auth-token refresh):
+    the recreation asks again and ends with the VM READY, instead of failing with the VM deleted
+    (a pool's VM then left the pool for the rest of the sweep)."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="PREEMPTED"))
+    gcloud.scenario("vm-a", deletes=["answerless"], creates=["answerless"], states=["READY"])
+    messages = []
+    Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=messages.append).restore()
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete"] * 2 + ["create"] * 2
+    asked_again = [m for m in messages if "auth tokens" in m and m.endswith("asking again")]
+    assert len(asked_again) == 2, messages
+    assert "could not delete TPU 'vm-a'" in asked_again[0]
+    assert "could not create TPU 'vm-a'" in asked_again[1]
+    assert any("vm-a is READY again" in m for m in messages), messages
+
+
+def test_a_create_refused_for_another_reason_is_not_asked_again(gcloud, tmp_path, v6e4):
+    """Only a failure with no verdict is asked again: gcloud's refusal of the request itself
+    (here an unknown runtime version) ends the recreation at once."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="PREEMPTED"))
+    gcloud.scenario("vm-a", creates=["invalid"])
+    with pytest.raises(LaunchError, match="INVALID_ARGUMENT"):
+        Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=print).restore()
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create"]
+
+
 def test_a_recreation_whose_login_wait_gets_no_answer_from_gcloud_ends_with_the_vm_ready(
         gcloud, tmp_path, v6e4):
     """gcloud fails the describe that gives the new VM's workers for the login wait: the wait is

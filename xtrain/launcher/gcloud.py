@@ -33,6 +33,12 @@ RATE_QUOTA = re.compile(r"\bper (second|minute)\b", re.IGNORECASE)
 QUOTA_NAME = re.compile(r"\bquota(?: limit)? '([^']+)'", re.IGNORECASE)
 
 
+# gcloud failing with no verdict on the request: its auth-token refresh ("There was a problem
+# refreshing your current auth tokens"), the network, the API's server errors, a call that timed
+# out (xtrain/launcher/runner.py). A create or delete that failed so is asked again.
+NO_VERDICT = re.compile(r"\b(UNAVAILABLE|INTERNAL|DEADLINE_EXCEEDED|ABORTED)\b|auth tokens|"
+                        r"Connection (aborted|reset)|timed out after")
+
 # Waits before a launch's describe of its TPU asks gcloud again, when it did not answer.
 DESCRIBE_RETRY_WAITS_S = (2.0, 8.0)
 
@@ -46,13 +52,19 @@ class QuotaExceeded(LaunchError):
     zone, region or accelerator type)."""
 
 
+class NoVerdict(LaunchError):
+    """A create or delete that gcloud failed with no verdict on it (:data:`NO_VERDICT`): asking
+    again can help."""
+
+
 def create_failure(stderr: str) -> type[LaunchError]:
-    """The error a failed create's stderr calls for: QuotaExceeded, NoCapacity or LaunchError."""
+    """The error a failed create's stderr calls for: QuotaExceeded, NoCapacity, NoVerdict or
+    LaunchError."""
     if QUOTA.search(stderr):
         return NoCapacity if RATE_QUOTA.search(stderr) else QuotaExceeded
     if any(m.lower() in stderr.lower() for m in NO_CAPACITY):
         return NoCapacity
-    return LaunchError
+    return NoVerdict if NO_VERDICT.search(stderr) else LaunchError
 
 
 class Gcloud:
@@ -128,7 +140,8 @@ class Gcloud:
         r = self.runner.run(self._argv("delete", name, zone, project, queued) + extra,
                             timeout=1800, label="gcloud delete")
         if not r.ok and "NOT_FOUND" not in r.stderr:  # already gone is what was asked
-            raise LaunchError(f"gcloud could not delete TPU {name!r} in {zone}: {_message(r)}")
+            error = NoVerdict if NO_VERDICT.search(r.stderr) else LaunchError
+            raise error(f"gcloud could not delete TPU {name!r} in {zone}: {_message(r)}")
 
 
 def _resource(r: Result, name: str) -> dict:

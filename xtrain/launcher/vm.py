@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from xtrain.launcher.gcloud import Gcloud, NoCapacity
+from xtrain.launcher.gcloud import Gcloud, NoCapacity, NoVerdict
 from xtrain.launcher.launch import say
 from xtrain.launcher.runner import LaunchError, Runner
 from xtrain.launcher.ssh import Ssh
@@ -211,13 +211,13 @@ class Vm:
             if health == PENDING or state in ("DELETING", "SUSPENDING"):  # on its way up, or out
                 time.sleep(cfg.poll_s)
                 continue
-            if state != NOT_FOUND:
-                self.log(f"fleet: {self} is {state}: deleting it")
-                self._delete()
-                if created:  # it failed on its way up: the zone has no capacity for it
-                    backoff = self._wait_for_capacity(state, backoff, lost_so_far)
-                continue
             try:
+                if state != NOT_FOUND:
+                    self.log(f"fleet: {self} is {state}: deleting it")
+                    self._delete()
+                    if created:  # it failed on its way up: the zone has no capacity for it
+                        backoff = self._wait_for_capacity(state, backoff, lost_so_far)
+                    continue
                 self.log(f"fleet: {self}: creating a {self.hardware.accelerator_type} "
                          f"({self.hardware.runtime_version}{', spot' if cfg.spot else ''})")
                 self.gcloud.create(self.name, cfg.zone, self.hardware, cfg.project, cfg.spot,
@@ -225,6 +225,9 @@ class Vm:
                 created = True
             except NoCapacity as e:
                 backoff = self._wait_for_capacity(str(e), backoff, lost_so_far)
+            except NoVerdict as e:  # the next turn sees what the call did, if anything
+                self.log(f"fleet: {self}: no answer from gcloud: {e}; asking again")
+                time.sleep(cfg.poll_s)
         self.deletion_mark.unlink(missing_ok=True)  # READY: the name is a VM again
         if not created:  # the same VM, waited for or never down (a notice's stop): same keys
             if was_down:
