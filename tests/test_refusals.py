@@ -860,6 +860,24 @@ def test_sample_tokens_must_leave_room_for_a_prompt_only_where_there_are_prompts
     check_sampling(compose_config(["model.sequence_len=64", "trainer.sample_tokens=63"]))
 
 
+@pytest.mark.parametrize("overrides, said", [
+    (["trainer.sample_tokens=62"], "+ trainer.sample_tokens=62 exceed the model's sequence_len 64"),
+    (["eval.cpp_every=5"], "alone fills the model's sequence_len 64"),
+], ids=["sample", "cpp-eval"])
+def test_prompts_without_room_are_refused_before_the_model_or_a_checkpoint(world, tmp_path,
+                                                                            overrides, said):
+    """Counting a prompt's tokens needs the tokenizer, which a corpus build makes: refused once it
+    is known, no longer after the loaders, the model, the resume's checkpoint and the run's
+    records (repro/) were made, and a W&B run started."""
+    r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, *overrides,
+                        f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == EXIT_REFUSED and len(lines) == 1, r.stderr[-3000:]
+    assert said in lines[0]
+    assert not (tmp_path / "run" / "repro").exists(), sorted((tmp_path / "run").iterdir())
+
+
 def test_the_documented_exit_code_is_in_the_readme():
     assert f"exit code {EXIT_REFUSED}" in (ROOT / "README.md").read_text()
 

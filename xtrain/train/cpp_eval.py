@@ -27,7 +27,7 @@ import lightning as L
 from xtrain.checkpoint.io import read_model_weights
 from xtrain.checkpoint.layout import committed_checkpoints, is_committed, step_dir, step_of
 from xtrain.evals import prepare
-from xtrain.evals.completions import Cancelled, check_fit, evaluate_model, records_path
+from xtrain.evals.completions import Cancelled, evaluate_model, records_path
 from xtrain.model.gpt import GPT
 from xtrain.train.sampling import host_copy
 
@@ -118,8 +118,7 @@ class CppEvalCallback(L.Callback):
         self.cfg, self.tokenizer, self.run_log, self.timer = eval_cfg, tokenizer, run_log, timer
         self.run_dir, self.every, self.checkpoints = run_dir, eval_cfg.cpp_every, checkpoints
         self.gpt_config, self.from_checkpoints = gpt_config, from_checkpoints
-        self.problems = prepare(eval_cfg)
-        check_fit(tokenizer, self.problems, eval_cfg, gpt_config.sequence_len)
+        self.problems = prepare(eval_cfg)  # (their prompts fit: xtrain/train/sampling.py)
         self.pending: Pending | None = None
         self.deferred = None  # (step, model): the last step's, due while another still ran
         # steps whose evaluation was unfinished when the checkpoint this run resumed from was

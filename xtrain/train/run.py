@@ -142,7 +142,7 @@ def build_callbacks(cfg, plan: RunPlan, engine: Engine, ckpt_dir: str, run_dir: 
         meta=run_meta(cfg, tokenizer.fingerprint, plan.max_steps, plan.batch.total_batch_size),
         timer=timer)
     sampler = SampleCallback(tokenizer, cfg.sample, trainer_cfg.sample_tokens, trainer_cfg.sample_every,
-                             run_log, timer, plan.gpt.sequence_len, stop=stop)
+                             run_log, timer, stop=stop)
     cpp_eval = None
     if cfg.eval.cpp_every and engine.rank == 0:
         from xtrain.train.cpp_eval import CppEvalCallback
@@ -244,16 +244,20 @@ def write_plots(run_dir: str) -> None:
         log.warning("plots not written (%s: %s)", type(e).__name__, e)
 
 
-def prepare_data(data, engine: Engine):
+def prepare_data(cfg, engine: Engine, sequence_len: int):
     """The corpus and tokenizer, built on first use: by process 0 first, then by the others
     (which find it built when they share its disk), never by two processes into one directory;
     refused unless every process holds the same tokenizer (hosts that build from their own
-    disk's sources could differ)."""
+    disk's sources could differ), or when the prompts the training generates from do not fit
+    ``sequence_len`` with it."""
     from xtrain.data import prepare
+    from xtrain.train.sampling import check_prompts_room
 
+    data = cfg.data
     tokenizer = engine.processes.primary_first("data preparation", lambda: prepare(data, log=log.info),
                                                then=lambda: prepare(data, log=lambda *_: None))
     engine.processes.check_same("tokenizer", {"sha256": tokenizer.fingerprint})
+    check_prompts_room(cfg, tokenizer, sequence_len)
     return tokenizer
 
 
@@ -325,7 +329,7 @@ def train_on(engine: Engine, cfg, plan: RunPlan, run_dir: str, record: str | Non
         engine.processes.check_same("code", code_fingerprint())
         check_shared(ckpt_dir, engine.processes)
         lease = held.enter_context(checkpoint_dir_lease(ckpt_dir, cfg, engine.processes))
-        tokenizer = prepare_data(cfg.data, engine)
+        tokenizer = prepare_data(cfg, engine, plan.gpt.sequence_len)
         L.seed_everything(trainer_cfg.seed, verbose=False)
         loaders = build_loaders(cfg.data, trainer_cfg, plan.gpt.sequence_len, tokenizer,
                                 rows=engine.global_rows, accum=plan.batch.grad_accum_steps,

@@ -36,6 +36,20 @@ def host_copy_or_none(model, skipped: str):
         return None
 
 
+def check_prompts_room(cfg, tokenizer, sequence_len: int) -> None:
+    """Refuse a training whose sample prompts, or its C++ evaluation's, leave no room in the
+    model's context for the tokens generated after them: as soon as the tokenizer that counts
+    them is known (a corpus build makes it), before the loaders, the model or a checkpoint."""
+    if cfg.trainer.sample_tokens > 0:
+        check_prompts_fit(tokenizer, sample_prompts(cfg.sample), cfg.trainer.sample_tokens,
+                          sequence_len, "trainer.sample_tokens")
+    if cfg.eval.cpp_every:
+        from xtrain.evals.completions import check_fit
+        from xtrain.evals.problems import load_problems
+
+        check_fit(tokenizer, load_problems(cfg.eval.cpp_file), cfg.eval, sequence_len)
+
+
 class SampleCallback(L.Callback):
     """``tokens`` per sample; ``every`` steps between samples (0: only at the end); the same
     seed every time, so samples of one run differ only by what the model learnt. ``stop``: the
@@ -43,13 +57,10 @@ class SampleCallback(L.Callback):
     the end's sample off (the same command makes it, xtrain/train/catch_up.py): on a TPU host
     it gathers every weight and generates on the CPU, which a preemption notice has no time for."""
 
-    def __init__(self, tokenizer, sample_cfg, tokens: int, every: int, run_log, timer,
-                 sequence_len: int, stop=None):
+    def __init__(self, tokenizer, sample_cfg, tokens: int, every: int, run_log, timer, stop=None):
         self.tokenizer, self.cfg, self.tokens, self.every = tokenizer, sample_cfg, tokens, every
         self.run_log, self.timer, self.stop = run_log, timer, stop
-        self.prompts = sample_prompts(sample_cfg)
-        if tokens > 0:  # refused now rather than at the first sample, mid-run
-            check_prompts_fit(tokenizer, self.prompts, tokens, sequence_len, "trainer.sample_tokens")
+        self.prompts = sample_prompts(sample_cfg)  # (checked to fit: check_prompts_room)
 
     def sample(self, step: int, model) -> dict | None:
         with self.timer.measure("sample"):  # not charged to training throughput
