@@ -14,8 +14,9 @@ It records every call (argv, one JSON line each in calls.jsonl) and replays reso
       creates      outcomes of the next creates, in order: "ok", "no-capacity" (the TPU API's
                    stockout, code 8 RESOURCE_EXHAUSTED), "quota" (a regional quota of 0 chips,
                    RESOURCE_EXHAUSTED, HTTP 429), "answerless" (gcloud's auth-token refresh
-                   failing, nothing created) or "invalid" (the request refused:
-                   INVALID_ARGUMENT); once used up, creates succeed
+                   failing, nothing created), "made-answerless" (the same failure after the
+                   VM was created) or "invalid" (the request refused: INVALID_ARGUMENT); once
+                   used up, creates succeed
       deletes      the same for deletes: "ok" or "answerless" (nothing deleted)
       states       states the created resource goes through, one per describe; the last stays
       endpoints    [[internal, external], ...] of the created node (default 127.0.0.2)
@@ -111,6 +112,8 @@ def create(args, flags, name, queued: bool) -> None:
         save(os.path.join(STATE, "queued", name + ".json"), {**resource, "x-states": states})
     else:
         save(os.path.join(STATE, "nodes", name + ".json"), {**vm, "x-states": states})
+    if outcome == "made-answerless":
+        fail(args, TOKEN_REFRESH)
 
 
 def write_authorized_keys(path: str, metadata_files: str, after_s: float) -> None:

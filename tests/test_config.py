@@ -325,9 +325,22 @@ def test_overrides_reach_the_fields(compose_config):
     assert cfg.optim.matrix_lr == 0.01 and cfg.trainer.max_steps == 20 and cfg.model.n_kv_head == 2
 
 
-def _cli(*args, timeout=60):
+def _cli(*args, timeout=60, env=None):
     return subprocess.run([sys.executable, "-m", "xtrain", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("args, printed", [
+    (["model=d2", "--cfg", "job", "-p", "model.depth"], "2"),
+    (["--info"], "structured://"),
+])
+def test_a_process_of_rank_above_0_reads_options_as_the_first_does(args, printed):
+    """A process of RANK > 0 adds overrides of its own (no Hydra files in the shared run dir):
+    beside the command's, which Hydra reads as one run; appended after an option, they were
+    refused as unrecognized (or read as ``--info``'s value)."""
+    r = _cli(*args, env={**os.environ, "RANK": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert printed in r.stdout.strip().splitlines()[-1] + r.stdout, r.stdout[-2000:]
 
 
 def test_help_lists_groups_and_cfg_job_prints_config():

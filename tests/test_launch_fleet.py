@@ -32,7 +32,7 @@ from xtrain.launcher.config import LauncherConfig
 from xtrain.launcher.fleet import Job
 from xtrain.launcher.vm import DOWN, PENDING, UP, Vm, VmLost, vm_health
 from xtrain.launcher import gcloud as gcloud_module
-from xtrain.launcher.gcloud import NoCapacity, QuotaExceeded, create_failure
+from xtrain.launcher.gcloud import NoCapacity, NoVerdict, QuotaExceeded, create_failure
 from xtrain.launcher.job import JobState
 from xtrain.launcher.jobdir import record_attempt
 from xtrain.launcher.launch import launch_job
@@ -153,6 +153,22 @@ def test_a_create_failure_is_told_apart_as_capacity_quota_or_other():
                           "Permission 'tpu.nodes.create' denied") is LaunchError
 
 
+def test_a_failure_with_no_verdict_is_told_apart_by_gcloud_s_error_line():
+    """Asked again: a server error, the auth-token refresh, a call cut off. Not: a new login
+    needed (no wait gives it), or a refusal whose warning above it mentions a server error."""
+    for stderr in ("ERROR: (gcloud.compute.tpus.tpu-vm.create) There was a problem refreshing "
+                   "your current auth tokens: ('Connection aborted.', RemoteDisconnected())",
+                   "ERROR: (gcloud.compute.tpus.tpu-vm.create) INTERNAL: An internal error "
+                   "has occurred.", "ERROR: (gcloud.compute.tpus.tpu-vm.delete) UNAVAILABLE: "
+                   "The service is currently unavailable.", "\ntimed out after 1800 s"):
+        assert create_failure(stderr) is NoVerdict, stderr
+    for stderr in ("ERROR: (gcloud.compute.tpus.tpu-vm.create) There was a problem refreshing "
+                   "your current auth tokens: Reauthentication failed. Please run: gcloud auth "
+                   "login", "WARNING: an INTERNAL flag is deprecated\nERROR: (gcloud.compute."
+                   "tpus.tpu-vm.create) INVALID_ARGUMENT: Runtime version 'x' is not supported"):
+        assert create_failure(stderr) is LaunchError, stderr
+
+
 def test_a_recreation_refused_by_quota_ends_at_once(gcloud, tmp_path, v6e4):
     """The stand-in's create fails with a quota error (a retry would succeed): the recreation
     stops at the first create, without waiting the capacity backoff, and says what to do."""
@@ -258,7 +274,21 @@ def test_a_recreation_asks_again_when_a_delete_or_create_gets_no_answer(gcloud, 
     assert len(asked_again) == 2, messages
     assert "could not delete TPU 'vm-a'" in asked_again[0]
     assert "could not create TPU 'vm-a'" in asked_again[1]
-    assert any("vm-a is READY again" in m for m in messages), messages
+    assert any("vm-a is READY again" in m and "after the recreation began" in m
+               for m in messages), messages
+
+
+def test_a_create_that_failed_with_no_verdict_but_made_the_vm_is_taken_as_a_new_vm(
+        gcloud, tmp_path, v6e4):
+    """The create made the VM and then failed (the call cut off): the VM it finds READY next is
+    the new one (the old one's host keys forgotten, its login waited for), not the old one back."""
+    gcloud.add(tpu_node("vm-a", ZONE, "v6e-4", [("10.0.0.5", HOSTS[0])], state="PREEMPTED"))
+    gcloud.scenario("vm-a", creates=["made-answerless"], states=["CREATING", "READY"])
+    messages = []
+    Vm("vm-a", fleet_cfg(tmp_path), v6e4, log=messages.append).restore()
+    assert [c[3] for c in gcloud.calls() if c[3] != "describe"] == ["delete", "create"]
+    assert any("vm-a is READY again" in m and "after the recreation began" in m
+               for m in messages), messages
 
 
 def test_a_create_refused_for_another_reason_is_not_asked_again(gcloud, tmp_path, v6e4):

@@ -60,7 +60,7 @@ def test_first_contact_records_the_host_key_in_xtrains_known_hosts(remote, tmp_p
                                                                      monkeypatch):
     """Also with spaces in the paths ssh is given in its options: ssh splits such a value into
     words (known_hosts became two files, neither written; a socket's path was refused)."""
-    known = tmp_path / ("k  h" if spaced else "kh") / "known_hosts"
+    known = tmp_path / ("k  h's" if spaced else "kh") / "known_hosts"
     if spaced:  # the shared connection's socket, under the temp dir
         sockets = tempfile.mkdtemp(prefix="xt  s-", dir="/tmp")  # (short: a socket's path is)
         monkeypatch.setattr(tempfile, "tempdir", sockets)
@@ -389,6 +389,17 @@ def test_env_managed_by_hand_is_verified_never_changed(remote, tmp_path):
     with pytest.raises(LaunchError, match=mismatch):
         ensure_env(worker, EnvSpec("unused", ("omegaconf==0.0.1",), install=False), None)
     assert "install" not in runner.labels()
+
+
+def test_ssh_reads_each_option_value_as_given():
+    """Values with runs of spaces, quotes and a backslash, as ssh itself parses them (-G prints
+    the options it would use; it connects to nothing)."""
+    from xtrain.launcher.ssh import ssh_option
+
+    for value in ("/tmp/a   b/k", "/tmp/o'b/kh", '/tmp/q"x/k', "/tmp/back\\slash/k", "/plain/k"):
+        said = subprocess.run(["ssh", "-G", ssh_option("UserKnownHostsFile", value), "x"],
+                              capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        assert f"userknownhostsfile {value}" in said.stdout.splitlines(), said.stderr
 
 
 def test_a_remote_path_is_read_in_the_home_directory_unless_absolute(tmp_path):

@@ -73,7 +73,7 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     # Hydra's parser's refusals, one line instead of its usage
     ("not-an-option", ["--cfgg", "job"], {}, "--cfgg: not an option of Hydra's (--hydra-help"),
     ("overrides-both-sides", ["-m", "model=d2,d4"], {},  # (TINY's overrides come first)
-     "model=d2,d4: Hydra reads the overrides on one side of its options (-m, --cfg, ...)"),
+     "model=d2,d4: Hydra reads the overrides as one run, which an option (-m, --cfg, ...) ended"),
     ("cfg-choice", ["--cfg", "nope"], {}, "argument --cfg/-c: invalid choice: 'nope'"),
     ("flash-on-cpu", ["model.attention=flash"], {},
      "model.attention=flash: the Pallas kernels need a TPU (hardware.engine=cpu)"),

@@ -120,8 +120,8 @@ def check_hydra_options(options: argparse.Namespace, unread: list[str]) -> None:
     if unread and unread[0].startswith("-"):
         raise ConfigError(f"{unread[0]}: not an option of Hydra's (--hydra-help lists them)")
     if unread:  # (argparse takes one run of positional arguments)
-        raise ConfigError(f"{unread[0]}: Hydra reads the overrides on one side of its options "
-                          "(-m, --cfg, ...), not on both: write them together")
+        raise ConfigError(f"{unread[0]}: Hydra reads the overrides as one run, which an option "
+                          "(-m, --cfg, ...) ended: write the overrides together")
 
 
 # Hydra's modes, one per command: its parser's destination and option
@@ -169,7 +169,10 @@ def main() -> None:
         check_no_secret_overrides(sys.argv[1:])
     except ConfigError as ex:
         refuse(ex)
-    sys.argv += secondary_process_overrides()
+    extra = secondary_process_overrides()  # beside the command's own: Hydra reads one run
+    overrides = read[0].overrides if read else []
+    at = sys.argv.index(overrides[0], 1) if overrides else 1
+    sys.argv[at:at] = extra
     find_plugins()
     CWD_BEFORE.update(os.listdir())
     try:

@@ -33,11 +33,14 @@ RATE_QUOTA = re.compile(r"\bper (second|minute)\b", re.IGNORECASE)
 QUOTA_NAME = re.compile(r"\bquota(?: limit)? '([^']+)'", re.IGNORECASE)
 
 
-# gcloud failing with no verdict on the request: its auth-token refresh ("There was a problem
-# refreshing your current auth tokens"), the network, the API's server errors, a call that timed
-# out (xtrain/launcher/runner.py). A create or delete that failed so is asked again.
+# gcloud failing with no verdict on the request, in its error line: the API's server errors,
+# its auth-token refresh ("There was a problem refreshing your current auth tokens"), the
+# network, a call that timed out (xtrain/launcher/runner.py). A create or delete that failed so
+# is asked again; not when gcloud needs a new login, which no wait gives it.
 NO_VERDICT = re.compile(r"\b(UNAVAILABLE|INTERNAL|DEADLINE_EXCEEDED|ABORTED)\b|auth tokens|"
                         r"Connection (aborted|reset)|timed out after")
+NEEDS_LOGIN = re.compile(r"Reauthentication|gcloud auth login")
+
 
 # Waits before a launch's describe of its TPU asks gcloud again, when it did not answer.
 DESCRIBE_RETRY_WAITS_S = (2.0, 8.0)
@@ -64,7 +67,11 @@ def create_failure(stderr: str) -> type[LaunchError]:
         return NoCapacity if RATE_QUOTA.search(stderr) else QuotaExceeded
     if any(m.lower() in stderr.lower() for m in NO_CAPACITY):
         return NoCapacity
-    return NoVerdict if NO_VERDICT.search(stderr) else LaunchError
+    return NoVerdict if no_verdict(stderr) else LaunchError
+
+
+def no_verdict(stderr: str) -> bool:
+    return bool(NO_VERDICT.search(_error_line(stderr) or "")) and not NEEDS_LOGIN.search(stderr)
 
 
 class Gcloud:
@@ -140,7 +147,7 @@ class Gcloud:
         r = self.runner.run(self._argv("delete", name, zone, project, queued) + extra,
                             timeout=1800, label="gcloud delete")
         if not r.ok and "NOT_FOUND" not in r.stderr:  # already gone is what was asked
-            error = NoVerdict if NO_VERDICT.search(r.stderr) else LaunchError
+            error = NoVerdict if no_verdict(r.stderr) else LaunchError
             raise error(f"gcloud could not delete TPU {name!r} in {zone}: {_message(r)}")
 
 
@@ -152,7 +159,11 @@ def _resource(r: Result, name: str) -> dict:
 
 
 def _message(r: Result) -> str:
+    return _error_line(r.stderr) or f"exit {r.returncode}"
+
+
+def _error_line(stderr: str) -> str | None:
     """gcloud's own error line (``ERROR: (gcloud...) NOT_FOUND: ...``), else its last line."""
-    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("ERROR")]
-    return (errors or lines or [f"exit {r.returncode}"])[-1]
+    return (errors or lines or [None])[-1]

@@ -158,7 +158,7 @@ class RemoteJob:
             # (setsid forks: a job bash starts with & would ignore SIGINT, as the job below)
             f"setsid -f bash {d}/run.sh > {d}/log 2>&1 < /dev/null",
             f"for i in $(seq 200); do [ -s {d}/pid ] && break; sleep 0.05; done",
-            f"[ -s {d}/pid ] || {{ echo 'the job did not start' >&2; exit 4; }}",
+            f"[ -s {d}/pid ] || {{ echo \"the job did not start: $(tail -n 3 {d}/log)\" >&2; exit 4; }}",
             f"echo started $(cat {d}/pid)"])
         r = self.worker.run(script, "start")
         if not r.ok:

@@ -89,12 +89,13 @@ def socket_base() -> str:
 
 
 def ssh_option(key: str, value: str) -> str:
-    """``-oKey=value``, the value in double quotes when it holds whitespace: ssh splits an
-    option's value into words (``UserKnownHostsFile`` takes several files, so a path with a
+    """``-oKey=value``, the value in double quotes when it holds whitespace or a quote: ssh splits
+    an option's value into words (``UserKnownHostsFile`` takes several files, so a path with a
     space in it would silently become two)."""
-    if '"' in value:
-        raise ConfigError(f"ssh's {key} {value!r}: a path with a double quote cannot be given to ssh")
-    return f'-o{key}="{value}"' if any(c.isspace() for c in value) else f"-o{key}={value}"
+    if not any(c.isspace() or c in "'\"\\" for c in value):
+        return f"-o{key}={value}"
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'-o{key}="{escaped}"'
 
 
 class Ssh:

@@ -177,8 +177,8 @@ class Vm:
         return {a for e in (node or {}).get("networkEndpoints", [])
                 for a in (e.get("ipAddress"), e.get("accessConfig", {}).get("externalIp")) if a}
 
-    # Long: one loop over the VM's state, because every step (delete, create, wait) can end in
-    # any state and the deadline and backoff span them all.
+    # One loop over the VM's state, because every step (delete, create, wait) can end in any
+    # state and the deadline and backoff span them all. Long: for that reason.
     def restore(self, lost_so_far=lambda: 0.0) -> None:
         """Bring the VM back to READY: delete it when it is down, create it again, retry with
         backoff while the zone has no capacity, wait while it comes up; all within
@@ -191,7 +191,7 @@ class Vm:
         ssh = Ssh(cfg, self.runner, self.log)
         key = ssh.authorized_key()  # before anything is deleted: an unreadable key stops here
         old = self.addresses()
-        was_down = False
+        was_down, unanswered = False, ""
         while True:
             state = self.answer()
             health = PENDING if state == NO_ANSWER else vm_health(state, cfg.queued)  # asked again
@@ -207,7 +207,7 @@ class Vm:
                 if created:  # a VM nobody uses would run up its cost unattended
                     self._delete()
                 raise LaunchError(f"{self} is still {state} after {clock(waited)} "
-                                  f"(hydra.launcher.{limit[0]}={limit[1]:g})")
+                                  f"(hydra.launcher.{limit[0]}={limit[1]:g}{unanswered})")
             if health == PENDING or state in ("DELETING", "SUSPENDING"):  # on its way up, or out
                 time.sleep(cfg.poll_s)
                 continue
@@ -220,13 +220,14 @@ class Vm:
                     continue
                 self.log(f"fleet: {self}: creating a {self.hardware.accelerator_type} "
                          f"({self.hardware.runtime_version}{', spot' if cfg.spot else ''})")
+                created = True  # (asked for: a create failed with no verdict may have made it)
                 self.gcloud.create(self.name, cfg.zone, self.hardware, cfg.project, cfg.spot,
                                    cfg.queued, key)
-                created = True
             except NoCapacity as e:
                 backoff = self._wait_for_capacity(str(e), backoff, lost_so_far)
             except NoVerdict as e:  # the next turn sees what the call did, if anything
                 self.log(f"fleet: {self}: no answer from gcloud: {e}; asking again")
+                unanswered = f"; gcloud's last failure: {e}"
                 time.sleep(cfg.poll_s)
         self.deletion_mark.unlink(missing_ok=True)  # READY: the name is a VM again
         if not created:  # the same VM, waited for or never down (a notice's stop): same keys

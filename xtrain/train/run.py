@@ -257,7 +257,7 @@ def prepare_data(cfg, engine: Engine, sequence_len: int):
     tokenizer = engine.processes.primary_first("data preparation", lambda: prepare(data, log=log.info),
                                                then=lambda: prepare(data, log=lambda *_: None))
     engine.processes.check_same("tokenizer", {"sha256": tokenizer.fingerprint})
-    check_prompts_room(cfg, tokenizer, sequence_len)
+    check_prompts_room(cfg, tokenizer, sequence_len, engine.rank)
     return tokenizer
 
 

@@ -36,14 +36,15 @@ def host_copy_or_none(model, skipped: str):
         return None
 
 
-def check_prompts_room(cfg, tokenizer, sequence_len: int) -> None:
+def check_prompts_room(cfg, tokenizer, sequence_len: int, rank: int) -> None:
     """Refuse a training whose sample prompts, or its C++ evaluation's, leave no room in the
     model's context for the tokens generated after them: as soon as the tokenizer that counts
-    them is known (a corpus build makes it), before the loaders, the model or a checkpoint."""
+    them is known (a corpus build makes it), before the loaders, the model or a checkpoint. The
+    evaluation's problems are read where it runs: by process 0."""
     if cfg.trainer.sample_tokens > 0:
         check_prompts_fit(tokenizer, sample_prompts(cfg.sample), cfg.trainer.sample_tokens,
                           sequence_len, "trainer.sample_tokens")
-    if cfg.eval.cpp_every:
+    if cfg.eval.cpp_every and rank == 0:
         from xtrain.evals.completions import check_fit
         from xtrain.evals.problems import load_problems
 
