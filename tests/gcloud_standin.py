@@ -75,12 +75,19 @@ def node(name: str, zone: str, accelerator: str, version: str, spot: bool, endpo
                                  for i, e in endpoints]}
 
 
-def create(args, flags, name, queued: bool) -> None:
+def next_outcome(name: str, verb: str) -> tuple[str, dict]:
+    """The outcome of this ``verb`` ("creates", "deletes") of ``name``, taken from its scenario
+    ("ok" once none is left), and the scenario."""
     scenario_path = os.path.join(STATE, "scenarios", name + ".json")
     scenario = load(scenario_path, {})
-    outcomes = scenario.get("creates", [])
+    outcomes = scenario.get(verb, [])
     outcome = outcomes.pop(0) if outcomes else "ok"
     save(scenario_path, scenario)
+    return outcome, scenario
+
+
+def create(args, flags, name, queued: bool) -> None:
+    outcome, scenario = next_outcome(name, "creates")
     if outcome == "no-capacity":
         fail(args, NO_CAPACITY % flags["zone"])
     if outcome == "quota":
@@ -153,11 +160,7 @@ def describe(path: str, queued: bool) -> None:
 
 
 def delete(args, name: str, path: str, queued: bool) -> None:
-    scenario_path = os.path.join(STATE, "scenarios", name + ".json")
-    scenario = load(scenario_path, {})
-    outcomes = scenario.get("deletes", [])
-    outcome = outcomes.pop(0) if outcomes else "ok"
-    save(scenario_path, scenario)
+    outcome, scenario = next_outcome(name, "deletes")
     if outcome == "answerless":
         fail(args, TOKEN_REFRESH)
     for directory in scenario.get("wipe", []):
