@@ -610,6 +610,39 @@ def test_the_console_and_console_log_mask_secrets_in_messages_and_tracebacks(tmp
     assert "RuntimeError: 401 Unauthorized: key *** refused" in saved and "retrying with ***" in saved
 
 
+def test_reports_of_two_threads_at_once_are_both_masked(capsys, monkeypatch):
+    """Thread B reports (a thread's traceback) while A's report runs, and A's ends first: B's
+    text was written past its mask, and sys.stderr was left on A's buffer (all later output
+    lost). Reports now take turns."""
+    import threading
+
+    from xtrain.observe.console import masked_stderr
+
+    secret = "s3cr3t-" + os.urandom(8).hex()
+    monkeypatch.setenv("XTRAIN_TEST_TOKEN", secret)
+    stderr = sys.stderr
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def report_a():
+        a_in.set()
+        b_in.wait(1.0)  # (B cannot start its report now: it waits its turn)
+        print(f"A {secret}", file=sys.stderr)
+
+    def report_b():
+        b_in.set()
+        a_out.wait(5.0)
+        print(f"B {secret}", file=sys.stderr)
+
+    b = threading.Thread(target=lambda: (a_in.wait(5.0), masked_stderr(report_b)))
+    b.start()
+    masked_stderr(report_a)
+    a_out.set()
+    b.join(10)
+    assert sys.stderr is stderr
+    err = capsys.readouterr().err
+    assert secret not in err and "A ***" in err and "B ***" in err, err
+
+
 @pytest.mark.parametrize("full_error", [False, True])
 def test_a_crash_outside_the_console_log_prints_its_traceback_with_secrets_masked(tmp_path, full_error):
     """A crash before the run's console log exists (Hydra cannot make the run dir, whose name reads

@@ -129,17 +129,23 @@ class ConsoleLog:
         return False
 
 
+# One report at a time: each swaps the process's sys.stderr, and two threads' reports overlapping
+# would let one write past its mask and leave sys.stderr on the other's buffer.
+_REPORTING = threading.RLock()
+
+
 def masked_stderr(report):
     """Run ``report`` with what it writes on stderr masked (xtrain/observe/bundle.py mask_secrets):
     a crash's traceback, printed outside a run's console log by Hydra or by the interpreter, may
     quote a secret environment variable's value or a token."""
     text = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(text):
-            return report()
-    finally:
-        sys.stderr.write(mask_secrets(text.getvalue()))
-        sys.stderr.flush()
+    with _REPORTING:
+        try:
+            with contextlib.redirect_stderr(text):
+                return report()
+        finally:
+            sys.stderr.write(mask_secrets(text.getvalue()))
+            sys.stderr.flush()
 
 
 def _masked_excepthook(kind, value, tb) -> None:
