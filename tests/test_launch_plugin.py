@@ -592,6 +592,28 @@ def test_a_pool_sweep_refused_once_its_jobs_hold_their_records_gives_them_back(t
     assert not list(tmp_path.rglob(".hydra-held-*"))
 
 
+@pytest.mark.parametrize("extra, refused", [
+    (["run.name=lr_sweep"], "sweep job 1 is run lr_sweep too"),
+    (["hydra.sweep.subdir=x"], "has this job's dir multirun/"),
+], ids=["name", "dir"])
+def test_a_launched_sweep_whose_jobs_share_a_run_name_or_dir_is_refused(tmp_path, gcloud, extra,
+                                                                         refused):
+    """Launched jobs are found on their workers by run name and here by job dir (launch record,
+    W&B id): on one VM the second job resumed the first's finished run and trained nothing, and
+    a pool took the two for one. Refused before any job runs, also with a checkpoint dir each;
+    gcloud is the stand-in (tests/sshd.py): it is never called."""
+    (tmp_path / "key").write_text("")  # placeholders: no login is made
+    (tmp_path / "key.pub").write_text("ssh-ed25519 AAAA placeholder")
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "hardware=v6e4",
+                        "optim.matrix_lr=0.01,0.02", "checkpoint.dir=gs://b/${optim.matrix_lr}",
+                        "hydra/launcher=tpu_vm", "hydra.launcher.tpu=vm-a",
+                        "hydra.launcher.zone=asia-northeast1-b",
+                        f"hydra.launcher.identity_file={tmp_path / 'key'}", *extra],
+                       cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "sweep job 2 of 2" in r.stderr and refused in r.stderr, r.stderr
+    assert not gcloud.calls() and not (tmp_path / "multirun").exists()
+
+
 @pytest.mark.parametrize("sweep", [[], ["-m", "optim.matrix_lr=0.01,0.02"]], ids=["run", "sweep"])
 def test_a_missing_key_is_refused_before_any_vm_is_looked_up(tmp_path, gcloud, sweep):
     """Also with a pool, which looks up its VMs before it runs a job there. gcloud is the

@@ -31,6 +31,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     from xtrain.modes import check_config, check_host_memory
 
     checkpoint_dirs: dict[str, tuple[int, str]] = {}  # a checkpoint dir -> (its job, run name)
+    launched: dict[str, int] = {}  # a launched job's run name and job dir -> its job
     try:
         for number, overrides in enumerate(batch, start=1):
             loaded = config_loader.load_sweep_config(master_config=sweep_config,
@@ -47,6 +48,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                 check_composed(job, hydra_cfg)
                 run_dir = job_dir_in_sweep_dir(hydra_cfg)
                 if is_remote(hydra_cfg.launcher):
+                    check_launched_apart(job, run_dir, number, launched)
                     check_workers_compose_it(hydra_cfg)
                 check_config(job)
                 if not is_remote(hydra_cfg.launcher):  # (a launch checks it on its workers)
@@ -83,6 +85,23 @@ def job_dir_in_sweep_dir(hydra_cfg) -> str:
                           "and xtrain.report find its jobs; to put a sweep elsewhere, set "
                           "hydra.sweep.dir")
     return run_dir
+
+
+def check_launched_apart(job, run_dir: str, number: int, taken: dict[str, int]) -> None:
+    """A launched job is found on its workers by its run name (its run dir there, a pool's
+    lookup of where it ran) and here by its job dir (its launch record, its W&B id): jobs sharing
+    either would take over each other's runs. ``taken``: the keys of the jobs before."""
+    from xtrain.errors import ConfigError
+    from xtrain.launcher.launch import job_name
+
+    for key, shared in ((f"name {job_name(job.run.name)}", f"is run {job.run.name} too"),
+                        (f"dir {os.path.abspath(run_dir)}", f"has this job's dir {run_dir} too")):
+        first = taken.setdefault(key, number)
+        if first != number:
+            raise ConfigError(f"sweep job {first} {shared}: a launched job's run is found by its "
+                              "name on the workers and by its dir here; give each job its own "
+                              "name (e.g. without run.name: a sweep's jobs are named by their "
+                              "overrides) and its own dir (hydra.sweep.subdir, by default the name)")
 
 
 def check_own_checkpoint_dir(job, run_dir: str | None, number: int,
