@@ -696,7 +696,8 @@ def test_bad_fleet_input_is_refused_before_anything_is_touched(gcloud, tmp_path,
         args = ["hardware=v6e4", "hydra.launcher.tpu=vm-a", "hydra.launcher.recreate=true"]
         expected = "hydra.launcher.recreate=true needs checkpoint.dir=gs://..."
     elif case == "unknown pool entry":
-        multirun, args = ["-m"], ["optim.matrix_lr=0.01,0.02", "hydra.launcher.pool=[vm-a,vm-x]"]
+        multirun, args = ["-m"], ["optim.matrix_lr=0.01,0.02", "hydra.launcher.pool=[vm-a,vm-x]",
+                                  "run.name=fleet-bad-${optim.matrix_lr}"]  # (a name per job)
         expected = f"gcloud does not know TPU vm-x in {ZONE}"
     elif case == "pod profile in a pool":
         multirun, args = ["-m"], ["hardware=v4_32", "hydra.launcher.pool=[vm-a,vm-b]"]
