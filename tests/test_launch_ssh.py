@@ -57,17 +57,17 @@ def sync_xtrain(worker, runner):
 
 @pytest.mark.parametrize("spaced", [False, True], ids=["plain", "spaces"])
 def test_first_contact_records_the_host_key_in_xtrains_known_hosts(remote, tmp_path, spaced,
-                                                                     monkeypatch):
+                                                                     monkeypatch, request):
     """Also with spaces in the paths ssh is given in its options: ssh splits such a value into
     words (known_hosts became two files, neither written; a socket's path was refused)."""
     known = tmp_path / ("k  h's" if spaced else "kh") / "known_hosts"
     if spaced:  # the shared connection's socket, under the temp dir
         sockets = tempfile.mkdtemp(prefix="xt  s-", dir="/tmp")  # (short: a socket's path is)
+        request.addfinalizer(lambda: shutil.rmtree(sockets, ignore_errors=True))
         monkeypatch.setattr(tempfile, "tempdir", sockets)
     worker, _, _ = make_worker(remote, tmp_path, known_hosts=str(known))
     if spaced:
         assert any(Path(sockets).rglob("*")), "no shared connection under the spaced temp dir"
-        shutil.rmtree(sockets)
     server_key = Path(f"{remote.sshd.host_key}.pub").read_text().split()[1]
     assert f"[{HOSTS[0]}]:{remote.sshd.port} ssh-ed25519 {server_key}" in known.read_text()
     assert worker.root == str(tmp_path / "hosts" / HOSTS[0])
