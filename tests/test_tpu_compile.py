@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import compose_cfg
 from xtrain.plan import resolve
 from xtrain.preflight.report import collective_summary, hbm_from_error
-from xtrain.preflight.runner import compile_kernel, run_preflight
+from xtrain.preflight.runner import compile_kernel, compile_step, run_preflight
 from xtrain.preflight.targets import kernel_requests, trace_environment
 
 
@@ -61,6 +61,29 @@ def test_a_compiler_failure_is_reported_not_raised(v6e4_16k):
     req["topology"]["topology_name"] = "v6e:3x3x3"  # no such slice
     result = compile_kernel(req)
     assert result["ok"] is False and 'Topology layout "v6e:3x3x3"' in result["error"]  # libtpu's words
+
+
+def test_a_compile_child_out_of_host_memory_gives_no_verdict(tmp_path):
+    """Python's MemoryError in the compile child (here a real one: the child runs under an
+    address-space limit and reads a 6 GiB StableHLO file) is the machine's limit, not the
+    compiler's answer about the config: the report is not cached as the config's verdict."""
+    pytest.importorskip("libtpu", reason="the tpu extra (libtpu 0.0.21) is not installed")
+    from xtrain.preflight.report import answered
+
+    stablehlo = tmp_path / "step.mlir"
+    with open(stablehlo, "wb") as f:  # sparse: no disk used
+        f.truncate(6 * 2**30)
+    limited = tmp_path / "python"
+    limited.write_text(f'#!/bin/sh\nulimit -v 3000000\nexec "{sys.executable}" "$@"\n')
+    limited.chmod(0o755)
+    request = {"topology": {"platform": "tpu", "topology_name": "v6e:2x2"}, "devices": 4,
+               "stablehlo": str(stablehlo)}
+    result = compile_step(request, python=str(limited))
+    assert result["ok"] is False and "ran out of host memory (MemoryError)" in result["error"], result
+    assert result["answered"] is False and not answered({"step": result, "kernels": []})
+    # the same child without the limit reaches the file and answers (a config it cannot read)
+    stablehlo.unlink()
+    assert compile_step(request)["answered"] is True
 
 
 def test_the_compiler_gets_the_runs_libtpu_flags(compose_config, monkeypatch):

@@ -108,15 +108,16 @@ def describe(report: dict) -> str:
             f" window {k['window']}" if k["window"] else "")
         lines.append(f"{what}: " + (f"ok in {k['seconds']:.1f} s" if k["ok"] else f"FAILED: {k['error']}"))
     if not answered(report):
-        lines.append("(a compile above was killed or timed out, which is not the compiler's "
-                     "answer: this result is not cached, the next run compiles again)")
+        lines.append("(a compile above was killed, ran out of host memory or timed out, which is "
+                     "not the compiler's answer: this result is not cached, the next run compiles "
+                     "again)")
     return "\n".join(lines)
 
 
 def answered(report: dict) -> bool:
     """Whether every compile ended with the compiler's own answer (it fits, it does not fit, it
-    does not compile), rather than the process being killed (the OOM killer, a signal) or
-    timing out: only answers are cached as the config's verdict."""
+    does not compile), rather than the process being killed (the OOM killer, a signal), running
+    out of host memory or timing out: only answers are cached as the config's verdict."""
     return all(r.get("answered", True) for r in [report["step"], *report["kernels"]])
 
 
@@ -134,7 +135,8 @@ def verdict(report: dict) -> str | None:
                 f"the chip has {report['hbm_bytes_per_chip'] / GIB:.0f} GiB")
     if not answered(report):
         return ("no verdict: a TPU compile did not finish (killed, by the out-of-memory killer or "
-                "a signal, or past its time limit): this machine's limits, not the config's; "
+                "a signal, out of host memory, or past its time limit): this machine's limits, not "
+                "the config's; "
                 "run the same command again, with more host RAM or time")
     failed = [k["kernel"] for k in report["kernels"] if not k["ok"]]
     if failed:

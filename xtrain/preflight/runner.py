@@ -58,8 +58,9 @@ def _run_compile_child(kind: str, request: dict, python: str, timeout: int) -> d
     # the child runs in any Python that has jax/libtpu (e.g. a second environment with other
     # versions), whether or not xtrain is installed there
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [SOURCE_ROOT, env.get("PYTHONPATH")]))
-    # Only a result the child printed is the compiler's answer ("answered"); a child killed by
-    # a signal (the OOM killer's SIGKILL), timed out or crashed says nothing about the config.
+    # Only a result the child printed is the compiler's answer ("answered", unless the child
+    # says otherwise); a child killed by a signal (the OOM killer's SIGKILL), timed out or
+    # crashed says nothing about the config.
     try:
         r = subprocess.run([python, "-m", "xtrain.preflight.tpu_compile", kind, json.dumps(request)],
                            capture_output=True, text=True, timeout=timeout, env=env)
@@ -68,7 +69,7 @@ def _run_compile_child(kind: str, request: dict, python: str, timeout: int) -> d
                 "error": f"the TPU compiler took longer than {timeout} s"}
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if lines:
-        return {**json.loads(lines[-1]), "answered": True}
+        return {"answered": True, **json.loads(lines[-1])}
     if r.returncode == -signal.SIGKILL:  # in practice the kernel's out-of-memory killer
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
         return {"ok": False, "answered": False,

@@ -30,6 +30,10 @@ from xtrain.model.config import SPLASH_BLOCK
 from xtrain.preflight.report import collective_summary, count_hlo_instructions
 
 
+def _host_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _topology_devices(kwargs: dict):
     from jax.experimental import topologies
 
@@ -177,15 +181,23 @@ def _compile_step(req: dict) -> dict:
             "flops": float(cost.get("flops", 0.0)),
             "collectives": collective_summary(hlo),
             # the compiler's host memory: large steps need a machine sized for it
-            "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "host_peak_bytes": _host_peak_bytes()}
+
+
+def answer(kind: str, request: dict) -> dict:
+    """The result of one request, a failure included. Only the compiler's own answers are
+    "answered": running out of host memory says nothing about the config, so it is not cached
+    as the config's verdict (the same command on a larger machine compiles)."""
+    try:
+        return {"kernel": _compile_kernel, "step": _compile_step,
+                "lower": _lower_kernel_to_file}[kind](request)
+    except MemoryError:  # Python's allocation failed: this machine's limit, not the config's
+        return {"ok": False, "answered": False, "host_peak_bytes": _host_peak_bytes(),
+                "error": "the compiler process ran out of host memory (MemoryError): this "
+                         "machine's RAM was too little for this compile"}
+    except Exception as e:  # report the compiler's own words to the parent
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "host_peak_bytes": _host_peak_bytes()}
 
 
 if __name__ == "__main__":
-    kind, request = sys.argv[1], json.loads(sys.argv[2])
-    try:
-        result = {"kernel": _compile_kernel, "step": _compile_step,
-                  "lower": _lower_kernel_to_file}[kind](request)
-    except Exception as e:  # report the compiler's own words to the parent
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                  "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    print(json.dumps(result), flush=True)
+    print(json.dumps(answer(sys.argv[1], json.loads(sys.argv[2]))), flush=True)
