@@ -68,13 +68,14 @@ def test_launch_variables_are_checked(compose_config):
     assert launch_environment(cpu2, launch) == (1, 2, "127.0.0.1", 29500)
     with pytest.raises(ConfigError, match="RANK=2 is not below WORLD_SIZE=2"):
         launch_environment(cpu2, {**launch, "RANK": "2"})
-    with pytest.raises(ConfigError, match="MASTER_PORT='x': expected an integer >= 1"):
+    with pytest.raises(ConfigError, match=r"MASTER_PORT='x': expected an integer in 1\.\.65535"):
         launch_environment(cpu2, {**launch, "MASTER_PORT": "x"})
 
 
 def test_only_the_first_process_writes_hydra_files():
     assert secondary_process_overrides({}) == []
     assert secondary_process_overrides({"RANK": "0"}) == []
+    assert secondary_process_overrides({"RANK": "00"}) == []  # as launch_environment reads it
     assert secondary_process_overrides({"RANK": "1"}) == ["hydra.output_subdir=null",
                                                           "hydra/job_logging=stdout"]
 

@@ -236,6 +236,23 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "give the model it was trained with, or a checkpoint of this model"),
     ("cpu2-without-launch-variables", ["hardware=cpu2"], {"MASTER_ADDR": "", "RANK": ""},
      "hardware=cpu2 runs 2 processes; MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK not set"),
+    # the rendezvous variables, read as digits only (int() took "0_2"; torch refused the port
+    # with a traceback at start); a RANK left set turned off a one-process run's lock and record
+    ("world-size-not-digits", ["hardware=cpu2"],
+     {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "0_2", "RANK": "0"},
+     "WORLD_SIZE='0_2': expected an integer >= 1"),
+    ("port-out-of-range", ["hardware=cpu2"],
+     {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999", "WORLD_SIZE": "2", "RANK": "0"},
+     "MASTER_PORT='99999': expected an integer in 1..65535"),
+    ("rank-of-a-one-process-run", [], {"RANK": "1"},
+     "RANK='1' but hardware=cpu runs one process: unset RANK"),
+    ("rank-of-a-one-process-xla-run", ["hardware.engine=xla"], {"RANK": " 0"},
+     "RANK=' 0' but hardware=cpu runs one process: unset RANK"),
+    # a profile's hosts as the TPU type has them (the plan split the batch over 3 hosts of 6)
+    ("hosts-of-a-pod", ["hardware=v4_32", "hardware.hosts=3", "hardware.chips_per_host=6"], {},
+     "hardware=v4_32: a v4-32 is 4 host(s) of 4 chips, profile says 3 x 6"),
+    ("hosts-of-a-v6e-8", ["hardware=v6e8", "hardware.hosts=2", "hardware.chips_per_host=4"], {},
+     "hardware=v6e8: a v6e-8 is 1 host(s) of 8 chips, profile says 2 x 4"),
     ("cpp-eval-without-its-compiler", ["eval.cpp_every=5", "eval.gxx=g++-nowhere"], {},
      "eval.gxx='g++-nowhere': compiler not found on PATH"),
     ("cpp-eval-file-missing", ["eval.cpp_every=5", "eval.cpp_file=/nonexistent/cpp.jsonl"], {},

@@ -12,12 +12,15 @@ from xtrain.units import GIB
 
 # Accelerator families: TensorCores per chip, and whether the type's number counts TensorCores
 # (v4-32 = 32 cores = 16 chips) or chips (v5litepod-8, v6e-4).
+# single_host_chips: the largest slice that is one host (Cloud TPU docs: v5e and v6e slices of
+# up to 8 chips are one VM); larger slices have 4 chips per host, as every v4 and v5p host has
 TPU_FAMILIES = {
-    "v4": {"cores_per_chip": 2, "name_counts": "cores"},
-    "v5p": {"cores_per_chip": 2, "name_counts": "cores"},
-    "v5litepod": {"cores_per_chip": 1, "name_counts": "chips"},
-    "v6e": {"cores_per_chip": 1, "name_counts": "chips"},
+    "v4": {"cores_per_chip": 2, "name_counts": "cores", "single_host_chips": 4},
+    "v5p": {"cores_per_chip": 2, "name_counts": "cores", "single_host_chips": 4},
+    "v5litepod": {"cores_per_chip": 1, "name_counts": "chips", "single_host_chips": 8},
+    "v6e": {"cores_per_chip": 1, "name_counts": "chips", "single_host_chips": 8},
 }
+CHIPS_PER_HOST_OF_A_POD = 4
 REQUIRED_TPU_FACTS = ("accelerator_type", "runtime_version", "topology", "chips", "hosts",
                       "chips_per_host", "hbm_gib_per_chip", "peak_bf16_tflops_per_chip")
 REQUIRED_PINS = ("torch", "torch_xla", "libtpu")
@@ -55,9 +58,11 @@ def check_profile(hw) -> None:
     if hw.cores_per_chip != family["cores_per_chip"]:
         raise ConfigError(f"hardware={hw.name}: {m.group(1)} chips have {family['cores_per_chip']} "
                           f"TensorCores, profile says {hw.cores_per_chip}")
-    if hw.hosts * hw.chips_per_host < hw.chips or hw.chips_per_host * (hw.hosts - 1) >= hw.chips:
-        raise ConfigError(f"hardware={hw.name}: {hw.hosts} hosts x {hw.chips_per_host} chips per "
-                          f"host does not hold exactly {hw.chips} chips")
+    per_host = chips if chips <= family["single_host_chips"] else CHIPS_PER_HOST_OF_A_POD
+    if (hw.hosts, hw.chips_per_host) != (chips // per_host, per_host):
+        raise ConfigError(f"hardware={hw.name}: a {hw.accelerator_type} is {chips // per_host} "
+                          f"host(s) of {per_host} chips, profile says {hw.hosts} x "
+                          f"{hw.chips_per_host}")
     topo_chips = 1
     for dim in hw.topology.split(":")[-1].split("x"):
         topo_chips *= int(dim)
@@ -120,16 +125,15 @@ def launch_environment(hw, env=os.environ) -> tuple[int, int, str, int]:
     rank = _env_int(env, "RANK", minimum=0)
     if rank >= world:
         raise ConfigError(f"RANK={rank} is not below WORLD_SIZE={world}")
-    return rank, world, env["MASTER_ADDR"], _env_int(env, "MASTER_PORT", minimum=1)
+    return rank, world, env["MASTER_ADDR"], _env_int(env, "MASTER_PORT", minimum=1, maximum=65535)
 
 
-def _env_int(env, name: str, minimum: int) -> int:
-    try:
-        value = int(env[name])
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise ConfigError(f"{name}={env[name]!r}: expected an integer >= {minimum}")
+def _env_int(env, name: str, minimum: int, maximum: int | None = None) -> int:
+    # digits only: int() would also take "1_6", " 2" and other digits than ASCII's
+    value = int(env[name]) if re.fullmatch(r"[0-9]+", env[name]) else None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bounds = f"in {minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise ConfigError(f"{name}={env[name]!r}: expected an integer {bounds}")
     return value
 
 

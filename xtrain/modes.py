@@ -12,7 +12,8 @@ from xtrain.config import Engine, Mode, sample_prompts
 from xtrain.config.hydra_record import hold, released_on_error, writes_record
 from xtrain.data import check_built_where_read
 from xtrain.errors import ConfigError, warn
-from xtrain.hardware import check_fits_host, cpu_processes, launch_environment, run_devices
+from xtrain.hardware import (check_fits_host, cpu_processes, launch_environment, run_devices,
+                              run_processes)
 from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
 from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
@@ -122,6 +123,11 @@ def check_environment(cfg) -> None:
         load_problems(cfg.eval.cpp_file)  # read, not just found: a bad line is refused now too
     if cfg.hardware.engine == Engine.cpu and cpu_processes(cfg.hardware) > 1:
         launch_environment(cfg.hardware)
+    elif run_processes(cfg.hardware) == 1 and not writes_record():
+        # the run's one process would train without its run dir's lock and record (a RANK left
+        # from another shell's torchrun, say)
+        raise ConfigError(f"RANK={os.environ['RANK']!r} but hardware={cfg.hardware.name} runs one "
+                          "process: unset RANK, or start the run's processes as its profile says")
 
 
 def run_checked(cfg, run_dir: str, record: str | None) -> dict | None:

@@ -50,8 +50,10 @@ _ACCEPTING: set[tuple[str, str]] = set()
 
 def writes_record(env=os.environ) -> bool:
     """Whether this process writes the Hydra record: the first of a run (RANK 0, or none set, as
-    torchrun and xtrain's launchers set it); the others may share its run dir."""
-    return env.get("RANK", "0") in ("", "0")
+    torchrun and xtrain's launchers set it); the others may share its run dir. A RANK that is not
+    a number is not the first's (xtrain/hardware.py refuses it before any training)."""
+    rank = env.get("RANK", "")
+    return rank == "" or (rank.isascii() and rank.isdigit() and int(rank) == 0)
 
 
 def accept(run_dir: str, held: str) -> None:
