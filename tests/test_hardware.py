@@ -204,7 +204,8 @@ out = {}
 for arg in sys.argv[1:]:
     kwargs = json.loads(arg)
     t = topologies.get_topology_desc(**kwargs)
-    out[kwargs["topology_name"]] = [len(t.devices), t.devices[0].device_kind]
+    out[kwargs["topology_name"]] = [len(t.devices), t.devices[0].device_kind,
+                                    len({d.process_index for d in t.devices})]
 print(json.dumps(out))
 """
 
@@ -222,10 +223,11 @@ def test_topologies_are_known_to_the_tpu_compiler(compose_config):
     found = json.loads(r.stdout.strip().splitlines()[-1])
     kinds = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
     for hw in hws.values():
-        devices, kind = found[hw.topology]
+        devices, kind, hosts = found[hw.topology]
         assert kind == kinds[hw.topology.split(":")[0]]
-        # one compile device per chip, as torch_xla sees them (v4/v5p in megacore mode)
-        assert devices == hw.chips, hw.name
+        # one compile device per chip, as torch_xla sees them (v4/v5p in megacore mode), on
+        # the profile's hosts (libtpu's default made a v5e-8 and a v6e-8 two hosts of 4)
+        assert (devices, hosts) == (hw.chips, hw.hosts), hw.name
 
 
 def test_profile_environment_is_exported_and_user_values_win(compose_config, monkeypatch):

@@ -12,14 +12,15 @@ from xtrain.preflight.cache import stack_versions
 
 
 def topology_kwargs(hw) -> dict:
-    """Arguments for ``jax.experimental.topologies.get_topology_desc`` for this profile. Slices
-    smaller than libtpu's default host bounds (2x2x1), e.g. v6e-1, must state their own; chips
-    with two TensorCores (v4, v5p) run as one megacore device each, as torch_xla sees them
-    (libtpu's default config would list every TensorCore as a device)."""
+    """Arguments for ``jax.experimental.topologies.get_topology_desc`` for this profile. A slice
+    of one host states its host bounds (the whole slice): libtpu's default (2x2x1) would split a
+    v6e-1 wrongly and a v5e-8 or v6e-8 into two hosts. Chips with two TensorCores (v4, v5p) run
+    as one megacore device each, as torch_xla sees them (libtpu's default config would list
+    every TensorCore as a device)."""
     kwargs = {"platform": "tpu", "topology_name": hw.topology}
     if hw.cores_per_chip > 1:
         kwargs["chip_config_name"] = "megacore"
-    if hw.chips_per_host < 4:
+    if hw.hosts == 1:
         dims = [int(d) for d in hw.topology.split(":")[1].split("x")]
         kwargs["chips_per_host_bounds"] = tuple((dims + [1, 1])[:3])
     return kwargs
