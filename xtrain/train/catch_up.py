@@ -80,7 +80,7 @@ def run_missing(step: int, last: bool, run_dir: str, ckpt_dir: str, callbacks, p
                  "now", step, ", the last," if last else "", which)
     # the sample and the C++ evaluation first, then the validation (a step's end in training)
     if "sample" in missing and processes.primary:
-        (callbacks.sampler.sample_end if last else callbacks.sampler.sample)(step, model)
+        callbacks.sampler.sample_unless_stopping(step, model)
     if "eval" in missing and processes.primary:  # (in the background; the end waits for it)
         cpp.evaluate(step, model)
     if unfinished:  # (after this step's own: on several processes one running skips another)

@@ -54,9 +54,8 @@ def check_prompts_room(cfg, tokenizer, sequence_len: int, rank: int) -> None:
 class SampleCallback(L.Callback):
     """``tokens`` per sample; ``every`` steps between samples (0: only at the end); the same
     seed every time, so samples of one run differ only by what the model learnt. ``stop``: the
-    run's StopRequest (xtrain/train/preemption.py); a stop requested after the last step calls
-    the end's sample off (the same command makes it, xtrain/train/catch_up.py): on a TPU host
-    it gathers every weight and generates on the CPU, which a preemption notice has no time for."""
+    run's StopRequest (xtrain/train/preemption.py): a stop requested calls a sample off
+    (:meth:`sample_unless_stopping`)."""
 
     def __init__(self, tokenizer, sample_cfg, tokens: int, every: int, run_log, timer, stop=None):
         self.tokenizer, self.cfg, self.tokens, self.every = tokenizer, sample_cfg, tokens, every
@@ -89,15 +88,17 @@ class SampleCallback(L.Callback):
         step = trainer.global_step
         if (self.every and step % self.every == 0 and step != trainer.max_steps
                 and trainer.global_rank == 0 and self.tokens > 0):
-            self.sample(step, pl_module.model)
+            self.sample_unless_stopping(step, pl_module.model)
 
     def on_train_end(self, trainer, pl_module):
         if trainer.global_rank == 0 and self.tokens > 0:
-            self.sample_end(trainer.global_step, pl_module.model)
+            self.sample_unless_stopping(trainer.global_step, pl_module.model)
 
-    def sample_end(self, step: int, model) -> dict | None:
-        """The end's sample (here, or a run resumed at its last step: xtrain/train/catch_up.py),
-        unless a stop was requested."""
+    def sample_unless_stopping(self, step: int, model) -> dict | None:
+        """A step's sample (here, or one a resumed run makes up: xtrain/train/catch_up.py), unless
+        a stop was requested: on a TPU host it gathers every weight and generates on the CPU,
+        which a preemption notice leaves no time for. Called off, it is not recorded, so the
+        next run makes it."""
         if self.stop is not None and self.stop.requested:
             log.warning("the sample of step %d called off: the run is stopping", step)
             return None
