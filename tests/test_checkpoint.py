@@ -345,15 +345,20 @@ def test_a_run_made_longer_says_its_learning_rate_schedule_changes(tmp_path):
             "the learning rate follows the new length's schedule (warmup, warmdown) from step 3 on") in err
     lrs = {r["step"]: r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "lr" in r}
     assert lrs[4] > lrs[3]  # what the line warns of
+    assert "trained with other settings" not in err  # optim.* as trained: nothing said
     # continued on purpose with twice the rows per step: said too (the XLA engine's batch also
     # follows the devices, which name no run)
     code, _, err = finish(xtrain(tmp_path / "wider", "trainer.max_steps=8", "optim.warmdown_ratio=0.5",
-                                 "trainer.device_batch_size=8",
+                                 "trainer.device_batch_size=8", "optim.grad_clip=0",
+                                 "optim.warmup_steps=2",
                                  f"checkpoint.resume={tmp_path}/run/checkpoints/step_000006"))
     assert code == 0, err[-3000:]
     assert ("step_000006 was trained at 256 tokens per step, this run trains at 512 "
             "(trainer.total_batch_size, the devices' batch): the steps that remain see that many "
             "tokens each") in err
+    # the schedule and the clipping, which no optimizer group holds (xtrain/optim.py names those)
+    assert ("step_000006 was trained with other settings, this run's apply from step 6 on: "
+            "optim.warmup_steps 3 -> 2; optim.grad_clip 1.0 -> 0.0") in err  # (RUN: 3)
 
 
 def test_ctrl_c_while_a_run_starts_ends_it_in_one_line(tmp_path):
@@ -496,6 +501,31 @@ def signalled(*args, **kwargs):  # a SIGTERM that arrives right before the end's
     return run_missing(*args, **kwargs)
 finish.run_missing = signalled
 """)
+
+
+SIGTERM_BEFORE_A_STEPS_SAMPLE = with_fault("""
+import os, signal, time
+from xtrain.train.sampling import SampleCallback
+batch_end = SampleCallback.on_train_batch_end
+def signalled(self, trainer, *args):  # a SIGTERM that arrives right before step 4's sample
+    if trainer.global_step == 4:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+    return batch_end(self, trainer, *args)
+SampleCallback.on_train_batch_end = signalled
+""")
+
+
+def test_a_stop_calls_a_steps_sample_off(tmp_path):
+    """A sample during training (on a TPU host: every weight gathered, then generation on the
+    CPU) was made after a stop was requested, delaying the stop's checkpoint by its length."""
+    code, _, err = finish(xtrain(tmp_path / "run", "trainer.max_steps=8", "trainer.sample_every=2",
+                                 "trainer.sample_tokens=4", fault=SIGTERM_BEFORE_A_STEPS_SAMPLE))
+    assert code == 143, err[-3000:]
+    assert "the sample of step 4 called off: the run is stopping" in err
+    records = [(r["step"], r["kind"]) for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")
+               if r["kind"] in ("sample", "stop")]
+    assert records[:1] == [(2, "sample")] and (4, "sample") not in records and records[-1][1] == "stop"
 
 
 def test_a_stop_after_the_last_step_calls_the_ends_sample_off(tmp_path):

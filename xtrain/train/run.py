@@ -167,6 +167,7 @@ def resume_point(cfg, ckpt_dir: str, run_dir: str, tokenizer, steps, engine: Eng
     from xtrain.checkpoint.layout import read_meta
     from xtrain.errors import warn
     from xtrain.inputs import check_checkpoints_not_elsewhere, check_same_tokenizer, resume_checkpoint
+    from xtrain.train.changed_settings import warn_changed_settings
     from xtrain.train.checkpointing import set_aside_newer
     from xtrain.train.loader_state import check_saved_position
 
@@ -196,15 +197,7 @@ def resume_point(cfg, ckpt_dir: str, run_dir: str, tokenizer, steps, engine: Eng
                      f"since {ckpt.resume}, which it continues; to rewind again, move its newer "
                      "checkpoints away (or use another run.name)")
         log.info("resuming from %s", resume_from)
-        max_steps, tokens = plan.max_steps, plan.batch.total_batch_size
-        if meta.get("max_steps") not in (None, max_steps) and step < max_steps:
-            warn(f"{resume_from} was trained toward step {meta['max_steps']}, this run toward step "
-                 f"{max_steps} (trainer.max_steps): the learning rate follows the new length's "
-                 f"schedule (warmup, warmdown) from step {step} on")
-        if meta.get("total_batch_size") not in (None, tokens):
-            warn(f"{resume_from} was trained at {meta['total_batch_size']:,} tokens per step, this "
-                 f"run trains at {tokens:,} (trainer.total_batch_size, the devices' batch): the "
-                 "steps that remain see that many tokens each")
+        warn_changed_settings(resume_from, meta, step, cfg, plan)
         set_aside_newer(step, ckpt_dir, "rewound" if resume_from == ckpt.resume else "corrupt")
     return resume_from, step
 
