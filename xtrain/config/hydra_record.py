@@ -51,7 +51,7 @@ _ACCEPTING: set[tuple[str, str]] = set()
 def writes_record(env=os.environ) -> bool:
     """Whether this process writes the Hydra record: the first of a run (RANK 0, or none set, as
     torchrun and xtrain's launchers set it); the others may share its run dir. A RANK that is not
-    a number is not the first's (xtrain/hardware.py refuses it before any training)."""
+    a number is not the first's (a training refuses it: xtrain/modes.py check_environment)."""
     rank = env.get("RANK", "")
     return rank == "" or (rank.isascii() and rank.isdigit() and int(rank) == 0)
 

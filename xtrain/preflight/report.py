@@ -136,8 +136,7 @@ def verdict(report: dict) -> str | None:
     if not answered(report):
         return ("no verdict: a TPU compile did not finish (killed, by the out-of-memory killer or "
                 "a signal, out of host memory, or past its time limit): this machine's limits, not "
-                "the config's; "
-                "run the same command again, with more host RAM or time")
+                "the config's; run the same command again, with more host RAM or time")
     failed = [k["kernel"] for k in report["kernels"] if not k["ok"]]
     if failed:
         return f"the {'/'.join(failed)} attention kernel does not compile for the TPU"

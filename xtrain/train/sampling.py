@@ -97,8 +97,8 @@ class SampleCallback(L.Callback):
     def sample_unless_stopping(self, step: int, model) -> dict | None:
         """A step's sample (here, or one a resumed run makes up: xtrain/train/catch_up.py), unless
         a stop was requested: on a TPU host it gathers every weight and generates on the CPU,
-        which a preemption notice leaves no time for. Called off, it is not recorded, so the
-        next run makes it."""
+        which a preemption notice leaves no time for. Called off, it is not recorded: a run
+        resumed at that step (the end's, or a stop's checkpoint's) makes it."""
         if self.stop is not None and self.stop.requested:
             log.warning("the sample of step %d called off: the run is stopping", step)
             return None
