@@ -33,7 +33,8 @@ def test_requests_cover_flash_and_the_windowed_splash_layers(v6e4_16k):
     assert plan.attention == "flash"
     assert [(r["kernel"], r["window"]) for r in reqs] == [("flash", None), ("splash", 1024)]
     assert reqs[0]["shape"] == [1, 8, 16384, 128]
-    assert reqs[0]["topology"] == {"platform": "tpu", "topology_name": "v6e:2x2"}
+    assert reqs[0]["topology"] == {"platform": "tpu", "topology_name": "v6e:2x2",
+                                   "chips_per_host_bounds": (2, 2, 1)}  # one host: the whole slice
 
 
 def test_sdpa_configs_need_no_kernel(compose_config):
