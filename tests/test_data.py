@@ -487,6 +487,11 @@ def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, c
     assert manifest["files"] == 3 and manifest["duplicates_dropped"] == 1  # the copied header
     prepare(cfg.data, log=logs.append)
     assert len(logs) == 1  # reused
+    older = json.loads((tmp_path / "build" / "manifest.json").read_text())  # as builds before
+    older["build_key"] = older.pop("build_hash")  # 2026-12 named its inputs' hash
+    (tmp_path / "build" / "manifest.json").write_text(json.dumps(older))
+    prepare(cfg.data, log=logs.append)
+    assert len(logs) == 1  # reused too
     # named to sort second: of four files the seed holds out the third, b.hpp here (a c.cc made
     # it b.hpp's copy, which leaves validation no chunk: a build refused)
     (src / "a2.cc").write_text("int h() { return 3; }\n")

@@ -463,6 +463,25 @@ def test_a_key_stored_by_wandb_login_is_forwarded_masked_and_never_synced(tmp_pa
     assert collect()["WANDB_API_KEY"] == "exported" + key
 
 
+def test_a_corpus_built_inside_the_checkout_is_synced_without_its_data(tmp_path, compose_config):
+    """A build's manifest.json names its inputs' sha256 (a random-looking hex) under a name that
+    must not read as a secret's; its shards and token bytes are data, left out by name."""
+    from xtrain.data import prepare
+
+    root = git_tree(tmp_path / "repo")
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        (src / f"f{i}.cpp").write_text("".join(f"struct Shape{i}_{j} {{ double width_{j}; int count{i}; }};\n"
+                                               for j in range(40)))
+    cfg = compose_config(["data.vocab_size=300"])
+    cfg.data.build_sources = [str(src)]
+    cfg.data.build_dir = str(root / "corpus")
+    prepare(cfg.data, log=lambda _: None)
+    built = [f for f in code_files(root, Runner()) if f.startswith("corpus/")]
+    assert built == ["corpus/.xtrain-corpus", "corpus/manifest.json", "corpus/tokenizer/tokenizer.json"]
+
+
 def test_code_that_names_secrets_is_synced():
     """This checkout (its tests spell fake secrets in pieces) and code that only handles them."""
     from xtrain.config.secrets import secret_in_text

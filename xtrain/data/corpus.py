@@ -82,9 +82,11 @@ def read_manifest(out_dir: str) -> dict | None:
             manifest = json.load(f)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(manifest, dict) or not {"build_key", "builder_version"} <= manifest.keys():
+    if not isinstance(manifest, dict):
         return None
-    return manifest
+    if "build_key" in manifest:  # its name in builds before 2026-12 (a launch's secret scan read
+        manifest["build_hash"] = manifest.pop("build_key")  # "key" as a secret's name)
+    return manifest if {"build_hash", "builder_version"} <= manifest.keys() else None
 
 
 def _where(url: str) -> tuple[str, str]:
@@ -203,7 +205,7 @@ def replaced_build(spec: BuildSpec) -> dict | None:
     """The manifest of the build in ``spec.out_dir`` that :func:`ensure_built` would replace (one
     of other sources or settings), else None."""
     manifest = read_manifest(spec.out_dir)
-    if manifest and manifest.get("build_key") != spec.key(checked_sources(spec.sources, spec.names)):
+    if manifest and manifest.get("build_hash") != spec.key(checked_sources(spec.sources, spec.names)):
         return manifest
     return None
 
@@ -216,7 +218,7 @@ def ensure_built(spec: BuildSpec, log=print) -> dict:
     files = checked_sources(spec.sources, spec.names)
     key = spec.key(files)
     manifest = read_manifest(spec.out_dir)
-    if manifest and manifest.get("build_key") == key:
+    if manifest and manifest.get("build_hash") == key:
         return manifest
     if not is_local(spec.out_dir):  # object stores: written in place, the manifest last
         log(f"building C++ corpus from {len(files)} files under {spec.sources} -> {spec.out_dir}")
@@ -232,7 +234,7 @@ def ensure_built(spec: BuildSpec, log=print) -> dict:
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others wait, then reuse
         manifest = read_manifest(str(out))
-        if manifest and manifest.get("build_key") == key:
+        if manifest and manifest.get("build_hash") == key:
             return manifest
         check_output(spec.sources, str(out))  # again: it may have changed while we waited
         replaced = " (replacing its build of other sources or settings)" if manifest else ""
@@ -269,7 +271,7 @@ def _claim(sources: list[str], out_dir: str, key: str, writes: set[str]) -> dict
     bytes under the same names, so two never delete each other's files."""
     check_output(sources, out_dir)
     done = read_manifest(out_dir)
-    if done and done.get("build_key") == key:
+    if done and done.get("build_hash") == key:
         return done
     fs, root = url_to_fs(out_dir)
     fs.makedirs(root, exist_ok=True)
@@ -333,7 +335,7 @@ def build(spec: BuildSpec, urls: list[str], key: str, out_dir: str) -> dict:
     counts = {split: {"chunks": len(rows), "bytes": sum(len(r.encode()) for r in rows)}
               for split, rows in splits.items()}
     manifest = {
-        "build_key": key, "builder_version": BUILDER_VERSION, "sources": spec.sources,
+        "build_hash": key, "builder_version": BUILDER_VERSION, "sources": spec.sources,
         "files": len(urls), "val_files": n_val, "source_sha256": source_hash.hexdigest(),
         "vocab_size": tok.get_vocab_size(), "chunk_tokens": spec.chunk_tokens,
         "duplicates_dropped": duplicates, **counts,
