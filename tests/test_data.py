@@ -499,6 +499,29 @@ def test_default_corpus_builds_once_and_rebuilds_when_sources_change(tmp_path, c
     assert len(logs) == 2 and json.loads((tmp_path / "build" / "manifest.json").read_text())["files"] == 4
 
 
+def test_validation_on_training_shards_of_a_corpus_built_on_first_use_is_refused(tmp_path, compose_config):
+    """Its shards exist once built: refused then (xtrain.data.prepare), and before anything else
+    by the input checks when the build is already in place."""
+    from xtrain.inputs import check_data
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.cpp").write_text(CPP)
+    (src / "b.hpp").write_text("namespace b { inline int g() { return 2; } }\n")
+    cfg = compose_config(["data.vocab_size=300", f"data.build_dir={tmp_path / 'build'}",
+                          "data.val_files=${data.build_dir}/train"])
+    cfg.data.build_sources = [str(src)]
+    check_data(cfg.data)  # nothing built yet: no shards to compare
+    shared = re.escape(f"data.val_files={tmp_path / 'build'}/train: 1 shard(s) also in data.train_files")
+    with pytest.raises(DataError, match=shared):
+        prepare(cfg.data, log=lambda _: None)
+    with pytest.raises(DataError, match=shared):
+        check_data(cfg.data)
+    cfg.data.val_files = "${data.build_dir}/val"
+    check_data(cfg.data)
+    prepare(cfg.data, log=lambda _: None)
+
+
 def test_a_build_with_a_split_left_empty_or_too_small_a_vocabulary_is_refused_writing_nothing(
         tmp_path, capsys):
     """Two identical files leave validation's copy only (chunks are de-duplicated across the
@@ -924,7 +947,8 @@ def test_two_vocabulary_sizes_of_the_default_data_live_side_by_side(compose_conf
 
 BUILD = ("import sys\nfrom omegaconf import OmegaConf\nfrom xtrain.data import prepare\n"
          "data = OmegaConf.create(dict(build_sources=['/usr/include/c++'], build_dir=sys.argv[1], "
-         "vocab_size=640, chunk_tokens=256, tokenizer=sys.argv[1] + '/tokenizer', tokenizer_threads=2))\n"
+         "vocab_size=640, chunk_tokens=256, tokenizer=sys.argv[1] + '/tokenizer', tokenizer_threads=2, "
+         "train_files=sys.argv[1] + '/train', val_files=sys.argv[1] + '/val'))\n"
          "prepare(data, log=lambda m: print('BUILT', m, flush=True))\n")
 
 

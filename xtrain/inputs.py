@@ -223,25 +223,23 @@ def check_tokenizer(directory: str) -> None:
 def check_data(data) -> None:
     """The tokenizer and the shards, unless the corpus is built on first use (then its output
     directory, which must be the build's to replace, and its sources)."""
-    from xtrain.data.corpus import check_output, checked_sources
+    from xtrain.data import check_separate_splits
+    from xtrain.data.corpus import check_output, checked_sources, read_manifest
     from xtrain.data.loader import holdout_last, list_shards
 
     if data.build_sources:
         if data.build_dir:
             check_output(list(data.build_sources), data.build_dir)
         checked_sources(list(data.build_sources))
+        if data.build_dir and read_manifest(data.build_dir):  # a build in place: its shards
+            check_separate_splits(data)  # (else checked once built: xtrain.data.prepare)
         return  # the tokenizer and shards are built (or reused) from them
     check_tokenizer(data.tokenizer)
     if data.holdout_last_shard:  # (then no val_files: xtrain.plan.check_validation_split)
         holdout_last(data.train_files)
         return
-    shards = list_shards(data.train_files)
-    if data.val_files:
-        shared = sorted(set(shards) & set(list_shards(data.val_files)))
-        if shared:  # (a glob or directory matching both; holdout_last_shard splits one list)
-            raise DataError(f"data.val_files={data.val_files}: {len(shared)} shard(s) also in "
-                            f"data.train_files={data.train_files} (first {shared[0]}): validation "
-                            "would score text the run trains on; point them at separate shards")
+    list_shards(data.train_files)
+    check_separate_splits(data)
 
 
 def check_evaluation_steps(cfg) -> None:

@@ -38,7 +38,22 @@ def prepare(data, log=print) -> Tokenizer:
         from xtrain.data.corpus import ensure_built
 
         ensure_built(build_spec(data), log=log)
+        check_separate_splits(data)  # (a corpus's shards are known once built)
     return checked_tokenizer(data, data.tokenizer)
+
+
+def check_separate_splits(data) -> None:
+    """Refuse validation shards that are also training shards: validation would score text the
+    run trains on (a glob or directory matching both; holdout_last_shard splits one list)."""
+    from xtrain.data.loader import list_shards
+
+    if not data.val_files:
+        return
+    shared = sorted(set(list_shards(data.train_files)) & set(list_shards(data.val_files)))
+    if shared:
+        raise DataError(f"data.val_files={data.val_files}: {len(shared)} shard(s) also in "
+                        f"data.train_files={data.train_files} (first {shared[0]}): validation "
+                        "would score text the run trains on; point them at separate shards")
 
 
 def check_build_keeps(data, checkpoint: str, trained_with: str | None) -> None:
