@@ -984,11 +984,41 @@ def test_a_refusal_ends_in_its_one_line_while_a_timed_out_check_runs_in_native_c
                          "sets the wait"], r.stderr[-2000:]
 
 
+STOPPED_AT_ITS_WORK = """
+import os, signal, sys
+import xtrain.modes as modes
+SIGNAL = getattr(signal, sys.argv.pop())  # (the command's last argument)
+def stopped(*args, **kwargs):
+    os.kill(os.getpid(), SIGNAL)
+modes.compile_for_tpu = modes.show_plan = stopped
+"""
+
+
+@pytest.mark.parametrize("mode, hardware", [("plan", "cpu"), ("compile", "v6e4")])
+@pytest.mark.parametrize("signal_name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_mode_that_keeps_nothing_stopped_at_its_work_leaves_nothing(tmp_path, mode, hardware,
+                                                                      signal_name, code):
+    """Ctrl-C or SIGTERM during ``mode=plan`` or ``mode=compile`` (minutes of the TPU compiler):
+    the run dir Hydra made goes as after its end, and the stop's line speaks of no checkpoint.
+    The signal comes from inside the mode's work (a fault injected there)."""
+    from conftest import with_fault
+
+    r = subprocess.run([sys.executable, "-c", with_fault(STOPPED_AT_ITS_WORK), *TINY,
+                        f"hardware={hardware}", f"mode={mode}", signal_name],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == code, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1].endswith(f"; mode={mode} keeps nothing"), r.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_refused_command_leaves_nothing_also_with_hydra_full_error(tmp_path):
-    """HYDRA_FULL_ERROR=1 shows a refusal's traceback instead of its one line; the run dir Hydra
-    made, and its record of the command, are removed all the same."""
+    """HYDRA_FULL_ERROR=1 shows a refusal's traceback before its one line, and the exit code
+    stays a refusal's (scripts tell bad input from a crash by it); the run dir Hydra made, and its
+    record of the command, are removed all the same."""
     r = subprocess.run([sys.executable, "-m", "xtrain", *TINY, "model.depth=0"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HYDRA_FULL_ERROR": "1"})
-    assert r.returncode != 0 and "Traceback" in r.stderr and "model.depth=0" in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == EXIT_REFUSED and "Traceback" in r.stderr, r.stderr[-3000:]
+    assert lines[-1].startswith("xtrain: ") and "model.depth=0" in lines[-1], r.stderr[-3000:]
     assert list(tmp_path.iterdir()) == []

@@ -4,7 +4,7 @@
 Refused input, whether Hydra's (an unknown option, key or choice, a wrong type) or xtrain's
 (xtrain/errors.py: a value out of range, a missing path), ends with one line on stderr and exit
 code 2 (EXIT_REFUSED); a failed remote launch with one line and exit code 1;
-``HYDRA_FULL_ERROR=1`` shows the traceback instead. A crash's traceback, Hydra's report of it or
+``HYDRA_FULL_ERROR=1`` shows a refusal's traceback too. A crash's traceback, Hydra's report of it or
 the interpreter's, has secrets masked (xtrain/observe/console.py mask_stderr), as have refusals and
 warnings. With ``hydra/launcher=tpu_vm|tpu_pod`` a single run is launched on the workers
 (xtrain/launcher/), never trained here. Heavy libraries (torch, lightning, torch_xla) are imported
@@ -37,18 +37,40 @@ compat.report_refusals(is_refusal, refuse, masked_stderr)
 printed_masked(mask_secrets)
 register()
 CWD_BEFORE: set[str] = set()  # the working dir's entries before Hydra made a run dir there
+# what a stop (Ctrl-C, SIGTERM) leaves, said after it: a training its checkpoints
+AFTER_A_STOP = {"said": "; a run resumes from its last committed checkpoint"}
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name=PRIMARY_CONFIG)
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from xtrain.launcher import is_remote, launch_from_hydra
-    from xtrain.modes import run
-    from xtrain.train.run_lock import RunDirInUse
+    from xtrain.launcher import is_remote
 
     hc = HydraConfig.get()
     remote = is_remote(hc.launcher)
+    keeps_nothing = not remote and cfg.mode in (Mode.plan, Mode.compile)  # in the run dir
+    if not remote and cfg.mode != Mode.train:
+        AFTER_A_STOP["said"] = f"; mode={cfg.mode.value} keeps nothing" if keeps_nothing else ""
+    try:
+        summary = _run_mode(cfg, hc, remote)
+    except (KeyboardInterrupt, Terminated):
+        if keeps_nothing:
+            discard(hc.runtime.output_dir, CWD_BEFORE)
+        raise
+    if keeps_nothing:
+        discard(hc.runtime.output_dir, CWD_BEFORE)
+    if summary and summary.get("preempted"):
+        sys.exit(EXIT_STOPPED)  # not finished; re-running the command resumes
+
+
+def _run_mode(cfg: DictConfig, hc, remote: bool) -> dict | None:
+    """The job of ``cfg.mode``, or its launch on the workers (``remote``); a refusal ends here in
+    one line, the run dir Hydra made for it removed."""
+    from xtrain.launcher import launch_from_hydra
+    from xtrain.modes import run
+    from xtrain.train.run_lock import RunDirInUse
+
     try:  # hydra/launcher=tpu_vm|tpu_pod: Hydra calls a launcher only with -m, so route it here
         check_composed(cfg, hc)
         summary = launch_from_hydra(cfg) if remote else run(cfg, hc.runtime.output_dir)
@@ -66,10 +88,7 @@ def _main(cfg: DictConfig) -> None:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         refuse(ex)
-    if not remote and cfg.mode in (Mode.plan, Mode.compile):  # nothing kept in the run dir
-        discard(hc.runtime.output_dir, CWD_BEFORE)
-    if summary and summary.get("preempted"):
-        sys.exit(EXIT_STOPPED)  # not finished; re-running the command resumes
+    return summary
 
 
 def secondary_process_overrides(env=os.environ) -> list[str]:
@@ -184,12 +203,11 @@ def main() -> None:
             _main()
             exit_if_jobs_stopped()
     except KeyboardInterrupt:  # Ctrl-C outside training's own handling (xtrain/train/preemption.py)
-        print("xtrain: interrupted (SIGINT); a run resumes from its last committed checkpoint",
-              file=sys.stderr)
+        print(f"xtrain: interrupted (SIGINT){AFTER_A_STOP['said']}", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     except Terminated:  # SIGTERM there (xtrain/train/preemption.py sigterm_raises)
-        print("xtrain: stopped (SIGTERM) outside a training step; a run resumes from its last "
-              "committed checkpoint", file=sys.stderr)
+        print(f"xtrain: stopped (SIGTERM) outside a training step{AFTER_A_STOP['said']}",
+              file=sys.stderr)
         sys.exit(EXIT_STOPPED)
 
 

@@ -299,7 +299,11 @@ def report_refusals(is_refusal, refuse, masked=lambda report: report()) -> None:
     """[hydra-core] Hydra composes the config and runs the job inside ``run_and_report``, which
     prints a multi-line report and exits 1 for any error. Replace it so that refused input
     (``is_refusal``) goes to ``refuse`` (one line, xtrain's exit code); other exceptions keep Hydra's
-    report, written through ``masked``, or raise (``HYDRA_FULL_ERROR=1``). Process-wide, idempotent."""
+    report, written through ``masked``, or raise (``HYDRA_FULL_ERROR=1``; a refusal then prints its
+    traceback, through ``masked``, before its line and keeps its exit code). Process-wide,
+    idempotent."""
+    import traceback
+
     import hydra._internal.utils as hydra_utils
 
     original = getattr(hydra_utils.run_and_report, "_xtrain_original", hydra_utils.run_and_report)
@@ -309,8 +313,10 @@ def report_refusals(is_refusal, refuse, masked=lambda report: report()) -> None:
             return func()
         except Exception as ex:  # noqa: BLE001  (Hydra's contract: report any error)
             ex = _override_of_an_unset_node(ex) or ex
-            if not is_refusal(ex) or hydra_utils._is_env_set("HYDRA_FULL_ERROR"):
+            if not is_refusal(ex):
                 return masked(lambda: original(_raise(ex)))
+            if hydra_utils._is_env_set("HYDRA_FULL_ERROR"):
+                masked(lambda: traceback.print_exception(ex))
             refuse(ex)
 
     run_and_report._xtrain_original = original
