@@ -108,7 +108,7 @@ def check_environment(cfg) -> None:
     checks it on the workers): the W&B key for online logging, the C++ evaluation's compiler and
     benchmark file, a multi-process CPU run's rendezvous variables (MASTER_ADDR, RANK, ...), and
     on the CPU engine the machine's memory for its state (xtrain/hardware.py check_fits_host)."""
-    if cfg.mode != Mode.train:
+    if cfg.mode != Mode.train:  # (mode=plan too: a TPU run is often planned on another machine)
         return
     check_host_memory(cfg)
     if cfg.logger.wandb is not None:
