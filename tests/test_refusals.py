@@ -260,6 +260,17 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
     ("wandb-online-without-key", ["logger=[jsonl,wandb]", "logger.wandb.mode=online"],
      {"WANDB_API_KEY": "", "WANDB_BASE_URL": "https://wandb.invalid"},  # no key, none in ~/.netrc
      "logger.wandb.mode=online but no W&B key: export WANDB_API_KEY"),
+    ("wandb-project-w&b-refuses", ["logger=[jsonl,wandb]", "logger.wandb.project=team/proj"], {},
+     "logger.wandb.project='team/proj': W&B takes names of up to 128 characters, none of / \\ # ? % :"),
+    ("wandb-empty-tag", ["logger=[jsonl,wandb]", "logger.wandb.tags=[a,'']"], {},
+     "logger.wandb.tags: '' has 0 characters; W&B takes tags of 1 to 64"),
+    ("wandb-tag-too-long", ["logger=[jsonl,wandb]", f"logger.wandb.tags=[{'t' * 65}]"], {},
+     f"logger.wandb.tags: '{'t' * 65}' has 65 characters"),
+    ("tensorboard-name-a-path", ["logger=[jsonl,tensorboard]", "logger.tensorboard.name=../out"], {},
+     "logger.tensorboard.name='../out': one directory's name under <run dir>/tensorboard, no path"),
+    ("tensorboard-version-a-path-in-a-plan", ["logger=[jsonl,tensorboard]", "mode=plan",
+                                              "logger.tensorboard.version=a/b"], {},
+     "logger.tensorboard.version='a/b': one directory's name"),
     ("logger-not-selected", ["logger.wandb.project=x"], {},
      "logger.wandb.project: logger.wandb is not part of this config (null): select it first, "
      "e.g. logger=[jsonl,wandb]"),

@@ -16,6 +16,7 @@ from xtrain.hardware import (check_fits_host, cpu_processes, launch_environment,
                               run_processes)
 from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
+from xtrain.observe.loggers import check_logger_settings
 from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
 from xtrain.train.preemption import sigterm_raises
 from xtrain.train.run_lock import run_dir_lock
@@ -41,6 +42,7 @@ def check_config(cfg) -> None:
             check_fits(plan, cfg)  # (mode=plan says whether it fits, then exits accordingly)
         if cfg.mode in TRAINING_PLANNED:
             check_built_where_read(cfg.data)
+            check_logger_settings(cfg.logger)
             if cfg.checkpoint.rewind and not cfg.checkpoint.resume:  # (it would be passed over)
                 raise ConfigError("checkpoint.rewind=true goes back to checkpoint.resume's step, "
                                   "which is not set: add checkpoint.resume=PATH")

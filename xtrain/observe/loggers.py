@@ -33,6 +33,36 @@ def local_dir(run_dir: str) -> str:
     return str(cache_root() / "runs" / re.sub(r"[^A-Za-z0-9._-]+", "_", run_dir))
 
 
+# W&B refuses a project's name over 128 characters or holding one of these, and a tag outside
+# 1..64 characters, at wandb.init (wandb 0.31: wandb/sdk/wandb_settings.py), after the data and
+# the model are built
+WANDB_PROJECT_FORBIDDEN, WANDB_PROJECT_CHARS = "/\\#?%:", 128
+WANDB_TAG_CHARS = (1, 64)
+
+
+def check_logger_settings(logger_cfg) -> None:
+    """What the chosen loggers would refuse, or do wrong, only once training starts: a W&B
+    project name or tag W&B refuses, a TensorBoard name or version that is not one directory's
+    name (``../x`` writes outside the run dir)."""
+    from xtrain.errors import ConfigError
+
+    wandb, tensorboard = logger_cfg.wandb, logger_cfg.tensorboard
+    if wandb is not None:
+        if set(wandb.project) & set(WANDB_PROJECT_FORBIDDEN) or len(wandb.project) > WANDB_PROJECT_CHARS:
+            raise ConfigError(f"logger.wandb.project={wandb.project!r}: W&B takes names of up to "
+                              f"{WANDB_PROJECT_CHARS} characters, none of {' '.join(WANDB_PROJECT_FORBIDDEN)}")
+        low, high = WANDB_TAG_CHARS
+        for tag in wandb.tags:
+            if not low <= len(tag) <= high:
+                raise ConfigError(f"logger.wandb.tags: {tag!r} has {len(tag)} characters; W&B "
+                                  f"takes tags of {low} to {high}")
+    for key in ("name", "version"):
+        value = tensorboard[key] if tensorboard is not None else ""
+        if value and (value in (".", "..") or "/" in value):
+            raise ConfigError(f"logger.tensorboard.{key}={value!r}: one directory's name under "
+                              f"<run dir>/{TENSORBOARD_DIR}, no path")
+
+
 def build_run_log(logger_cfg, run_dir: str, run_name: str, config: dict, max_steps: int,
                   start_step: int = 0, rank: int = 0) -> RunLog:
     """``config``: the resolved config (uploaded with secrets masked)."""
