@@ -172,6 +172,17 @@ def test_the_first_step_of_a_start_is_logged_whatever_log_every(tmp_path):
     assert train == [1, 4, 5, 10, 12]  # each start's first and last step, and every tenth
 
 
+def test_a_training_without_prompts_makes_no_samples(tmp_path):
+    """sample.prompts=[] is how a training has no samples whatever trainer.sample_tokens: it
+    made empty ones (a ``sample`` line with nothing after it, a rate of 0 in every logger)."""
+    run_dir = tmp_path / "run"
+    code, out, err = finish(xtrain(run_dir, "trainer.max_steps=2", "trainer.sample_every=1",
+                                   "trainer.sample_tokens=8", "sample.prompts=[]"))
+    assert code == 0, err[-3000:]
+    kinds = {r["kind"] for r in read_jsonl(run_dir / "metrics.jsonl")}
+    assert "train" in kinds and "sample" not in kinds and "sample" not in out, out[-3000:]
+
+
 def test_a_diverged_run_is_said_once_above_the_bar_and_still_ends_with_its_checkpoint(tmp_path):
     """Learning rates far too high make the loss NaN: said once, at the first logged step that
     has it, on a terminal above the progress bar (a warning was glued to the bar's end: written

@@ -52,15 +52,16 @@ def check_prompts_room(cfg, tokenizer, sequence_len: int, rank: int) -> None:
 
 
 class SampleCallback(L.Callback):
-    """``tokens`` per sample; ``every`` steps between samples (0: only at the end); the same
-    seed every time, so samples of one run differ only by what the model learnt. ``stop``: the
-    run's StopRequest (xtrain/train/preemption.py): a stop requested calls a sample off
-    (:meth:`sample_unless_stopping`)."""
+    """``tokens`` per sample (none without prompts); ``every`` steps between samples (0: only at
+    the end); the same seed every time, so samples of one run differ only by what the model
+    learnt. ``stop``: the run's StopRequest (xtrain/train/preemption.py): a stop requested calls
+    a sample off (:meth:`sample_unless_stopping`)."""
 
     def __init__(self, tokenizer, sample_cfg, tokens: int, every: int, run_log, timer, stop=None):
-        self.tokenizer, self.cfg, self.tokens, self.every = tokenizer, sample_cfg, tokens, every
-        self.run_log, self.timer, self.stop = run_log, timer, stop
         self.prompts = sample_prompts(sample_cfg)  # (checked to fit: check_prompts_room)
+        self.tokenizer, self.cfg, self.every = tokenizer, sample_cfg, every
+        self.tokens = tokens if self.prompts else 0  # sample.prompts=[]: no samples in training
+        self.run_log, self.timer, self.stop = run_log, timer, stop
 
     def sample(self, step: int, model) -> dict | None:
         with self.timer.measure("sample"):  # not charged to training throughput
