@@ -195,8 +195,12 @@ def test_a_diverged_run_is_said_once_above_the_bar_and_still_ends_with_its_check
             "optim.embedding_lr=1e30", "optim.unembedding_lr=1e30", "optim.grad_clip=0"]
     code, out = _on_a_terminal([*args, f"hydra.run.dir={run_dir}"], dict(os.environ))
     assert code == 0, out[-3000:]
-    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
-    first_nan = next(r["step"] for r in train if r["loss"] != r["loss"])
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    train = [r for r in (json.loads(line, parse_constant=refuse) for line in lines) if r["kind"] == "train"]
+    first_nan = next(r["step"] for r in train if r["loss"] is None)  # strict JSON: NaN as null
     # after the bar's "erase line", as the INFO lines
     assert out.count("the training diverged") == 1, out[-3000:]
     assert f"\x1b[2Kxtrain: warning: the loss is nan at step {first_nan}: the training diverged" in out
@@ -744,6 +748,24 @@ def test_a_sink_that_fails_is_said_and_neither_stops_training_nor_the_other_sink
     finally:
         memory.pipe_file = pipe
         memory.rm(root, recursive=True)
+
+
+def test_a_failing_sinks_warning_names_the_error_a_logger_raised_it_from(capfd):
+    """Lightning's TensorBoardLogger re-raises a write's error as a ValueError about the value
+    logged; the warning names the error it came from (a directory that is a file, a full disk)."""
+    from xtrain.observe.sinks import RunLog, Sink
+
+    class Rewrapping(Sink):
+        def write(self, record):
+            try:
+                raise NotADirectoryError(20, "Not a directory", "run/tensorboard")
+            except OSError as e:
+                raise ValueError("you tried to log 8.3 which is currently not supported") from e
+
+    RunLog([Rewrapping()]).record("train", 1, {"loss": 1.0})
+    said = capfd.readouterr().err
+    assert "ValueError: you tried to log 8.3" in said and "from NotADirectoryError" in said, said
+    assert "Not a directory: 'run/tensorboard'" in said, said
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import threading
 import time
@@ -66,8 +67,9 @@ class RunLog:
         except Exception as e:  # noqa: BLE001  (any library's error: named, then passed over)
             if id(sink) not in self._failing:
                 self._failing.add(id(sink))
-                warn(f"{sink}: {method} failed ({type(e).__name__}: {e}); the run goes on, its "
-                     "other records too")
+                cause = e.__cause__  # (Lightning's loggers re-raise the error as another)
+                why = f"{type(e).__name__}: {e}" + (f"; from {type(cause).__name__}: {cause}" if cause else "")
+                warn(f"{sink}: {method} failed ({why}); the run goes on, its other records too")
             return
         self._failing.discard(id(sink))
 
@@ -127,8 +129,21 @@ class AppendFile:
                 self._upload()
 
 
+def strict_json(value):
+    """``value`` with every NaN or infinity as None: JSON has no such numbers (Python's ``json``
+    writes ``NaN``, which strict parsers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 class JsonlSink(Sink):
-    """``metrics.jsonl``: one JSON object per record (the run's own record of its metrics)."""
+    """``metrics.jsonl``: one JSON object per record (the run's own record of its metrics; a
+    value that is not a finite number, a diverged run's loss, is null)."""
 
     def __init__(self, run_dir: str, filename: str = "metrics.jsonl"):
         self.file = AppendFile(f"{run_dir.rstrip('/')}/{filename}")
@@ -138,7 +153,7 @@ class JsonlSink(Sink):
         return self.path
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
 
     def close(self, status: str = "success") -> None:
         self.file.close()
