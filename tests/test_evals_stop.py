@@ -21,6 +21,15 @@ def test_braces_in_literals_and_comments_do_not_count():
     assert cut(PROMPT, raw) == body
 
 
+def test_separators_after_a_numbers_letters_are_digit_separators_too():
+    """0xFFFF'FFFF: the digits before the second separator are letters (a hex number), an
+    exponent's too; read as a character literal, the line's closing brace went with it."""
+    prompt = "unsigned long long low48(unsigned long long x) {\n"
+    for number in ("0xFFFF'FFFF'FFFFull", "0b1010'1010", "1.5e1'0"):
+        body = f"  return x & {number}; }}\n"
+        assert cut(prompt, body + "\nint main() { return 0; }\n") == body, number
+
+
 def test_eof_marker_ends_the_completion_first():
     raw = "  return \"x\";\n<|bos|>// next document\n}\n"
     assert cut(PROMPT, raw, ["<|endoftext|>", "<|bos|>"]) == "  return \"x\";\n"

@@ -22,6 +22,16 @@ def _token_before(text: str, i: int) -> str:
     return text[j:i]
 
 
+def _in_number(text: str, i: int) -> bool:
+    """Whether the ``'`` at ``text[i]`` continues a number (a digit separator: ``1'000``,
+    ``0xFFFF'FFFF'FFFF``, whose digits before a separator may be letters): the run of word
+    characters and separators before it starts with a digit."""
+    j = i
+    while j > 0 and (text[j - 1] in _IDENT or text[j - 1] == "'"):
+        j -= 1
+    return text[j:i][:1].isdigit()
+
+
 def scan(text: str, stop_from: int | None = None) -> tuple[int, int | None]:
     """Brace depth at the end of ``text`` (or where it stopped), and, when ``stop_from`` is
     given, the index right after the first ``}`` at or after ``stop_from`` that brings the depth
@@ -45,7 +55,7 @@ def scan(text: str, stop_from: int | None = None) -> tuple[int, int | None]:
             end = text.find(")" + delim + '"', open_paren + 1) if open_paren >= 0 else -1
             i = n if end < 0 else end + len(delim) + 2
             continue
-        if c == "'" and _token_before(text, i)[:1].isdigit():
+        if c == "'" and _in_number(text, i):
             i += 1  # digit separator (1'000'000), not a character literal
             continue
         if c in "\"'":
