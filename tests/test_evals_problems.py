@@ -76,6 +76,10 @@ def good(**changes):
      "reference must end with the brace"),
     (good(id="x", tests="static_assert(true);\n"), "tests must define `int main()`"),
     (good(), "duplicate id 'add' (first on line 1)"),
+    # JSON's escapes spell half a surrogate pair, which no UTF-8 file holds (the sandbox writes
+    # the code out as UTF-8)
+    (good(id="x", prompt="// Return a + b. \ud800\n" + GOOD["prompt"]),
+     "field 'prompt' holds '\\ud800' at character 17, half a surrogate pair"),
 ])
 def test_malformed_line_names_file_line_and_fault(tmp_path, bad_line, message):
     path = write_lines(tmp_path / "bench.jsonl", [good(), "", bad_line])
@@ -115,6 +119,14 @@ def test_a_file_that_is_not_utf8_text_or_a_directory_is_refused_naming_it(tmp_pa
     with pytest.raises(ProblemFileError, match=rf"^C\+\+ benchmark file {tmp_path} cannot be read "
                                                r"\(IsADirectoryError: Is a directory\)"):
         load_problems(str(tmp_path))
+
+
+@pytest.mark.parametrize("url, why", [("htps://example.com/cpp.jsonl", "ValueError: Protocol not known: htps"),
+                                      ("s3://bucket/cpp.jsonl", "ImportError: Install s3fs")])
+def test_a_url_fsspec_cannot_open_is_refused_naming_it(url, why):
+    """A mistyped protocol, or one whose package is not installed here (nothing is fetched)."""
+    with pytest.raises(ProblemFileError, match=rf"^C\+\+ benchmark file {url} cannot be read \({why}"):
+        load_problems(url)
 
 
 def test_a_team_benchmark_loads_from_gcs(gcs_bucket):

@@ -51,6 +51,9 @@ def load_problems(path: str | None = None) -> list[Problem]:
     except OSError as e:  # a directory, a file without read permission
         raise ProblemFileError(f"C++ benchmark file {path} cannot be read "
                                f"({type(e).__name__}: {e.strerror or e})") from None
+    except (ValueError, ImportError) as e:  # (fsspec: a protocol unknown, or its package missing)
+        raise ProblemFileError(f"C++ benchmark file {path} cannot be read "
+                               f"({type(e).__name__}: {e})") from None
     problems: list[Problem] = []
     first_line: dict[str, int] = {}
     for number, line in enumerate(lines, start=1):
@@ -88,6 +91,11 @@ def parse_line(line: str) -> Problem:
     for name in FIELDS:
         if not isinstance(obj[name], str) or not obj[name].strip():
             raise ValueError(f"field {name!r} must be a non-empty string")
+        try:
+            obj[name].encode("utf-8")  # (JSON's escapes can spell half a surrogate pair)
+        except UnicodeEncodeError as e:
+            raise ValueError(f"field {name!r} holds {e.object[e.start]!r} at character {e.start}, "
+                             "half a surrogate pair: not text") from None
     problem = Problem(**{name: obj[name] for name in FIELDS})
     _check_problem(problem)
     return problem
