@@ -66,6 +66,12 @@ def test_scores_overall_and_per_difficulty():
     ({"sandbox": "docker"}, "eval.sandbox='docker'"),
     ({"run_timeout_s": 0}, "eval.run_timeout_s=0: must be > 0"),
     ({"workers": -1}, "eval.workers=-1: must be >= 0"),
+    # g++ reads -ansi as -std=c++98: the shipped references fail to compile under it
+    ({"flags": ["-O1", "-ansi"]}, "eval.flags: -ansi would replace eval.std=c"),
+    ({"eof_markers": ["<|bos|>", ""]}, "eval.eof_markers: '' would end every completion at once"),
+    # resource limits prlimit takes: finite, under a day and a PiB
+    ({"run_timeout_s": float("inf")}, "eval.run_timeout_s=inf: must be <= 86400"),
+    ({"max_file_kb": 10**18}, "eval.max_file_kb=1000000000000000000: must be <= "),
 ])
 def test_config_check_names_the_field(changes, message):
     with pytest.raises(ConfigError, match=message):

@@ -8,6 +8,11 @@ from enum import Enum
 
 from xtrain.limits import limits
 
+# Upper bounds of the sandbox's limits: the resource limits they become must be numbers prlimit
+# takes (a finite count of seconds or bytes); far above any sensible value
+DAY_S = 86400.0
+MAX_MB = 2**30  # a PiB
+
 
 class Sandbox(str, Enum):
     """How the C++ evaluation isolates each program (xtrain/evals/sandbox.py)."""
@@ -42,15 +47,15 @@ class EvalConfig:
     gxx: str = "g++"  # compiler executable (name on PATH or absolute path)
     std: str = "c++17"  # -std= value; C++17 or newer
     flags: list[str] = field(default_factory=lambda: ["-O1", "-pipe"])  # extra g++ flags
-    compile_timeout_s: float = limits(30.0, gt=0)  # wall-clock limit of one compile
+    compile_timeout_s: float = limits(30.0, gt=0, le=DAY_S)  # wall-clock limit of one compile
     # wall-clock limit of one test run (CPU time gets the same + 1 s)
-    run_timeout_s: float = limits(5.0, gt=0)
-    compile_memory_mb: int = limits(2048, ge=1)  # address-space limit of the compiler processes
-    run_memory_mb: int = limits(512, ge=1)  # address-space limit of the test program
+    run_timeout_s: float = limits(5.0, gt=0, le=DAY_S)
+    compile_memory_mb: int = limits(2048, ge=1, le=MAX_MB)  # address-space limit of the compiler processes
+    run_memory_mb: int = limits(512, ge=1, le=MAX_MB)  # address-space limit of the test program
     # largest file a program (or the compiler, x64) may write; caps output
-    max_file_kb: int = limits(1024, ge=1)
-    max_processes: int = limits(32, ge=1)  # processes the sandbox's user may have (fork bombs)
-    max_open_files: int = limits(64, ge=1)  # open file descriptors per process
+    max_file_kb: int = limits(1024, ge=1, le=MAX_MB * 1024)
+    max_processes: int = limits(32, ge=1, le=2**22)  # processes the sandbox's user may have (fork bombs)
+    max_open_files: int = limits(64, ge=1, le=2**20)  # open file descriptors per process
     workers: int = limits(0, ge=0)  # compiles/runs at once; 0: one per CPU core this process may use
     sandbox: Sandbox = Sandbox.auto
     message_chars: int = limits(2000, ge=1)  # compiler message and test output kept per record

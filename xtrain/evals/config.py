@@ -29,9 +29,13 @@ def check(cfg: EvalConfig) -> None:
     if not _STD.fullmatch(cfg.std):
         raise ConfigError(f"eval.std={cfg.std!r}: expected c++17 or newer (c++17, c++20, "
                           f"c++23, gnu++17, ...)")
-    if std := [f for f in cfg.flags if re.match(r"--?std\b", f)]:  # (g++ takes the last one)
+    # (g++ takes the last one; -ansi is -std=c++98 in C++)
+    if std := [f for f in cfg.flags if re.match(r"--?(std\b|ansi$)", f)]:
         raise ConfigError(f"eval.flags: {std[0]} would replace eval.std={cfg.std}; set the "
                           "standard with eval.std")
+    if blank := [m for m in cfg.eof_markers if not m.strip()]:
+        raise ConfigError(f"eval.eof_markers: {blank[0]!r} would end every completion at once, or "
+                          "at its first blank; give markers of visible text")
     if cfg.sandbox not in {s.value for s in Sandbox}:
         raise ConfigError(f"eval.sandbox={cfg.sandbox!r}: expected one of "
                           f"{', '.join(s.value for s in Sandbox)}")
