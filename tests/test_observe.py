@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, child_pids, read_jsonl
+from conftest import TINY, child_pids, read_jsonl, with_fault
 from logreaders import tensorboard_scalars, tensorboard_texts, wandb_runs
 from test_checkpoint import finish, wait_for_step, xtrain
 
@@ -158,6 +158,39 @@ def _on_a_terminal(args: list[str], env: dict, timeout: float = 240) -> tuple[in
         proc.wait()
     os.close(leader)
     return code, out.getvalue().decode(errors="replace")
+
+
+STOP_WITH_A_SLOW_SAVE = with_fault("""
+import os, signal, time
+from xtrain.train.checkpointing import PeriodicCheckpoint
+save, batch_end = PeriodicCheckpoint.save, PeriodicCheckpoint.on_train_batch_end
+def slow(self, trainer, wait=False):
+    saved = save(self, trainer, wait)
+    if wait:
+        time.sleep(2)  # the stop's checkpoint committed to a slow bucket
+    return saved
+def signalled(self, trainer, *args):
+    if trainer.global_step == 4 and not os.environ.get("XTRAIN_TEST_SIGNALLED"):
+        os.environ["XTRAIN_TEST_SIGNALLED"] = "1"
+        os.kill(os.getpid(), signal.SIGTERM)
+    return batch_end(self, trainer, *args)
+PeriodicCheckpoint.save, PeriodicCheckpoint.on_train_batch_end = slow, signalled
+""")
+
+
+def test_elapsed_time_never_goes_back_across_a_stop_and_its_resume(tmp_path):
+    """The stop's record came after its checkpoint's save, its elapsed_s counting the save; the
+    resumed run goes on from the checkpoint's elapsed_s, taken before the save: its first step
+    was logged as earlier than the step before it. The save is made slow (a fault); the stop's
+    step is not a logging step (each start's first and last are)."""
+    run_dir, args = tmp_path / "run", ["trainer.max_steps=8", "trainer.log_every=100"]
+    code, _, err = finish(xtrain(run_dir, *args, fault=STOP_WITH_A_SLOW_SAVE))
+    assert code == 143, err[-3000:]
+    code, _, err = finish(xtrain(run_dir, *args))
+    assert code == 0, err[-3000:]
+    elapsed = {r["step"]: r["elapsed_s"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(elapsed) == [1, 4, 5, 8]
+    assert [elapsed[s] for s in sorted(elapsed)] == sorted(elapsed.values()), elapsed
 
 
 def test_the_first_step_of_a_start_is_logged_whatever_log_every(tmp_path):

@@ -89,9 +89,11 @@ class MetricsLogger(L.Callback):
         self._tokens0 = 0
         self._compute = 0.0
         self._elapsed0 = 0.0  # training seconds of the runs this one resumed, up to their checkpoint
+        self._saved_elapsed = None  # the newest checkpoint's elapsed_s
 
     def state_dict(self) -> dict:
-        return {"tokens": self.tokens, "elapsed_s": self._elapsed(time.perf_counter())}
+        self._saved_elapsed = self._elapsed(time.perf_counter())
+        return {"tokens": self.tokens, "elapsed_s": self._saved_elapsed}
 
     def load_state_dict(self, state: dict) -> None:
         self.tokens = state["tokens"]
@@ -134,16 +136,19 @@ class MetricsLogger(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception):
         # a stop (xtrain/train/checkpointing.py raises it on every process at the same step,
-        # after the step's checkpoint): that step's loss is recorded, as a last step's is; the
-        # resumed run's records begin after it
+        # after the step's checkpoint): that step's loss is recorded, as a last step's is, with
+        # that checkpoint's elapsed_s (which the resumed run's records go on from); the resumed
+        # run's records begin after it
         if isinstance(exception, SIGTERMException) and self._logged_step != trainer.global_step:
             try:
-                self._log(trainer, pl_module, trainer.global_step, time.perf_counter())
+                self._log(trainer, pl_module, trainer.global_step, time.perf_counter(),
+                          elapsed=self._saved_elapsed)
             except Exception as e:  # noqa: BLE001  (a peer gone since the stop's checkpoint)
                 # the stop's exit status matters more than the record (the launcher reads it)
                 warn(f"the loss of step {trainer.global_step} was not recorded ({type(e).__name__}: {e})")
 
-    def _log(self, trainer, pl_module, step: int, now: float) -> None:
+    def _log(self, trainer, pl_module, step: int, now: float, elapsed: float | None = None) -> None:
+        """``elapsed``: the record's elapsed_s, when not the time until ``now``."""
         self._logged_step = step
         # every process: under DDP each holds its own rows' loss and this is a collective; under
         # SPMD the loss is already the global one and this does nothing
@@ -163,10 +168,10 @@ class MetricsLogger(L.Callback):
                  "rates, optim.*_lr, or keep optim.grad_clip on); its weights are not sampled")
         values = {"loss": loss, "lr": float(f"{opt.param_groups[0]['lr'] * lr_mult:.6g}"),
                   "grad_norm": round(grad_norm, 6), "tokens": self.tokens,
-                  **self._rates(step, fetched), **self.extra()}
+                  **self._rates(step, fetched, elapsed), **self.extra()}
         self.run_log.record("train", step, values)
 
-    def _rates(self, step: int, now: float) -> dict:
+    def _rates(self, step: int, now: float, elapsed: float | None = None) -> dict:
         """Throughput, MFU and the step-time split over the interval since the last log."""
         steps = max(step - self._step0, 1)
         phases = self.timer.take()
@@ -195,7 +200,7 @@ class MetricsLogger(L.Callback):
         else:
             t_from, s_from = self._eta_from
             eta = (now - t_from) / max(step - s_from, 1) * (self.max_steps - step)
-        out["elapsed_s"] = round(self._elapsed(now), 1)
+        out["elapsed_s"] = round(self._elapsed(now) if elapsed is None else elapsed, 1)
         if eta is not None:
             out["eta_s"] = round(eta, 1)
         self._t0, self._step0, self._tokens0, self._compute = now, step, self.tokens, 0.0
