@@ -658,6 +658,30 @@ def test_the_console_and_console_log_mask_secrets_in_messages_and_tracebacks(tmp
     assert "RuntimeError: 401 Unauthorized: key *** refused" in saved and "retrying with ***" in saved
 
 
+def test_other_libraries_warnings_reach_console_log_masked_and_their_info_lines_do_not(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A library's logger outside xtrain's (urllib3 retrying through a proxy URL with a token)
+    went to the root logger's handler, Hydra's: unmasked on stdout, and not in console.log."""
+    import logging
+
+    from xtrain.observe.console import ConsoleLog
+
+    secret = "xtrain-test-" + os.urandom(8).hex()
+    monkeypatch.setenv("XTRAIN_TEST_TOKEN", secret)
+    root, hydras = logging.getLogger(), logging.StreamHandler(sys.stdout)  # as Hydra sets it up
+    monkeypatch.setattr(root, "handlers", [hydras])
+    with ConsoleLog(str(tmp_path)):
+        logging.getLogger("urllib3.connectionpool").warning(f"Retrying via https://me:{secret}@proxy")
+        logging.getLogger("urllib3.connectionpool").info("a library's info line")
+    assert root.handlers == [hydras]  # put back
+    out, err = capsys.readouterr()
+    saved = (tmp_path / "console.log").read_text()
+    assert secret not in out + err + saved
+    assert out == "" and err == "Retrying via https://***@proxy\n"
+    assert "WARNING urllib3.connectionpool: Retrying via https://***@proxy" in saved
+    assert "info line" not in saved
+
+
 def test_reports_of_two_threads_at_once_are_both_masked(capsys, monkeypatch):
     """Thread B reports (a thread's traceback) while A's report runs, and A's ends first: B's
     text was written past its mask, and sys.stderr was left on A's buffer (all later output

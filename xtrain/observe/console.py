@@ -82,8 +82,10 @@ def _quiet_libraries(record) -> bool:
 
 class ConsoleLog:
     """Logging for one run, as a context manager: handlers on :data:`LOGGERS` (propagation off,
-    so nothing prints twice), removed on exit. An exception leaving the block is written to
-    console.log with its traceback (the console itself shows what the CLI prints)."""
+    so nothing prints twice) and, in place of the root logger's own (Hydra's), on the root,
+    where any other library's warnings arrive: masked and in console.log too. Put back on exit.
+    An exception leaving the block is written to console.log with its traceback (the console
+    itself shows what the CLI prints)."""
 
     def __init__(self, run_dir: str | None, level: int = logging.INFO):
         self.file = AppendFile(f"{run_dir.rstrip('/')}/{CONSOLE_FILE}") if run_dir else None
@@ -95,13 +97,13 @@ class ConsoleLog:
             handler.addFilter(_quiet_libraries)
         self.level = level
         self._saved = {}
-        # Lightning gives its logger a handler of its own when it is imported while the root
-        # logger has none; a null handler on the root keeps it from doing so inside the block
-        self._root_guard = logging.NullHandler()
 
     def __enter__(self):
         logging.captureWarnings(True)
-        logging.getLogger().addHandler(self._root_guard)
+        # (a root with handlers also keeps Lightning, imported in the block, from giving its
+        # logger one of its own)
+        root = logging.getLogger()
+        self._root_handlers, root.handlers = list(root.handlers), list(self.handlers)
         # TensorBoard's import warns that without TensorFlow it cannot write gs:// paths; xtrain
         # gives it a local directory (xtrain/observe/loggers.py)
         logging.getLogger("absl").setLevel(logging.ERROR)
@@ -123,7 +125,7 @@ class ConsoleLog:
             logger.handlers, logger.propagate = handlers, propagate
             logger.setLevel(level)
         logging.captureWarnings(False)
-        logging.getLogger().removeHandler(self._root_guard)
+        logging.getLogger().handlers = self._root_handlers
         if self.file is not None:
             self.file.close()
         return False
