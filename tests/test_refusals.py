@@ -283,6 +283,11 @@ CASES = [  # (id, overrides, extra environment, what the one line must say)
      "trainer.device_batch_size_4, not to this run (other): give each run its own checkpoint.dir "
      "(e.g. .../ckpt/${{run.name}}); to continue from it on purpose, set "
      "checkpoint.resume={checkpoints}/step_000002 with a checkpoint.dir of this run's own"),
+    # a resume named does not make another run's dir this run's: its retention would delete them
+    ("resume-into-the-dir-of-another-run", ["run.name=other", "checkpoint.dir={checkpoints}",
+                                            "checkpoint.resume={checkpoints}/step_000002"], {},
+     "{checkpoints}/step_000002 belongs to run d2-cpu-cpp_local-model.sequence_len_64-"
+     "trainer.device_batch_size_4, not to this run (other): give each run its own checkpoint.dir"),
     ("checkpoint-dir-blocked", ["checkpoint.dir={a_file}/ckpt"], {}, "checkpoint.dir {a_file}/ckpt is not writable"),
 ]
 
@@ -357,6 +362,7 @@ def before_torch_could_import(seconds: float, torch_import_s: float) -> bool:
 # (its console.log says why); every other config error leaves no run dir
 CHECKED_WITH_INPUTS = {"cpp-eval-between-checkpoints", "cpp-eval-between-checkpoints-torchrun",
                        "resume-other-model", "checkpoint-dir-of-another-run",
+                       "resume-into-the-dir-of-another-run",
                        "checkpoint-dir-blocked"}
 
 

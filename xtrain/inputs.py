@@ -102,8 +102,10 @@ def resume_checkpoint(resume: str | None, ckpt_dir: str, gpt: GPTConfig, run_nam
             check_same_seed(found, meta, seed)
             if not resume:
                 check_same_run(found, run_name, meta)
-            elif not rewind:
-                check_not_behind(resume, int(meta.get("step") or 0), ckpt_dir)
+            else:
+                check_dir_is_this_runs(ckpt_dir, run_name)
+                if not rewind:
+                    check_not_behind(resume, int(meta.get("step") or 0), ckpt_dir)
         if resume and early:
             from xtrain.checkpoint.io import check_loadable
 
@@ -143,6 +145,19 @@ def check_same_run(path: str, run_name: str | None, meta: dict) -> None:
             f"{path} belongs to run {written_by}, not to this run ({run_name}): give each run its "
             "own checkpoint.dir (e.g. .../ckpt/${run.name}); to continue from it on purpose, set "
             f"checkpoint.resume={path} with a checkpoint.dir of this run's own")
+
+
+def check_dir_is_this_runs(ckpt_dir: str, run_name: str | None) -> None:
+    """A run started from ``checkpoint.resume`` writes into ``ckpt_dir``, whose retention deletes
+    the commits there: refuse a dir whose newest commit (with a readable meta.json) another run
+    wrote, as :func:`check_same_run` does without a resume."""
+    for _, path in reversed(committed_checkpoints(ckpt_dir)):
+        try:
+            meta = read_meta(path)
+        except (OSError, TypeError, ValueError, AttributeError):
+            continue  # unreadable: passed over, as the run's own resume does
+        check_same_run(path, run_name, meta)
+        return
 
 
 def continued(resume: str, directory: str) -> bool:
