@@ -177,13 +177,14 @@ def test_records_follow_the_last_attempt_and_a_torn_line_is_skipped(tmp_path, ca
              {"step": 10, "kind": "preemption", "preemptions": 1},
              {"step": 12, "kind": "train", "loss": 2.95}, {"step": 14, "kind": "train", "loss": 2.85}]
     text = "\n".join(json.dumps(x) for x in lines) + '\n{"step": 16, "kind": "tra\n'
-    (tmp_path / "metrics.jsonl").write_text(text)
+    # and a line of bytes that are not UTF-8 (a disk's damage): skipped too, not a traceback
+    (tmp_path / "metrics.jsonl").write_bytes(text.encode() + b'\xff\xfe{"step": 18}\n')
     with caplog.at_level("WARNING"):
         records = read_records(str(tmp_path))
     assert [(r["kind"], r["step"]) for r in records] == [
         ("train", 10), ("val", 10), ("preemption", 10), ("train", 12), ("train", 14), ("stop", 16)]
     assert [r["loss"] for r in records if r["kind"] == "train"] == [3.0, 2.95, 2.85]
-    assert "metrics.jsonl: skipped 1 line(s) that are not JSON records" in caplog.text
+    assert "metrics.jsonl: skipped 2 line(s) that are not JSON records" in caplog.text
 
 
 def test_a_chart_is_replaced_whole_and_a_run_without_records_draws_none(tmp_path):
@@ -215,6 +216,10 @@ def test_report_refuses_an_unknown_metric_and_a_dir_without_runs(sweep, tmp_path
     assert r.returncode == 2 and r.stderr.startswith(
         f"xtrain.report: --out {tmp_path}/file: cannot be made a directory (FileExistsError: "), r.stderr
     assert (tmp_path / "file").read_text() == "kept"
+    for args in (["htps://bucket/sweep", "--out", tmp_path / "c"], [sweep, "--out", "foo://charts"]):
+        r = report(*args)  # (no such protocols)
+        assert r.returncode == 2 and r.stderr.startswith("xtrain.report: ") and "Traceback" not in r.stderr, r.stderr
+        assert "cannot be opened (ValueError: Protocol not known: " in r.stderr, r.stderr
 
 
 def test_every_run_leaves_its_plots_and_reproducibility_bundle(sweep):

@@ -28,6 +28,15 @@ DEFAULT_METRICS = ("loss", "val_loss", "val_bpb", "tok_per_s", "mfu")
 METRICS_FILE = "metrics.jsonl"
 
 
+def storage(url: str, named: str):
+    """fsspec's (filesystem, path) of ``url``; a protocol fsspec does not know, or whose package
+    is not installed, refused in one line naming it (``named``)."""
+    try:
+        return url_to_fs(url)
+    except (ValueError, ImportError) as e:
+        raise InputError(f"{named}: cannot be opened ({type(e).__name__}: {e})") from None
+
+
 def find_runs(paths: list[str]) -> tuple[dict[str, str], list[str]]:
     """name -> run dir, for run dirs, sweep dirs (their subdirectories that hold runs) and dirs of
     sweeps (``multirun/``); and the job dirs among them without records. Runs of one name (the
@@ -35,7 +44,7 @@ def find_runs(paths: list[str]) -> tuple[dict[str, str], list[str]]:
     dirs as tell them apart, so each keeps its own line and row."""
     found, unrecorded = [], []
     for path in paths:
-        fs, root = url_to_fs(path)
+        fs, root = storage(path, path)
         root = root.rstrip("/")
         if fs.exists(f"{root}/{METRICS_FILE}"):
             found.append(as_url(fs, root))  # as fsspec resolves it: ".", given twice, ... named alike
@@ -161,7 +170,7 @@ def plot_labels(differ: dict[str, str | None]) -> dict[str, str]:
 def make_out_dir(out: str) -> None:
     """``--out``, made a directory before anything is drawn: a file there, or a place that cannot
     be written, is refused in one line."""
-    fs, root = url_to_fs(out)
+    fs, root = storage(out, f"--out {out}")
     try:
         fs.makedirs(root, exist_ok=True)
     except OSError as e:

@@ -33,7 +33,8 @@ def read_records(run_dir: str, filename: str = "metrics.jsonl") -> list[dict]:
     fs, root = url_to_fs(path)
     records: list[dict] = []
     furthest = -1
-    for r in parse_records(fs.cat_file(root).decode(), path):
+    # (bytes that are not UTF-8 make their line no record: skipped, said, as a line cut short)
+    for r in parse_records(fs.cat_file(root).decode(errors="replace"), path):
         if _kind(r) == "train":
             if r["step"] <= furthest:
                 records = [x for x in records
