@@ -190,6 +190,22 @@ def test_a_crafted_checkpoint_is_refused_in_one_line_before_anything_is_built(wo
     assert seconds < 20, f"refused after {seconds:.1f} s"
 
 
+def test_a_tensor_file_that_is_no_zip_is_refused_in_one_line(world, tmp_path):
+    """A data file's first bytes damaged (or crafted), its manifest made to match: DCP's reader
+    fails inside torch.load, and DCP wraps that in a CheckpointException (a BaseException), which
+    ended the command with a traceback (exit 1)."""
+    ckpt = tmp_path / "damaged" / "step_000004"
+    shutil.copytree(world["run"] / "checkpoints" / "step_000004", ckpt)
+    data = ckpt / "tensors" / "__0_0.distcp"
+    data.write_bytes(b"XXXX" + data.read_bytes()[4:])  # (a zip starts with PK\x03\x04)
+    _reseal(str(ckpt))
+    code, _, err = finish(xtrain(tmp_path / "run", "mode=sample", "sample.max_tokens=8",
+                                f"checkpoint.resume={ckpt}"))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == EXIT_REFUSED and "Traceback" not in err, err[-3000:]
+    assert lines[-1].startswith(f"xtrain: checkpoint error: checkpoint {ckpt}: tensors/ refused ("), err[-3000:]
+
+
 def _meta_with_step_text(ckpt: Path) -> None:
     meta = json.loads((ckpt / "meta.json").read_text())
     (ckpt / "meta.json").write_text(json.dumps({**meta, "step": "4"}))

@@ -258,20 +258,26 @@ def read_plain_state(path: str):
 @contextmanager
 def _refusals(path: str):
     """Unpickling refusals (DCP's metadata, a tensor's pickle), raised directly or wrapped by DCP
-    in a CheckpointException (a BaseException), as one CheckpointError naming ``path``."""
+    in a CheckpointException (a BaseException), as one CheckpointError naming ``path``; so is
+    any other error DCP wraps (a data file that is no zip: its bytes damaged, or crafted), but
+    storage's (an OSError: a bucket that failed, which is no fault of the checkpoint's)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except (pickle.UnpicklingError, EOFError, CheckpointError, CheckpointException) as e:
-        causes = [f[0] for f in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        wrapped = isinstance(e, CheckpointException)
+        causes = [f[0] for f in e.failures.values()] if wrapped else [e]
         refused = next((c for c in causes if isinstance(c, CheckpointError)), None)
         if refused is not None and refused is not e:
             raise refused from e
-        cause = next((c for c in causes if isinstance(c, (pickle.UnpicklingError, EOFError))), None)
-        if cause is None:
+        unpickling = next((c for c in causes if isinstance(c, (pickle.UnpicklingError, EOFError))), None)
+        other = next((c for c in causes if wrapped and not isinstance(c, OSError)), None)
+        if unpickling is None and other is None:
             raise
-        raise CheckpointError(f"checkpoint {path}: tensors/ refused ({unpickling_reason(cause)})") from e
+        reason = (unpickling_reason(unpickling) if unpickling is not None
+                  else " ".join(f"{type(other).__name__}: {other}".split())[:300])
+        raise CheckpointError(f"checkpoint {path}: tensors/ refused ({reason})") from e
 
 
 class CheckedReader(compat.dcp_reader(FileSystemReader)):
