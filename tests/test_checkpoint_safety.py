@@ -223,8 +223,22 @@ def _position_with_cursor_text(ckpt: Path) -> None:
     torch.save(state, ckpt / "state.pt")
 
 
+def _meta_model(**changes):
+    """A crafter of meta.json's saved model config: ``changes`` set (None: the field removed)."""
+    def craft(ckpt: Path) -> None:
+        meta = json.loads((ckpt / "meta.json").read_text())
+        model = meta["config"]["model"]
+        for key, value in changes.items():
+            model.pop(key) if value is None else model.__setitem__(key, value)
+        (ckpt / "meta.json").write_text(json.dumps(meta))
+    return craft
+
+
 # files of another program or another layout, each in a form every check before passed
 OTHER_LAYOUTS = {
+    "meta.json depth text": (_meta_model(depth="x"), "meta.json's model makes no network ("),
+    "meta.json depth negative": (_meta_model(depth=-1), "meta.json's model makes no network (model.depth=-1"),
+    "meta.json no head_dim": (_meta_model(head_dim=None), "meta.json's model makes no network ("),
     "meta.json a list": (lambda ckpt: (ckpt / "meta.json").write_text("[]"),
                          "unreadable meta.json (ValueError: meta.json holds a list, not a dict)"),
     "meta.json step text": (_meta_with_step_text, "meta.json holds no 'step' of the type xtrain writes"),
@@ -260,6 +274,22 @@ def test_a_checkpoint_of_another_layout_is_refused_in_one_line_naming_what_it_la
     assert code == EXIT_REFUSED, err[-3000:]
     assert len(lines) == 1 and str(ckpt) in lines[0] and said in lines[0], lines
     assert "MFU peak" not in out
+
+
+def test_a_meta_json_model_that_makes_no_network_is_refused_by_sample_naming_the_checkpoint(world, tmp_path):
+    """mode=sample builds the checkpoint's model, not the command's: a depth of text ended in a
+    TypeError's traceback; one out of range was refused as if the command's model.depth were."""
+    ckpt = tmp_path / "crafted" / "step_000004"
+    shutil.copytree(world["run"] / "checkpoints" / "step_000004", ckpt)
+    for depth, said in (("x", "TypeError"), (-1, "model.depth=-1: must be >= 1")):
+        _meta_model(depth=depth)(ckpt)
+        _reseal(str(ckpt))
+        code, _, err = finish(xtrain(tmp_path / "run", "mode=sample", "sample.max_tokens=8",
+                                     f"checkpoint.resume={ckpt}"))
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == EXIT_REFUSED and len(lines) == 1, err[-3000:]
+        assert lines[0].startswith(f"xtrain: checkpoint error: {ckpt}: meta.json's model makes no network ("), lines
+        assert said in lines[0] or depth == "x", lines
 
 
 @pytest.mark.parametrize("mode", ["train", "sample"])

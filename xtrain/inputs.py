@@ -55,12 +55,7 @@ def saved_meta(path: str) -> dict:
 def check_compatible(path: str, gpt: GPTConfig, meta: dict, named: bool = False) -> None:
     """Refuse a checkpoint whose model (in its ``meta``, see :func:`saved_meta`) differs in
     shape from the configured one; ``named``: by ``checkpoint.resume`` (the advice differs)."""
-    saved = saved_config(meta, path)
-    try:
-        saved_model = saved.model
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path}: unreadable meta.json ({type(e).__name__}: {e})") from e
-    diff = gpt.differences(GPTConfig.from_model(saved_model))
+    diff = gpt.differences(GPTConfig.from_checkpoint(path, saved_config(meta, path)))
     if diff and named:
         raise ConfigError(f"checkpoint.resume={path} holds a different model ({', '.join(diff)}): "
                           "give the model it was trained with, or a checkpoint of this model")

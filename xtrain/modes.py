@@ -228,9 +228,11 @@ def checkpoint_inputs(cfg, path: str):
     from xtrain.checkpoint.layout import saved_config
     from xtrain.data import checked_tokenizer
     from xtrain.inputs import checkpoint_tokenizer, saved_meta
+    from xtrain.model.config import GPTConfig
 
     meta = saved_meta(path)
     saved = saved_config(meta, path)
+    GPTConfig.from_checkpoint(path, saved)  # (refused here, naming the checkpoint)
     say_model_not_used(cfg, saved.model)
     directory = checkpoint_tokenizer(path, meta, cfg.data.tokenizer)
     return saved, checked_tokenizer(saved.data, directory), int(meta.get("step") or 0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from xtrain.errors import ConfigError
+from xtrain.errors import CheckpointError, ConfigError
 
 # Block size of the Pallas splash kernel (queries and keys per tile), capped at the sequence.
 SPLASH_BLOCK = 512
@@ -75,6 +75,18 @@ class GPTConfig:
     softcap: float
     scan: bool = False  # the XLA engine runs the blocks with torch_xla's scan (see ModelConfig)
     remat: bool = False  # activation checkpointing per block
+
+    @classmethod
+    def from_checkpoint(cls, path: str, saved) -> GPTConfig:
+        """The network a checkpoint's saved config (``saved``: xtrain/checkpoint/layout.py
+        saved_config) describes; a model config that makes none (a field missing, of another
+        type, out of range: a crafted or damaged meta.json) refused naming the checkpoint, not as
+        this command's config."""
+        try:
+            return cls.from_model(saved.model, "sdpa")
+        except (ConfigError, KeyError, TypeError, ValueError, AttributeError) as e:
+            said = " ".join(str(e).split()) or type(e).__name__
+            raise CheckpointError(f"{path}: meta.json's model makes no network ({said})") from e
 
     @classmethod
     def from_model(cls, model, attention: str | None = None) -> GPTConfig:
