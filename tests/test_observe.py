@@ -671,7 +671,7 @@ def test_other_libraries_warnings_reach_console_log_masked_and_their_info_lines_
     root, hydras = logging.getLogger(), logging.StreamHandler(sys.stdout)  # as Hydra sets it up
     monkeypatch.setattr(root, "handlers", [hydras])
     with ConsoleLog(str(tmp_path)):
-        logging.getLogger("urllib3.connectionpool").warning(f"Retrying via https://me:{secret}@proxy")
+        logging.getLogger("urllib3.connectionpool").warning("Retrying via https://me:" + secret + "@proxy")
         logging.getLogger("urllib3.connectionpool").info("a library's info line")
     assert root.handlers == [hydras]  # put back
     out, err = capsys.readouterr()
