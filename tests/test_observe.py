@@ -682,6 +682,43 @@ def test_other_libraries_warnings_reach_console_log_masked_and_their_info_lines_
     assert "info line" not in saved
 
 
+def test_console_log_on_gs_takes_lines_logged_inside_its_own_upload(gcs_bucket, capfd):
+    """gcsfs logs warnings on fsspec's event-loop thread in the middle of an upload (against the
+    emulator: it cannot tell the bucket's type, each upload). console.log's handler, on the root
+    logger, then waited for the upload it was called from: the run hung. And a line logged on that
+    thread with an upload due uploaded from inside the loop (fsspec refuses: a logging error). Such
+    lines are now held for the file's next write."""
+    import threading
+
+    import fsspec.asyn
+
+    from conftest import gcs_filesystem
+    from xtrain.observe.console import ConsoleLog
+
+    bucket, _ = gcs_bucket
+    run_dir = f"{bucket}/runs/console-{os.getpid()}"
+
+    async def a_library_warns():
+        logging.getLogger("a_library").warning("a warning on fsspec's loop")
+
+    def run():
+        with ConsoleLog(run_dir) as console:
+            console.file.remote_flush_s = 0.0  # (every line uploads)
+            logging.getLogger("xtrain.test").warning("a line of the run")
+            fsspec.asyn.sync(fsspec.asyn.get_loop(), a_library_warns)
+            logging.getLogger("xtrain.test").info("the last line")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "console.log's upload waits for itself"
+    assert "Logging error" not in capfd.readouterr().err
+    saved = gcs_filesystem(bucket).cat_file(f"{run_dir.removeprefix('gs://')}/console.log").decode()
+    lines = [line.split(": ", 1)[1] for line in saved.splitlines() if ": " in line]
+    mine = [line for line in lines if line in ("a line of the run", "a warning on fsspec's loop", "the last line")]
+    assert mine == ["a line of the run", "a warning on fsspec's loop", "the last line"], saved
+
+
 def test_reports_of_two_threads_at_once_are_both_masked(capsys, monkeypatch):
     """Thread B reports (a thread's traceback) while A's report runs, and A's ends first: B's
     text was written past its mask, and sys.stderr was left on A's buffer (all later output

@@ -67,6 +67,11 @@ class _FileHandler(logging.Handler):
         self.file = file
         self.setFormatter(_Masked("%(asctime)s %(levelname)s %(name)s: %(message)s"))
 
+    def createLock(self):
+        # no handler lock: the file has its own, and a library logging from inside this
+        # handler's upload (xtrain/observe/sinks.py AppendFile.write) must not wait for it
+        self.lock = None
+
     def emit(self, record):
         try:
             self.file.write(self.format(record) + "\n")

@@ -10,6 +10,8 @@ the checkpoint upload thread, so writes are serialised by a lock.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -42,6 +44,8 @@ class RunLog:
     def __init__(self, sinks: list[Sink]):
         self.sinks = sinks
         self._lock = threading.Lock()
+        self._writer: int | None = None  # the thread inside write or close, holding the lock
+        self._held: collections.deque[str] = collections.deque()  # lines the next write takes
         self._failing: set[int] = set()  # (ids of the sinks whose last call failed)
 
     def record(self, kind: str, step: int, values: dict) -> dict:
@@ -87,6 +91,8 @@ class AppendFile:
         self._lines: list[str] = []
         self.remote_flush_s, self._flushed_at = remote_flush_s, 0.0
         self._lock = threading.Lock()
+        self._writer: int | None = None  # the thread inside write or close, holding the lock
+        self._held: collections.deque[str] = collections.deque()  # lines the next write takes
         # a line cut short (a VM stopped, a disk filled mid-write) is ended before the next one,
         # which it would otherwise swallow
         self._check_end = True
@@ -103,30 +109,62 @@ class AppendFile:
         return False
 
     def write(self, text: str) -> None:
-        with self._lock:
-            if self._local:
-                if self._check_end:
-                    text = "\n" + text if self._cut_short() else text
-                    self._check_end = False
-                try:
-                    with self._fs.open(self._root, "a") as f:
-                        f.write(text)
-                except BaseException:
-                    self._check_end = True  # part of it may be written
-                    raise
-                return
-            self._lines.append(text)
-            if time.monotonic() - self._flushed_at >= self.remote_flush_s:
-                self._upload()
-
-    def _upload(self) -> None:
-        self._fs.pipe_file(self._root, "".join(self._lines).encode())
-        self._flushed_at = time.monotonic()
+        """Append ``text``. A line logged from inside this file's own write (a library warning
+        during the upload: gcsfs logs on fsspec's event-loop thread, in the middle of
+        ``pipe_file``) is held for the next write or ``close``: waiting for the lock there, or
+        uploading from inside the loop, would never return."""
+        if self._writer == threading.get_ident() or _in_event_loop():
+            self._held.append(text)
+            return
+        with self._writing():
+            due = time.monotonic() - self._flushed_at >= self.remote_flush_s
+            self._append(self._take_held() + text, upload=due)
 
     def close(self) -> None:
+        with self._writing():
+            self._append(self._take_held(), upload=True)
+
+    @contextlib.contextmanager
+    def _writing(self):
         with self._lock:
-            if not self._local:
-                self._upload()
+            self._writer = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._writer = None
+
+    def _take_held(self) -> str:
+        taken = []
+        while self._held:
+            taken.append(self._held.popleft())
+        return "".join(taken)
+
+    def _append(self, text: str, upload: bool) -> None:
+        if not self._local:
+            self._lines.append(text)
+            if upload:
+                self._fs.pipe_file(self._root, "".join(self._lines).encode())
+                self._flushed_at = time.monotonic()
+            return
+        if not text:
+            return
+        if self._check_end:
+            text = "\n" + text if self._cut_short() else text
+            self._check_end = False
+        try:
+            with self._fs.open(self._root, "a") as f:
+                f.write(text)
+        except BaseException:
+            self._check_end = True  # part of it may be written
+            raise
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def strict_json(value):
