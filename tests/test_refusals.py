@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -1020,9 +1021,12 @@ def test_a_mode_that_keeps_nothing_stopped_at_its_work_leaves_nothing(tmp_path, 
     The signal comes from inside the mode's work (a fault injected there)."""
     from conftest import with_fault
 
+    # (SIGINT as a terminal sends it: a shell without job control, CI's, starts this suite with
+    # it ignored, and a child keeps an ignored signal ignored)
     r = subprocess.run([sys.executable, "-c", with_fault(STOPPED_AT_ITS_WORK), *TINY,
                         f"hardware={hardware}", f"mode={mode}", signal_name],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert r.returncode == code, r.stderr[-3000:]
     assert r.stderr.splitlines()[-1].endswith(f"; mode={mode} keeps nothing"), r.stderr[-3000:]
     assert list(tmp_path.iterdir()) == []
