@@ -248,8 +248,10 @@ def check_data(data) -> None:
     if data.holdout_last_shard:  # (then no val_files: xtrain.plan.check_validation_split)
         holdout_last(data.train_files)
         return
-    list_shards(data.train_files)
-    check_separate_splits(data)
+    if data.val_files:
+        check_separate_splits(data)  # (lists both)
+    else:
+        list_shards(data.train_files)
 
 
 def check_evaluation_steps(cfg) -> None:
