@@ -661,7 +661,9 @@ def test_the_console_and_console_log_mask_secrets_in_messages_and_tracebacks(tmp
 def test_other_libraries_warnings_reach_console_log_masked_and_their_info_lines_do_not(tmp_path, capsys,
                                                                                      monkeypatch):
     """A library's logger outside xtrain's (urllib3 retrying through a proxy URL with a token)
-    went to the root logger's handler, Hydra's: unmasked on stdout, and not in console.log."""
+    went to the root logger's handler, Hydra's: unmasked on stdout, and not in console.log. Its
+    warnings are console.log's alone (the console is xtrain's: a refusal stays one line), its
+    errors show on stderr too."""
     import logging
 
     from xtrain.observe.console import ConsoleLog
@@ -673,12 +675,14 @@ def test_other_libraries_warnings_reach_console_log_masked_and_their_info_lines_
     with ConsoleLog(str(tmp_path)):
         logging.getLogger("urllib3.connectionpool").warning("Retrying via https://me:" + secret + "@proxy")
         logging.getLogger("urllib3.connectionpool").info("a library's info line")
+        logging.getLogger("urllib3.connectionpool").error("Gave up on https://me:" + secret + "@proxy")
     assert root.handlers == [hydras]  # put back
     out, err = capsys.readouterr()
     saved = (tmp_path / "console.log").read_text()
     assert secret not in out + err + saved
-    assert out == "" and err == "Retrying via https://***@proxy\n"
+    assert out == "" and err == "Gave up on https://***@proxy\n"
     assert "WARNING urllib3.connectionpool: Retrying via https://***@proxy" in saved
+    assert "ERROR urllib3.connectionpool: Gave up on https://***@proxy" in saved
     assert "info line" not in saved
 
 

@@ -88,7 +88,8 @@ def _quiet_libraries(record) -> bool:
 class ConsoleLog:
     """Logging for one run, as a context manager: handlers on :data:`LOGGERS` (propagation off,
     so nothing prints twice) and, in place of the root logger's own (Hydra's), on the root,
-    where any other library's warnings arrive: masked and in console.log too. Put back on exit.
+    where any other library's records arrive: masked, warnings in console.log only (a mode that
+    keeps no console.log drops them), errors on stderr too. Put back on exit.
     An exception leaving the block is written to console.log with its traceback (the console
     itself shows what the CLI prints)."""
 
@@ -97,8 +98,17 @@ class ConsoleLog:
         consoles = [_Current("stdout"), _Current("stderr")]
         for console in consoles:
             console.setFormatter(_Masked())
-        self.handlers = consoles + ([_FileHandler(self.file)] if self.file else [])
-        for handler in self.handlers:
+        files = [_FileHandler(self.file)] if self.file else []
+        self.handlers = consoles + files
+        # other libraries' records, on the root: their warnings (gcsfs falling back from a bucket
+        # probe, google.auth's metadata-server probe: each request, without credentials) go to
+        # console.log alone, so that the console, and a refusal's one line, stay xtrain's; their
+        # errors show on stderr too
+        library_errors = _Current("stderr")
+        library_errors.setLevel(logging.ERROR)
+        library_errors.setFormatter(_Masked())
+        self.root_handlers = [library_errors] + files
+        for handler in self.handlers + self.root_handlers:
             handler.addFilter(_quiet_libraries)
         self.level = level
         self._saved = {}
@@ -108,7 +118,7 @@ class ConsoleLog:
         # (a root with handlers also keeps Lightning, imported in the block, from giving its
         # logger one of its own)
         root = logging.getLogger()
-        self._root_handlers, root.handlers = list(root.handlers), list(self.handlers)
+        self._root_handlers, root.handlers = list(root.handlers), list(self.root_handlers)
         # TensorBoard's import warns that without TensorFlow it cannot write gs:// paths; xtrain
         # gives it a local directory (xtrain/observe/loggers.py)
         logging.getLogger("absl").setLevel(logging.ERROR)
