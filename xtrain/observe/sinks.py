@@ -44,8 +44,6 @@ class RunLog:
     def __init__(self, sinks: list[Sink]):
         self.sinks = sinks
         self._lock = threading.Lock()
-        self._writer: int | None = None  # the thread inside write or close, holding the lock
-        self._held: collections.deque[str] = collections.deque()  # lines the next write takes
         self._failing: set[int] = set()  # (ids of the sinks whose last call failed)
 
     def record(self, kind: str, step: int, values: dict) -> dict:
