@@ -111,7 +111,7 @@ class AppendFile:
         during the upload: gcsfs logs on fsspec's event-loop thread, in the middle of
         ``pipe_file``) is held for the next write or ``close``: waiting for the lock there, or
         uploading from inside the loop, would never return."""
-        if self._writer == threading.get_ident() or _in_event_loop():
+        if self._writer == threading.get_ident() or self._on_its_loop():
             self._held.append(text)
             return
         with self._writing():
@@ -121,6 +121,15 @@ class AppendFile:
     def close(self) -> None:
         with self._writing():
             self._append(self._take_held(), upload=True)
+
+    def _on_its_loop(self) -> bool:
+        """On the event loop the file's filesystem runs its requests on (an async one's, such as
+        gcsfs: fsspec's IO thread), where a blocking call to it cannot return."""
+        loop = getattr(self._fs, "loop", None)
+        try:
+            return loop is not None and asyncio.get_running_loop() is loop
+        except RuntimeError:
+            return False
 
     @contextlib.contextmanager
     def _writing(self):
@@ -155,14 +164,6 @@ class AppendFile:
         except BaseException:
             self._check_end = True  # part of it may be written
             raise
-
-
-def _in_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 def strict_json(value):
