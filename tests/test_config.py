@@ -300,6 +300,13 @@ def test_a_sweep_whose_jobs_share_a_run_name_is_refused(tmp_path):
                      r"checkpoints in multirun/\S+/x/checkpoints\): .* give each job a dir of its "
                      r"own with hydra.sweep.subdir", r.stderr), r.stderr
     assert not (tmp_path / "multirun").exists()
+    # checkpoint dirs apart do not keep apart the run dir's metrics.jsonl and console.log
+    r = subprocess.run([*sweep, "run.name=lr_sweep", f"checkpoint.dir={tmp_path}/ckpt/${{optim.matrix_lr}}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert re.search(r"^xtrain: .*sweep job 2 of 2 \(.*\): sweep job 1 has this job's run dir multirun/\S+/"
+                     r"lr_sweep too: two trainings in one run dir write one metrics.jsonl", r.stderr), r.stderr
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "ckpt").exists()
     # jobs in dirs of their own pass: one named per job, or a launcher's number per job (which
     # the check cannot resolve, and once refused)
     tiny = ["model.sequence_len=64", "trainer.device_batch_size=4", "trainer.sample_tokens=0",

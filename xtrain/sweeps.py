@@ -32,6 +32,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
 
     checkpoint_dirs: dict[str, tuple[int, str]] = {}  # a checkpoint dir -> (its job, run name)
     launched: dict[str, int] = {}  # a launched job's run name and job dir -> its job
+    run_dirs: dict[str, int] = {}  # a local training's run dir -> its job
     try:
         for number, overrides in enumerate(batch, start=1):
             loaded = config_loader.load_sweep_config(master_config=sweep_config,
@@ -56,6 +57,8 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                 # (a launched job's run dir is on its worker: only an explicit dir is shared)
                 check_own_checkpoint_dir(job, None if is_remote(hydra_cfg.launcher) else run_dir,
                                          number, checkpoint_dirs)
+                if not is_remote(hydra_cfg.launcher):
+                    check_own_run_dir(job, run_dir, number, run_dirs)
                 if is_remote(hydra_cfg.launcher):  # the fleet's: keys, zone, gcloud, pool
                     check_job(hydra_cfg.launcher, job.hardware, job.checkpoint.dir)
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
@@ -102,6 +105,23 @@ def check_launched_apart(job, run_dir: str, number: int, taken: dict[str, int]) 
                               "name on the workers and by its dir here; give each job its own "
                               "name (e.g. without run.name: a sweep's jobs are named by their "
                               "overrides) and its own dir (hydra.sweep.subdir, by default the name)")
+
+
+def check_own_run_dir(job, run_dir: str, number: int, taken: dict[str, int]) -> None:
+    """Trainings given checkpoint dirs apart but one run dir (one ``run.name``) would still share
+    its metrics.jsonl, console.log and lock: the second was refused there only once the first had
+    trained. ``taken``: the run dirs of the trainings before."""
+    from xtrain.config import Mode
+    from xtrain.errors import ConfigError
+
+    if job.mode != Mode.train:
+        return
+    first = taken.setdefault(os.path.abspath(run_dir), number)
+    if first != number:
+        raise ConfigError(f"sweep job {first} has this job's run dir {run_dir} too: two trainings "
+                          "in one run dir write one metrics.jsonl and console.log; give each job "
+                          "its own name, e.g. without run.name (a sweep's jobs are named by their "
+                          "overrides), or its own hydra.sweep.subdir")
 
 
 def check_own_checkpoint_dir(job, run_dir: str | None, number: int,
