@@ -214,21 +214,21 @@ def test_a_sweep_of_plans_puts_back_the_record_of_an_earlier_sweep_in_its_dir(tm
     """Hydra writes multirun.yaml before the jobs run; a sweep whose jobs keep nothing (plans)
     leaves the sweep dir as it found it (xtrain/sweeps.py SweepRecord)."""
     sweep_dir = tmp_path / "sweeps" / "lr"
-    sweep_dir.mkdir(parents=True)
+    (sweep_dir / "an_earlier_job").mkdir(parents=True)  # (the record is not alone in its dir)
     (sweep_dir / "multirun.yaml").write_text("an earlier sweep's record\n")
     r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", f"hydra.sweep.dir={sweep_dir}",
                         "optim.matrix_lr=0.01,0.02"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count(f" -> {sweep_dir}/") == 2, r.stdout
-    assert [p.name for p in sweep_dir.iterdir()] == ["multirun.yaml"]
+    assert sorted(p.name for p in sweep_dir.iterdir()) == ["an_earlier_job", "multirun.yaml"]
     assert (sweep_dir / "multirun.yaml").read_text() == "an earlier sweep's record\n"
     # also when a job's plan is refused as it runs (d26 does not fit one v6e chip at batch 64)
     r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", f"hydra.sweep.dir={sweep_dir}",
                         "hardware=v6e1", "trainer.device_batch_size=64", "model=d12,d26"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == EXIT_REFUSED and "does not fit" in r.stderr, r.stderr
-    assert [p.name for p in sweep_dir.iterdir()] == ["multirun.yaml"]
+    assert sorted(p.name for p in sweep_dir.iterdir()) == ["an_earlier_job", "multirun.yaml"]
     assert (sweep_dir / "multirun.yaml").read_text() == "an earlier sweep's record\n"
 
 

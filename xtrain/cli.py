@@ -49,7 +49,7 @@ def _main(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     remote = is_remote(hc.launcher)
-    keeps_nothing = not remote and cfg.mode in (Mode.plan, Mode.compile)  # in the run dir
+    keeps_nothing = not remote and cfg.mode.keeps_nothing
     if not remote and cfg.mode != Mode.train:
         AFTER_A_STOP["said"] = f"; mode={cfg.mode.value} keeps nothing" if keeps_nothing else ""
     try:

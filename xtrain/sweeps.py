@@ -17,9 +17,10 @@ import os
 from pathlib import Path
 
 
-def check_jobs(config_loader, sweep_config, batch) -> None:
+def check_jobs(config_loader, sweep_config, batch) -> bool:
     """Compose each job of ``batch`` (lists of overrides) and run xtrain's checks of its config
-    (xtrain/modes.py's check_config); the first refusal names its job and ends the sweep."""
+    (xtrain/modes.py's check_config); the first refusal names its job and ends the sweep. True if
+    a job keeps its dir (its mode is no plan or compile run here)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
@@ -33,6 +34,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
     checkpoint_dirs: dict[str, tuple[int, str]] = {}  # a checkpoint dir -> (its job, run name)
     launched: dict[str, int] = {}  # a launched job's run name and job dir -> its job
     run_dirs: dict[str, int] = {}  # a local training's run dir -> its job
+    keeps = False
     try:
         for number, overrides in enumerate(batch, start=1):
             loaded = config_loader.load_sweep_config(master_config=sweep_config,
@@ -61,6 +63,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                     check_own_run_dir(job, run_dir, number, run_dirs)
                 if is_remote(hydra_cfg.launcher):  # the fleet's: keys, zone, gcloud, pool
                     check_job(hydra_cfg.launcher, job.hardware, job.checkpoint.dir)
+                keeps = keeps or is_remote(hydra_cfg.launcher) or not job.mode.keeps_nothing
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
                 if not is_refusal(e):
                     raise
@@ -68,6 +71,7 @@ def check_jobs(config_loader, sweep_config, batch) -> None:
                                   f"{e}; no job was run") from e
     finally:
         HydraConfig.instance().set_config(sweep_config)
+    return keeps
 
 
 def job_dir_in_sweep_dir(hydra_cfg) -> str:
@@ -162,9 +166,9 @@ def check_own_checkpoint_dir(job, run_dir: str | None, number: int,
 
 class SweepRecord:
     """The sweep dir's ``multirun.yaml``, which Hydra writes before the jobs are checked, as it
-    was before this sweep: a refused sweep, or one that leaves no job dir beside it, puts back
-    what it replaced (an earlier sweep's record in the same dir), or removes it and the dirs
-    Hydra made for it (``multirun/<sweep>``)."""
+    was before this sweep: a refused sweep, or one whose jobs keep no dir, puts back what it
+    replaced (an earlier sweep's record in the same dir), or removes it and the dirs Hydra made
+    for it (``multirun/<sweep>``)."""
 
     def __init__(self, sweep_dir: str):
         self.path = Path(sweep_dir) / "multirun.yaml"
@@ -186,9 +190,11 @@ class SweepRecord:
                 self.restore()
             raise
 
-    def restore_if_no_jobs(self) -> None:
-        """Put the dir back when nothing but this sweep's record is left in it."""
-        if self.path.is_file() and [p.name for p in self.path.parent.iterdir()] == [self.path.name]:
+    def restore_if_no_jobs(self, jobs_keep_dirs: bool | None) -> None:
+        """Put the dir back when the sweep's jobs keep no dir (:func:`check_jobs`; None: not
+        known), or when nothing but this sweep's record is left in it."""
+        alone = self.path.is_file() and [p.name for p in self.path.parent.iterdir()] == [self.path.name]
+        if jobs_keep_dirs is False or alone:
             self.restore()
 
     def restore(self) -> None:

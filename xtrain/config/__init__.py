@@ -39,6 +39,11 @@ class Mode(str, Enum):
     sample = "sample"  # generate text from a checkpoint (checkpoint.resume, else the run's newest)
     eval = "eval"  # score a checkpoint (chosen as for sample) on the C++ benchmark (the eval group)
 
+    @property
+    def keeps_nothing(self) -> bool:
+        """Run here (not launched), the mode's run dir goes at its end (xtrain/cli.py)."""
+        return self in (Mode.plan, Mode.compile)
+
 
 class Engine(str, Enum):
     """How a step runs (xtrain/engines/)."""

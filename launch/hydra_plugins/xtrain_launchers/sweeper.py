@@ -14,10 +14,11 @@ class XtrainSweeper(BasicSweeper):
 
         # Hydra writes the sweep's record before the first batch is checked
         self.record = SweepRecord(self.config.hydra.sweep.dir)
+        self.jobs_keep_dirs = None  # (known once the jobs are checked)
         try:
             return super().sweep(arguments)
         finally:  # (also when a job was refused: its exit passes through Hydra)
-            self.record.restore_if_no_jobs()  # plans and compiles keep no job dir
+            self.record.restore_if_no_jobs(self.jobs_keep_dirs)  # plans and compiles keep none
 
     def validate_batch_is_legal(self, batch) -> None:
         # called before each batch is launched: the first call checks every batch of the sweep
@@ -27,5 +28,5 @@ class XtrainSweeper(BasicSweeper):
         from xtrain.sweeps import check_jobs
 
         with self.record.restored_if_refused():
-            check_jobs(self.hydra_context.config_loader, self.config,
-                       [job for jobs in self.overrides for job in jobs])
+            self.jobs_keep_dirs = check_jobs(self.hydra_context.config_loader, self.config,
+                                             [job for jobs in self.overrides for job in jobs])
