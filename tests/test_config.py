@@ -253,6 +253,20 @@ def test_a_sweep_whose_jobs_dirs_would_lie_outside_its_dir_is_refused(tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("subdir", ["multirun.yaml", "multirun.yaml/${hydra.job.num}"])
+def test_a_sweep_whose_jobs_dir_is_its_record_is_refused(tmp_path, subdir):
+    """hydra.sweep.subdir=multirun.yaml: Hydra's record of the sweep, a file, where the job's
+    dir would go (a FileExistsError traceback as the first job started)."""
+    r = subprocess.run([sys.executable, "-m", "xtrain", "-m", "mode=plan", "optim.matrix_lr=0.01,0.02",
+                        f"hydra.sweep.subdir={subdir}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert r.stderr.startswith("xtrain: ") and len(r.stderr.splitlines()) == 1, r.stderr
+    assert (f"hydra.sweep.subdir={subdir.replace('${hydra.job.num}', '0')} puts the job in "
+            "multirun/") in r.stderr and "where Hydra keeps the sweep's record" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_sweep_whose_jobs_would_train_in_one_checkpoint_dir_is_refused(tmp_path):
     """Two trainings in one checkpoint dir take each other's checkpoints: a sweep giving its jobs
     one checkpoint.dir is refused before any job runs; the run's name in it keeps them apart."""

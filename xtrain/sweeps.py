@@ -5,8 +5,9 @@ Hydra's basic sweeper composes each job of a batch first, only to see that it co
 sweeper (``hydra/sweeper=xtrain``: its config in xtrain/config/, its class in
 launch/hydra_plugins/xtrain_launchers/sweeper.py) calls :func:`check_jobs` there instead,
 whatever the launcher. What reads paths or storage is still checked by each job as it starts.
-A sweep refused by these checks, or one that leaves no job dir (plans, compiles for a TPU, jobs
-refused before they kept anything), leaves the sweep dir as it found it (:class:`SweepRecord`).
+A sweep refused by these checks, or one whose jobs keep no dir (plans, compiles for a TPU), or
+that leaves no job dir (jobs refused before they kept anything), leaves the sweep dir as it
+found it (:class:`SweepRecord`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import copy
 import os
 from pathlib import Path
 
+SWEEP_RECORD = "multirun.yaml"  # Hydra's record of a sweep, in its dir
 
 def check_jobs(config_loader, sweep_config, batch) -> bool:
     """Compose each job of ``batch`` (lists of overrides) and run xtrain's checks of its config
@@ -86,6 +88,9 @@ def job_dir_in_sweep_dir(hydra_cfg) -> str:
     sweep_dir, subdir = (str(OmegaConf.select(hydra_cfg, f"sweep.{key}")) for key in ("dir", "subdir"))
     run_dir = os.path.join(sweep_dir, subdir)
     inside = os.path.relpath(os.path.abspath(run_dir), os.path.abspath(sweep_dir))
+    if inside.split(os.sep)[0] == SWEEP_RECORD:
+        raise ConfigError(f"hydra.sweep.subdir={subdir} puts the job in {run_dir}, where Hydra keeps "
+                          "the sweep's record; give the jobs dirs of other names")
     if inside == "." or inside.split(os.sep)[0] == "..":
         raise ConfigError(f"hydra.sweep.subdir={subdir} puts the job in {run_dir}, not in a dir "
                           f"of its own inside the sweep's dir {sweep_dir}, where the sweep's record "
@@ -171,7 +176,7 @@ class SweepRecord:
     for it (``multirun/<sweep>``)."""
 
     def __init__(self, sweep_dir: str):
-        self.path = Path(sweep_dir) / "multirun.yaml"
+        self.path = Path(sweep_dir) / SWEEP_RECORD
         self.before = self.path.read_bytes() if self.path.is_file() else None
         self.made_dirs = []  # innermost first
         directory = self.path.parent.absolute()
