@@ -126,6 +126,23 @@ def test_report_takes_a_dir_of_sweeps_and_names_a_job_that_left_no_records(sweep
                         "starting, or one that ended before its first step): left out\n"), r.stderr
 
 
+def test_report_finds_the_jobs_a_sweeps_subdir_nests_in_a_dir_of_sweeps(sweep, tmp_path):
+    """hydra.sweep.subdir=lr/${optim.matrix_lr} puts a sweep's jobs two dirs below its own:
+    given the dir of sweeps, the report did not look that deep, and found no run."""
+    import shutil
+
+    runs = tmp_path / "multirun"
+    (runs / sweep.name).mkdir(parents=True)
+    shutil.copy(sweep / "multirun.yaml", runs / sweep.name)
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    for job in jobs:
+        shutil.copytree(sweep / job, runs / sweep.name / "lr" / job)
+    r = report(runs, "--out", tmp_path / "report")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    rows = (tmp_path / "report" / "summary.md").read_text().splitlines()[2:]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == jobs
+
+
 def test_the_summary_takes_the_last_loss_and_bpb_and_the_median_rate_past_the_first_step():
     """Figures worked out by hand: the loss and bpb rise at the end (last is not lowest), and
     step 1's rate (it compiles) stays out of the median."""

@@ -23,6 +23,7 @@ from xtrain.config.hydra_record import RECORD
 from xtrain.errors import EXIT_REFUSED, InputError
 from xtrain.observe.plots import eval_metrics, metric_names, png, read_records, series
 from xtrain.paths import as_url, url_to_fs, write_whole
+from xtrain.sweeps import SWEEP_RECORD
 
 DEFAULT_METRICS = ("loss", "val_loss", "val_bpb", "tok_per_s", "mfu")
 METRICS_FILE = "metrics.jsonl"
@@ -58,9 +59,10 @@ def find_runs(paths: list[str]) -> tuple[dict[str, str], list[str]]:
     return {unique_tail(d, found): d for d in found}, list(dict.fromkeys(unrecorded))
 
 
-def runs_below(fs, root: str, sweeps: bool) -> tuple[list[str], list[str]]:
+def runs_below(fs, root: str, sweeps: bool, in_sweep: bool = False) -> tuple[list[str], list[str]]:
     """The run dirs among ``root``'s subdirectories (with ``sweeps``, also among theirs: a dir of
-    sweeps), and the job dirs there without records (a Hydra record or a console.log, but no
+    sweeps; in a sweep's dir, one with its record, at any depth: ``hydra.sweep.subdir`` may nest
+    them), and the job dirs there without records (a Hydra record or a console.log, but no
     metrics.jsonl: a job still starting, or one that ended before its first step)."""
     runs, jobs = [], []
     for d in subdirectories(fs, root):
@@ -69,8 +71,8 @@ def runs_below(fs, root: str, sweeps: bool) -> tuple[list[str], list[str]]:
             runs.append(d)
         elif "console.log" in names or any(n.startswith(RECORD) for n in names):
             jobs.append(d)
-        elif sweeps:
-            below = runs_below(fs, d, sweeps=False)
+        elif sweeps or in_sweep or SWEEP_RECORD in names:
+            below = runs_below(fs, d, sweeps=False, in_sweep=in_sweep or SWEEP_RECORD in names)
             runs, jobs = runs + below[0], jobs + below[1]
     return runs, jobs
 
