@@ -206,6 +206,16 @@ def test_mode_eval_prints_the_scores_of_the_runs_checkpoint(evaluated_run, probl
     _check_records(evaluated_run / "cpp_eval" / "step_000006.jsonl", n=2)
 
 
+def test_evaluations_of_one_step_started_in_one_second_keep_their_records_apart():
+    """mode=eval's records were named to the second: two evaluations of a step started within
+    one (two commands, or a sweep's jobs) wrote one file."""
+    from xtrain.evals.completions import records_path
+
+    paths = [records_path("gs://b/run", 6, later=True) for _ in range(20)]  # (within a second)
+    assert len(set(paths)) == 20 and records_path("gs://b/run", 6) not in paths
+    assert all(p.startswith("gs://b/run/cpp_eval/step_000006-eval-") and p.endswith(".jsonl") for p in paths)
+
+
 def test_mode_eval_refuses_a_missing_checkpoint(tmp_path):
     r = _xtrain(tmp_path, "mode=eval")
     assert r.returncode == 2

@@ -325,10 +325,8 @@ def sample(cfg, run_dir: str, path: str) -> dict:
 
 def evaluate(cfg, run_dir: str, path: str) -> dict:
     """Score the checkpoint at ``path`` on the C++ benchmark (``eval`` config); print the scores
-    and write one record per sample to ``<run dir>/cpp_eval/step_N-eval-<time>.jsonl`` (beside
+    and write one record per sample to ``<run dir>/cpp_eval/step_N-eval-<time>-<random>.jsonl`` (beside
     training's ``step_N.jsonl``, which its metrics.jsonl record scored)."""
-    import time
-
     from xtrain.evals import prepare
     from xtrain.evals.completions import check_fit, evaluate_model, records_path
 
@@ -336,7 +334,7 @@ def evaluate(cfg, run_dir: str, path: str) -> dict:
     problems = prepare(cfg.eval)  # the config, the benchmark file and the compiler, checked
     check_fit(tokenizer, problems, cfg.eval, saved.model.sequence_len)
     model = checkpoint_model(path, saved)
-    records = records_path(run_dir, step, "eval-" + time.strftime("%Y%m%d-%H%M%S"))
+    records = records_path(run_dir, step, later=True)
     log.info("evaluating %s on %d C++ problems x %d samples", path, len(problems), cfg.eval.n)
     scores = evaluate_model(model, tokenizer, problems, cfg.eval, records)
     log.info("C++ scores at step %d:\n%s\nrecords: %s", step,

@@ -9,6 +9,8 @@ the tokens of one function, not ``eval.max_tokens``.
 
 from __future__ import annotations
 
+import secrets
+import time
 from collections.abc import Sequence
 
 from xtrain.config import EvalConfig
@@ -71,8 +73,10 @@ def evaluate_model(model, tokenizer, problems: Sequence[Problem], cfg: EvalConfi
     return scores
 
 
-def records_path(run_dir: str, step: int, tag: str = "") -> str:
+def records_path(run_dir: str, step: int, later: bool = False) -> str:
     """Where an evaluation of the weights at ``step`` writes its per-sample records: training's
-    own at ``step_N.jsonl`` (its eval record in metrics.jsonl scores them), a later one (``tag``)
-    beside it, never over it."""
-    return f"{run_dir.rstrip('/')}/cpp_eval/step_{step:06d}{'-' + tag if tag else ''}.jsonl"
+    own at ``step_N.jsonl`` (its eval record in metrics.jsonl scores them), a later one
+    (``mode=eval``) beside it, named by its time and a random part: never over training's, nor
+    over another's started in the same second."""
+    tag = f"-eval-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}" if later else ""
+    return f"{run_dir.rstrip('/')}/cpp_eval/step_{step:06d}{tag}.jsonl"
