@@ -129,12 +129,18 @@ def opt_dir():
 def test_a_compiler_installed_in_a_dir_holding_homes_or_runs_is_refused(tmp_path, monkeypatch, opt_dir):
     """The sandbox shows the generated programs the compiler's install prefix (its bin/'s parent),
     read-only. g++ in ~/bin made that the home directory (~/.netrc holds the W&B key, and a
-    program's output is kept in the records); one prefix of its own (/opt/gcc-13) is fine."""
+    program's output is kept in the records), and in ~/.local/bin all of ~/.local; one prefix
+    of its own (/opt/gcc-13) is fine."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with pytest.raises(ConfigError, match=rf"eval.gxx=.*: installed under {tmp_path}/home, which "
                                           "holds the home directory"):
         evaluate([ADD], {"add": [ADD.reference]},
                  EvalConfig(gxx=installed_compiler(tmp_path / "home")))
+    # a prefix inside the home directory shows all of it (pip's user installs, keyrings)
+    with pytest.raises(ConfigError, match=rf"installed under {tmp_path}/home/.local, inside the home "
+                                          rf"directory \({tmp_path}/home\)"):
+        evaluate([ADD], {"add": [ADD.reference]},
+                 EvalConfig(gxx=installed_compiler(tmp_path / "home" / ".local")))
     monkeypatch.chdir(tmp_path / "home")
     monkeypatch.setenv("HOME", "/nonexistent-home")
     with pytest.raises(ConfigError, match=f"installed under {tmp_path}, which holds the working dir"):

@@ -193,7 +193,8 @@ def judge_all(problems: Sequence[Problem], completions: Mapping[str, Sequence[st
 def find_gxx(cfg: EvalConfig) -> str:
     """The compiler's path; refused (a config error) when it is not on PATH, or installed in a
     directory the sandbox must not show the programs: one holding home directories (keys in
-    ~/.netrc, ~/.config/gcloud) or the working dir (code, runs)."""
+    ~/.netrc, ~/.config/gcloud) or the working dir (code, runs), or one inside the home
+    directory (``~/.local``: pip's user installs, keyrings under ~/.local/share)."""
     gxx = shutil.which(cfg.gxx)
     if gxx is None:
         raise ConfigError(f"eval.gxx={cfg.gxx!r}: compiler not found on PATH")
@@ -201,11 +202,14 @@ def find_gxx(cfg: EvalConfig) -> str:
     private = {"the home directory": Path.home(), "/root": Path("/root"), "/home": Path("/home"),
                "the working dir": Path.cwd()}
     for what, path in private.items():
-        if prefix and (path == prefix or prefix in path.parents):
+        holds = prefix and (path == prefix or prefix in path.parents)
+        inside = prefix and what == "the home directory" and path != Path("/") and path in prefix.parents
+        if holds or inside:
             raise ConfigError(
-                f"eval.gxx={gxx}: installed under {prefix}, which holds {what} ({path}); the "
-                "sandbox shows a compiler's install prefix to the generated programs (read-only): "
-                "install it under a prefix of its own (such as /opt/gcc-13) or in /usr")
+                f"eval.gxx={gxx}: installed under {prefix}, {'which holds' if holds else 'inside'} "
+                f"{what} ({path}); the sandbox shows a compiler's install prefix to the generated "
+                "programs (read-only): install it under a prefix of its own (such as /opt/gcc-13) "
+                "or in /usr")
     return gxx
 
 
