@@ -19,6 +19,7 @@ from pathlib import Path
 
 SWEEP_RECORD = "multirun.yaml"  # Hydra's record of a sweep, in its dir
 
+
 def check_jobs(config_loader, sweep_config, batch) -> bool:
     """Compose each job of ``batch`` (lists of overrides) and run xtrain's checks of its config
     (xtrain/modes.py's check_config); the first refusal names its job and ends the sweep. True if
