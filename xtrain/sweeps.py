@@ -5,9 +5,9 @@ Hydra's basic sweeper composes each job of a batch first, only to see that it co
 sweeper (``hydra/sweeper=xtrain``: its config in xtrain/config/, its class in
 launch/hydra_plugins/xtrain_launchers/sweeper.py) calls :func:`check_jobs` there instead,
 whatever the launcher. What reads paths or storage is still checked by each job as it starts.
-A sweep refused by these checks, or one whose jobs keep no dir (plans, compiles for a TPU), or
-that leaves no job dir (jobs refused before they kept anything), leaves the sweep dir as it
-found it (:class:`SweepRecord`).
+A sweep refused by these checks, or one that leaves no job dir (plans, compiles for a TPU, jobs
+refused before they kept anything), leaves the sweep dir as it found it, and one whose jobs keep
+no dir puts back an earlier sweep's record it replaced (:class:`SweepRecord`).
 """
 
 from __future__ import annotations
@@ -172,9 +172,10 @@ def check_own_checkpoint_dir(job, run_dir: str | None, number: int,
 
 class SweepRecord:
     """The sweep dir's ``multirun.yaml``, which Hydra writes before the jobs are checked, as it
-    was before this sweep: a refused sweep, or one whose jobs keep no dir, puts back what it
-    replaced (an earlier sweep's record in the same dir), or removes it and the dirs Hydra made
-    for it (``multirun/<sweep>``)."""
+    was before this sweep: a refused sweep, or one that leaves no job dir beside it, puts back
+    what it replaced (an earlier sweep's record in the same dir), or removes it and the dirs
+    Hydra made for it (``multirun/<sweep>``); so does one whose jobs keep no dir, when it
+    replaced an earlier record."""
 
     def __init__(self, sweep_dir: str):
         self.path = Path(sweep_dir) / SWEEP_RECORD
@@ -197,10 +198,11 @@ class SweepRecord:
             raise
 
     def restore_if_no_jobs(self, jobs_keep_dirs: bool | None) -> None:
-        """Put the dir back when the sweep's jobs keep no dir (:func:`check_jobs`; None: not
-        known), or when nothing but this sweep's record is left in it."""
+        """Put the dir back when nothing but this sweep's record is left in it, and put back an
+        earlier sweep's record when this sweep's jobs keep no dir (:func:`check_jobs`; None: not
+        known): plans in a training sweep's dir do not replace its record."""
         alone = self.path.is_file() and [p.name for p in self.path.parent.iterdir()] == [self.path.name]
-        if jobs_keep_dirs is False or alone:
+        if alone or (jobs_keep_dirs is False and self.before is not None):
             self.restore()
 
     def restore(self) -> None:
