@@ -18,6 +18,7 @@ from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
 from xtrain.observe.loggers import check_logger_settings
 from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
+from xtrain.sweeps import SWEEP_RECORD
 from xtrain.train.preemption import sigterm_raises
 from xtrain.train.run_lock import run_dir_lock
 
@@ -210,7 +211,7 @@ def checkpoint_to_read(cfg, run_dir: str) -> str:
                  f"checkpoints to {elsewhere[0]} (newest {elsewhere[1][-1]}): add "
                  f"checkpoint.dir={elsewhere[0]} to read them")
         return path
-    in_sweep = os.path.exists(os.path.join(os.path.dirname(run_dir), "multirun.yaml"))
+    in_sweep = os.path.exists(os.path.join(os.path.dirname(run_dir), SWEEP_RECORD))
     raise InputError(f"{mode}: no committed checkpoint in {directory} " + (
         f"(the last training of this run saved its checkpoints to {elsewhere[0]}, newest "
         f"{elsewhere[1][-1]}: add checkpoint.dir={elsewhere[0]})" if elsewhere else

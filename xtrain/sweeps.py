@@ -52,21 +52,20 @@ def check_jobs(config_loader, sweep_config, batch) -> bool:
                 del job["hydra"]
             try:
                 check_composed(job, hydra_cfg)
-                run_dir = job_dir_in_sweep_dir(hydra_cfg)
-                if is_remote(hydra_cfg.launcher):
+                run_dir, remote = job_dir_in_sweep_dir(hydra_cfg), is_remote(hydra_cfg.launcher)
+                if remote:
                     check_launched_apart(job, run_dir, number, launched)
                     check_workers_compose_it(hydra_cfg)
                 check_config(job)
-                if not is_remote(hydra_cfg.launcher):  # (a launch checks it on its workers)
+                if not remote:  # (a launch checks it on its workers)
                     check_host_memory(job)
                 # (a launched job's run dir is on its worker: only an explicit dir is shared)
-                check_own_checkpoint_dir(job, None if is_remote(hydra_cfg.launcher) else run_dir,
-                                         number, checkpoint_dirs)
-                if not is_remote(hydra_cfg.launcher):
-                    check_own_run_dir(job, run_dir, number, run_dirs)
-                if is_remote(hydra_cfg.launcher):  # the fleet's: keys, zone, gcloud, pool
+                check_own_checkpoint_dir(job, None if remote else run_dir, number, checkpoint_dirs)
+                if remote:  # the fleet's: keys, zone, gcloud, pool
                     check_job(hydra_cfg.launcher, job.hardware, job.checkpoint.dir)
-                keeps = keeps or is_remote(hydra_cfg.launcher) or not job.mode.keeps_nothing
+                else:
+                    check_own_run_dir(job, run_dir, number, run_dirs)
+                keeps = keeps or remote or not job.mode.keeps_nothing
             except Exception as e:  # noqa: BLE001  (a refusal names the job; the rest is raised)
                 if not is_refusal(e):
                     raise

@@ -148,7 +148,8 @@ class AppendFile:
 
     def _append(self, text: str, upload: bool) -> None:
         if not self._local:
-            self._lines.append(text)
+            if text:
+                self._lines.append(text)
             if upload:
                 self._fs.pipe_file(self._root, "".join(self._lines).encode())
                 self._flushed_at = time.monotonic()
