@@ -9,7 +9,7 @@ import logging
 import os
 
 from xtrain.config import Engine, Mode, sample_prompts
-from xtrain.config.hydra_record import hold, released_on_error, writes_record
+from xtrain.config.hydra_record import SWEEP_RECORD, hold, released_on_error, writes_record
 from xtrain.data import check_built_where_read
 from xtrain.errors import ConfigError, warn
 from xtrain.hardware import (check_fits_host, cpu_processes, launch_environment, run_devices,
@@ -18,7 +18,6 @@ from xtrain.inputs import check_inputs
 from xtrain.observe.console import ConsoleLog
 from xtrain.observe.loggers import check_logger_settings
 from xtrain.plan import RunPlan, check_fits, check_ranges, resolve
-from xtrain.sweeps import SWEEP_RECORD
 from xtrain.train.preemption import sigterm_raises
 from xtrain.train.run_lock import run_dir_lock
 

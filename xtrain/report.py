@@ -19,11 +19,10 @@ from collections import Counter
 
 import yaml
 
-from xtrain.config.hydra_record import RECORD
+from xtrain.config.hydra_record import RECORD, SWEEP_RECORD
 from xtrain.errors import EXIT_REFUSED, InputError
 from xtrain.observe.plots import eval_metrics, metric_names, png, read_records, series
 from xtrain.paths import as_url, url_to_fs, write_whole
-from xtrain.sweeps import SWEEP_RECORD
 
 DEFAULT_METRICS = ("loss", "val_loss", "val_bpb", "tok_per_s", "mfu")
 METRICS_FILE = "metrics.jsonl"

@@ -17,7 +17,7 @@ import copy
 import os
 from pathlib import Path
 
-SWEEP_RECORD = "multirun.yaml"  # Hydra's record of a sweep, in its dir
+from xtrain.config.hydra_record import SWEEP_RECORD
 
 
 def check_jobs(config_loader, sweep_config, batch) -> bool:

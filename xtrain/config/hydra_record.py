@@ -37,6 +37,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 RECORD = ".hydra"
+SWEEP_RECORD = "multirun.yaml"  # Hydra's record of a sweep, in its dir
 PENDING = ".hydra-pending"  # where Hydra writes a training's (xtrain/config/__init__.py hydra_subdir)
 HELD = ".hydra-held-"  # + an id: a command's, from when it took the run until accepted
 ACCEPTED = "every check passed: .hydra/ now records this command"  # a log line, and a marker
