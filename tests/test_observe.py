@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from xtrain.checkpoint.layout import COMMIT_MARKER
+
 from conftest import TINY, child_pids, read_jsonl, with_fault
 from logreaders import tensorboard_scalars, tensorboard_texts, wandb_runs
 from test_checkpoint import finish, wait_for_step, xtrain
@@ -118,6 +120,8 @@ def test_tensorboard_shows_the_steps_a_killed_run_redid_once(tmp_path, killed_at
     args = ["logger=[jsonl,tensorboard,wandb]", "trainer.max_steps=16", "checkpoint.every=10"]
     proc = xtrain(run_dir, *args, env={"WANDB_MODE": "offline"})
     wait_for_step(run_dir, killed_at, proc)
+    if killed_at > 10:  # step 10's save runs beside steps 11, 12...; killed before it commits, the run starts over
+        _wait_for_commit(run_dir / "checkpoints" / "step_000010", proc)
     proc.kill()
     proc.wait()
     first_id = (run_dir / "wandb-run-id").read_text()
@@ -128,6 +132,13 @@ def test_tensorboard_shows_the_steps_a_killed_run_redid_once(tmp_path, killed_at
     assert [s for s, _ in loss] == list(range(1, 17))
     resumed = {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"}
     assert all(value == pytest.approx(resumed[step], rel=1e-6) for step, value in loss)
+
+
+def _wait_for_commit(checkpoint: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not (checkpoint / COMMIT_MARKER).exists():
+        assert proc.poll() is None and time.time() < deadline, f"{checkpoint} not committed"
+        time.sleep(0.05)
 
 
 def _on_a_terminal(args: list[str], env: dict, timeout: float = 240) -> tuple[int | None, str]:
