@@ -5,6 +5,7 @@ whose lease was taken over saves no more there. On a local dir and on the GCS em
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -270,6 +271,10 @@ def _host_whose_lease_is_lost(rank: int, world: int, init: str, root: str) -> No
             outcomes.append(f"{type(e).__name__}: {e}")
     dist.destroy_process_group()
     (Path(root) / f"{rank}.json").write_text(json.dumps(outcomes))
+    # The verdicts are written: end here. Under the full suite's load this child's interpreter
+    # teardown, after this function returned, now and then aborted inside torch ("terminate called
+    # without an active exception", no Python frame; 3 of 15 runs during a CI run, none alone).
+    os._exit(0)
 
 
 def test_a_lost_lease_ends_the_save_on_every_process(tmp_path):
