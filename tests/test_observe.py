@@ -313,6 +313,22 @@ def test_a_wandb_run_left_open_by_a_failed_job_is_not_the_next_jobs(tmp_path, mo
         first.experiment.finish()
 
 
+def test_a_launched_job_that_starts_over_in_its_run_dir_gets_a_new_wandb_run(tmp_path):
+    """The launcher names a job's W&B run (RUN_ID_ENV). A start in a run dir that never used that
+    id takes it as it is; a start over (step 0 again: killed before its first checkpoint) where
+    it was used gets a run of its own, which its resumes keep, and another launcher id wins."""
+    from xtrain.observe.wandb_run import RUN_ID_ENV, RUN_ID_FILE, run_id
+
+    run_dir, launched = str(tmp_path), {RUN_ID_ENV: "aaaabbbbcccc"}
+    assert run_id(run_dir, launched, renew=True) == "aaaabbbbcccc"  # its first start
+    assert run_id(run_dir, launched) == "aaaabbbbcccc"  # resumed
+    again = run_id(run_dir, launched, renew=True)  # started over
+    assert again.startswith("aaaabbbbcccc-") and (tmp_path / RUN_ID_FILE).read_text() == again
+    assert run_id(run_dir, launched) == again  # resumed after starting over
+    assert run_id(run_dir, launched, renew=True) not in (again, "aaaabbbbcccc")
+    assert run_id(run_dir, {RUN_ID_ENV: "ddddeeeeffff"}) == "ddddeeeeffff"  # another launcher id
+
+
 def _child_process_names() -> list[str]:
     names = []
     for pid in child_pids(os.getpid()):

@@ -66,12 +66,17 @@ def run_id(run_dir: str, environ=os.environ, renew: bool = False) -> str:
     """The run dir's W&B run id, created on first use (or ``renew``ed: a run that starts over):
     the same for every restart of the run (a resumed run continues its W&B run), new once the
     run dir is gone. A launched job's id comes from its launcher (RUN_ID_ENV) and is written to
-    the run dir."""
+    the run dir; a launched job that starts over in a run dir that already used that id gets
+    ``<id>-<random>`` (the launcher's id stays the job's, and later resumes keep the new one)."""
     fs, root = url_to_fs(f"{run_dir.rstrip('/')}/{RUN_ID_FILE}")
     given = environ.get(RUN_ID_ENV, "").strip()
-    if not given and not renew and fs.exists(root):
-        return fs.cat_file(root).decode().strip()
-    chosen = given or secrets.token_hex(6)  # W&B ids: lowercase letters and digits
+    stored = fs.cat_file(root).decode().strip() if fs.exists(root) else ""
+    ours = stored and (not given or stored == given or stored.startswith(f"{given}-"))
+    if ours and not renew:
+        return stored
+    chosen = given or secrets.token_hex(6)  # W&B ids: lowercase letters, digits and "-"
+    if given and ours:  # (W&B would continue the launcher's run with the steps drawn twice)
+        chosen = f"{given}-{secrets.token_hex(3)}"
     fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
     fs.pipe_file(root, chosen.encode())
     return chosen
