@@ -750,6 +750,48 @@ def test_console_log_on_gs_takes_lines_logged_inside_its_own_upload(gcs_bucket, 
     assert mine == ["a line of the run", "a warning on fsspec's loop", "the last line"], saved
 
 
+def test_console_log_through_a_storage_outage_says_so_once_keeps_its_lines_and_the_outcome(capfd):
+    """An upload of console.log that failed (gcsfs gave up after its retries) printed Python's
+    logging-error report for each line, each line due waited the retries again, and a failed
+    upload at the end replaced the run's own outcome with its error. Now: one warning until an
+    upload succeeds, the next try a flush interval later, every line in the next upload, and the
+    run's outcome its own."""
+    import fsspec
+
+    from xtrain.observe.console import ConsoleLog
+
+    memory, root = fsspec.filesystem("memory"), f"/console-{os.getpid()}"
+    pipe, tries = memory.pipe_file, []
+
+    def failing(*args, **kwargs):
+        tries.append(1)
+        raise OSError("upload gave up after retries")
+
+    log = logging.getLogger("xtrain.test")
+    memory.pipe_file = failing
+    try:
+        with pytest.raises(KeyError, match="the run's own error"), ConsoleLog(f"memory://{root}") as console:
+            for n in (1, 2, 3):
+                log.info(f"line {n}")
+            assert len(tries) == 1  # lines 2 and 3: not before the flush interval
+            console.file.remote_flush_s = 0.0
+            log.info("line 4")
+            memory.pipe_file = pipe  # the store answers again
+            log.info("line 5")
+            memory.pipe_file = failing  # and fails again at the end
+            raise KeyError("the run's own error")
+        err = capfd.readouterr().err
+        said = [line for line in err.splitlines() if "could not be written" in line]
+        assert "Logging error" not in err and len(said) == 2, err
+        assert all(line.startswith(f"xtrain: warning: {console.file.path} could not be written "
+                                   "(OSError: upload gave up after retries)") for line in said), said
+        kept = [line.split(": ", 1)[1] for line in memory.cat(f"{root}/console.log").decode().splitlines()]
+        assert [line for line in kept if line.startswith("line ")] == [f"line {n}" for n in range(1, 6)]
+    finally:
+        memory.pipe_file = pipe
+        memory.rm(root, recursive=True)
+
+
 def test_reports_of_two_threads_at_once_are_both_masked(capsys, monkeypatch):
     """Thread B reports (a thread's traceback) while A's report runs, and A's ends first: B's
     text was written past its mask, and sys.stderr was left on A's buffer (all later output

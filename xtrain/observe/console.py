@@ -18,7 +18,7 @@ import threading
 import traceback
 import warnings
 
-from xtrain.errors import printed_masked
+from xtrain.errors import printed_masked, warn
 from xtrain.observe.bundle import mask_secrets
 from xtrain.observe.sinks import AppendFile, Sink
 
@@ -66,6 +66,7 @@ class _FileHandler(logging.Handler):
         super().__init__()
         self.file = file
         self.setFormatter(_Masked("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.failing = False
 
     def createLock(self):
         # no handler lock: the file has its own, and a library logging from inside this
@@ -73,10 +74,22 @@ class _FileHandler(logging.Handler):
         self.lock = None
 
     def emit(self, record):
+        self.guarded(self.file.write, self.format(record) + "\n")
+
+    def guarded(self, call, *args) -> None:
+        """console.log never stops a run or changes its outcome: a failed write or upload (a full
+        disk; a storage outage, after gcsfs's retries: a remote file keeps its lines for the next
+        upload, AppendFile) is said in one line on stderr, once until one succeeds."""
         try:
-            self.file.write(self.format(record) + "\n")
-        except Exception:  # noqa: BLE001  (logging must never stop a run)
-            self.handleError(record)
+            wrote = call(*args)
+        except Exception as e:  # noqa: BLE001  (each filesystem raises its own types)
+            if not self.failing:
+                self.failing = True  # (before the warning, which reaches this handler too)
+                warn(f"{self.file.path} could not be written ({type(e).__name__}: {e}); the run "
+                     "goes on")
+            return
+        if wrote:  # (not a line held, or kept for the next upload: they tell nothing)
+            self.failing = False
 
 
 def _quiet_libraries(record) -> bool:
@@ -98,7 +111,8 @@ class ConsoleLog:
         consoles = [_Current("stdout"), _Current("stderr")]
         for console in consoles:
             console.setFormatter(_Masked())
-        files = [_FileHandler(self.file)] if self.file else []
+        self._to_file = _FileHandler(self.file) if self.file else None
+        files = [self._to_file] if self._to_file else []
         self.handlers = consoles + files
         # other libraries' records, on the root: their warnings (gcsfs falling back from a bucket
         # probe, google.auth's metadata-server probe: each request, without credentials) go to
@@ -134,7 +148,7 @@ class ConsoleLog:
         if error is not None and self.file is not None:
             stamp = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
             text = mask_secrets("".join(traceback.format_exception(kind, error, tb)))
-            self.file.write(f"{stamp} ERROR {text}")
+            self._to_file.guarded(self.file.write, f"{stamp} ERROR {text}")
         for name, (level, propagate, handlers) in self._saved.items():
             logger = logging.getLogger(name)
             logger.handlers, logger.propagate = handlers, propagate
@@ -142,7 +156,7 @@ class ConsoleLog:
         logging.captureWarnings(False)
         logging.getLogger().handlers = self._root_handlers
         if self.file is not None:
-            self.file.close()
+            self._to_file.guarded(self.file.close)
         return False
 
 

@@ -106,21 +106,22 @@ class AppendFile:
                 return f.read(1) != b"\n"
         return False
 
-    def write(self, text: str) -> None:
-        """Append ``text``. A line logged from inside this file's own write (a library warning
-        during the upload: gcsfs logs on fsspec's event-loop thread, in the middle of
+    def write(self, text: str) -> bool:
+        """Append ``text``; whether the file was written (not when the line is held, or kept for
+        a remote file's next upload). A line logged from inside this file's own write (a library
+        warning during the upload: gcsfs logs on fsspec's event-loop thread, in the middle of
         ``pipe_file``) is held for the next write or ``close``: waiting for the lock there, or
         uploading from inside the loop, would never return."""
         if self._writer == threading.get_ident() or self._on_its_loop():
             self._held.append(text)
-            return
+            return False
         with self._writing():
             due = time.monotonic() - self._flushed_at >= self.remote_flush_s
-            self._append(self._take_held() + text, upload=due)
+            return self._append(self._take_held() + text, upload=due)
 
-    def close(self) -> None:
+    def close(self) -> bool:
         with self._writing():
-            self._append(self._take_held(), upload=True)
+            return self._append(self._take_held(), upload=True)
 
     def _on_its_loop(self) -> bool:
         """On the event loop the file's filesystem runs its requests on (an async one's, such as
@@ -146,16 +147,18 @@ class AppendFile:
             taken.append(self._held.popleft())
         return "".join(taken)
 
-    def _append(self, text: str, upload: bool) -> None:
+    def _append(self, text: str, upload: bool) -> bool:
         if not self._local:
             if text:
                 self._lines.append(text)
             if upload:
-                self._fs.pipe_file(self._root, "".join(self._lines).encode())
-                self._flushed_at = time.monotonic()
-            return
+                try:
+                    self._fs.pipe_file(self._root, "".join(self._lines).encode())
+                finally:  # a failed upload too: during an outage, not every line waits its retries
+                    self._flushed_at = time.monotonic()
+            return upload
         if not text:
-            return
+            return True
         if self._check_end:
             text = "\n" + text if self._cut_short() else text
             self._check_end = False
@@ -165,6 +168,7 @@ class AppendFile:
         except BaseException:
             self._check_end = True  # part of it may be written
             raise
+        return True
 
 
 def strict_json(value):
