@@ -917,6 +917,40 @@ def test_a_sink_that_fails_is_said_and_neither_stops_training_nor_the_other_sink
         memory.rm(root, recursive=True)
 
 
+def test_metrics_through_a_storage_outage_try_once_a_flush_interval_and_say_it_once(capfd):
+    """After a failed upload of metrics.jsonl the next try is a flush interval later (each record
+    waited gcsfs's retries again); the records between, kept for it, do not count as the sink
+    working again, so the outage is said once."""
+    import fsspec
+
+    from xtrain.observe.sinks import JsonlSink, RunLog
+
+    memory, root = fsspec.filesystem("memory"), f"/outage-{os.getpid()}"
+    jsonl, pipe, tries = JsonlSink(f"memory://{root}"), memory.pipe_file, []
+
+    def failing(*args, **kwargs):
+        tries.append(1)
+        raise OSError("upload gave up after retries")
+
+    run_log = RunLog([jsonl])
+    memory.pipe_file = failing
+    try:
+        for step in (1, 2, 3):
+            run_log.record("train", step, {"loss": 1.0})
+        assert len(tries) == 1
+        jsonl.file.remote_flush_s = 0.0  # (the interval is over)
+        run_log.record("train", 4, {"loss": 1.0})
+        memory.pipe_file = pipe
+        run_log.close()
+        said = [line for line in capfd.readouterr().err.splitlines() if "upload gave up" in line]
+        assert len(tries) == 2 and len(said) == 1, said
+        assert [r["step"] for r in map(json.loads, memory.cat(f"{root}/metrics.jsonl").splitlines())] \
+            == [1, 2, 3, 4]
+    finally:
+        memory.pipe_file = pipe
+        memory.rm(root, recursive=True)
+
+
 def test_a_failing_sinks_warning_names_the_error_a_logger_raised_it_from(capfd):
     """Lightning's TensorBoardLogger re-raises a write's error as a ValueError about the value
     logged; the warning names the error it came from (a directory that is a file, a full disk)."""

@@ -26,7 +26,9 @@ KINDS = ("train", "val", "eval", "checkpoint", "sample", "preemption", "stop")
 
 
 class Sink:
-    def write(self, record: dict) -> None:
+    def write(self, record: dict) -> bool | None:
+        """False: the record is only kept for later (a remote file between uploads), which says
+        nothing of whether the sink works."""
         raise NotImplementedError
 
     def close(self, status: str = "success") -> None:
@@ -63,9 +65,10 @@ class RunLog:
     def _call(self, sink: Sink, method: str, arg) -> None:
         """One sink's failure (an upload that gave up, a full disk, a logger's service gone) is
         said once until the sink works again; the other sinks, the training and the run's
-        outcome go on (an upload is retried with the next record: AppendFile keeps the lines)."""
+        outcome go on (AppendFile keeps the lines: an upload is retried with the first record a
+        flush interval later)."""
         try:
-            getattr(sink, method)(arg)
+            kept_for_later = getattr(sink, method)(arg) is False
         except Exception as e:  # noqa: BLE001  (any library's error: named, then passed over)
             if id(sink) not in self._failing:
                 self._failing.add(id(sink))
@@ -73,7 +76,8 @@ class RunLog:
                 why = f"{type(e).__name__}: {e}" + (f"; from {type(cause).__name__}: {cause}" if cause else "")
                 warn(f"{sink}: {method} failed ({why}); the run goes on, its other records too")
             return
-        self._failing.discard(id(sink))
+        if not kept_for_later:
+            self._failing.discard(id(sink))
 
 
 class AppendFile:
@@ -194,8 +198,8 @@ class JsonlSink(Sink):
     def __str__(self) -> str:
         return self.path
 
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+    def write(self, record: dict) -> bool:
+        return self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
 
     def close(self, status: str = "success") -> None:
         self.file.close()
