@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from xtrain.checkpoint.layout import COMMIT_MARKER
+from xtrain.checkpoint.layout import is_committed
 
 from conftest import TINY, child_pids, read_jsonl, with_fault
 from logreaders import tensorboard_scalars, tensorboard_texts, wandb_runs
@@ -136,7 +136,7 @@ def test_tensorboard_shows_the_steps_a_killed_run_redid_once(tmp_path, killed_at
 
 def _wait_for_commit(checkpoint: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.time() + timeout
-    while not (checkpoint / COMMIT_MARKER).exists():
+    while not is_committed(str(checkpoint)):
         assert proc.poll() is None and time.time() < deadline, f"{checkpoint} not committed"
         time.sleep(0.05)
 
