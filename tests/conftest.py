@@ -51,10 +51,10 @@ def secret_names_restored():
         os.environ["XTRAIN_SECRET_NAMES"] = before
 
 
-# Under pytest-xdist the workers already use every core between them: each worker, and every
+# Under pytest-xdist (make test: two workers, as many as CI's cores) each worker, and every
 # process a test starts, runs torch with one OpenMP thread, so no thread spin-waits for a core
-# another worker holds (on 2 cores, 2 workers: a tenth off the heavy tests' time). A run without
-# workers (make test WORKERS=0) keeps torch's default.
+# another worker holds (on 2 cores: a tenth off the heavy tests' time). A run without workers
+# (make test WORKERS=0) keeps torch's default.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
